@@ -1,0 +1,22 @@
+"""Shared fixtures. The `key` fixture's seed shows in every failure message."""
+
+import os
+
+import pytest
+from hypothesis import settings
+
+settings.register_profile("ci", max_examples=15, deadline=None, derandomize=True)
+settings.register_profile("dev", max_examples=25, deadline=None)
+settings.load_profile("ci" if os.environ.get("CI") else os.environ.get("HYPOTHESIS_PROFILE", "dev"))
+
+
+@pytest.fixture(params=[0], ids=lambda s: f"seed={s}")
+def seed(request):
+    return request.param
+
+
+@pytest.fixture
+def key(seed):
+    from torchfn import random
+
+    return random.key(seed)
