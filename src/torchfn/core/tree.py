@@ -1,0 +1,407 @@
+"""Pytrees: nested dicts, lists, tuples and NamedTuples of tensors (on optree).
+
+A pytree is any nesting of ``dict``, ``list``, ``tuple``, ``NamedTuple`` (e.g.
+torchopt optimizer states) and ``None`` whose other values are *leaves*
+(tensors, numbers, ...). ``None`` is an empty subtree, not a leaf, as in JAX:
+it holds places in :func:`partition` results and optional state fields.
+
+Paths name a leaf by joining its keys with ``'.'``: dict keys, list/tuple
+indices and NamedTuple field names, so a nested dict built from a module has
+exactly its ``nn.Module.state_dict()`` names::
+
+    >>> import torch
+    >>> from torchfn import tree
+    >>> params = {"encoder": {"weight": torch.ones(2, 2)}, "head": [torch.zeros(2)]}
+    >>> sorted(tree.flatten_dict(params))
+    ['encoder.weight', 'head.0']
+    >>> head, body = tree.partition(params, lambda path, x: path.startswith("head"))
+    >>> tree.combine(head, body)["encoder"]["weight"].shape
+    torch.Size([2, 2])
+
+Dict leaves are visited in sorted key order (optree's convention), so two
+dicts with the same keys in a different insertion order have the same
+structure. :func:`flatten_dict` keeps insertion order.
+"""
+
+from __future__ import annotations
+
+import builtins
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import optree
+import torch
+
+__all__ = [
+    "map",
+    "leaves",
+    "structure",
+    "flatten",
+    "unflatten",
+    "stack",
+    "unstack",
+    "flatten_dict",
+    "unflatten_dict",
+    "global_norm",
+    "add",
+    "sub",
+    "scale",
+    "zeros_like",
+    "dot",
+    "partition",
+    "combine",
+    "paths",
+]
+
+PyTree = Any
+PyTreeDef = optree.PyTreeSpec
+
+_MAX_SPEC_CHARS = 400
+
+
+def _short(spec: Any) -> str:
+    text = repr(spec)
+    if len(text) > _MAX_SPEC_CHARS:
+        text = text[: _MAX_SPEC_CHARS - 5] + " ...)"
+    return text
+
+
+def _structure_error(what: str, trees: Sequence[PyTree], cause: Exception) -> ValueError:
+    """A ValueError naming the structure of the first tree and of the first that differs."""
+    first = optree.tree_structure(trees[0])
+    for i, other in enumerate(trees[1:], start=1):
+        spec = optree.tree_structure(other)
+        if spec != first:
+            return ValueError(
+                f"{what}: tree structures differ: tree 0 is {_short(first)}, "
+                f"tree {i} is {_short(spec)} ({cause})"
+            )
+    return ValueError(f"{what}: tree structures differ: {cause}")
+
+
+def _check_same_structure(what: str, trees: Sequence[PyTree]) -> PyTreeDef:
+    first = optree.tree_structure(trees[0])
+    for i, other in enumerate(trees[1:], start=1):
+        spec = optree.tree_structure(other)
+        if spec != first:
+            raise ValueError(
+                f"{what}: tree structures differ: tree 0 is {_short(first)}, "
+                f"tree {i} is {_short(spec)}"
+            )
+    return first
+
+
+# ---------------------------------------------------------------------------
+# Structure
+
+
+def map(
+    f: Callable[..., Any],
+    tree: PyTree,
+    *rest: PyTree,
+    is_leaf: Callable[[Any], bool] | None = None,
+) -> PyTree:
+    """Apply ``f`` leafwise: ``f(x, *ys)`` for each leaf ``x`` of ``tree`` and the
+    matching leaves ``ys`` of ``rest`` (same structure, or ``tree`` a prefix).
+
+    >>> map(lambda x, y: x + y, {"a": 1, "b": (2,)}, {"a": 10, "b": (20,)})
+    {'a': 11, 'b': (22,)}
+    """
+    try:
+        return optree.tree_map(f, tree, *rest, is_leaf=is_leaf)
+    except ValueError as e:
+        if rest:
+            raise _structure_error("tree.map", (tree, *rest), e) from e
+        raise
+
+
+def leaves(tree: PyTree, *, is_leaf: Callable[[Any], bool] | None = None) -> list[Any]:
+    """The leaves of ``tree`` in traversal order (dicts by sorted key)."""
+    return optree.tree_leaves(tree, is_leaf=is_leaf)
+
+
+def structure(tree: PyTree, *, is_leaf: Callable[[Any], bool] | None = None) -> PyTreeDef:
+    """The treedef of ``tree`` (an ``optree.PyTreeSpec``); compare with ``==``."""
+    return optree.tree_structure(tree, is_leaf=is_leaf)
+
+
+def flatten(
+    tree: PyTree, *, is_leaf: Callable[[Any], bool] | None = None
+) -> tuple[list[Any], PyTreeDef]:
+    """``(leaves, treedef)``; :func:`unflatten` inverts it."""
+    return optree.tree_flatten(tree, is_leaf=is_leaf)
+
+
+def unflatten(treedef: PyTreeDef, leaves: Sequence[Any]) -> PyTree:
+    """Rebuild a tree from ``treedef`` and a sequence of leaves (as many as it has)."""
+    if not isinstance(treedef, optree.PyTreeSpec):
+        raise TypeError(f"treedef must be a PyTreeSpec, got {type(treedef).__name__}")
+    leaves = list(leaves)
+    if len(leaves) != treedef.num_leaves:
+        raise ValueError(
+            f"leaves: treedef {_short(treedef)} expects {treedef.num_leaves} leaves, "
+            f"got {len(leaves)}"
+        )
+    return optree.tree_unflatten(treedef, leaves)
+
+
+# ---------------------------------------------------------------------------
+# Paths
+
+
+def _entry_str(entry: Any) -> str:
+    if isinstance(entry, optree.NamedTupleEntry):
+        return str(entry.field)
+    return str(entry.entry)
+
+
+def _path_str(accessor: Any, sep: str = ".") -> str:
+    return sep.join(_entry_str(e) for e in accessor)
+
+
+def paths(tree: PyTree, *, is_leaf: Callable[[Any], bool] | None = None) -> list[str]:
+    """The '.'-joined path of every leaf, in :func:`leaves` order.
+
+    >>> paths({"b": [1, 2], "a": 3})
+    ['a', 'b.0', 'b.1']
+    """
+    return [_path_str(a) for a in optree.tree_accessors(tree, is_leaf=is_leaf)]
+
+
+def _walk(node: Any, prefix: tuple[str, ...], is_leaf, out: list[tuple[tuple[str, ...], Any]]):
+    """Depth-first (path, leaf) pairs in insertion order for dicts."""
+    if node is None:
+        return
+    if is_leaf is not None and is_leaf(node):
+        out.append((prefix, node))
+    elif type(node) is dict:
+        for k, v in node.items():
+            _walk(v, (*prefix, str(k)), is_leaf, out)
+    elif isinstance(node, tuple) and hasattr(node, "_fields"):  # NamedTuple
+        for name, v in zip(node._fields, node):
+            _walk(v, (*prefix, name), is_leaf, out)
+    elif type(node) in (list, tuple):
+        for i, v in enumerate(node):
+            _walk(v, (*prefix, str(i)), is_leaf, out)
+    elif optree.tree_is_leaf(node):
+        out.append((prefix, node))
+    else:  # any other registered node type (OrderedDict, defaultdict, deque, custom)
+        one = optree.tree_flatten_one_level(node)
+        for entry, child in zip(one.entries, one.children):
+            _walk(child, (*prefix, str(entry)), is_leaf, out)
+
+
+def flatten_dict(
+    tree: PyTree, *, sep: str = ".", is_leaf: Callable[[Any], bool] | None = None
+) -> dict[str, Any]:
+    """A flat ``{path: leaf}`` dict, paths joined with ``sep`` (insertion order).
+
+    For a nested dict of a module's parameters the keys are its ``state_dict``
+    names; a flat dict passes through unchanged. ``None`` subtrees are dropped.
+
+    >>> flatten_dict({"layers": [{"weight": 1, "bias": 2}], "head": {"w": 3}})
+    {'layers.0.weight': 1, 'layers.0.bias': 2, 'head.w': 3}
+    """
+    if not isinstance(sep, str) or not sep:
+        raise ValueError(f"sep must be a non-empty string, got {sep!r}")
+    pairs: list[tuple[tuple[str, ...], Any]] = []
+    _walk(tree, (), is_leaf, pairs)
+    flat: dict[str, Any] = {}
+    for path, leaf in pairs:
+        name = sep.join(path)
+        if name in flat:
+            raise ValueError(
+                f"tree: two leaves have the same flattened path {name!r} "
+                f"(a key containing {sep!r} collides with a nested key)"
+            )
+        flat[name] = leaf
+    return flat
+
+
+def unflatten_dict(flat: Mapping[str, Any], *, sep: str = ".") -> dict[str, Any]:
+    """Nested dicts from a flat ``{path: leaf}`` dict: ``'a.b'`` -> ``{'a': {'b': ...}}``.
+
+    Keys stay strings (``'layers.0.weight'`` -> ``{'layers': {'0': {'weight': ...}}}``),
+    so it inverts :func:`flatten_dict` for nested dicts with string keys.
+
+    >>> unflatten_dict({"a.b": 1, "a.c": 2, "d": 3})
+    {'a': {'b': 1, 'c': 2}, 'd': 3}
+    """
+    if not isinstance(flat, Mapping):
+        raise TypeError(f"flat must be a mapping of str paths, got {type(flat).__name__}")
+    if not isinstance(sep, str) or not sep:
+        raise ValueError(f"sep must be a non-empty string, got {sep!r}")
+    out: dict[str, Any] = {}
+    for name, leaf in flat.items():
+        if not isinstance(name, str):
+            raise TypeError(f"flat: keys must be str paths, got {name!r}")
+        parts = name.split(sep)
+        node = out
+        for i, part in enumerate(parts[:-1]):
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict) or child is leaf:
+                raise ValueError(
+                    f"flat: path {name!r} goes through {sep.join(parts[: i + 1])!r}, "
+                    "which is a leaf"
+                )
+            node = child
+        if parts[-1] in node:
+            raise ValueError(f"flat: path {name!r} is both a leaf and a prefix of another path")
+        node[parts[-1]] = leaf
+    return out
+
+
+# ---------------------------------------------------------------------------
+# Ensembles
+
+
+def stack(trees: Sequence[PyTree], dim: int = 0) -> PyTree:
+    """Stack a sequence of same-structure trees into one tree with a new ``dim``.
+
+    ``stack([p_1, ..., p_n])`` turns ``n`` parameter trees into one whose leaves
+    have shape ``(n, *leaf.shape)``: the input of ``vmap`` for an ensemble.
+    Python numbers become tensors.
+    """
+    if isinstance(trees, (str, bytes)) or not isinstance(trees, Sequence):
+        raise TypeError(f"trees must be a list or tuple of trees, got {type(trees).__name__}")
+    if len(trees) == 0:
+        raise ValueError("trees must hold at least one tree, got an empty sequence")
+    spec = _check_same_structure("tree.stack", trees)
+    columns = zip(*(optree.tree_leaves(t) for t in trees))
+    names = paths(trees[0])
+    stacked = []
+    for name, column in zip(names, columns):
+        column = [torch.as_tensor(x) for x in column]
+        shapes = {tuple(x.shape) for x in column}
+        if len(shapes) != 1:
+            raise ValueError(
+                f"tree.stack: leaf {name!r} has different shapes across trees: "
+                f"{sorted(shapes)}"
+            )
+        stacked.append(torch.stack(column, dim=dim))
+    return optree.tree_unflatten(spec, stacked)
+
+
+def unstack(tree: PyTree, dim: int = 0) -> list[PyTree]:
+    """Split every leaf along ``dim``: the inverse of :func:`stack`."""
+    flat, spec = optree.tree_flatten(tree)
+    if not flat:
+        raise ValueError("tree: cannot unstack a tree without leaves (the count is unknown)")
+    names = paths(tree)
+    sizes = {}
+    for name, x in zip(names, flat):
+        if not isinstance(x, torch.Tensor) or x.dim() == 0:
+            raise ValueError(
+                f"tree.unstack: leaf {name!r} must be a tensor with at least one dimension, "
+                f"got {x!r}"[:200]
+            )
+        sizes[name] = x.shape[dim]
+    if len(set(sizes.values())) != 1:
+        raise ValueError(f"tree.unstack: leaves differ in size along dim {dim}: {sizes}")
+    columns = [torch.unbind(x, dim=dim) for x in flat]
+    return [optree.tree_unflatten(spec, list(row)) for row in zip(*columns)]
+
+
+# ---------------------------------------------------------------------------
+# Arithmetic
+
+
+def add(a: PyTree, b: PyTree) -> PyTree:
+    """Leafwise ``a + b``."""
+    return map(lambda x, y: x + y, a, b)
+
+
+def sub(a: PyTree, b: PyTree) -> PyTree:
+    """Leafwise ``a - b``."""
+    return map(lambda x, y: x - y, a, b)
+
+
+def scale(tree: PyTree, s: float | torch.Tensor) -> PyTree:
+    """Leafwise ``s * x`` for a scalar (number or 0-d tensor) ``s``."""
+    return map(lambda x: s * x, tree)
+
+
+def zeros_like(tree: PyTree) -> PyTree:
+    """A tree of zeros with the shapes and dtypes of ``tree``'s tensor leaves."""
+    return map(torch.zeros_like, tree)
+
+
+def dot(a: PyTree, b: PyTree) -> torch.Tensor:
+    """``sum_i <a_i, b_i>`` over all leaves: a 0-d tensor (0. for empty trees)."""
+    _check_same_structure("tree.dot", (a, b))
+    terms = [torch.sum(x * y) for x, y in zip(optree.tree_leaves(a), optree.tree_leaves(b))]
+    if not terms:
+        return torch.tensor(0.0)
+    return builtins.sum(terms[1:], terms[0])
+
+
+def global_norm(tree: PyTree) -> torch.Tensor:
+    """The L2 norm of all leaves together, ``sqrt(sum_i ||x_i||^2)``: a 0-d tensor.
+
+    Half-precision leaves are accumulated in float32; the result has the
+    promoted dtype of the leaves (float32 for an empty tree).
+    """
+    flat = [torch.as_tensor(x) for x in optree.tree_leaves(tree)]
+    if not flat:
+        return torch.tensor(0.0)
+    dtype = flat[0].dtype
+    for x in flat[1:]:
+        dtype = torch.promote_types(dtype, x.dtype)
+    if not dtype.is_floating_point and not dtype.is_complex:
+        dtype = torch.get_default_dtype()
+    acc = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+    norms = [torch.linalg.vector_norm(x, dtype=acc) for x in flat]
+    return torch.linalg.vector_norm(torch.stack(norms)).to(dtype)
+
+
+# ---------------------------------------------------------------------------
+# Partition / combine
+
+
+def partition(
+    tree: PyTree,
+    predicate: Callable[[str, Any], bool],
+    *,
+    is_leaf: Callable[[Any], bool] | None = None,
+) -> tuple[PyTree, PyTree]:
+    """Split ``tree`` into ``(selected, rest)`` by ``predicate(path, leaf)``.
+
+    Both halves keep ``tree``'s structure with ``None`` where the other half
+    holds the leaf; :func:`combine` puts them back together. ``path`` is the
+    '.'-joined path of the leaf (``'head.weight'``).
+
+    >>> head, backbone = partition({"body": 1, "head": 2}, lambda p, x: p.startswith("head"))
+    >>> head, backbone
+    ({'body': None, 'head': 2}, {'body': 1, 'head': None})
+    """
+    if not callable(predicate):
+        raise TypeError(f"predicate must be callable (path, leaf) -> bool, got {predicate!r}")
+    accessors, flat, spec = optree.tree_flatten_with_accessor(tree, is_leaf=is_leaf)
+    picks = [bool(predicate(_path_str(a), x)) for a, x in zip(accessors, flat)]
+    selected = [x if p else None for p, x in zip(picks, flat)]
+    rest = [None if p else x for p, x in zip(picks, flat)]
+    return optree.tree_unflatten(spec, selected), optree.tree_unflatten(spec, rest)
+
+
+def combine(*trees: PyTree) -> PyTree:
+    """Merge trees of equal structure where each leaf is non-None in at most one.
+
+    The inverse of :func:`partition`: ``combine(*partition(t, pred)) == t``.
+    """
+    if not trees:
+        raise ValueError("combine needs at least one tree, got none")
+
+    def pick(*xs):
+        found = [x for x in xs if x is not None]
+        if len(found) > 1:
+            raise ValueError(
+                f"combine: a leaf is set in {len(found)} trees; partitions must not overlap"
+            )
+        return found[0] if found else None
+
+    try:
+        return optree.tree_map(pick, *trees, none_is_leaf=True)
+    except ValueError as e:
+        if "combine:" in str(e):
+            raise
+        raise _structure_error("tree.combine", trees, e) from e
