@@ -26,11 +26,13 @@ _EXPORTS: dict[str, str] = {
     "models": "torchfn.models",
     "kernels": "torchfn.kernels",
     "data": "torchfn.data",
+    "train": "torchfn.train",
     # pure models and checkpoints
     "Model": "torchfn.core.module",
     "save": "torchfn.core.checkpoint",
     "load": "torchfn.core.checkpoint",
     "CheckpointError": "torchfn.core.checkpoint",
+    "load_metadata": "torchfn.core.checkpoint",
     "remat": "torchfn.core.remat",
     # training
     "TrainState": "torchfn.train",

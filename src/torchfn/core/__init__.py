@@ -1,1 +1,10 @@
+"""The foundation every other subpackage builds on.
 
+- ``tree``: pytrees on optree (public as ``torchfn.tree``).
+- ``random``: explicit counter-based PRNG keys (public as ``torchfn.random``).
+- ``module``: ``Model``, any ``nn.Module`` as pure ``init`` / ``apply``.
+- ``checkpoint``: ``save`` / ``load`` of whole pytrees as one safetensors file.
+
+Nothing is imported here, so importing one piece stays cheap; use the flat
+names on ``torchfn`` (``torchfn.Model``, ``torchfn.save``, ...).
+"""

@@ -239,7 +239,7 @@ def unflatten_dict(flat: Mapping[str, Any], *, sep: str = ".") -> dict[str, Any]
         node = out
         for i, part in enumerate(parts[:-1]):
             child = node.setdefault(part, {})
-            if not isinstance(child, dict) or child is leaf:
+            if not isinstance(child, dict):
                 raise ValueError(
                     f"flat: path {name!r} goes through {sep.join(parts[: i + 1])!r}, "
                     "which is a leaf"
@@ -384,24 +384,51 @@ def partition(
 
 
 def combine(*trees: PyTree) -> PyTree:
-    """Merge trees of equal structure where each leaf is non-None in at most one.
+    """Merge trees where each leaf is set (not ``None``) in at most one of them.
 
     The inverse of :func:`partition`: ``combine(*partition(t, pred)) == t``.
+    A dict key missing from a tree counts as ``None`` there, so a half with
+    its ``None`` entries dropped combines too. That is the form to
+    differentiate: ``torch.func.grad``/``vmap`` reject ``None`` in their inputs
+    (torch's own pytrees treat ``None`` as a leaf)::
+
+        head, body = partition(params, lambda path, x: path.startswith("head."))
+        head = {k: v for k, v in head.items() if v is not None}
+        grads = torch.func.grad(lambda h: loss(combine(h, body), batch))(head)
     """
     if not trees:
         raise ValueError("combine needs at least one tree, got none")
+    return _combine(list(trees), ())
 
-    def pick(*xs):
-        found = [x for x in xs if x is not None]
-        if len(found) > 1:
-            raise ValueError(
-                f"combine: a leaf is set in {len(found)} trees; partitions must not overlap"
-            )
-        return found[0] if found else None
 
-    try:
-        return optree.tree_map(pick, *trees, none_is_leaf=True)
-    except ValueError as e:
-        if "combine:" in str(e):
-            raise
-        raise _structure_error("tree.combine", trees, e) from e
+def _combine(nodes: list[Any], path: tuple[str, ...]) -> Any:
+    where = ".".join(path) or "<root>"
+    nodes = [x for x in nodes if x is not None]
+    if not nodes:
+        return None
+    if len(nodes) == 1:
+        return nodes[0]
+    if all(type(x) is dict for x in nodes):
+        # key order of the fullest dict (a partition half keeps all keys)
+        keys = dict.fromkeys(k for x in sorted(nodes, key=len, reverse=True) for k in x)
+        return {k: _combine([x.get(k) for x in nodes], (*path, str(k))) for k in keys}
+    is_leaf = [optree.tree_is_leaf(x) for x in nodes]
+    if all(is_leaf):
+        raise ValueError(
+            f"combine: leaf {where!r} is set in {len(nodes)} trees; partitions must not overlap"
+        )
+    levels = [optree.tree_flatten_one_level(x) for x in nodes if not optree.tree_is_leaf(x)]
+    first = levels[0]
+    if any(is_leaf) or any(
+        type(x) is not type(nodes[0])
+        or lv.metadata != first.metadata
+        or len(lv.children) != len(first.children)
+        for x, lv in zip(nodes, levels)
+    ):
+        kinds = ", ".join(_short(optree.tree_structure(x)) for x in nodes)
+        raise ValueError(f"tree.combine: tree structures differ at {where!r}: {kinds}")
+    children = [
+        _combine([lv.children[i] for lv in levels], (*path, str(entry)))
+        for i, entry in enumerate(first.entries)
+    ]
+    return first.unflatten_func(first.metadata, children)

@@ -1,1 +1,13 @@
+"""Fused attention that composes with ``grad``, ``vmap``, ``jvp`` and ``torch.compile``.
 
+``attention`` dispatches to Triton kernels on CUDA and to the PyTorch path on CPU
+(SDPA's fused CPU kernels where their semantics fit, else blockwise torch ops), both
+behind custom ops with vmap rules and derivatives; ``reference_attention`` is the
+materialised float64 oracle.
+Importing this package needs only torch: triton is imported lazily.
+"""
+
+from ._dispatch import AttentionBackendError, attention
+from ._reference import reference_attention
+
+__all__ = ["AttentionBackendError", "attention", "reference_attention"]

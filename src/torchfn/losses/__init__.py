@@ -1,1 +1,31 @@
+"""Losses, written for a batch or for one example (batch with vmap)."""
 
+from torchfn.losses._classification import (
+    accuracy,
+    binary_cross_entropy_with_logits,
+    cross_entropy,
+)
+from torchfn.losses._diffusion import diffusion_loss, min_snr_weight
+from torchfn.losses._ebm import ebm_loss
+from torchfn.losses._gan import gan_losses, gradient_penalty, wgan_losses
+from torchfn.losses._regression import huber, l1, mse
+from torchfn.losses._vae import gaussian_kl, vae_elbo
+
+__all__ = [
+    # EBM and diffusion (torchfn.losses._ebm, _diffusion)
+    "ebm_loss",
+    "diffusion_loss",
+    "min_snr_weight",
+    # classification, regression, VAE, GAN (_classification, _regression, _vae, _gan)
+    "cross_entropy",
+    "binary_cross_entropy_with_logits",
+    "accuracy",
+    "mse",
+    "huber",
+    "l1",
+    "vae_elbo",
+    "gaussian_kl",
+    "gradient_penalty",
+    "wgan_losses",
+    "gan_losses",
+]

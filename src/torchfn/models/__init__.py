@@ -1,1 +1,24 @@
+"""Model definitions (plain nn.Modules; make them pure with torchfn.Model)."""
 
+from torchfn.models._cnn import BasicBlock, ConvNet, ResNet
+from torchfn.models._denoiser import MLPDenoiser, timestep_embedding
+from torchfn.models._energy import MLPEnergy
+from torchfn.models._mlp import MLP
+from torchfn.models._transformer import MultiHeadAttention, TransformerBlock, TransformerEncoder
+from torchfn.models._vae import MLPVAE
+
+__all__ = [
+    # diffusion denoiser and EBM energy (_denoiser, _energy)
+    "MLPDenoiser",
+    "timestep_embedding",
+    "MLPEnergy",
+    # MLP, CNNs, Transformer, VAE (_mlp, _cnn, _transformer, _vae)
+    "MLP",
+    "ConvNet",
+    "ResNet",
+    "BasicBlock",
+    "TransformerEncoder",
+    "TransformerBlock",
+    "MultiHeadAttention",
+    "MLPVAE",
+]

@@ -1,1 +1,123 @@
+"""Pure optimizers, gradient transformations, schedules and loss scaling.
 
+A gradient transformation is torchopt's protocol (``init(params) -> state``,
+``update(grads, state, params=None) -> (updates, state)``), so torchopt's
+transforms chain with these. Updates are added to params (``apply_updates``);
+nothing is mutated; states are NamedTuples of tensors that compile, vmap and
+checkpoint.
+
+    tx = chain(clip_by_global_norm(1.0), adamw(warmup_cosine(3e-4, 100, 10_000),
+                                               mask=decay_mask))
+    state = tx.init(params)
+    updates, state = tx.update(grads, state, params)
+    params = apply_updates(params, updates)
+"""
+
+from torchfn.optim._accumulate import MultiStepsState, multi_steps
+from torchfn.optim._adagrad import AdagradState, adagrad
+from torchfn.optim._adam import AdamState, adam, adamw
+from torchfn.optim._base import EmptyState, GradientTransformation, apply_updates, chain, identity
+from torchfn.optim._clip import clip_by_global_norm, global_norm
+from torchfn.optim._elementary import (
+    ScaleByScheduleState,
+    add_decayed_weights,
+    scale,
+    scale_by_schedule,
+)
+from torchfn.optim._ema import EmaState, ema, ema_params
+from torchfn.optim._finite import ApplyIfFiniteState, all_finite, apply_if_finite
+from torchfn.optim._hyperparams import InjectHyperparamsState, inject_hyperparams
+from torchfn.optim._lion import LionState, lion
+from torchfn.optim._masking import (
+    MaskedState,
+    PartitionState,
+    decay_mask,
+    freeze,
+    masked,
+    partition,
+)
+from torchfn.optim._plateau import PlateauSchedule, PlateauState, reduce_on_plateau
+from torchfn.optim._precision import (
+    DynamicLossScale,
+    NoOpLossScale,
+    Policy,
+    select_tree,
+)
+from torchfn.optim._rmsprop import RMSpropState, rmsprop
+from torchfn.optim._schedules import (
+    constant,
+    cosine_annealing,
+    cosine_warm_restarts,
+    exponential_lr,
+    linear_warmup,
+    multistep_lr,
+    one_cycle,
+    scale_lr,
+    step_lr,
+    warmup_cosine,
+)
+from torchfn.optim._sgd import SGDState, sgd
+
+__all__ = [
+    # protocol
+    "GradientTransformation",
+    "EmptyState",
+    "chain",
+    "identity",
+    "apply_updates",
+    # optimizers
+    "adam",
+    "adamw",
+    "sgd",
+    "rmsprop",
+    "adagrad",
+    "lion",
+    # transformations
+    "clip_by_global_norm",
+    "global_norm",
+    "scale",
+    "scale_by_schedule",
+    "add_decayed_weights",
+    "masked",
+    "partition",
+    "freeze",
+    "decay_mask",
+    "multi_steps",
+    "apply_if_finite",
+    "all_finite",
+    "inject_hyperparams",
+    "ema",
+    "ema_params",
+    # schedules
+    "constant",
+    "step_lr",
+    "multistep_lr",
+    "exponential_lr",
+    "cosine_annealing",
+    "cosine_warm_restarts",
+    "linear_warmup",
+    "warmup_cosine",
+    "one_cycle",
+    "scale_lr",
+    "reduce_on_plateau",
+    # mixed precision
+    "Policy",
+    "DynamicLossScale",
+    "NoOpLossScale",
+    "select_tree",
+    # states
+    "AdamState",
+    "SGDState",
+    "RMSpropState",
+    "AdagradState",
+    "LionState",
+    "MaskedState",
+    "PartitionState",
+    "MultiStepsState",
+    "ApplyIfFiniteState",
+    "InjectHyperparamsState",
+    "EmaState",
+    "ScaleByScheduleState",
+    "PlateauState",
+    "PlateauSchedule",
+]

@@ -1,1 +1,86 @@
+"""Transforms: per-sample gradients, DP-SGD and its accountant, samplers, diffusion."""
 
+from torchfn.transforms import diffusion
+from torchfn.transforms._accountant import (
+    DEFAULT_ORDERS,
+    compute_rdp,
+    noise_multiplier_for,
+    rdp_epsilon,
+    rdp_to_epsilon,
+)
+from torchfn.transforms._adversarial import adversarial_loss, fgsm, pgd
+from torchfn.transforms._curvature import gauss_newton_vp, hessian, hvp, jacobian, ntk
+from torchfn.transforms._dp_sgd import (
+    DPSGDState,
+    DPStep,
+    clip_and_sum,
+    dp_noise,
+    dp_sgd,
+    make_dp_step,
+    pad_batch,
+    poisson_sample,
+)
+from torchfn.transforms._ensemble import (
+    ensemble_apply,
+    ensemble_init,
+    ensemble_size,
+    ensemble_step,
+)
+from torchfn.transforms._federated import fedavg, federated_round, local_train
+from torchfn.transforms._ghost import GhostClipResult, ghost_clip_grads, ghost_norms
+from torchfn.transforms._langevin import langevin
+from torchfn.transforms._per_sample import (
+    clip_coefficients,
+    per_sample_grad_norms,
+    per_sample_grads,
+)
+from torchfn.transforms._replay import ReplayBuffer, replay_init, replay_push, replay_sample
+
+__all__ = [
+    # per-sample gradients (torchfn.transforms._per_sample)
+    "per_sample_grads",
+    "per_sample_grad_norms",
+    "clip_coefficients",
+    # DP-SGD (torchfn.transforms._dp_sgd)
+    "dp_sgd",
+    "dp_noise",
+    "DPSGDState",
+    "clip_and_sum",
+    "make_dp_step",
+    "DPStep",
+    "poisson_sample",
+    "pad_batch",
+    # ghost clipping (torchfn.transforms._ghost)
+    "ghost_norms",
+    "ghost_clip_grads",
+    "GhostClipResult",
+    # RDP accountant (torchfn.transforms._accountant)
+    "rdp_epsilon",
+    "noise_multiplier_for",
+    "compute_rdp",
+    "rdp_to_epsilon",
+    "DEFAULT_ORDERS",
+    # EBM sampling (torchfn.transforms._langevin, _replay); diffusion subpackage
+    "langevin",
+    "ReplayBuffer",
+    "replay_init",
+    "replay_sample",
+    "replay_push",
+    "diffusion",
+    # adversarial, curvature, ensembles, federated (_adversarial, _curvature, ...)
+    "fgsm",
+    "pgd",
+    "adversarial_loss",
+    "jacobian",
+    "hessian",
+    "hvp",
+    "gauss_newton_vp",
+    "ntk",
+    "ensemble_init",
+    "ensemble_apply",
+    "ensemble_step",
+    "ensemble_size",
+    "fedavg",
+    "local_train",
+    "federated_round",
+]

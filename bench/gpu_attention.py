@@ -1,0 +1,903 @@
+#!/usr/bin/env python
+"""GPU check and benchmark of torchfn's Triton FlashAttention-2 kernels.
+
+Run from the repository root on a CUDA machine (needs only torch + triton)::
+
+    PYTHONPATH=src python bench/gpu_attention.py --out bench/gpu_attention.json
+
+Smoke test of the script itself on CPU (Triton interpreter, tiny sizes, no GPU)::
+
+    PYTHONPATH=src python bench/gpu_attention.py --dry-run --out /tmp/gpu_attention_dry.json
+
+Phases, each in its own process so that one crash (a CUDA fault poisons its
+process) cannot take the others down; every result is written as it comes:
+
+1. ``warm``: parallel workers compile every Triton config the benchmark may
+   pick into Triton's disk cache and run the correctness cases (raw fwd / bwd /
+   jvp vs a float64 reference: fp32 relative error <= 1e-5, fp16 / bf16 <= 2x
+   SDPA's error in the same dtype); one more worker pre-compiles FlexAttention.
+2. ``bench``: TFLOP/s with the FlashAttention convention (forward 4 B H N^2 D,
+   backward 2.5x, causal half), B N = 16k tokens, H = 2048 / D, bf16 (fp16 for
+   one size): torchfn raw ops, the public ``torchfn.kernels.attention`` (if it
+   imports), SDPA flash and SDPA cuDNN, via ``triton.testing.do_bench``.
+3. ``flex``: compiled FlexAttention at N in {4k, 16k}.
+
+``--budget-s`` (default 240) is a global deadline: past it no new measurement
+starts; the JSON (``--out``) and a markdown table (same name, ``.md``) are
+always written. Results go to bench/RESULTS.md by hand.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+
+HERE = os.path.abspath(__file__)
+FP32_TOL = 1e-5
+N_LIST = [4096, 16384, 8192, 2048, 1024]  # most important first: the budget may run out
+FLEX_N = [4096, 16384]
+TOKENS = 16384
+WIDTH = 2048  # H * D
+
+
+# ============================================================================ utilities
+def _err_str(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}"[:600]
+
+
+def _append(path: str, row: dict) -> None:
+    with open(path, "a") as f:
+        f.write(json.dumps(row, default=str) + "\n")
+
+
+def _read_rows(path: str) -> list[dict]:
+    rows = []
+    if os.path.exists(path):
+        with open(path) as f:
+            for line in f:
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError:
+                    pass  # a line cut off by a kill
+    return rows
+
+
+def _dtype(name: str):
+    import torch
+
+    return {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[name]
+
+
+def _device(dry: bool) -> str:
+    return "cpu" if dry else "cuda"
+
+
+def _sync(dry: bool) -> None:
+    if not dry:
+        import torch
+
+        torch.cuda.synchronize()
+
+
+def _flops(B: int, H: int, N: int, D: int, causal: bool, mode: str) -> float:
+    f = 4.0 * B * H * N * N * D * (0.5 if causal else 1.0)
+    return f * (3.5 if mode == "fwd_bwd" else 1.0)
+
+
+# ============================================================================ env info
+def env_info(dry: bool) -> dict:
+    info: dict = {"python": sys.version.split()[0], "platform": platform.platform()}
+    try:
+        import torch
+
+        info["torch"] = torch.__version__
+        info["cuda_runtime"] = torch.version.cuda
+        info["cudnn"] = torch.backends.cudnn.version() if torch.cuda.is_available() else None
+        if torch.cuda.is_available() and not dry:
+            p = torch.cuda.get_device_properties(0)
+            info.update(gpu=p.name, capability=f"{p.major}.{p.minor}",
+                        sm_count=p.multi_processor_count,
+                        gpu_mem_gib=round(p.total_memory / 2**30, 1))
+        else:
+            info["gpu"] = "none (dry run: CPU, Triton interpreter)" if dry else "none"
+    except Exception as e:  # noqa: BLE001
+        info["torch_error"] = _err_str(e)
+    try:
+        import triton
+
+        info["triton"] = triton.__version__
+    except Exception as e:  # noqa: BLE001
+        info["triton_error"] = _err_str(e)
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version,name,clocks.max.sm,power.limit",
+             "--format=csv,noheader"], capture_output=True, text=True, timeout=15)
+        info["nvidia_smi"] = out.stdout.strip() or out.stderr.strip()
+    except Exception as e:  # noqa: BLE001
+        info["nvidia_smi"] = _err_str(e)
+    info["cpus"] = os.cpu_count()
+    info["TRITON_INTERPRET"] = os.environ.get("TRITON_INTERPRET")
+    return info
+
+
+# ============================================================================ correctness
+# name, B, H, Hkv, Nq, Nk, D, dtype, causal, mask
+CASES_GPU = [
+    ("bf16-d64-causal", 2, 4, 4, 512, 512, 64, "bf16", True, None),
+    ("bf16-d128", 2, 4, 4, 384, 384, 128, "bf16", False, None),
+    ("fp32-d64", 2, 4, 4, 256, 256, 64, "fp32", False, None),
+    ("fp32-d72-causal-gqa-bool", 1, 4, 2, 200, 333, 72, "fp32", True, "bool"),
+    ("fp16-d128-causal-gqa-Nq<Nk", 1, 8, 2, 128, 300, 128, "fp16", True, None),
+    ("bf16-d128-causal-bool-Nq>Nk", 1, 4, 4, 300, 200, 128, "bf16", True, "bool"),
+    ("bf16-d72-additive", 1, 4, 4, 257, 257, 72, "bf16", False, "additive"),
+    ("fp16-d64-mqa-keypad", 2, 4, 1, 200, 260, 64, "fp16", False, "keypad"),
+    ("fp32-d128-causal", 1, 2, 2, 300, 300, 128, "fp32", True, None),
+    ("fp16-d64-causal", 2, 4, 4, 256, 256, 64, "fp16", True, None),
+]
+CASES_DRY = [
+    ("bf16-d64-causal", 1, 2, 2, 64, 64, 64, "bf16", True, None),
+    ("fp32-d72-causal-gqa-bool", 1, 4, 2, 40, 67, 72, "fp32", True, "bool"),
+    ("fp16-d24-mqa-keypad", 1, 2, 1, 33, 50, 24, "fp16", False, "keypad"),
+    ("fp32-d40-additive-Nq>Nk", 1, 2, 2, 70, 40, 40, "fp32", True, "additive"),
+]
+
+
+def _causal_mask(Nq: int, Nk: int, device: str):
+    import torch
+
+    i = torch.arange(Nq, device=device)[:, None]
+    j = torch.arange(Nk, device=device)[None, :]
+    return j <= i + (Nk - Nq)  # bottom-right aligned, as FlashAttention-2
+
+
+def _reference(q, k, v, mask, causal, scale):
+    """Materialised float64 attention -> (o, lse); fully masked rows: o = 0, lse = -inf."""
+    import torch
+
+    q, k, v = q.double(), k.double(), v.double()
+    B, H, Nq, D = q.shape
+    Hkv, Nk = k.shape[1], k.shape[2]
+    k = k.repeat_interleave(H // Hkv, 1)
+    v = v.repeat_interleave(H // Hkv, 1)
+    s = scale * q @ k.transpose(-1, -2)
+    allowed = torch.ones(B, H, Nq, Nk, dtype=torch.bool, device=q.device)
+    if mask is not None:
+        if mask.dtype == torch.bool:
+            allowed = allowed & mask
+        else:
+            s = s + mask.double()
+            allowed = allowed & (mask > float("-inf"))
+    if causal:
+        allowed = allowed & _causal_mask(Nq, Nk, q.device)
+    row_ok = allowed.any(-1, keepdim=True)
+    s = torch.where(row_ok, torch.where(allowed, s, float("-inf")), 0.0)
+    o = (torch.softmax(s, -1) * row_ok) @ v
+    lse = torch.where(row_ok[..., 0], torch.logsumexp(s, -1), float("-inf"))
+    return o, lse
+
+
+def _dense_mask(mask, causal, Nq, Nk, dtype, device):
+    import torch
+
+    attn = mask
+    if causal:
+        c = _causal_mask(Nq, Nk, device)
+        if attn is None:
+            attn = c
+        elif attn.dtype == torch.bool:
+            attn = attn & c
+        else:
+            attn = attn.masked_fill(~c, float("-inf"))
+    if attn is not None and attn.dtype != torch.bool:
+        attn = attn.to(dtype)
+    return attn
+
+
+def _sdpa_low(q, k, v, mask, causal, scale):
+    """SDPA in the inputs' dtype (default backend choice), fully masked rows -> 0."""
+    import torch
+    import torch.nn.functional as F
+
+    H, Hkv = q.shape[1], k.shape[1]
+    k = k.repeat_interleave(H // Hkv, 1)
+    v = v.repeat_interleave(H // Hkv, 1)
+    attn = _dense_mask(mask, causal, q.shape[2], k.shape[2], q.dtype, q.device)
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=attn, scale=scale)
+    return torch.nan_to_num(o, nan=0.0)
+
+
+def _naive_low(q, k, v, mask, causal, scale):
+    """Materialised attention in the inputs' dtype (a baseline for the JVP error)."""
+    import torch
+
+    H, Hkv = q.shape[1], k.shape[1]
+    k = k.repeat_interleave(H // Hkv, 1)
+    v = v.repeat_interleave(H // Hkv, 1)
+    s = (q @ k.transpose(-1, -2)) * scale
+    attn = _dense_mask(mask, causal, q.shape[2], k.shape[2], q.dtype, q.device)
+    if attn is not None:
+        s = s.masked_fill(~attn, float("-inf")) if attn.dtype == torch.bool else s + attn
+    return torch.nan_to_num(torch.softmax(s, -1), nan=0.0) @ v
+
+
+def _rel(x, ref) -> float:
+    """max |x - ref| / max(max |ref|, 1) (inputs ~N(0, 1))."""
+    return ((x.double() - ref).abs().max() / ref.abs().max().clamp_min(1.0)).item()
+
+
+def _make_mask(kind, B, H, Nq, Nk, dtype, gen, device):
+    import torch
+
+    if kind is None:
+        return None
+    if kind == "bool":
+        m = torch.rand(B, 1, Nq, Nk, generator=gen, device=device) < 0.7
+        m[0, 0, Nq // 2] = False  # a fully masked row
+        return m.expand(B, H, Nq, Nk)
+    if kind == "additive":
+        m = torch.randn(1, 1, Nq, Nk, generator=gen, device=device)
+        drop = torch.rand(1, 1, Nq, Nk, generator=gen, device=device) < 0.1
+        return m.masked_fill(drop, float("-inf")).to(dtype).expand(B, H, Nq, Nk)
+    if kind == "keypad":
+        lengths = torch.randint(1, Nk + 1, (B,), generator=gen, device=device)
+        m = torch.arange(Nk, device=device)[None, :] < lengths[:, None]
+        return m[:, None, None, :].expand(B, H, Nq, Nk)
+    raise ValueError(f"mask kind {kind!r}")
+
+
+def correctness_case(case, dry: bool) -> dict:
+    import torch
+
+    from torchfn.kernels import _triton_ops as T
+
+    name, B, H, Hkv, Nq, Nk, D, dname, causal, mkind = case
+    dev, dtype = _device(dry), _dtype(dname)
+    gen = torch.Generator(device=dev).manual_seed(0)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=gen, device=dev).to(dtype)
+
+    q, k, v = rnd(B, H, Nq, D), rnd(B, Hkv, Nk, D), rnd(B, Hkv, Nk, D)
+    do, tq, tk, tv = rnd(B, H, Nq, D), rnd(B, H, Nq, D), rnd(B, Hkv, Nk, D), rnd(B, Hkv, Nk, D)
+    mask = _make_mask(mkind, B, H, Nq, Nk, dtype, gen, dev)
+    scale = D**-0.5
+    row = {"kind": "correctness", "case": name, "dtype": dname, "shape": [B, H, Hkv, Nq, Nk, D],
+           "causal": causal, "mask": mkind}
+    t0 = time.time()
+    o, lse = T.fwd(q, k, v, mask, causal, scale)
+    dq, dk, dv = T.bwd(q, k, v, o, lse, do, mask, causal, scale)
+    o2, lse2, to = T.jvp(q, k, v, tq, tk, tv, mask, causal, scale)
+    _sync(dry)
+    row["kernel_s"] = round(time.time() - t0, 2)
+
+    leaves = [x.double().requires_grad_() for x in (q, k, v)]
+    ro, rlse = _reference(*leaves, mask, causal, scale)
+    rdq, rdk, rdv = torch.autograd.grad(ro, leaves, do.double())
+    _, rto = torch.func.jvp(lambda a, b, c: _reference(a, b, c, mask, causal, scale)[0],
+                            (q.double(), k.double(), v.double()),
+                            (tq.double(), tk.double(), tv.double()))
+    fin = rlse.isfinite()
+    lse_err = max(((x.double() - rlse).abs() / (1 + rlse.abs()))[fin].max().item()
+                  if fin.any() else 0.0 for x in (lse, lse2))
+    ours = {"o": _rel(o, ro), "dq": _rel(dq, rdq), "dk": _rel(dk, rdk), "dv": _rel(dv, rdv),
+            "to": _rel(to, rto), "o_jvp": _rel(o2, ro)}
+    nan = any(bool(t.isnan().any()) for t in (o, dq, dk, dv, to, lse))
+    empty_ok = bool(torch.equal(lse.isfinite(), fin)) and all(
+        bool((t[~fin] == 0).all()) for t in (o, dq, to))
+    row.update(errors=ours, lse_err=lse_err, nan=nan, empty_rows_ok=empty_ok)
+    if dname == "fp32":
+        row["bound"] = {n: FP32_TOL for n in ours}
+    else:
+        lp = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+        so = _sdpa_low(*lp, mask, causal, scale)
+        sdq, sdk, sdv = torch.autograd.grad(so, lp, do)
+        _, nto = torch.func.jvp(lambda a, b, c: _naive_low(a, b, c, mask, causal, scale),
+                                (q, k, v), (tq, tk, tv))
+        base = {"o": _rel(so, ro), "dq": _rel(sdq, rdq), "dk": _rel(sdk, rdk),
+                "dv": _rel(sdv, rdv)}
+        # SDPA has no forward AD: bound `to` by the naive same-dtype JVP (or SDPA's o error)
+        base["to"] = max(_rel(torch.nan_to_num(nto), rto), base["o"])
+        base["o_jvp"] = base["o"]
+        row["sdpa_errors"] = base
+        row["bound"] = {n: 2 * base[n] + 1e-6 for n in ours}
+    row["fails"] = [n for n in ours if not ours[n] <= row["bound"][n]]
+    if lse_err > FP32_TOL:
+        row["fails"].append("lse")
+    if nan:
+        row["fails"].append("nan")
+    if not empty_ok:
+        row["fails"].append("empty_rows")
+    row["pass"] = not row["fails"]
+    return row
+
+
+# ============================================================================ warm phase
+def _bench_combos(dry: bool) -> list[tuple[str, int, bool]]:
+    ds = (64, 16) if dry else (128, 64)
+    combos = [(d, dd, c) for dd in ds for c in (False, True) for d in ("bf16",)]
+    combos += [("fp16", ds[0], False), ("fp16", ds[0], True)]
+    return combos
+
+
+def warm_tasks(dry: bool) -> list[dict]:
+    """Kernel configs the bench may pick (first configs first) + correctness cases."""
+    from torchfn.kernels import _triton_ops as T
+
+    first, rest = [], []
+    for dname, D, causal in _bench_combos(dry):
+        bd = max(16, 1 << (D - 1).bit_length())
+        fc = T._candidates("fwd", _dtype(dname), bd)
+        kc = T._candidates("dkdv", _dtype(dname), bd)
+        qc = T._candidates("dq", _dtype(dname), bd)
+        common = {"dtype": dname, "D": D, "causal": causal}
+        fwd = [dict(common, type="fwd", cfg=c) for c in fc]
+        bwd = [dict(common, type="bwd", cfg=(kc[min(i, len(kc) - 1)], qc[min(i, len(qc) - 1)]),
+                    fwd_cfg=fc[0]) for i in range(max(len(kc), len(qc)))]
+        first += [fwd[0], bwd[0]]
+        rest += fwd[1:] + bwd[1:]
+    cases = [{"type": "case", "case": c} for c in (CASES_DRY if dry else CASES_GPU)]
+    # the default configs of every combo, then the correctness cases, then the other configs
+    return first + cases + rest
+
+
+def warm_kernel(task: dict, dry: bool) -> None:
+    import torch
+
+    from torchfn.kernels import _triton_ops as T
+
+    D, causal, dtype = task["D"], task["causal"], _dtype(task["dtype"])
+    H = 2 if dry else WIDTH // D  # same specialisation (divisibility by 16) as the bench
+    N = 32 if dry else 256
+    dev = _device(dry)
+    q, k, v, do = (torch.randn(1, H, N, D, device=dev, dtype=dtype) for _ in range(4))
+    cfg = tuple(task["cfg"]) if task["type"] == "fwd" else tuple(task["fwd_cfg"])
+    o, lse = T.fwd(q, k, v, None, causal, D**-0.5, config=cfg)
+    if task["type"] == "bwd":
+        pair = tuple(tuple(c) for c in task["cfg"])
+        T.bwd(q, k, v, o, lse, do, None, causal, D**-0.5, config=pair)
+    _sync(dry)
+
+
+def phase_warm(args) -> None:
+    os.environ["TORCHFN_TRITON_AUTOTUNE"] = "0"  # nothing is timed here: default configs
+    tasks = warm_tasks(args.dry_run)[args.worker_id::args.nworkers]
+    for task in tasks:
+        if time.time() > args.deadline:
+            _append(args.part, {"kind": "warm", "task": task, "skipped": "deadline"})
+            continue
+        t0 = time.time()
+        try:
+            if task["type"] == "case":
+                row = correctness_case(task["case"], args.dry_run)
+            else:
+                warm_kernel(task, args.dry_run)
+                row = {"kind": "warm", "task": task, "ok": True}
+        except Exception as e:  # noqa: BLE001
+            row = {"kind": "correctness" if task["type"] == "case" else "warm", "task": task,
+                   "error": _err_str(e), "pass": False,
+                   "trace": traceback.format_exc()[-1500:]}
+            if task["type"] == "case":
+                row["case"] = task["case"][0]
+        row["secs"] = round(time.time() - t0, 2)
+        _append(args.part, row)
+
+
+# ============================================================================ timing
+def _timer(dry: bool):
+    if not dry:
+        from triton.testing import do_bench
+
+        return lambda fn, grad_to_none=None: do_bench(fn, warmup=25, rep=60,
+                                                      grad_to_none=grad_to_none)
+
+    def cpu_time(fn, grad_to_none=None):
+        fn()
+        t0 = time.perf_counter()
+        for _ in range(2):
+            fn()
+        return (time.perf_counter() - t0) / 2 * 1e3
+
+    return cpu_time
+
+
+def _measure(args, rows_path, meta: dict, make_fn, timer) -> dict:
+    """One measurement row: compile/warm the callable, then time it; never raises."""
+    row = dict(meta, kind="bench")
+    if time.time() > args.deadline:
+        row["skipped"] = "budget"
+        _append(rows_path, row)
+        return row
+    t0 = time.time()
+    try:
+        fn, grads, ctx = make_fn()
+        with ctx():
+            fn()
+            _sync(args.dry_run)
+            row["first_call_s"] = round(time.time() - t0, 2)
+            ms = timer(fn, grad_to_none=grads)
+        row["ms"] = ms
+        row["tflops"] = _flops(meta["B"], meta["H"], meta["N"], meta["D"], meta["causal"],
+                               meta["mode"]) / (ms * 1e-3) / 1e12
+    except Exception as e:  # noqa: BLE001
+        row["error"] = _err_str(e)
+    row["secs"] = round(time.time() - t0, 2)
+    _append(rows_path, row)
+    msg = (f"{row['tflops']:8.1f} TFLOP/s  {row['ms']:.3f} ms" if "tflops" in row
+           else f"ERROR {row.get('error', '')[:150]}")
+    print(f"  {meta['provider']:>12} {meta['mode']:>7} {meta['dtype']} D={meta['D']} "
+          f"N={meta['N']} causal={meta['causal']}: {msg}", flush=True)
+    return row
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _providers(dry: bool):
+    """name -> builder(q, k, v, do, causal, mode) -> (fn, grad_to_none, context factory)."""
+    import torch.nn.functional as F
+
+    from torchfn.kernels import _triton_ops as T
+
+    def raw(q, k, v, do, causal, mode):
+        scale = q.shape[-1] ** -0.5
+        if mode == "fwd":
+            return (lambda: T.fwd(q, k, v, None, causal, scale)), None, _null
+
+        def fb():
+            o, lse = T.fwd(q, k, v, None, causal, scale)
+            return T.bwd(q, k, v, o, lse, do, None, causal, scale)
+
+        return fb, None, _null
+
+    def autograd_fn(call):
+        def build(q, k, v, do, causal, mode, ctx=_null):
+            if mode == "fwd":  # inputs without requires_grad: inference path
+                return (lambda: call(q, k, v, causal)), None, ctx
+            qg, kg, vg = (x.detach().clone().requires_grad_() for x in (q, k, v))
+
+            def fb():
+                call(qg, kg, vg, causal).backward(do)
+
+            return fb, [qg, kg, vg], ctx
+
+        return build
+
+    def sdpa_with(backend_name):
+        def build(q, k, v, do, causal, mode):
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+
+            backend = getattr(SDPBackend, backend_name)
+            inner = autograd_fn(lambda a, b, c, cz: F.scaled_dot_product_attention(
+                a, b, c, is_causal=cz))
+            return inner(q, k, v, do, causal, mode, ctx=lambda: sdpa_kernel([backend]))
+
+        return build
+
+    def api(q, k, v, do, causal, mode):
+        from torchfn.kernels import attention
+
+        return autograd_fn(lambda a, b, c, cz: attention(a, b, c, causal=cz,
+                                                         backend="triton"))(
+            q, k, v, do, causal, mode)
+
+    return {"torchfn": raw, "torchfn_api": api, "sdpa_flash": sdpa_with("FLASH_ATTENTION"),
+            "sdpa_cudnn": sdpa_with("CUDNN_ATTENTION")}
+
+
+def phase_bench(args) -> None:
+    import torch
+
+    from torchfn.kernels import _triton_ops as T
+
+    dry, dev = args.dry_run, _device(args.dry_run)
+    timer = _timer(dry)
+    provs = _providers(dry)
+    n_list = [64, 128] if dry else N_LIST
+    api_n = set(n_list[:2])
+    gen = torch.Generator(device=dev).manual_seed(0)
+    plan = [(N, dname, D, causal) for N in n_list for dname, D, causal in _bench_combos(dry)
+            if dname == "bf16"]
+    plan += [(n_list[0], dname, D, causal) for dname, D, causal in _bench_combos(dry)
+             if dname == "fp16"]
+    checked = set()
+    for N, dname, D, causal in plan:
+        dtype = _dtype(dname)
+        B, H = (1, 2) if dry else (max(1, TOKENS // N), WIDTH // D)
+        try:
+            q, k, v, do = (torch.randn(B, H, N, D, generator=gen, device=dev).to(dtype)
+                           for _ in range(4))
+        except Exception as e:  # noqa: BLE001
+            print(f"  cannot allocate N={N} D={D}: {_err_str(e)}", flush=True)
+            continue
+        if (dname, D, causal) not in checked and time.time() < args.deadline:
+            checked.add((dname, D, causal))
+            _append(args.part, _diff_vs_sdpa(q, k, v, do, causal, dname, D, N, dry))
+        for mode in ("fwd", "fwd_bwd"):
+            for name, build in provs.items():
+                if name == "torchfn_api" and N not in api_n:
+                    continue
+                meta = {"provider": name, "mode": mode, "dtype": dname, "D": D, "N": N, "B": B,
+                        "H": H, "causal": causal}
+                _measure(args, args.part, meta,
+                         lambda build=build, mode=mode, x=(q, k, v, do, causal):
+                         build(*x, mode), timer)
+        del q, k, v, do
+    _append(args.part, {"kind": "tuned", "configs": {repr(k_): v_ for k_, v_ in
+                                                     T.tuned_configs().items()}})
+
+
+def _diff_vs_sdpa(q, k, v, do, causal, dname, D, N, dry) -> dict:
+    """Sanity check at bench size with the tuned configs: torchfn vs SDPA (default backend)."""
+    import torch.nn.functional as F
+
+    from torchfn.kernels import _triton_ops as T
+
+    row = {"kind": "diff_vs_sdpa", "dtype": dname, "D": D, "N": N, "causal": causal}
+    try:
+        scale = D**-0.5
+        o, lse = T.fwd(q, k, v, None, causal, scale)
+        dq, dk, dv = T.bwd(q, k, v, o, lse, do, None, causal, scale)
+        qg, kg, vg = (x.detach().clone().requires_grad_() for x in (q, k, v))
+        so = F.scaled_dot_product_attention(qg, kg, vg, is_causal=causal)
+        so.backward(do)
+        for name, a, b in (("o", o, so), ("dq", dq, qg.grad), ("dk", dk, kg.grad),
+                           ("dv", dv, vg.grad)):
+            row[name] = ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
+        row["ok"] = all(row[n] < 3e-2 for n in ("o", "dq", "dk", "dv"))
+    except Exception as e:  # noqa: BLE001
+        row["error"] = _err_str(e)
+        row["ok"] = False
+    print(f"  diff vs SDPA {dname} D={D} N={N} causal={causal}: "
+          + (row.get("error") or " ".join(f"{n}={row[n]:.1e}" for n in ("o", "dq", "dk", "dv"))),
+          flush=True)
+    return row
+
+
+# ============================================================================ flex
+def phase_flex(args, time_it: bool) -> None:
+    import torch
+
+    dry, dev = args.dry_run, _device(args.dry_run)
+    try:
+        import torch._dynamo
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+        torch._dynamo.config.cache_size_limit = max(64, torch._dynamo.config.cache_size_limit)
+        # eager flex on CPU keeps the dry run short; the GPU numbers come from the compiled one
+        flex = flex_attention if dry else torch.compile(flex_attention, dynamic=False)
+    except Exception as e:  # noqa: BLE001
+        _append(args.part, {"kind": "bench", "provider": "flex", "error": _err_str(e)})
+        return
+    timer = _timer(dry) if time_it else None
+    gen = torch.Generator(device=dev).manual_seed(0)
+    combos = [(N, D, causal) for N in ([64] if dry else FLEX_N)
+              for dname, D, causal in _bench_combos(dry) if dname == "bf16"]
+    if not time_it:  # warm-up workers split the shapes between them
+        combos = combos[args.worker_id::args.nworkers]
+    for N, D, causal in combos:
+        B, H = (1, 2) if dry else (max(1, TOKENS // N), WIDTH // D)
+        q, k, v, do = (torch.randn(B, H, N, D, generator=gen, device=dev, dtype=torch.bfloat16)
+                       for _ in range(4))
+
+        def build(mode, q=q, k=k, v=v, do=do, N=N, causal=causal):
+            bm = None
+            if causal:
+                bm = create_block_mask(lambda b, h, i, j: i >= j, None, None, N, N, device=dev)
+            if mode == "fwd":
+                return (lambda: flex(q, k, v, block_mask=bm)), None, _null
+            qg, kg, vg = (x.detach().clone().requires_grad_() for x in (q, k, v))
+
+            def fb():
+                flex(qg, kg, vg, block_mask=bm).backward(do)
+
+            return fb, [qg, kg, vg], _null
+
+        for mode in ("fwd", "fwd_bwd"):
+            meta = {"provider": "flex", "mode": mode, "dtype": "bf16", "D": D, "N": N,
+                    "B": B, "H": H, "causal": causal}
+            if time_it:
+                _measure(args, args.part, meta, lambda mode=mode: build(mode), timer)
+                continue
+            if time.time() > args.deadline:
+                return
+            t0 = time.time()
+            try:
+                fn, _, _ = build(mode)
+                fn()
+                _sync(dry)
+                _append(args.part, dict(meta, kind="flex_warm", secs=round(time.time() - t0, 1)))
+            except Exception as e:  # noqa: BLE001
+                _append(args.part, dict(meta, kind="flex_warm", error=_err_str(e)))
+
+
+# ============================================================================ orchestration
+def _spawn(args, phase: str, part: str, deadline: float, log: str | None,
+           worker_id: int = 0, nworkers: int = 1) -> subprocess.Popen:
+    cmd = [sys.executable, HERE, "--phase", phase, "--part", part, "--deadline", repr(deadline),
+           "--worker-id", str(worker_id), "--nworkers", str(nworkers)]
+    if args.dry_run:
+        cmd.append("--dry-run")
+    out = open(log, "w") if log else None  # noqa: SIM115
+    return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT if out else None,
+                            start_new_session=True)
+
+
+def _wait(procs: list[subprocess.Popen], hard_deadline: float) -> list[int | None]:
+    while any(p.poll() is None for p in procs) and time.time() < hard_deadline:
+        time.sleep(0.5)
+    codes = []
+    for p in procs:
+        if p.poll() is None:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except OSError:
+                p.kill()
+            p.wait()
+            codes.append(None)  # killed
+        else:
+            codes.append(p.returncode)
+    return codes
+
+
+def summarize(bench: list[dict], dry: bool) -> dict:
+    """torchfn / best SDPA backend (and / flex) at N >= 4k, forward, fwd+bwd and derived bwd."""
+    def key(r):
+        return (r["dtype"], r["D"], r["causal"], r["N"])
+
+    ms: dict = {}
+    for r in bench:
+        if "ms" in r:
+            ms[(r["provider"], r["mode"], *key(r))] = r["ms"]
+    out: list[dict] = []
+    n_min = 0 if dry else 4096
+    for k in sorted({key(r) for r in bench if "N" in r}):
+        if k[3] < n_min:
+            continue
+        entry = {"dtype": k[0], "D": k[1], "causal": k[2], "N": k[3]}
+        for mode in ("fwd", "fwd_bwd", "bwd"):
+            def t(p, mode=mode, k=k):
+                if mode != "bwd":
+                    return ms.get((p, mode, *k))
+                f, fb = ms.get((p, "fwd", *k)), ms.get((p, "fwd_bwd", *k))
+                return None if f is None or fb is None or fb <= f else fb - f
+
+            ours = t("torchfn")
+            sd = [x for x in (t("sdpa_flash"), t("sdpa_cudnn")) if x is not None]
+            if ours and sd:
+                entry[f"{mode}_vs_best_sdpa"] = min(sd) / ours  # speed ratio, > 1: faster
+            if ours and t("flex"):
+                entry[f"{mode}_vs_flex"] = t("flex") / ours
+        out.append(entry)
+    agg = {}
+    for mode in ("fwd", "fwd_bwd", "bwd"):
+        vals = [e[f"{mode}_vs_best_sdpa"] for e in out if f"{mode}_vs_best_sdpa" in e]
+        vals = [x for x in vals if x > 0]
+        if vals:
+            agg[mode] = {"min": round(min(vals), 3), "geomean": round(math.exp(
+                sum(math.log(x) for x in vals) / len(vals)), 3), "n": len(vals),
+                "meets_0.9": min(vals) >= 0.9}
+    return {"per_shape": out, "overall_torchfn_over_best_sdpa": agg}
+
+
+def markdown(result: dict) -> str:
+    lines = [f"GPU: {result['env'].get('gpu')} | torch {result['env'].get('torch')} | "
+             f"triton {result['env'].get('triton')} | CUDA {result['env'].get('cuda_runtime')} | "
+             f"driver/nvidia-smi: {result['env'].get('nvidia_smi')}", ""]
+    lines += ["### Correctness (raw Triton ops vs float64; fp16/bf16 bound = 2x SDPA error)", "",
+              "| case | o | dq | dk | dv | to | lse | pass |", "|---|---|---|---|---|---|---|---|"]
+    for r in result["correctness"]:
+        e = r.get("errors")
+        if not e:
+            lines.append(f"| {r.get('case')} | error: {r.get('error', '')[:80]} ||||||  no |")
+            continue
+        b = r.get("sdpa_errors", {})
+
+        def cell(n, e=e, b=b):
+            return f"{e[n]:.1e}" + (f" ({b[n]:.1e})" if n in b else "")
+
+        lines.append(f"| {r['case']} | {cell('o')} | {cell('dq')} | {cell('dk')} | {cell('dv')} "
+                     f"| {cell('to')} | {r['lse_err']:.1e} | "
+                     f"{'yes' if r['pass'] else 'NO: ' + ','.join(r['fails'])} |")
+    lines += ["", "### TFLOP/s (FlashAttention convention; fwd+bwd = 3.5x fwd flops)", "",
+              "| dtype | D | causal | N | mode | torchfn | torchfn api | SDPA flash | SDPA cuDNN "
+              "| flex | torchfn / best SDPA |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    rows = [r for r in result["bench"] if "N" in r]
+    idx = {(r["provider"], r["mode"], r["dtype"], r["D"], r["causal"], r["N"]): r for r in rows}
+    keys = sorted({(r["dtype"], r["D"], r["causal"], r["N"], r["mode"]) for r in rows})
+    for dt, D, c, N, mode in keys:
+        def val(p, dt=dt, D=D, c=c, N=N, mode=mode):
+            r = idx.get((p, mode, dt, D, c, N))
+            if r is None:
+                return None, "-"
+            if "tflops" in r:
+                x = r["tflops"]
+                return x, (f"{x:.0f}" if x >= 10 else f"{x:.2g}")
+            return None, "skip" if "skipped" in r else "err"
+
+        vals = {p: val(p) for p in ("torchfn", "torchfn_api", "sdpa_flash", "sdpa_cudnn", "flex")}
+        best = max([v[0] for p, v in vals.items() if p.startswith("sdpa") and v[0]], default=None)
+        ratio = f"{vals['torchfn'][0] / best:.2f}" if best and vals["torchfn"][0] else "-"
+        lines.append(f"| {dt} | {D} | {'yes' if c else 'no'} | {N} | {mode} | "
+                     + " | ".join(v[1] for v in vals.values()) + f" | {ratio} |")
+    agg = result["summary"].get("overall_torchfn_over_best_sdpa", {})
+    if agg:
+        lines += ["", "torchfn / best SDPA backend at N >= 4k (speed ratio, bwd = fwd_bwd - fwd): "
+                  + "; ".join(f"{m}: min {a['min']}, geomean {a['geomean']} (n={a['n']})"
+                              for m, a in agg.items())]
+    return "\n".join(lines)
+
+
+def orchestrate(args) -> int:
+    t0 = time.time()
+    end = t0 + args.budget_s
+    # children share one Triton disk cache (the warm phase fills it) and compile
+    # FlexAttention single-threaded (several processes compile at once; same inductor config
+    # in the warm-up and the timed process keeps its cache keys equal)
+    os.environ.setdefault("TRITON_CACHE_DIR",
+                          os.path.join(tempfile.gettempdir(), "torchfn_triton_cache"))
+    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+    info = env_info(args.dry_run)
+    print("== environment\n" + json.dumps(info, indent=1), flush=True)
+    tmp = tempfile.mkdtemp(prefix="torchfn_gpu_attn_")
+    phases: dict = {}
+
+    # 1. warm: compile in parallel + correctness; one worker pre-compiles FlexAttention
+    nw = args.workers or max(1, min(12, (os.cpu_count() or 2) - 4))
+    if args.dry_run:
+        nw = min(nw, 2)
+    warm_deadline = t0 + 0.4 * args.budget_s
+    nflex = 1 if args.dry_run else 4
+    print(f"== warm: {nw} Triton workers + {nflex} flex workers "
+          f"(deadline +{warm_deadline - t0:.0f}s)", flush=True)
+    procs, parts = [], []
+    for i in range(nw):
+        parts.append(os.path.join(tmp, f"warm{i}.jsonl"))
+        procs.append(_spawn(args, "warm", parts[-1], warm_deadline,
+                            os.path.join(tmp, f"warm{i}.log"), i, nw))
+    flexparts = [os.path.join(tmp, f"flexwarm{j}.jsonl") for j in range(nflex)]
+    for j in range(nflex):
+        procs.append(_spawn(args, "flexwarm", flexparts[j], warm_deadline,
+                            os.path.join(tmp, f"flexwarm{j}.log"), j, nflex))
+    codes = _wait(procs, warm_deadline + 20)
+    flexwarm_rows = [r for p in flexparts for r in _read_rows(p)]
+    phases["warm"] = {"secs": round(time.time() - t0, 1), "exit_codes": codes}
+    warm_rows = [r for p in parts for r in _read_rows(p)]
+    correctness = [r for r in warm_rows if r.get("kind") == "correctness"]
+    warm = [r for r in warm_rows if r.get("kind") == "warm"]
+    bad_warm = [r for r in warm if not r.get("ok")]
+    print(f"   compiled {sum(1 for r in warm if r.get('ok'))}/{len(warm)} configs; "
+          f"flex pre-compiled: {sum(1 for r in flexwarm_rows if 'error' not in r)}/"
+          f"{len(flexwarm_rows)}", flush=True)
+    for r in bad_warm[:8]:
+        print(f"   warm failure {r.get('task')}: {r.get('error') or r.get('skipped')}", flush=True)
+    print("== correctness", flush=True)
+    for r in correctness:
+        if "errors" in r:
+            print(f"   {r['case']:32s} {'PASS' if r['pass'] else 'FAIL ' + str(r['fails'])}  "
+                  + " ".join(f"{n}={v:.1e}" for n, v in r["errors"].items())
+                  + (f"  sdpa: {' '.join(f'{n}={v:.1e}' for n, v in r['sdpa_errors'].items())}"
+                     if "sdpa_errors" in r else ""), flush=True)
+        else:
+            print(f"   {r.get('case')}: ERROR {r.get('error')}", flush=True)
+    for i in range(nw):  # a crashed worker: show the end of its log
+        if codes[i] not in (0, None):
+            with open(os.path.join(tmp, f"warm{i}.log")) as f:
+                print(f"   worker {i} exit {codes[i]}:\n" + f.read()[-1500:], flush=True)
+
+    # 2. bench (torchfn, SDPA backends, public API), 3. flex
+    bench_part = os.path.join(tmp, "bench.jsonl")
+    now = time.time()
+    bench_deadline = now + 0.75 * max(0.0, end - now)
+    print(f"== bench (deadline +{bench_deadline - t0:.0f}s)", flush=True)
+    t1 = time.time()
+    codes = _wait([_spawn(args, "bench", bench_part, bench_deadline, None)], bench_deadline + 60)
+    phases["bench"] = {"secs": round(time.time() - t1, 1), "exit_code": codes[0]}
+    flex_part = os.path.join(tmp, "flex.jsonl")
+    print(f"== flex (deadline +{end - t0:.0f}s)", flush=True)
+    t1 = time.time()
+    codes = _wait([_spawn(args, "flex", flex_part, end, None)], end + 60)
+    phases["flex"] = {"secs": round(time.time() - t1, 1), "exit_code": codes[0]}
+
+    bench_rows = _read_rows(bench_part)
+    flex_rows = _read_rows(flex_part)
+    bench = [r for r in bench_rows + flex_rows if r.get("kind") == "bench"]
+    phase_errors = [r for r in warm_rows + bench_rows + flex_rows if r.get("kind") == "phase_error"]
+    for r in phase_errors:
+        print(f"   phase {r['phase']} crashed: {r['error']}\n{r.get('trace', '')}", flush=True)
+    result = {
+        "env": info,
+        "args": {"budget_s": args.budget_s, "dry_run": args.dry_run, "workers": nw},
+        "correctness": correctness,
+        "correctness_all_pass": bool(correctness) and all(r.get("pass") for r in correctness),
+        "warm": {"compiled": sum(1 for r in warm if r.get("ok")), "tasks": len(warm),
+                 "failures": bad_warm, "flex": flexwarm_rows},
+        "diff_vs_sdpa": [r for r in bench_rows if r.get("kind") == "diff_vs_sdpa"],
+        "bench": bench,
+        "tuned_configs": [r for r in bench_rows if r.get("kind") == "tuned"],
+        "summary": {},
+        "phases": phases,
+        "phase_errors": phase_errors,
+        "elapsed_s": round(time.time() - t0, 1),
+        "tmp_dir": tmp,
+    }
+    try:
+        result["summary"] = summarize(bench, args.dry_run)
+    except Exception as e:  # noqa: BLE001 - never lose the measurements to a summary bug
+        result["summary"] = {"error": _err_str(e), "trace": traceback.format_exc()[-1500:]}
+    try:
+        md = markdown(result)
+    except Exception as e:  # noqa: BLE001
+        md = f"(markdown failed: {_err_str(e)})"
+    result["markdown"] = md
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1, default=str)
+    md_path = os.path.splitext(args.out)[0] + ".md"
+    with open(md_path, "w") as f:
+        f.write(md + "\n")
+    logs = os.path.splitext(args.out)[0] + "_logs"  # worker logs / raw rows, for post-mortems
+    try:
+        import shutil
+
+        shutil.copytree(tmp, logs, dirs_exist_ok=True)
+    except Exception as e:  # noqa: BLE001
+        print(f"could not copy the logs: {_err_str(e)}", flush=True)
+    print("\n" + md, flush=True)
+    print(f"\n== phases: {json.dumps(phases)}", flush=True)
+    print(f"== wrote {args.out} and {md_path} in {result['elapsed_s']} s", flush=True)
+    return 0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(HERE), "gpu_attention.json"))
+    ap.add_argument("--budget-s", type=float, default=240.0,
+                    help="global deadline: no new measurement starts after it")
+    ap.add_argument("--dry-run", action="store_true",
+                    help="CPU smoke test of this script: Triton interpreter, tiny sizes")
+    ap.add_argument("--workers", type=int, default=0, help="parallel compile workers (0: auto)")
+    ap.add_argument("--phase", help=argparse.SUPPRESS)
+    ap.add_argument("--part", help=argparse.SUPPRESS)
+    ap.add_argument("--deadline", type=float, help=argparse.SUPPRESS)
+    ap.add_argument("--worker-id", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--nworkers", type=int, default=1, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.dry_run:
+        os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported anywhere
+    elif os.environ.get("TRITON_INTERPRET") == "1":
+        print("warning: TRITON_INTERPRET=1 is set: the kernels will run in the interpreter",
+              flush=True)
+    if args.phase is None:
+        return orchestrate(args)
+    try:
+        if args.phase == "warm":
+            phase_warm(args)
+        elif args.phase == "bench":
+            phase_bench(args)
+        elif args.phase == "flex":
+            phase_flex(args, time_it=True)
+        elif args.phase == "flexwarm":
+            phase_flex(args, time_it=False)
+    except Exception as e:  # noqa: BLE001
+        _append(args.part, {"kind": "phase_error", "phase": args.phase, "error": _err_str(e),
+                            "trace": traceback.format_exc()[-2000:]})
+        raise
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

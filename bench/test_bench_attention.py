@@ -1,0 +1,172 @@
+"""CPU attention: torchfn's PyTorch path vs ``F.scaled_dot_product_attention``.
+
+Run (about a minute):
+    .venv/bin/pytest bench/test_bench_attention.py --benchmark-only -q -p no:randomly \\
+        --benchmark-columns=min,median,mean
+
+Groups, each torchfn next to its peer:
+- ``forward`` / ``forward+backward``: B=4, H=8, D=64, fp32, N in {256, 1024}, causal on/off.
+  ``torchfn`` is the default CPU path (SDPA's fused CPU kernels behind torchfn's custom
+  ops); at N=256 ``torchfn-blockwise`` is its own blockwise path (CUDA without Triton,
+  causal with Nq != Nk, fp32 bias on fp16 inputs, and every jvp run it).
+- ``per-sample grads``: ``vmap(grad)`` of a 2-layer pre-LN Transformer (d=64, 4 heads,
+  N=64, causal, batch 32) with its attention from torchfn vs from SDPA. SDPA's CPU
+  kernels have no batching rule, so functorch runs them in a per-sample loop (it warns
+  "There is a performance drop because we have not yet implemented the batching rule
+  for aten::_scaled_dot_product_flash_attention_for_cpu[_backward]"); a plain Python
+  loop of ``grad`` over the batch is the third entry.
+"""
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.func import grad, vmap
+
+from torchfn.kernels import _torch_ops, attention
+
+B, H, D = 4, 8, 64
+
+
+def torchfn_attention(q, k, v, causal):
+    return attention(q, k, v, causal=causal, backend="torch")
+
+
+def sdpa_attention(q, k, v, causal):
+    return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+
+def blockwise_attention(q, k, v, causal):
+    old, _torch_ops._USE_SDPA = _torch_ops._USE_SDPA, False
+    try:
+        return attention(q, k, v, causal=causal, backend="torch")
+    finally:
+        _torch_ops._USE_SDPA = old
+
+
+IMPLS = {"torchfn": torchfn_attention, "sdpa": sdpa_attention}
+SHAPES = [(256, False), (256, True), (1024, False), (1024, True)]
+CASES = [(impl, n, causal) for n, causal in SHAPES for impl in IMPLS] + [
+    ("torchfn-blockwise", 256, causal) for causal in (False, True)
+]
+IMPLS["torchfn-blockwise"] = blockwise_attention
+
+
+def _qkv(n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(B, H, n, D, generator=g) for _ in range(3))
+
+
+@pytest.mark.parametrize("impl, n, causal", CASES)
+def test_forward(benchmark, impl, n, causal):
+    benchmark.group = f"forward N={n} causal={causal}"
+    q, k, v = _qkv(n)
+    with torch.no_grad():
+        out = benchmark.pedantic(
+            IMPLS[impl], args=(q, k, v, causal), rounds=8 if n <= 256 else 3, warmup_rounds=1
+        )
+        assert torch.allclose(out, sdpa_attention(q, k, v, causal), atol=1e-5)
+
+
+@pytest.mark.parametrize("impl, n, causal", CASES)
+def test_forward_backward(benchmark, impl, n, causal):
+    benchmark.group = f"forward+backward N={n} causal={causal}"
+    q, k, v = (x.requires_grad_() for x in _qkv(n))
+    do = _qkv(n, seed=1)[0]
+
+    def step():
+        return torch.autograd.grad(IMPLS[impl](q, k, v, causal), (q, k, v), do)
+
+    grads = benchmark.pedantic(
+        step, rounds=5 if n <= 256 else 2, warmup_rounds=1 if n <= 256 else 0
+    )
+    ref = torch.autograd.grad(sdpa_attention(q, k, v, causal), (q, k, v), do)
+    assert all(torch.allclose(a, b, atol=1e-4) for a, b in zip(grads, ref))
+
+
+# ---------------------------------------------------------------- per-sample gradients
+
+D_MODEL, HEADS, N_TOK, BATCH, LAYERS = 64, 4, 64, 32, 2
+
+
+def init_transformer(seed=0):
+    """Parameters of a pre-LN Transformer: LAYERS x (attention + MLP), then a readout."""
+    g = torch.Generator().manual_seed(seed)
+    d = D_MODEL
+
+    def w(*shape):
+        return torch.randn(*shape, generator=g) / shape[0] ** 0.5
+
+    layers = [
+        dict(
+            ln1=torch.ones(d),
+            wqkv=w(d, 3 * d),
+            wo=w(d, d),
+            ln2=torch.ones(d),
+            w1=w(d, 4 * d),
+            w2=w(4 * d, d),
+        )
+        for _ in range(LAYERS)
+    ]
+    return dict(layers=layers, readout=w(d, 1))
+
+
+def transformer(params, x, attn):
+    """x: (N, d) one sequence -> (N,) predictions; causal self-attention via ``attn``."""
+    n, d = x.shape
+    for p in params["layers"]:
+        h = F.layer_norm(x, (d,), p["ln1"])
+        q, k, v = (h @ p["wqkv"]).view(n, 3, HEADS, d // HEADS).permute(1, 2, 0, 3).unsqueeze(1)
+        o = attn(q, k, v, True)  # (1, HEADS, N, d / HEADS)
+        x = x + o.squeeze(0).transpose(0, 1).reshape(n, d) @ p["wo"]
+        h = F.layer_norm(x, (d,), p["ln2"])
+        x = x + F.gelu(h @ p["w1"]) @ p["w2"]
+    return (x @ params["readout"]).squeeze(-1)
+
+
+def make_loss(attn):
+    def loss(params, x, y):
+        return (transformer(params, x, attn) - y).square().mean()
+
+    return loss
+
+
+def _batch(seed=2):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(BATCH, N_TOK, D_MODEL, generator=g), torch.randn(BATCH, N_TOK, generator=g)
+
+
+def per_sample_vmap(attn):
+    fn = vmap(grad(make_loss(attn)), in_dims=(None, 0, 0))
+    return lambda params, x, y: fn(params, x, y)
+
+
+def per_sample_loop(attn):
+    g = grad(make_loss(attn))
+
+    def fn(params, x, y):
+        grads = [g(params, x[i], y[i]) for i in range(x.shape[0])]
+        return torch.utils._pytree.tree_map(lambda *xs: torch.stack(xs), *grads)
+
+    return fn
+
+
+PER_SAMPLE = {
+    "torchfn vmap(grad)": lambda: per_sample_vmap(torchfn_attention),
+    "sdpa vmap(grad)": lambda: per_sample_vmap(sdpa_attention),
+    "sdpa loop of grad": lambda: per_sample_loop(sdpa_attention),
+}
+
+
+@pytest.mark.parametrize("impl", list(PER_SAMPLE))
+def test_per_sample_grads_transformer(benchmark, impl):
+    benchmark.group = "per-sample grads: 2-layer Transformer, batch 32"
+    params, (x, y) = init_transformer(), _batch()
+    fn = PER_SAMPLE[impl]()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="There is a performance drop")
+        grads = benchmark.pedantic(fn, args=(params, x, y), rounds=2, warmup_rounds=1)
+        ref = per_sample_loop(sdpa_attention)(params, x[:2], y[:2])
+    for a, b in zip(torch.utils._pytree.tree_leaves(grads), torch.utils._pytree.tree_leaves(ref)):
+        assert a.shape[0] == BATCH and torch.allclose(a[:2], b, atol=1e-4)

@@ -1,0 +1,319 @@
+"""How the raw attention kernels compose with autograd, ``torch.func`` and ``torch.compile``.
+
+1. Raw launches are ``torch.library`` custom ops ``torchfn::attention_{fwd,bwd,jvp}``
+   (one implementation per backend, chosen by a ``backend`` string), each with a
+   fake (meta) implementation for ``torch.compile`` and a vmap rule that folds the
+   vmapped dim into the batch dim. No autograd is registered on them: a custom op's
+   ``register_autograd`` breaks ``torch.func.grad``, and ``jvp`` through a custom op
+   silently returns zero.
+2. ``_Attention`` (``autograd.Function``, setup_context style) differentiates:
+   forward -> fwd op, backward -> ``_AttentionBackward``, jvp -> the fused jvp op.
+   Its vmap rule is generated: every staticmethod only calls ops that have one.
+3. ``_AttentionBackward``: forward -> bwd op; its own backward / jvp (second order:
+   grad-of-grad, ``hessian``) differentiate the materialised vjp formula of
+   ``_reference`` with ``torch.func``.
+4. ``_AttentionCompiled``: a twin of ``_Attention`` without ``jvp`` (dynamo does not
+   trace an ``autograd.Function`` that defines one) and without second order, used under
+   ``torch.compile``. Inside a ``torch.func`` transform that is itself being compiled
+   (``compile(grad(f))``) dynamo cannot trace the Function at all: that call runs eagerly
+   (a graph break), with full transform support.
+"""
+
+import importlib
+
+import torch
+from torch import Tensor
+
+from . import _reference
+
+_LIB = "torchfn"
+
+
+def _backend(name: str):
+    return importlib.import_module(f"torchfn.kernels._{name}_ops")
+
+
+def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _last_contiguous(x: Tensor | None) -> Tensor | None:
+    return x if x is None or x.stride(-1) == 1 else x.contiguous()
+
+
+def _expand(mask: Tensor | None, q: Tensor, k: Tensor) -> Tensor | None:
+    """The 4-D compact mask as a zero-copy (B, H, Nq, Nk) view, as the backends expect."""
+    if mask is None:
+        return None
+    return mask.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+
+
+# ---------------------------------------------------------------- custom ops
+
+
+@torch.library.custom_op(f"{_LIB}::attention_fwd", mutates_args=())
+def attention_fwd(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: Tensor | None,
+    causal: bool,
+    scale: float,
+    backend: str,
+) -> tuple[Tensor, Tensor]:
+    """(o, lse): o (B, H, Nq, D), lse (B, H, Nq) fp32 (fp64 for fp64 inputs)."""
+    q, k, v = (_last_contiguous(x) for x in (q, k, v))
+    return _backend(backend).fwd(q, k, v, _expand(mask, q, k), causal, scale)
+
+
+@attention_fwd.register_fake
+def _(q, k, v, mask, causal, scale, backend):
+    B, H, Nq, D = q.shape
+    return q.new_empty(B, H, Nq, D), q.new_empty(B, H, Nq, dtype=_lse_dtype(q.dtype))
+
+
+@torch.library.custom_op(f"{_LIB}::attention_bwd", mutates_args=())
+def attention_bwd(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    o: Tensor,
+    lse: Tensor,
+    do: Tensor,
+    mask: Tensor | None,
+    causal: bool,
+    scale: float,
+    backend: str,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(dq, dk, dv) for the cotangent ``do``; dk / dv summed over GQA query heads."""
+    q, k, v, o, do = (_last_contiguous(x) for x in (q, k, v, o, do))
+    return _backend(backend).bwd(q, k, v, o, lse, do, _expand(mask, q, k), causal, scale)
+
+
+@attention_bwd.register_fake
+def _(q, k, v, o, lse, do, mask, causal, scale, backend):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+@torch.library.custom_op(f"{_LIB}::attention_jvp", mutates_args=())
+def attention_jvp(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    tq: Tensor | None,
+    tk: Tensor | None,
+    tv: Tensor | None,
+    mask: Tensor | None,
+    causal: bool,
+    scale: float,
+    backend: str,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(o, lse, to): forward-mode tangent ``to`` (B, H, Nq, D); a None tangent is zero."""
+    q, k, v, tq, tk, tv = (_last_contiguous(x) for x in (q, k, v, tq, tk, tv))
+    return _backend(backend).jvp(q, k, v, tq, tk, tv, _expand(mask, q, k), causal, scale)
+
+
+@attention_jvp.register_fake
+def _(q, k, v, tq, tk, tv, mask, causal, scale, backend):
+    B, H, Nq, D = q.shape
+    lse = q.new_empty(B, H, Nq, dtype=_lse_dtype(q.dtype))
+    return q.new_empty(B, H, Nq, D), lse, q.new_empty(B, H, Nq, D)
+
+
+# ---------------------------------------------------------------- vmap rules
+
+
+def _fold(x: Tensor | None, bdim: int | None, size: int) -> Tensor | None:
+    """(..V at bdim..) -> (V * B, ...): the vmapped dim becomes part of the batch dim."""
+    if x is None:
+        return None
+    x = x.movedim(bdim, 0) if bdim is not None else x.expand(size, *x.shape)
+    return x.reshape(size * x.shape[1], *x.shape[2:])
+
+
+def _fold_mask(mask: Tensor | None, bdim: int | None, size: int, batch: int):
+    """Fold a compact (b, h, nq, nk) mask, b in {1, B}; an unbatched b == 1 stays shared."""
+    if mask is None:
+        return None
+    if bdim is None:
+        if mask.shape[0] == 1:
+            return mask
+        mask = mask.expand(size, *mask.shape)
+    else:
+        mask = mask.movedim(bdim, 0)
+    mask = mask.expand(size, batch, *mask.shape[2:])
+    return mask.reshape(size * batch, *mask.shape[2:])
+
+
+def _unfold(x: Tensor, size: int) -> Tensor:
+    return x.reshape(size, x.shape[0] // size, *x.shape[1:])
+
+
+@torch.library.register_vmap(f"{_LIB}::attention_fwd")
+def _(info, in_dims, q, k, v, mask, causal, scale, backend):
+    n = info.batch_size
+    qd, kd, vd, md = in_dims[:4]
+    q, k, v = _fold(q, qd, n), _fold(k, kd, n), _fold(v, vd, n)
+    mask = _fold_mask(mask, md, n, q.shape[0] // n)
+    o, lse = attention_fwd(q, k, v, mask, causal, scale, backend)
+    return (_unfold(o, n), _unfold(lse, n)), (0, 0)
+
+
+@torch.library.register_vmap(f"{_LIB}::attention_bwd")
+def _(info, in_dims, q, k, v, o, lse, do, mask, causal, scale, backend):
+    n = info.batch_size
+    q, k, v, o, lse, do = (_fold(x, d, n) for x, d in zip((q, k, v, o, lse, do), in_dims))
+    mask = _fold_mask(mask, in_dims[6], n, q.shape[0] // n)
+    grads = attention_bwd(q, k, v, o, lse, do, mask, causal, scale, backend)
+    return tuple(_unfold(g, n) for g in grads), (0, 0, 0)
+
+
+@torch.library.register_vmap(f"{_LIB}::attention_jvp")
+def _(info, in_dims, q, k, v, tq, tk, tv, mask, causal, scale, backend):
+    n = info.batch_size
+    q, k, v, tq, tk, tv = (_fold(x, d, n) for x, d in zip((q, k, v, tq, tk, tv), in_dims))
+    mask = _fold_mask(mask, in_dims[6], n, q.shape[0] // n)
+    outs = attention_jvp(q, k, v, tq, tk, tv, mask, causal, scale, backend)
+    return tuple(_unfold(x, n) for x in outs), (0, 0, 0)
+
+
+# ---------------------------------------------------------------- autograd
+
+
+def _save(ctx, inputs, output) -> None:
+    q, k, v, mask, causal, scale, backend = inputs
+    o, lse = output
+    ctx.mark_non_differentiable(lse)
+    ctx.save_for_backward(q, k, v, o, lse, mask)
+    ctx.causal, ctx.scale, ctx.backend = causal, scale, backend
+
+
+class _Attention(torch.autograd.Function):
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(q, k, v, mask, causal, scale, backend):
+        return attention_fwd(q, k, v, mask, causal, scale, backend)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        _save(ctx, inputs, output)
+        ctx.save_for_forward(*inputs[:4])
+
+    @staticmethod
+    def backward(ctx, do, _dlse):
+        q, k, v, o, lse, mask = ctx.saved_tensors
+        dq, dk, dv = _AttentionBackward.apply(
+            q, k, v, o, lse, do, mask, ctx.causal, ctx.scale, ctx.backend
+        )
+        return dq, dk, dv, None, None, None, None
+
+    @staticmethod
+    def jvp(ctx, tq, tk, tv, *_):
+        q, k, v, mask = ctx.saved_tensors
+        to = attention_jvp(q, k, v, tq, tk, tv, mask, ctx.causal, ctx.scale, ctx.backend)[2]
+        return to, None
+
+
+class _AttentionCompiled(torch.autograd.Function):
+    """``_Attention`` without ``jvp`` and without second order, for ``torch.compile``."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(q, k, v, mask, causal, scale, backend):
+        return attention_fwd(q, k, v, mask, causal, scale, backend)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        _save(ctx, inputs, output)
+
+    @staticmethod
+    def backward(ctx, do, _dlse):
+        q, k, v, o, lse, mask = ctx.saved_tensors
+        dq, dk, dv = attention_bwd(q, k, v, o, lse, do, mask, ctx.causal, ctx.scale, ctx.backend)
+        return dq, dk, dv, None, None, None, None
+
+
+def _vjp_formula(ctx):
+    """The materialised (q, k, v, do) -> (dq, dk, dv) and its saved primals."""
+    q, k, v, do, mask = ctx.saved_tensors
+    causal, scale = ctx.causal, ctx.scale
+
+    def vjp(q, k, v, do):
+        return _reference.attention_vjp(q, k, v, do, mask, causal, scale)
+
+    return vjp, (q, k, v, do)
+
+
+class _AttentionBackward(torch.autograd.Function):
+    """(q, k, v, o, lse, do) -> (dq, dk, dv) with the fused backward; differentiable.
+
+    o and lse are functions of (q, k, v) cached by the forward: the derivatives
+    below are total derivatives through (q, k, v, do), so o and lse get none.
+    """
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(q, k, v, o, lse, do, mask, causal, scale, backend):
+        return attention_bwd(q, k, v, o, lse, do, mask, causal, scale, backend)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        q, k, v, _o, _lse, do, mask, causal, scale, _backend = inputs
+        ctx.save_for_backward(q, k, v, do, mask)
+        ctx.save_for_forward(q, k, v, do, mask)
+        ctx.causal, ctx.scale = causal, scale
+
+    @staticmethod
+    def backward(ctx, gq, gk, gv):
+        fn, primals = _vjp_formula(ctx)
+        _, pullback = torch.func.vjp(fn, *primals)
+        rq, rk, rv, rdo = pullback((gq, gk, gv))
+        return rq, rk, rv, None, None, rdo, None, None, None, None
+
+    @staticmethod
+    def jvp(ctx, tq, tk, tv, _to, _tlse, tdo, *_):
+        fn, primals = _vjp_formula(ctx)
+        tangents = tuple(
+            torch.zeros_like(p) if t is None else t for p, t in zip(primals, (tq, tk, tv, tdo))
+        )
+        return torch.func.jvp(fn, primals, tangents)[1]
+
+
+def attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: Tensor | None,
+    causal: bool,
+    scale: float,
+    backend: str,
+) -> Tensor:
+    """Differentiable attention on validated inputs (mask: compact 4-D)."""
+    fn = _Attention
+    if torch.compiler.is_compiling():
+        if torch._C._functorch.maybe_current_level() is not None:
+            # dynamo cannot trace an autograd.Function inside a torch.func transform
+            # (grad, vmap, ...) with custom ops in it: run this call eagerly
+            return _eager()(q, k, v, mask, causal, scale, backend)
+        fn = _AttentionCompiled
+    o, _ = fn.apply(q, k, v, mask, causal, scale, backend)
+    return o
+
+
+def _eager_attention(q, k, v, mask, causal, scale, backend):
+    return _Attention.apply(q, k, v, mask, causal, scale, backend)[0]
+
+
+_EAGER: list = []
+
+
+def _eager():
+    """``_eager_attention`` hidden from dynamo. Made on first use: ``torch.compiler.disable``
+    imports dynamo and with it ``triton.language``, which must not load before
+    ``TRITON_INTERPRET`` is decided."""
+    if not _EAGER:
+        _EAGER.append(torch.compiler.disable(_eager_attention))
+    return _EAGER[0]

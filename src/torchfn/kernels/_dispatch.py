@@ -1,0 +1,249 @@
+"""The public ``attention``: validation, mask normalisation and the choice of backend."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+import sys
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from . import _autograd
+
+BACKENDS = ("torch", "triton")
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_triton_found: list[bool] = []  # cache of "is the triton package installed"
+
+
+class AttentionBackendError(RuntimeError):
+    """The requested attention backend cannot run here (no triton, or no interpreter on CPU)."""
+
+
+class _Args(NamedTuple):
+    mask: Tensor | None  # bool or additive, 4-D, broadcastable to (B, H, Nq, Nk), not expanded
+    causal: bool
+    scale: float
+    backend: str
+
+
+def _triton_available() -> bool:
+    if not _triton_found:
+        _triton_found.append(importlib.util.find_spec("triton") is not None)
+    return _triton_found[0]
+
+
+def _check_qkv(q: Tensor, k: Tensor, v: Tensor) -> None:
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+        if x.dim() != 4:
+            want = "(B, H, Nq, D)" if name == "q" else "(B, Hkv, Nk, D)"
+            raise ValueError(f"{name} must be 4-D {want}, got shape {tuple(x.shape)}")
+        if x.dtype not in _FLOATS:
+            raise TypeError(
+                f"{name} must be float16, bfloat16, float32 or float64, got {x.dtype}"
+            )
+    for name, x in (("k", k), ("v", v)):
+        if x.dtype != q.dtype:
+            raise TypeError(f"{name}.dtype must equal q.dtype ({q.dtype}), got {x.dtype}")
+        if x.device != q.device:
+            raise ValueError(f"{name} must be on q's device ({q.device}), got {x.device}")
+    B, H, Nq, D = q.shape
+    if k.shape != v.shape:
+        raise ValueError(
+            f"v must have k's shape (B, Hkv, Nk, D) = {tuple(k.shape)}, got {tuple(v.shape)}"
+        )
+    if k.shape[0] != B:
+        raise ValueError(f"k must have batch size B = {B} (from q), got {k.shape[0]}")
+    if k.shape[3] != D:
+        raise ValueError(f"k must have head dim D = {D} (from q), got {k.shape[3]}")
+    if not 1 <= D <= 256:
+        raise ValueError(f"head dim D must be in 1..256, got {D}")
+    Hkv = k.shape[1]
+    if Hkv == 0 or H % Hkv:
+        raise ValueError(
+            f"q's heads H = {H} must be a multiple of k's heads Hkv (GQA/MQA), got Hkv = {Hkv}"
+        )
+    if 0 in q.shape or 0 in k.shape:
+        raise ValueError(
+            f"q and k must have no empty dim, got q {tuple(q.shape)} and k {tuple(k.shape)}"
+        )
+
+
+def _normalize_mask(
+    mask: Tensor | None, key_padding_mask: Tensor | None, q: Tensor, k: Tensor
+) -> Tensor | None:
+    B, H, Nq, _ = q.shape
+    Nk = k.shape[2]
+    full = (B, H, Nq, Nk)
+    if mask is not None:
+        if not isinstance(mask, Tensor):
+            raise TypeError(f"mask must be a torch.Tensor or None, got {type(mask).__name__}")
+        if mask.dtype != torch.bool and mask.dtype not in (q.dtype, torch.float32):
+            raise TypeError(
+                f"mask must be bool (True = attend) or an additive float mask of q's dtype "
+                f"({q.dtype}) or float32, got {mask.dtype}"
+            )
+        if mask.dtype != torch.bool and mask.requires_grad:
+            raise ValueError(
+                "mask must not require grad: masks are constants and no gradient flows "
+                "into them; detach it, or use reference_attention to differentiate a bias"
+            )
+        if mask.device != q.device:
+            raise ValueError(f"mask must be on q's device ({q.device}), got {mask.device}")
+        shape = tuple(mask.shape)
+        if len(shape) > 4 or any(m not in (1, f) for m, f in zip(shape[::-1], full[::-1])):
+            raise ValueError(
+                f"mask must broadcast to (B, H, Nq, Nk) = {full}, got shape {shape}"
+            )
+        mask = mask[(None,) * (4 - len(shape))]  # 4-D view
+    if key_padding_mask is not None:
+        kp = key_padding_mask
+        if not isinstance(kp, Tensor) or kp.dtype != torch.bool:
+            got = kp.dtype if isinstance(kp, Tensor) else type(kp).__name__
+            raise TypeError(f"key_padding_mask must be a bool tensor (True = attend), got {got}")
+        if tuple(kp.shape) != (B, Nk):
+            raise ValueError(
+                f"key_padding_mask must have shape (B, Nk) = {(B, Nk)}, got {tuple(kp.shape)}"
+            )
+        if kp.device != q.device:
+            raise ValueError(
+                f"key_padding_mask must be on q's device ({q.device}), got {kp.device}"
+            )
+        kp = kp[:, None, None, :]  # (B, 1, 1, Nk)
+        if mask is None:
+            mask = kp
+        elif mask.dtype == torch.bool:
+            mask = mask & kp
+        else:
+            mask = mask.masked_fill(~kp, float("-inf"))
+    return mask
+
+
+def _ensure_interpreter() -> None:
+    """Triton on CPU runs under ``TRITON_INTERPRET=1``, which must be set before
+    ``triton.language`` is imported (its ``@triton.jit`` helpers are made then)."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return
+    if "triton.language" in sys.modules:
+        raise AttentionBackendError(
+            "backend='triton' on CPU runs the Triton interpreter, which must be switched on "
+            "before triton.language is imported (torch.compile and torch._dynamo import it), "
+            f"but TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET')!r} and triton.language "
+            "is already loaded. Set TRITON_INTERPRET=1 before starting Python, or use "
+            "backend='torch'"
+        )
+    os.environ["TRITON_INTERPRET"] = "1"
+
+
+def _resolve_backend(backend: str | None, q: Tensor) -> str:
+    if backend is None:
+        on_gpu = q.device.type == "cuda" and q.dtype != torch.float64
+        return "triton" if on_gpu and _triton_available() else "torch"
+    if backend == "torch":
+        return backend
+    if backend != "triton":
+        raise ValueError(f"backend must be one of None, 'torch', 'triton', got {backend!r}")
+    if q.dtype == torch.float64:
+        raise TypeError(
+            "backend='triton' supports float16, bfloat16 and float32, got float64; "
+            "use backend='torch' for float64"
+        )
+    if not _triton_available():
+        raise AttentionBackendError(
+            "backend='triton' needs the triton package (pip install 'torchfn[gpu]'); "
+            "use backend='torch' or backend=None"
+        )
+    if q.device.type == "cpu":
+        _ensure_interpreter()
+    elif q.device.type != "cuda":
+        raise AttentionBackendError(
+            f"backend='triton' runs on cuda (or on cpu under the interpreter), got {q.device}"
+        )
+    return backend
+
+
+def _prepare(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: Tensor | None,
+    key_padding_mask: Tensor | None,
+    causal: bool,
+    scale: float | None,
+    backend: str | None,
+) -> _Args:
+    """Validate the arguments and normalise the mask; ``backend="reference"`` skips the choice."""
+    _check_qkv(q, k, v)
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1])
+    elif isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
+    elif not math.isfinite(scale):
+        raise ValueError(f"scale must be finite, got {scale}")
+    mask = _normalize_mask(mask, key_padding_mask, q, k)
+    if backend != "reference":
+        backend = _resolve_backend(backend, q)
+    return _Args(mask, causal, float(scale), backend)
+
+
+def attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    mask: Tensor | None = None,
+    key_padding_mask: Tensor | None = None,
+    causal: bool = False,
+    scale: float | None = None,
+    backend: str | None = None,
+) -> Tensor:
+    """Fused softmax attention that composes with ``grad``, ``vmap``, ``jvp`` and ``compile``.
+
+    ``softmax(scale * q k^T + mask) v`` computed blockwise (FlashAttention-2): the
+    (Nq, Nk) score matrix is never stored, the backward recomputes it.
+
+    Args:
+        q: (B, H, Nq, D) queries; float16, bfloat16, float32 (float64: torch backend).
+        k, v: (B, Hkv, Nk, D) keys and values, q's dtype and device. ``H % Hkv == 0``
+            (GQA / MQA): query head ``h`` reads kv head ``h // (H // Hkv)``. D <= 256.
+        mask: bool (True = attend, as in SDPA) or additive float (q's dtype or float32),
+            broadcastable to (B, H, Nq, Nk) by the usual right-aligned rules, so a
+            2-D mask is (Nq, Nk). Never materialised. A constant: it must not require
+            grad, and its ``jvp`` tangent is ignored.
+        key_padding_mask: (B, Nk) bool, True = a real key; combined with ``mask``.
+        causal: query ``i`` attends key ``j`` iff ``j <= i + Nk - Nq``: aligned
+            bottom-right as FlashAttention-2 (the queries are the *last* Nq
+            positions). SDPA's ``is_causal`` aligns top-left; they agree iff Nq == Nk.
+        scale: score scale, default ``1 / sqrt(D)``.
+        backend: ``None`` picks Triton for CUDA tensors when triton is installed
+            (else the PyTorch path) and the PyTorch path on CPU; ``"torch"`` forces
+            the PyTorch path; ``"triton"`` forces the Triton kernels, on CPU through
+            the Triton interpreter (slow; meant for tests). The interpreter must be
+            on before ``triton.language`` is imported: if ``TRITON_INTERPRET`` is not
+            ``"1"`` and triton.language is not loaded yet, this sets
+            ``TRITON_INTERPRET=1`` for the process (later GPU Triton launches are then
+            interpreted too), otherwise it raises :class:`AttentionBackendError`.
+
+    Returns:
+        (B, H, Nq, D) in q's dtype. A row with no allowed key returns 0 (never NaN)
+        and gets zero gradients.
+
+    Derivatives: reverse mode (``grad``, ``vjp``, ``jacrev``) runs the fused backward,
+    forward mode (``jvp``, ``jacfwd``) a fused JVP, ``vmap`` folds the mapped dim into
+    the batch. Second order (grad-of-grad, ``hessian``) goes through a materialised
+    O(Nq * Nk) formula. Under ``torch.compile`` forward mode is unavailable.
+
+    >>> import torch
+    >>> q = torch.ones(2, 4, 8, 16)
+    >>> k = v = torch.ones(2, 2, 8, 16)  # GQA: 2 kv heads for 4 query heads
+    >>> attention(q, k, v, causal=True).shape
+    torch.Size([2, 4, 8, 16])
+    """
+    args = _prepare(q, k, v, mask, key_padding_mask, causal, scale, backend)
+    return _autograd.attention(q, k, v, args.mask, args.causal, args.scale, args.backend)

@@ -1,0 +1,110 @@
+"""Materialised attention: the float64 oracle, and the math of second-order derivatives.
+
+Plain torch ops, differentiable by autograd and every ``torch.func`` transform.
+Memory is O(B * H * Nq * Nk): use it for checking, not for long sequences.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def _probs(
+    q: Tensor, k: Tensor, mask: Tensor | None, causal: bool, scale: float
+) -> tuple[Tensor, Tensor]:
+    """Softmax probabilities (B, H, Nq, Nk) and logsumexp (B, H, Nq); k: (B, H, Nk, D).
+
+    ``mask`` is bool (True = attend) or additive, broadcastable to (B, H, Nq, Nk).
+    Fully masked rows give P = 0 and lse = -inf, with finite (zero) gradients.
+    """
+    s = scale * (q @ k.transpose(-1, -2))  # (B, H, Nq, Nk)
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else s + mask
+    if causal:
+        nq, nk = s.shape[-2:]
+        i = torch.arange(nq, device=s.device)[:, None] + (nk - nq)
+        s = s.masked_fill(torch.arange(nk, device=s.device) > i, float("-inf"))
+    dead = (s == float("-inf")).all(-1, keepdim=True)  # (B, H, Nq, 1): no key allowed
+    s = s.masked_fill(dead, 0.0)
+    lse = torch.logsumexp(s, -1, keepdim=True)
+    # exp(s - lse) rather than torch.softmax, which stalls on tiny inputs on a busy machine
+    p = (s - lse).exp().masked_fill(dead, 0.0)
+    return p, lse.squeeze(-1).masked_fill(dead.squeeze(-1), float("-inf"))
+
+
+def _repeat_kv(x: Tensor, groups: int) -> Tensor:
+    """(B, Hkv, N, D) -> (B, Hkv * groups, N, D): query head h reads kv head h // groups."""
+    return x if groups == 1 else x.repeat_interleave(groups, dim=1)
+
+
+def _attention(
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool, scale: float
+) -> tuple[Tensor, Tensor]:
+    """Unchecked materialised attention: (o, lse)."""
+    g = q.shape[1] // k.shape[1]
+    p, lse = _probs(q, _repeat_kv(k, g), mask, causal, scale)
+    return p.to(v.dtype) @ _repeat_kv(v, g), lse
+
+
+def attention_vjp(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    do: Tensor,
+    mask: Tensor | None,
+    causal: bool,
+    scale: float,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(dq, dk, dv) = vjp of attention at (q, k, v) with cotangent ``do``, in plain torch ops.
+
+    It is itself differentiable (forward and reverse), which is what grad-of-grad,
+    ``hessian`` and ``jacfwd(jacrev(.))`` through the fused kernels use.
+    fp16 / bf16 are computed in fp32.
+    """
+    dtype = q.dtype
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    q, k, v, do = (x.to(acc) for x in (q, k, v, do))
+    hkv = k.shape[1]
+    g = q.shape[1] // hkv
+    kr, vr = _repeat_kv(k, g), _repeat_kv(v, g)
+    p, _ = _probs(q, kr, mask, causal, scale)  # (B, H, Nq, Nk)
+    dv = p.transpose(-1, -2) @ do  # (B, H, Nk, D)
+    dp = do @ vr.transpose(-1, -2)
+    ds = p * (dp - (dp * p).sum(-1, keepdim=True))
+    dq = scale * (ds @ kr)
+    dk = scale * (ds.transpose(-1, -2) @ q)
+    if g > 1:  # GQA: sum the query heads of each kv head
+        dk = dk.unflatten(1, (hkv, g)).sum(2)
+        dv = dv.unflatten(1, (hkv, g)).sum(2)
+    return dq.to(dtype), dk.to(dtype), dv.to(dtype)
+
+
+def reference_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: Tensor | None = None,
+    causal: bool = False,
+    scale: float | None = None,
+    return_lse: bool = False,
+    *,
+    key_padding_mask: Tensor | None = None,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """Materialised attention with exactly the semantics of :func:`attention`.
+
+    q: (B, H, Nq, D), k / v: (B, Hkv, Nk, D) -> o: (B, H, Nq, D), and lse: (B, H, Nq)
+    (logsumexp of the scaled, masked scores; -inf for fully masked rows) when
+    ``return_lse``. Arguments are validated as in :func:`attention`. Any float
+    dtype; pass float64 for an oracle. Differentiable by autograd and ``torch.func``.
+
+    >>> import torch
+    >>> q = k = v = torch.ones(1, 2, 3, 4, dtype=torch.float64)
+    >>> reference_attention(q, k, v, causal=True).shape
+    torch.Size([1, 2, 3, 4])
+    """
+    from ._dispatch import _prepare  # local: _dispatch imports the autograd wiring
+
+    args = _prepare(q, k, v, mask, key_padding_mask, causal, scale, backend="reference")
+    o, lse = _attention(q, k, v, args.mask, args.causal, args.scale)
+    return (o, lse) if return_lse else o

@@ -1,0 +1,264 @@
+"""PyTorch backend: the raw ``fwd`` / ``bwd`` / ``jvp`` of the attention contract.
+
+Plain torch ops, no autograd (called from the ``torchfn::attention_*`` custom ops,
+which give them their vmap rules and derivatives).
+
+On CPU, ``fwd`` and ``bwd`` run SDPA's fused flash kernels
+(``aten::_scaled_dot_product_flash_attention_for_cpu`` and its backward) where their
+semantics can be made ours: bottom-right causal needs Nq == Nk there, a bool mask
+becomes an additive one, GQA repeats k / v, and the lse of a fully masked row is
+set to -inf. Everything else (CUDA without Triton, causal with Nq != Nk, an fp32
+mask on fp16 / bf16 inputs, and every ``jvp``) runs the blockwise path below.
+
+Blockwise path: the queries are processed in row blocks; each block materialises
+its scores against every (causally reachable) key, so the softmax of a block is
+exact and memory is bounded by ``_SCORE_BUDGET`` scores per block. Short
+sequences run as one block. fp16 / bf16 are computed in fp32, fp64 in fp64.
+GQA: the ``G = H // Hkv`` query heads of one kv head are stacked along the rows,
+``(B, Hkv, G * rows, D)``, so k / v are never repeated.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+# scores materialised per query block (elements); ~16 MiB in fp32
+_SCORE_BUDGET = 1 << 22
+# SDPA's fused CPU kernels (private aten ops: absent -> blockwise everywhere)
+_SDPA_FWD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+_SDPA_BWD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+_USE_SDPA = True  # tests switch it off to check the blockwise path
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _compact(mask: Tensor) -> Tensor:
+    """Undo ``.expand``: dims with stride 0 shrink back to size 1 (a view)."""
+    for d in range(mask.dim()):
+        if mask.size(d) > 1 and mask.stride(d) == 0:
+            mask = mask.narrow(d, 0, 1)
+    return mask
+
+
+class _Layout:
+    """Shapes, the compact mask and the query blocks shared by fwd / bwd / jvp."""
+
+    def __init__(self, q: Tensor, k: Tensor, mask: Tensor | None, causal: bool, scale: float):
+        self.B, self.H, self.Nq, self.D = q.shape
+        self.Hkv, self.Nk = k.shape[1], k.shape[2]
+        self.G = self.H // self.Hkv
+        self.acc = _acc_dtype(q.dtype)
+        self.causal = causal
+        self.offset = self.Nk - self.Nq  # bottom-right causal: key j <= i + offset
+        self.mask = None
+        if mask is not None:
+            m = _compact(mask)  # (b, h, nq, nk), each 1 or full
+            m = m.unflatten(1, (self.Hkv, self.G)) if m.size(1) > 1 else m.unsqueeze(1)
+            self.is_bool = m.dtype == torch.bool
+            self.mask = m.logical_not() if self.is_bool else m  # bool: True = blocked
+        rows = max(1, _SCORE_BUDGET // max(1, self.B * self.H * self.Nk))
+        if causal and self.Nq >= 128:  # >= 4 blocks, so the keys past the diagonal are skipped
+            rows = min(rows, -(-self.Nq // 4))
+        self.rows = min(self.Nq, rows)
+
+    def blocks(self):
+        """Yield ``(i0, i1, kend)``: query rows ``[i0, i1)`` see keys ``[0, kend)``."""
+        for i0 in range(0, self.Nq, self.rows):
+            i1 = min(self.Nq, i0 + self.rows)
+            kend = min(self.Nk, i1 + self.offset) if self.causal else self.Nk
+            yield i0, i1, kend
+
+    def rows_of(self, x: Tensor, i0: int, i1: int) -> Tensor:
+        """(B, H, Nq, *) -> rows [i0, i1) stacked per kv head: (B, Hkv, G * n, *)."""
+        x = x[:, :, i0:i1].unflatten(1, (self.Hkv, self.G))
+        return x.reshape(self.B, self.Hkv, self.G * (i1 - i0), *x.shape[4:])
+
+    def scores(self, qs: Tensor, k: Tensor, i0: int, i1: int, kend: int) -> Tensor:
+        """Masked scores of rows [i0, i1): (B, Hkv, G * n, kend); ``qs`` is pre-scaled."""
+        s = qs @ k[:, :, :kend].transpose(-1, -2)
+        s5 = s.view(self.B, self.Hkv, self.G, i1 - i0, kend)
+        if self.mask is not None:
+            m = self.mask
+            m = m[..., i0:i1, :] if m.size(3) > 1 else m
+            m = m[..., :kend] if m.size(4) > 1 else m
+            if self.is_bool:
+                s5.masked_fill_(m, float("-inf"))
+            else:
+                s5.add_(m)
+        kb = max(0, i0 + self.offset + 1)  # keys before kb are visible to every row
+        if self.causal and kb < kend:
+            rows = torch.arange(i0, i1, device=s.device) + self.offset
+            blocked = torch.arange(kb, kend, device=s.device) > rows[:, None]  # (n, kend - kb)
+            s5[..., kb:].masked_fill_(blocked, float("-inf"))
+        return s
+
+    def unrows(self, x: Tensor, n: int) -> Tensor:
+        """(B, Hkv, G * n, *) -> (B, H, n, *)."""
+        return x.reshape(self.B, self.H, n, *x.shape[3:])
+
+
+def _safe(x: Tensor) -> Tensor:
+    """-inf (a fully masked row) -> 0, so ``exp(s - x)`` is 0 instead of NaN."""
+    return x.masked_fill(x == float("-inf"), 0.0)
+
+
+def _exp_scores(s: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """In place ``s -> exp(s - rowmax)``; returns (P unnormalised, 1 / rowsum, lse).
+
+    Plain elementwise ops and reductions rather than ``torch.softmax``, which opens a
+    parallel region even for tiny inputs (it stalls for milliseconds on a loaded machine).
+    A fully masked row (all -inf) gives P = 0, 1 / rowsum = 1 and lse = -inf.
+    """
+    m = _safe(s.amax(-1, keepdim=True))
+    p = s.sub_(m).exp_()
+    l = p.sum(-1, keepdim=True)
+    lse = l.log().add_(m)  # (*, n, 1)
+    return p, l.masked_fill_(l == 0, 1.0).reciprocal_(), lse
+
+
+def _sdpa_args(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool):
+    """(k, v, additive mask) for SDPA's fused CPU kernels, or None where they do not apply."""
+    if not _USE_SDPA or _SDPA_BWD is None or q.device.type != "cpu":
+        return None
+    if causal and q.shape[2] != k.shape[2]:  # SDPA's is_causal aligns top-left
+        return None
+    if mask is not None:
+        mask = _compact(mask)
+        if mask.dtype == torch.bool:
+            mask = torch.zeros(mask.shape, dtype=q.dtype).masked_fill_(~mask, float("-inf"))
+        elif mask.dtype != q.dtype:  # keep an fp32 bias on fp16 / bf16 inputs exact
+            return None
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:
+        k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+    return k, v, mask
+
+
+def _sum_groups(x: Tensor, hkv: int) -> Tensor:
+    """(B, H, Nk, D) -> (B, Hkv, Nk, D), summing the query heads of each kv head."""
+    if x.shape[1] == hkv:
+        return x
+    return x.unflatten(1, (hkv, x.shape[1] // hkv)).sum(2, dtype=_acc_dtype(x.dtype)).to(x.dtype)
+
+
+def fwd(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool, scale: float):
+    """o: (B, H, Nq, D) in q's dtype, lse: (B, H, Nq) fp32 (fp64 for fp64 inputs)."""
+    sdpa = _sdpa_args(q, k, v, mask, causal)
+    if sdpa is not None:
+        kr, vr, bias = sdpa
+        o, lse = _SDPA_FWD(q, kr, vr, 0.0, causal, attn_mask=bias, scale=scale)
+        if bias is not None:  # SDPA: o = 0 and lse = 0 on a row without keys; ours: -inf
+            lse = lse.masked_fill(lse.eq(0) & o.eq(0).all(-1), float("-inf"))
+        return o.contiguous(), lse.contiguous()
+    L = _Layout(q, k, mask, causal, scale)
+    kf, vf = k.to(L.acc), v.to(L.acc)
+    o = lse = None
+    for i0, i1, kend in L.blocks():
+        n = i1 - i0
+        if kend > 0:
+            s = L.scores(L.rows_of(q, i0, i1).to(L.acc) * scale, kf, i0, i1, kend)
+            p, inv, lsec = _exp_scores(s)
+            oc = (p @ vf[:, :, :kend]).mul_(inv)
+        else:  # every row of the block is fully masked
+            oc = vf.new_zeros(L.B, L.Hkv, L.G * n, L.D)
+            lsec = vf.new_full((L.B, L.Hkv, L.G * n, 1), float("-inf"))
+        if n == L.Nq:  # one block
+            return L.unrows(oc, n).to(q.dtype), L.unrows(lsec, n).squeeze(-1)
+        if o is None:
+            o = q.new_empty(L.B, L.H, L.Nq, L.D)
+            lse = vf.new_empty(L.B, L.H, L.Nq)
+        o[:, :, i0:i1] = L.unrows(oc, n)
+        lse[:, :, i0:i1] = L.unrows(lsec, n).squeeze(-1)
+    return o, lse
+
+
+def bwd(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    o: Tensor,
+    lse: Tensor,
+    do: Tensor,
+    mask: Tensor | None,
+    causal: bool,
+    scale: float,
+):
+    """dq: (B, H, Nq, D); dk, dv: (B, Hkv, Nk, D) summed over each kv head's query heads."""
+    sdpa = _sdpa_args(q, k, v, mask, causal)
+    if sdpa is not None:
+        kr, vr, bias = sdpa
+        lse = lse.masked_fill(lse == float("-inf"), 0.0)  # back to SDPA's convention
+        dq, dk, dv = _SDPA_BWD(do, q, kr, vr, o, lse, 0.0, causal, attn_mask=bias, scale=scale)
+        hkv = k.shape[1]
+        return dq.contiguous(), _sum_groups(dk, hkv).contiguous(), _sum_groups(dv, hkv).contiguous()
+    L = _Layout(q, k, mask, causal, scale)
+    kf, vf = k.to(L.acc), v.to(L.acc)
+    delta = (do.to(L.acc) * o.to(L.acc)).sum(-1, keepdim=True)  # (B, H, Nq, 1)
+    lse = _safe(lse.to(L.acc)).unsqueeze(-1)  # (B, H, Nq, 1)
+    dq = torch.zeros(L.B, L.H, L.Nq, L.D, dtype=L.acc, device=q.device)
+    dk = torch.zeros(L.B, L.Hkv, L.Nk, L.D, dtype=L.acc, device=q.device)
+    dv = torch.zeros_like(dk)
+    for i0, i1, kend in L.blocks():
+        if kend <= 0:
+            continue
+        n = i1 - i0
+        qs = L.rows_of(q, i0, i1).to(L.acc) * scale
+        p = L.scores(qs, kf, i0, i1, kend).sub_(L.rows_of(lse, i0, i1)).exp_()
+        doc = L.rows_of(do, i0, i1).to(L.acc)  # (B, Hkv, G*n, D)
+        dv[:, :, :kend] += p.transpose(-1, -2) @ doc
+        ds = (doc @ vf[:, :, :kend].transpose(-1, -2)).sub_(L.rows_of(delta, i0, i1)).mul_(p)
+        dq[:, :, i0:i1] = L.unrows((ds @ kf[:, :, :kend]).mul_(scale), n)
+        dk[:, :, :kend] += ds.transpose(-1, -2) @ qs  # qs carries the scale
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def jvp(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    tq: Tensor | None,
+    tk: Tensor | None,
+    tv: Tensor | None,
+    mask: Tensor | None,
+    causal: bool,
+    scale: float,
+):
+    """Forward-mode: (o, lse, to); a ``None`` tangent means zero.
+
+    With ``S = scale q k^T + mask``, ``tS = scale (tq k^T + q tk^T)``, ``P = softmax(S)``
+    and ``*`` elementwise: ``to = (P * tS) v + P tv - o * rowsum(P * tS)``.
+    """
+    L = _Layout(q, k, mask, causal, scale)
+    kf, vf = k.to(L.acc), v.to(L.acc)
+    tkf = tk.to(L.acc) if tk is not None else None
+    tvf = tv.to(L.acc) if tv is not None else None
+    o = torch.zeros(L.B, L.H, L.Nq, L.D, dtype=L.acc, device=q.device)
+    to = torch.zeros_like(o)
+    lse = torch.full((L.B, L.H, L.Nq), float("-inf"), dtype=L.acc, device=q.device)
+    for i0, i1, kend in L.blocks():
+        if kend <= 0:
+            continue
+        n = i1 - i0
+        qs = L.rows_of(q, i0, i1).to(L.acc) * scale
+        p, inv, lsec = _exp_scores(L.scores(qs, kf, i0, i1, kend))
+        oc = (p @ vf[:, :, :kend]).mul_(inv)
+        toc = torch.zeros_like(oc)
+        ts = None
+        if tq is not None:
+            ts = (L.rows_of(tq, i0, i1).to(L.acc) * scale) @ kf[:, :, :kend].transpose(-1, -2)
+        if tkf is not None:
+            tsk = qs @ tkf[:, :, :kend].transpose(-1, -2)
+            ts = tsk if ts is None else ts.add_(tsk)
+        if ts is not None:
+            pts = ts.mul_(p)  # P * tS (unnormalised)
+            toc += (pts @ vf[:, :, :kend]).mul_(inv)
+            toc -= oc * (pts.sum(-1, keepdim=True) * inv)
+        if tvf is not None:
+            toc += (p @ tvf[:, :, :kend]).mul_(inv)
+        o[:, :, i0:i1] = L.unrows(oc, n)
+        to[:, :, i0:i1] = L.unrows(toc, n)
+        lse[:, :, i0:i1] = L.unrows(lsec.squeeze(-1), n)
+    return o.to(q.dtype), lse, to.to(q.dtype)

@@ -1,0 +1,220 @@
+"""Triton FlashAttention-2 backward: deterministic, no atomics.
+
+Three launches:
+
+* ``_bwd_preprocess``: ``delta = rowsum(dO * O)`` and ``lse2 = lse * log2(e)``
+  (``+inf`` for fully masked rows, so the recomputed ``P`` is exactly 0 there).
+* ``_attn_bwd_dkdv``: one program per (key block, batch, kv head); loops over the
+  query heads of its GQA group and over query blocks, recomputing ``P^T`` and
+  accumulating ``dK``, ``dV`` in registers, so they come out summed over the group.
+* ``_attn_bwd_dq``: one program per (query block, batch, head); loops over key blocks.
+
+Both loops are split into a masked stage (causal diagonal / ragged end) and an
+unmasked stage, as in the forward.
+"""
+
+import triton
+import triton.language as tl
+
+from torchfn.kernels._triton_fwd import _causal_bounds, _load_rows, _mask_scores, _store_rows
+
+
+@triton.jit
+def _bwd_preprocess(
+    O, DO, LSE, DELTA, LSE2,
+    sob, soh, som, sdb, sdh, sdm,
+    H, Nq,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+):
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    off_bh = tl.program_id(1)
+    off_b = (off_bh // H).to(tl.int64)
+    off_h = (off_bh % H).to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_D)
+    o = _load_rows(O + off_b * sob + off_h * soh, offs_m, offs_d, som, Nq, HEAD_DIM, BLOCK_D, True)
+    do = _load_rows(DO + off_b * sdb + off_h * sdh, offs_m, offs_d, sdm, Nq, HEAD_DIM, BLOCK_D,
+                    True)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    row = off_bh.to(tl.int64) * Nq + offs_m
+    lse = tl.load(LSE + row, mask=offs_m < Nq, other=0.0)
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+    tl.store(DELTA + row, delta, mask=offs_m < Nq)
+    tl.store(LSE2 + row, lse2, mask=offs_m < Nq)
+
+
+@triton.jit
+def _dkdv_inner(dk, dv, k, v, q_base, do_base, m_base, lse2_base, delta_base,
+                offs_n, offs_d, lo, hi, sqm, sdm, smm, smn, Nq, Nk, qk_scale,
+                BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                CAUSAL_STAGE: tl.constexpr, MASK_KIND: tl.constexpr,
+                DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, ELEM: tl.constexpr):
+    offs_m0 = tl.arange(0, BLOCK_M)
+    for start_m in range(lo, hi, BLOCK_M):
+        offs_m = start_m + offs_m0
+        q = _load_rows(q_base, offs_m, offs_d, sqm, Nq, HEAD_DIM, BLOCK_D, True)  # (M, D)
+        do = _load_rows(do_base, offs_m, offs_d, sdm, Nq, HEAD_DIM, BLOCK_D, True)
+        if UPCAST:
+            q = q.to(tl.float32)
+            do = do.to(tl.float32)
+        lse2 = tl.load(lse2_base + offs_m, mask=offs_m < Nq, other=float("inf"))
+        delta = tl.load(delta_base + offs_m, mask=offs_m < Nq, other=0.0)
+        qkT = tl.dot(k, tl.trans(q), input_precision=DOT_PREC) * qk_scale  # (N, M)
+        if MASK_KIND != 0:
+            qkT = _mask_scores(qkT, m_base, offs_m[None, :], offs_n[:, None], smm, smn, Nq, Nk,
+                               MASK_KIND)
+        if CAUSAL_STAGE:
+            qkT = tl.where(offs_n[:, None] <= offs_m[None, :] + (Nk - Nq), qkT, float("-inf"))
+        pT = tl.math.exp2(qkT - lse2[None, :])  # rows past Nq / empty rows: lse2 = +inf -> 0
+        if UPCAST:
+            pT_lo = pT
+        else:
+            pT_lo = pT.to(ELEM)
+        dv = tl.dot(pT_lo, do, dv, input_precision=DOT_PREC)
+        dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)  # (N, M)
+        dsT = pT * (dpT - delta[None, :])
+        if not UPCAST:
+            dsT = dsT.to(ELEM)
+        dk = tl.dot(dsT, q, dk, input_precision=DOT_PREC)
+    return dk, dv
+
+
+@triton.jit
+def _attn_bwd_dkdv(
+    Q, K, V, MASK, DO, LSE2, DELTA, DK, DV,
+    sqb, sqh, sqm, skb, skh, skn, svb, svh, svn,
+    smb, smh, smm, smn, sdb, sdh, sdm,
+    sdkb, sdkh, sdkn, sdvb, sdvh, sdvn,
+    H, HKV, GROUP, Nq, Nk, qk_scale, sm_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
+    DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
+):
+    start_n = tl.program_id(0) * BLOCK_N
+    off_bhk = tl.program_id(1)
+    off_b = (off_bhk // HKV).to(tl.int64)
+    off_hk = (off_bhk % HKV).to(tl.int64)
+    ELEM = K.dtype.element_ty
+
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    k = _load_rows(K + off_b * skb + off_hk * skh, offs_n, offs_d, skn, Nk, HEAD_DIM, BLOCK_D, True)
+    v = _load_rows(V + off_b * svb + off_hk * svh, offs_n, offs_d, svn, Nk, HEAD_DIM, BLOCK_D, True)
+    if UPCAST:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+
+    if IS_CAUSAL:
+        shift = Nk - Nq
+        m_lo = tl.maximum(start_n - shift, 0)  # first query that sees a key of this block
+        # queries from m_full on see every key of the block: no mask needed
+        m_full = tl.maximum(tl.minimum(start_n + BLOCK_N - 1 - shift, Nq), m_lo)
+        m_mid = m_lo + ((m_full - m_lo + BLOCK_M - 1) // BLOCK_M) * BLOCK_M
+    else:
+        m_lo = 0
+        m_mid = 0
+
+    for g in range(0, GROUP):
+        off_h = off_hk * GROUP + g
+        row0 = (off_b * H + off_h) * Nq
+        q_base = Q + off_b * sqb + off_h * sqh
+        do_base = DO + off_b * sdb + off_h * sdh
+        m_base = MASK + off_b * smb + off_h * smh
+        if IS_CAUSAL:
+            dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, m_base, LSE2 + row0,
+                                 DELTA + row0, offs_n, offs_d, m_lo, m_mid, sqm, sdm, smm, smn,
+                                 Nq, Nk, qk_scale, BLOCK_M, HEAD_DIM, BLOCK_D, True, MASK_KIND,
+                                 DOT_PREC, UPCAST, ELEM)
+        dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, m_base, LSE2 + row0, DELTA + row0,
+                             offs_n, offs_d, m_mid, Nq, sqm, sdm, smm, smn, Nq, Nk, qk_scale,
+                             BLOCK_M, HEAD_DIM, BLOCK_D, False, MASK_KIND, DOT_PREC, UPCAST, ELEM)
+
+    dk = dk * sm_scale
+    _store_rows(DK + off_b * sdkb + off_hk * sdkh, dk.to(DK.dtype.element_ty), offs_n, offs_d,
+                sdkn, Nk, HEAD_DIM, BLOCK_D)
+    _store_rows(DV + off_b * sdvb + off_hk * sdvh, dv.to(DV.dtype.element_ty), offs_n, offs_d,
+                sdvn, Nk, HEAD_DIM, BLOCK_D)
+
+
+@triton.jit
+def _dq_inner(dq, q, do, lse2, delta, k_base, v_base, m_base, offs_m, offs_d, lo, hi,
+              skn, svn, smm, smn, Nq, Nk, qk_scale,
+              BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+              BOUNDARY: tl.constexpr, IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
+              DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, ELEM: tl.constexpr):
+    offs_n0 = tl.arange(0, BLOCK_N)
+    for start_n in range(lo, hi, BLOCK_N):
+        start_n = tl.multiple_of(start_n, BLOCK_N)
+        offs_n = start_n + offs_n0
+        k = _load_rows(k_base, offs_n, offs_d, skn, Nk, HEAD_DIM, BLOCK_D, BOUNDARY)
+        v = _load_rows(v_base, offs_n, offs_d, svn, Nk, HEAD_DIM, BLOCK_D, BOUNDARY)
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale  # (M, N)
+        if MASK_KIND != 0:
+            qk = _mask_scores(qk, m_base, offs_m[:, None], offs_n[None, :], smm, smn, Nq, Nk,
+                              MASK_KIND)
+        if BOUNDARY:
+            ok = offs_n[None, :] < Nk
+            if IS_CAUSAL:
+                ok = ok & (offs_n[None, :] <= offs_m[:, None] + (Nk - Nq))
+            qk = tl.where(ok, qk, float("-inf"))
+        p = tl.math.exp2(qk - lse2[:, None])
+        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)  # (M, N)
+        ds = p * (dp - delta[:, None])
+        if not UPCAST:
+            ds = ds.to(ELEM)
+        dq = tl.dot(ds, k, dq, input_precision=DOT_PREC)
+    return dq
+
+
+@triton.jit
+def _attn_bwd_dq(
+    Q, K, V, MASK, DO, LSE2, DELTA, DQ,
+    sqb, sqh, sqm, skb, skh, skn, svb, svh, svn,
+    smb, smh, smm, smn, sdb, sdh, sdm, sdqb, sdqh, sdqm,
+    H, GROUP, Nq, Nk, qk_scale, sm_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
+    DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
+):
+    if IS_CAUSAL:  # the longest query blocks (last rows) first: better tail balance
+        start_m = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
+    else:
+        start_m = tl.program_id(0) * BLOCK_M
+    off_bh = tl.program_id(1)
+    off_b = (off_bh // H).to(tl.int64)
+    off_h = (off_bh % H).to(tl.int64)
+    off_hk = off_h // GROUP
+    ELEM = Q.dtype.element_ty
+
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    q = _load_rows(Q + off_b * sqb + off_h * sqh, offs_m, offs_d, sqm, Nq, HEAD_DIM, BLOCK_D, True)
+    do = _load_rows(DO + off_b * sdb + off_h * sdh, offs_m, offs_d, sdm, Nq, HEAD_DIM, BLOCK_D,
+                    True)
+    if UPCAST:
+        q = q.to(tl.float32)
+        do = do.to(tl.float32)
+    row = off_bh.to(tl.int64) * Nq + offs_m
+    lse2 = tl.load(LSE2 + row, mask=offs_m < Nq, other=float("inf"))
+    delta = tl.load(DELTA + row, mask=offs_m < Nq, other=0.0)
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+
+    k_base = K + off_b * skb + off_hk * skh
+    v_base = V + off_b * svb + off_hk * svh
+    m_base = MASK + off_b * smb + off_h * smh
+    lo, hi = _causal_bounds(start_m, Nq, Nk, BLOCK_M, BLOCK_N, IS_CAUSAL)
+    dq = _dq_inner(dq, q, do, lse2, delta, k_base, v_base, m_base, offs_m, offs_d, 0, lo,
+                   skn, svn, smm, smn, Nq, Nk, qk_scale,
+                   BLOCK_N, HEAD_DIM, BLOCK_D, False, IS_CAUSAL, MASK_KIND, DOT_PREC, UPCAST, ELEM)
+    dq = _dq_inner(dq, q, do, lse2, delta, k_base, v_base, m_base, offs_m, offs_d, lo, hi,
+                   skn, svn, smm, smn, Nq, Nk, qk_scale,
+                   BLOCK_N, HEAD_DIM, BLOCK_D, True, IS_CAUSAL, MASK_KIND, DOT_PREC, UPCAST, ELEM)
+    dq = dq * sm_scale
+    _store_rows(DQ + off_b * sdqb + off_h * sdqh, dq.to(DQ.dtype.element_ty), offs_m, offs_d,
+                sdqm, Nq, HEAD_DIM, BLOCK_D)

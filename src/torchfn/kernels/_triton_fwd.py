@@ -1,0 +1,177 @@
+"""Triton FlashAttention-2 forward kernel and the tile helpers shared by all kernels.
+
+One program owns a block of ``BLOCK_M`` queries of one (batch, head) and streams
+over key blocks with an online softmax in base 2 (scores are pre-multiplied by
+``scale * log2(e)``, so ``exp2`` replaces ``exp``). It writes ``o`` and the
+natural-log ``lse`` that the backward recomputes ``P`` from.
+
+The key loop has two stages: blocks that need no masking at all (inside the
+causal band and inside ``Nk``) and the few blocks on the causal diagonal or at
+the ragged end, which apply the causal / bounds mask. Causal is bottom-right
+aligned: query ``i`` sees key ``j`` iff ``j <= i + (Nk - Nq)``; key blocks past
+the diagonal are never visited.
+
+Import this module only through ``_triton_ops`` (Triton is optional; under
+``TRITON_INTERPRET=1`` the kernels run on CPU).
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _load_rows(base, offs_r, offs_d, stride_r, n_rows,
+               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CHECK_ROWS: tl.constexpr):
+    """Load a (R, BLOCK_D) tile of rows ``offs_r``; padded dims and rows >= ``n_rows`` read 0."""
+    ptrs = base + offs_r[:, None] * stride_r + offs_d[None, :]
+    if CHECK_ROWS:
+        if HEAD_DIM == BLOCK_D:
+            t = tl.load(ptrs, mask=offs_r[:, None] < n_rows, other=0.0)
+        else:
+            t = tl.load(ptrs, mask=(offs_r[:, None] < n_rows) & (offs_d[None, :] < HEAD_DIM),
+                        other=0.0)
+    else:
+        if HEAD_DIM == BLOCK_D:
+            t = tl.load(ptrs)
+        else:
+            t = tl.load(ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
+    return t
+
+
+@triton.jit
+def _store_rows(base, val, offs_r, offs_d, stride_r, n_rows,
+                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    ptrs = base + offs_r[:, None] * stride_r + offs_d[None, :]
+    if HEAD_DIM == BLOCK_D:
+        tl.store(ptrs, val, mask=offs_r[:, None] < n_rows)
+    else:
+        tl.store(ptrs, val, mask=(offs_r[:, None] < n_rows) & (offs_d[None, :] < HEAD_DIM))
+
+
+@triton.jit
+def _mask_scores(s, m_base, rows, cols, smm, smn, Nq, Nk, MASK_KIND: tl.constexpr):
+    """Apply a user mask to log2-unit scores ``s``; ``rows``/``cols`` broadcast to ``s``'s shape.
+
+    MASK_KIND: 0 none, 1 boolean (stored as uint8, nonzero = attend), 2 additive (natural units).
+    """
+    if MASK_KIND == 1:
+        inb = (rows < Nq) & (cols < Nk)
+        mv = tl.load(m_base + rows.to(tl.int64) * smm + cols.to(tl.int64) * smn, mask=inb, other=0)
+        s = tl.where(mv != 0, s, float("-inf"))
+    elif MASK_KIND == 2:
+        inb = (rows < Nq) & (cols < Nk)
+        mv = tl.load(m_base + rows.to(tl.int64) * smm + cols.to(tl.int64) * smn, mask=inb,
+                     other=0.0)
+        s = s + mv.to(tl.float32) * 1.4426950408889634
+    return s
+
+
+@triton.jit
+def _causal_bounds(start_m, Nq, Nk, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   IS_CAUSAL: tl.constexpr):
+    """Key range of a query block: [0, lo) needs no mask, [lo, hi) is diagonal / ragged end."""
+    if IS_CAUSAL:
+        shift = Nk - Nq
+        hi = tl.minimum(Nk, start_m + BLOCK_M + shift)
+        full = tl.maximum(tl.minimum(start_m + shift + 1, Nk), 0)
+        lo = (full // BLOCK_N) * BLOCK_N
+        hi = tl.maximum(hi, lo)
+    else:
+        lo = (Nk // BLOCK_N) * BLOCK_N
+        hi = Nk
+    return lo, hi
+
+
+@triton.jit
+def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, m_base, offs_m, offs_d, lo, hi,
+               skn, svn, smm, smn, Nq, Nk, qk_scale,
+               BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+               BOUNDARY: tl.constexpr, IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
+               DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
+    offs_n0 = tl.arange(0, BLOCK_N)
+    for start_n in range(lo, hi, BLOCK_N):
+        start_n = tl.multiple_of(start_n, BLOCK_N)
+        offs_n = start_n + offs_n0
+        k = _load_rows(k_base, offs_n, offs_d, skn, Nk, HEAD_DIM, BLOCK_D, BOUNDARY)
+        v = _load_rows(v_base, offs_n, offs_d, svn, Nk, HEAD_DIM, BLOCK_D, BOUNDARY)
+        p_dtype = v.dtype
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale  # (M, N) log2 units
+        if MASK_KIND != 0:
+            qk = _mask_scores(qk, m_base, offs_m[:, None], offs_n[None, :], smm, smn, Nq, Nk,
+                              MASK_KIND)
+        if BOUNDARY:
+            ok = offs_n[None, :] < Nk
+            if IS_CAUSAL:
+                ok = ok & (offs_n[None, :] <= offs_m[:, None] + (Nk - Nq))
+            qk = tl.where(ok, qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        if BOUNDARY or MASK_KIND != 0:  # a row may still be empty: keep exp2 away from -inf - -inf
+            m_new_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            m_new_safe = m_new
+        p = tl.math.exp2(qk - m_new_safe[:, None])
+        alpha = tl.math.exp2(m_i - m_new_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        if not UPCAST:  # interpreter: keep P in fp32 (its CPU peers do not round it)
+            p = p.to(p_dtype)
+        acc = tl.dot(p, v, acc, input_precision=DOT_PREC)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _attn_fwd(
+    Q, K, V, MASK, O, LSE,
+    sqb, sqh, sqm, skb, skh, skn, svb, svh, svn,
+    smb, smh, smm, smn, sob, soh, som,
+    H, GROUP, Nq, Nk, qk_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
+    DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
+):
+    if IS_CAUSAL:  # the longest query blocks (last rows) first: better tail balance
+        start_m = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
+    else:
+        start_m = tl.program_id(0) * BLOCK_M
+    off_bh = tl.program_id(1)
+    off_b = (off_bh // H).to(tl.int64)
+    off_h = (off_bh % H).to(tl.int64)
+    off_hk = off_h // GROUP
+    q_base = Q + off_b * sqb + off_h * sqh
+    k_base = K + off_b * skb + off_hk * skh
+    v_base = V + off_b * svb + off_hk * svh
+    m_base = MASK + off_b * smb + off_h * smh
+
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    q = _load_rows(q_base, offs_m, offs_d, sqm, Nq, HEAD_DIM, BLOCK_D, True)  # (M, D)
+    if UPCAST:
+        q = q.to(tl.float32)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+
+    lo, hi = _causal_bounds(start_m, Nq, Nk, BLOCK_M, BLOCK_N, IS_CAUSAL)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, m_base, offs_m, offs_d, 0, lo,
+                               skn, svn, smm, smn, Nq, Nk, qk_scale,
+                               BLOCK_N, HEAD_DIM, BLOCK_D, False, IS_CAUSAL, MASK_KIND,
+                               DOT_PREC, UPCAST)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, m_base, offs_m, offs_d, lo, hi,
+                               skn, svn, smm, smn, Nq, Nk, qk_scale,
+                               BLOCK_N, HEAD_DIM, BLOCK_D, True, IS_CAUSAL, MASK_KIND,
+                               DOT_PREC, UPCAST)
+
+    # fully masked rows: l = 0 -> o = 0, lse = -inf
+    empty = l_i == 0.0
+    l_safe = tl.where(empty, 1.0, l_i)
+    acc = acc / l_safe[:, None]
+    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
+    o_base = O + off_b * sob + off_h * soh
+    _store_rows(o_base, acc.to(O.dtype.element_ty), offs_m, offs_d, som, Nq, HEAD_DIM, BLOCK_D)
+    tl.store(LSE + off_bh.to(tl.int64) * Nq + offs_m, lse, mask=offs_m < Nq)

@@ -1,0 +1,354 @@
+"""Raw Triton attention launches: ``fwd``, ``bwd``, ``jvp`` (no autograd; validated inputs).
+
+This is the Triton half of the backend contract (see ``_torch_ops`` for the
+PyTorch half)::
+
+    fwd(q, k, v, mask, causal, scale) -> (o, lse)
+    bwd(q, k, v, o, lse, do, mask, causal, scale) -> (dq, dk, dv)
+    jvp(q, k, v, tq, tk, tv, mask, causal, scale) -> (o, lse, to)
+
+q: (B, H, Nq, D); k, v: (B, Hkv, Nk, D) with Hkv dividing H; mask None or already
+expanded to (B, H, Nq, Nk) (bool: True = attend; float: additive); o: (B, H, Nq, D)
+in q's dtype; lse: (B, H, Nq) float32 (natural log, -inf on fully masked rows).
+
+Block sizes: on a GPU every kernel is tuned once per (kernel, N bucket, head dim,
+causal, mask kind, dtype) over a handful of configs (``TORCHFN_TRITON_AUTOTUNE=0``
+uses the first, hand-picked config). Under ``TRITON_INTERPRET=1`` (CPU) one small
+fixed config is used. fp32 dots never use plain TF32: 3xTF32 ("tf32x3") on the GPU,
+overridable with ``TORCHFN_TRITON_FP32_PRECISION=ieee``; exact in the interpreter.
+
+Example (GPU)::
+
+    q = torch.randn(2, 8, 1024, 64, device="cuda", dtype=torch.bfloat16)
+    o, lse = fwd(q, q, q, None, True, 64 ** -0.5)
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import triton
+
+from torchfn.kernels import _triton_bwd, _triton_fwd, _triton_jvp
+
+Tensor = torch.Tensor
+
+__all__ = ["fwd", "bwd", "jvp", "tuned_configs", "is_interpreted"]
+
+
+# --------------------------------------------------------------------------- configs
+# (BLOCK_M, BLOCK_N, num_warps, num_stages); the first entry is the untuned default.
+# Forward / JVP: query block x key block. Backward follows the FA2 Triton tutorial:
+# dK/dV with narrow query blocks and wide key blocks, dQ the other way round. The lists
+# were pruned offline for sm_90 (Triton AOT compile + cuobjdump): configs that spilled
+# registers or overflowed shared memory are gone; the GPU autotuner picks among the rest.
+_GPU_CONFIGS: dict[str, dict[str, list[tuple[int, int, int, int]]]] = {
+    "fwd": {
+        "d64": [(128, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 4), (64, 64, 4, 3)],
+        "d128": [(128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3)],
+        "d256": [(32, 32, 4, 2), (64, 32, 4, 2)],
+        "fp32": [(32, 32, 8, 2), (64, 32, 8, 2)],
+        "fp32_d256": [(16, 32, 4, 1)],
+    },
+    "jvp": {
+        "d64": [(64, 64, 8, 2), (64, 32, 4, 2)],
+        "d128": [(64, 32, 4, 2), (32, 64, 4, 2)],
+        "d256": [(32, 16, 4, 2), (32, 32, 4, 2)],
+        "fp32": [(16, 32, 4, 2)],
+        "fp32_d256": [(16, 16, 4, 1)],
+    },
+    "dkdv": {
+        "d64": [(32, 128, 8, 3), (64, 128, 8, 3), (32, 64, 8, 3)],
+        "d128": [(16, 128, 8, 3), (32, 64, 8, 2), (32, 64, 8, 3)],
+        "d256": [(16, 32, 4, 2), (32, 32, 4, 2)],
+        "fp32": [(32, 32, 8, 2), (16, 32, 4, 2)],
+        "fp32_d256": [(16, 16, 4, 1)],
+    },
+    "dq": {
+        "d64": [(128, 64, 8, 3), (128, 32, 4, 3), (64, 64, 4, 3)],
+        "d128": [(128, 64, 8, 3), (64, 64, 4, 3)],
+        "d256": [(32, 32, 4, 2), (64, 16, 4, 2)],
+        "fp32": [(32, 32, 8, 2)],
+        "fp32_d256": [(16, 16, 4, 1)],
+    },
+}
+# Interpreter (CPU): few, wide-ish blocks keep the ~5 ms/step interpreter cost down.
+_INTERP_CONFIGS: dict[str, tuple[int, int, int, int]] = {
+    "fwd": (64, 64, 4, 1),
+    "jvp": (64, 64, 4, 1),
+    "dkdv": (32, 64, 4, 1),
+    "dq": (64, 32, 4, 1),
+}
+_PRE_BLOCK_M = 64  # preprocess kernel (delta, lse2)
+_TUNED: dict[tuple, tuple[int, int, int, int]] = {}
+
+
+def tuned_configs() -> dict[tuple, tuple[int, int, int, int]]:
+    """The configs the GPU autotuner picked so far: key -> (BLOCK_M, BLOCK_N, warps, stages)."""
+    return dict(_TUNED)
+
+
+def is_interpreted() -> bool:
+    """True when the kernels were defined under ``TRITON_INTERPRET=1`` (they run on CPU)."""
+    return type(_triton_fwd._attn_fwd).__name__ == "InterpretedFunction"
+
+
+def _env_interpret() -> bool:
+    try:
+        from triton import knobs
+
+        return bool(knobs.runtime.interpret)
+    except (ImportError, AttributeError):  # older Triton: plain env var
+        return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+def _ensure_mode(device: torch.device) -> None:
+    """Match the kernels to ``TRITON_INTERPRET`` now (re-defining them if it changed since import).
+
+    Triton decides interpreted vs compiled when ``@triton.jit`` runs, so a test module that
+    sets the variable after another module imported these kernels still gets the interpreter.
+    """
+    global _triton_bwd, _triton_fwd, _triton_jvp
+    want = _env_interpret()
+    if want != is_interpreted():
+        _triton_fwd = importlib.reload(_triton_fwd)
+        _triton_bwd = importlib.reload(_triton_bwd)
+        _triton_jvp = importlib.reload(_triton_jvp)
+    if device.type == "cpu" and not want:
+        raise RuntimeError(
+            "Triton attention kernels got CPU tensors but TRITON_INTERPRET is not '1': "
+            "set TRITON_INTERPRET=1 to run them in the Triton interpreter, or use the torch "
+            "backend"
+        )
+
+
+def _block_d(d: int) -> int:
+    return max(16, triton.next_power_of_2(d))
+
+
+def _bucket(n: int) -> int:
+    return min(max(triton.next_power_of_2(max(n, 1)), 256), 16384)
+
+
+def _candidates(kind: str, dtype: torch.dtype, block_d: int) -> list[tuple[int, int, int, int]]:
+    table = _GPU_CONFIGS[kind]
+    if dtype == torch.float32:
+        cls = "fp32" if block_d <= 128 else "fp32_d256"
+    else:
+        cls = "d64" if block_d <= 64 else ("d128" if block_d <= 128 else "d256")
+    return table[cls]
+
+
+def _autotune_enabled() -> bool:
+    return os.environ.get("TORCHFN_TRITON_AUTOTUNE", "1") != "0"
+
+
+def _launch(kind: str, kernel: Any, grid: Callable[[int, int], tuple[int, ...]],
+            args: tuple, consts: dict[str, Any], key: tuple,
+            config: tuple[int, int, int, int] | None) -> None:
+    """Launch ``kernel`` with a block config: given, interpreter-fixed, tuned or default."""
+
+    def run(cfg: tuple[int, int, int, int]) -> None:
+        bm, bn, warps, stages = cfg
+        if is_interpreted():
+            kernel[grid(bm, bn)](*args, **consts, BLOCK_M=bm, BLOCK_N=bn)
+        else:
+            kernel[grid(bm, bn)](*args, **consts, BLOCK_M=bm, BLOCK_N=bn,
+                                 num_warps=warps, num_stages=stages)
+
+    if config is not None:
+        run(config)
+        return
+    if is_interpreted():
+        run(_INTERP_CONFIGS[kind])
+        return
+    cands = _candidates(kind, args[0].dtype, consts["BLOCK_D"])
+    full_key = (kind, *key)
+    cfg = _TUNED.get(full_key)
+    if cfg is None:
+        cfg = _tune(run, cands) if _autotune_enabled() and len(cands) > 1 else cands[0]
+        _TUNED[full_key] = cfg
+    run(cfg)
+
+
+def _tune(run: Callable, cands: list[tuple[int, int, int, int]]) -> tuple[int, int, int, int]:
+    """Time each config (compiling it first); configs that fail to compile/launch are skipped.
+
+    Every kernel here overwrites all of its outputs, so re-running it is harmless.
+    """
+    from triton.testing import do_bench
+
+    best, best_t, last_err = None, float("inf"), None
+    for cfg in cands:
+        try:
+            run(cfg)
+            t = do_bench(lambda cfg=cfg: run(cfg), warmup=5, rep=20)
+        except Exception as err:  # noqa: BLE001 - out of shared memory / registers, ...
+            last_err = err
+            continue
+        if t < best_t:
+            best, best_t = cfg, t
+    if best is None:
+        raise RuntimeError(f"no Triton attention config could run: {last_err}") from last_err
+    return best
+
+
+# --------------------------------------------------------------------------- helpers
+def _c(t: Tensor) -> Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _dot_prec(dtype: torch.dtype) -> str:
+    """fp32 dots: 3xTF32 on GPU (fp32-accurate, on tensor cores; "ieee" FMA dots take 30-45 s
+    to compile and spill heavily at D=128), exact in the interpreter. fp16/bf16: ignored."""
+    if dtype != torch.float32:
+        return "tf32"
+    if is_interpreted():
+        return "ieee"
+    return os.environ.get("TORCHFN_TRITON_FP32_PRECISION", "tf32x3")
+
+
+def _upcast(dtype: torch.dtype) -> bool:
+    # the interpreter's tl.dot is wrong for bf16: run every dot in fp32 there (P and dS
+    # unrounded too, as the CPU peers that set the fp16/bf16 error bound do)
+    return is_interpreted() and dtype != torch.float32
+
+
+def _buf_dtype(dtype: torch.dtype) -> torch.dtype:
+    # the interpreter truncates fp32 -> bf16 on store: write fp32, round on the host instead
+    return torch.float32 if dtype == torch.bfloat16 and is_interpreted() else dtype
+
+
+def _mask_args(mask: Tensor | None, q: Tensor) -> tuple[Tensor, int, tuple[int, int, int, int]]:
+    """(pointer, MASK_KIND, strides (b, h, m, n)); bool masks are read as uint8."""
+    if mask is None:
+        return q, 0, (0, 0, 0, 0)
+    if mask.dtype == torch.bool:
+        m, kind = mask.view(torch.uint8), 1
+    else:
+        m, kind = mask, 2
+    return m, kind, tuple(m.stride())
+
+
+def _common(q: Tensor, k: Tensor, mask: Tensor | None, causal: bool, scale: float):
+    B, H, Nq, D = q.shape
+    Hkv, Nk = k.shape[1], k.shape[2]
+    mptr, mkind, ms = _mask_args(mask, q)
+    consts = dict(
+        HEAD_DIM=D, BLOCK_D=_block_d(D), IS_CAUSAL=bool(causal), MASK_KIND=mkind,
+        DOT_PREC=_dot_prec(q.dtype), UPCAST=_upcast(q.dtype),
+    )
+    key = (_bucket(max(Nq, Nk)), D, bool(causal), mkind, q.dtype)
+    return B, H, Hkv, Nq, Nk, D, mptr, ms, consts, key
+
+
+def _empty_fwd(q: Tensor) -> tuple[Tensor, Tensor]:
+    B, H, Nq, _ = q.shape
+    o = torch.zeros_like(q, memory_format=torch.contiguous_format)
+    lse = torch.full((B, H, Nq), float("-inf"), dtype=torch.float32, device=q.device)
+    return o, lse
+
+
+# --------------------------------------------------------------------------- raw ops
+def fwd(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool, scale: float,
+        *, config: tuple[int, int, int, int] | None = None) -> tuple[Tensor, Tensor]:
+    """Forward: ``o = softmax(scale q k^T + mask) v`` and its row logsumexp ``lse`` (float32).
+
+    q: (B, H, Nq, D); k, v: (B, Hkv, Nk, D) -> o: (B, H, Nq, D), lse: (B, H, Nq).
+    ``config`` = (BLOCK_M, BLOCK_N, num_warps, num_stages) overrides the tuned choice.
+    """
+    _ensure_mode(q.device)
+    q, k, v = _c(q), _c(k), _c(v)
+    B, H, Hkv, Nq, Nk, D, mptr, ms, consts, key = _common(q, k, mask, causal, scale)
+    if B * H * Nq == 0 or Nk == 0:
+        return _empty_fwd(q)
+    o = torch.empty((B, H, Nq, D), dtype=_buf_dtype(q.dtype), device=q.device)
+    lse = torch.empty((B, H, Nq), dtype=torch.float32, device=q.device)
+    args = (q, k, v, mptr, o, lse,
+            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+            v.stride(0), v.stride(1), v.stride(2), *ms, o.stride(0), o.stride(1), o.stride(2),
+            H, H // Hkv, Nq, Nk, float(scale) * 1.4426950408889634)
+    grid = lambda bm, bn: (triton.cdiv(Nq, bm), B * H)
+    _launch("fwd", _triton_fwd._attn_fwd, grid, args, consts, key, config)
+    return o.to(q.dtype), lse
+
+
+def bwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Tensor,
+        mask: Tensor | None, causal: bool, scale: float,
+        *, config: tuple[tuple[int, int, int, int], tuple[int, int, int, int]] | None = None,
+        ) -> tuple[Tensor, Tensor, Tensor]:
+    """Backward from ``do``: (dq, dk, dv) in the input dtype; dk/dv summed over GQA groups.
+
+    Deterministic (no atomics). ``config`` = (dkdv config, dq config) overrides tuning.
+    """
+    _ensure_mode(q.device)
+    q, k, v, o, do = _c(q), _c(k), _c(v), _c(o), _c(do)
+    B, H, Hkv, Nq, Nk, D, mptr, ms, consts, key = _common(q, k, mask, causal, scale)
+    buf = _buf_dtype(q.dtype)
+    dq = torch.zeros((B, H, Nq, D), dtype=buf, device=q.device)
+    dk = torch.zeros((B, Hkv, Nk, D), dtype=buf, device=q.device)
+    dv = torch.zeros((B, Hkv, Nk, D), dtype=buf, device=q.device)
+    if B * H * Nq == 0 or Nk == 0:
+        return dq.to(q.dtype), dk.to(q.dtype), dv.to(q.dtype)
+    lse = lse.contiguous()
+    delta = torch.empty((B, H, Nq), dtype=torch.float32, device=q.device)
+    lse2 = torch.empty_like(delta)
+    pre_grid = (triton.cdiv(Nq, _PRE_BLOCK_M), B * H)
+    _triton_bwd._bwd_preprocess[pre_grid](
+        o, do, lse, delta, lse2,
+        o.stride(0), o.stride(1), o.stride(2), do.stride(0), do.stride(1), do.stride(2),
+        H, Nq, HEAD_DIM=D, BLOCK_D=consts["BLOCK_D"], BLOCK_M=_PRE_BLOCK_M,
+    )
+    qk_scale = float(scale) * 1.4426950408889634
+    common = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+              v.stride(0), v.stride(1), v.stride(2), *ms,
+              do.stride(0), do.stride(1), do.stride(2))
+    args_kv = (q, k, v, mptr, do, lse2, delta, dk, dv, *common,
+               dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
+               H, Hkv, H // Hkv, Nq, Nk, qk_scale, float(scale))
+    grid_kv = lambda bm, bn: (triton.cdiv(Nk, bn), B * Hkv)
+    _launch("dkdv", _triton_bwd._attn_bwd_dkdv, grid_kv, args_kv, consts, key,
+            None if config is None else config[0])
+    args_q = (q, k, v, mptr, do, lse2, delta, dq, *common,
+              dq.stride(0), dq.stride(1), dq.stride(2),
+              H, H // Hkv, Nq, Nk, qk_scale, float(scale))
+    grid_q = lambda bm, bn: (triton.cdiv(Nq, bm), B * H)
+    _launch("dq", _triton_bwd._attn_bwd_dq, grid_q, args_q, consts, key,
+            None if config is None else config[1])
+    return dq.to(q.dtype), dk.to(q.dtype), dv.to(q.dtype)
+
+
+def jvp(q: Tensor, k: Tensor, v: Tensor, tq: Tensor | None, tk: Tensor | None,
+        tv: Tensor | None, mask: Tensor | None, causal: bool, scale: float,
+        *, config: tuple[int, int, int, int] | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """Fused forward-mode: (o, lse, to) with ``to`` the tangent of ``o``; None tangents are 0.
+
+    tq: (B, H, Nq, D) or None; tk, tv: (B, Hkv, Nk, D) or None -> to: (B, H, Nq, D).
+    """
+    _ensure_mode(q.device)
+    q, k, v = _c(q), _c(k), _c(v)
+    tq, tk, tv = (None if t is None else _c(t) for t in (tq, tk, tv))
+    B, H, Hkv, Nq, Nk, D, mptr, ms, consts, key = _common(q, k, mask, causal, scale)
+    if B * H * Nq == 0 or Nk == 0:
+        o, lse = _empty_fwd(q)
+        return o, lse, torch.zeros_like(o)
+    o = torch.empty((B, H, Nq, D), dtype=_buf_dtype(q.dtype), device=q.device)
+    to = torch.empty_like(o)
+    lse = torch.empty((B, H, Nq), dtype=torch.float32, device=q.device)
+    tq_, tk_, tv_ = (q if tq is None else tq), (k if tk is None else tk), (v if tv is None else tv)
+    args = (q, k, v, tq_, tk_, tv_, mptr, o, lse, to,
+            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+            v.stride(0), v.stride(1), v.stride(2),
+            tq_.stride(0), tq_.stride(1), tq_.stride(2), tk_.stride(0), tk_.stride(1),
+            tk_.stride(2), tv_.stride(0), tv_.stride(1), tv_.stride(2),
+            *ms, o.stride(0), o.stride(1), o.stride(2), to.stride(0), to.stride(1), to.stride(2),
+            H, H // Hkv, Nq, Nk, float(scale) * 1.4426950408889634, float(scale))
+    consts = dict(consts, HAS_TQ=tq is not None, HAS_TK=tk is not None, HAS_TV=tv is not None)
+    key = (*key, tq is not None, tk is not None, tv is not None)
+    grid = lambda bm, bn: (triton.cdiv(Nq, bm), B * H)
+    _launch("jvp", _triton_jvp._attn_jvp, grid, args, consts, key, config)
+    return o.to(q.dtype), lse, to.to(q.dtype)

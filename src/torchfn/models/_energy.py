@@ -1,0 +1,38 @@
+"""A small MLP energy for energy-based models."""
+
+from __future__ import annotations
+
+from torch import Tensor, nn
+
+__all__ = ["MLPEnergy"]
+
+
+class MLPEnergy(nn.Module):
+    """``E(x) = MLP(x)``: ``(..., dim) -> (...)``, a scalar energy per example.
+
+    SiLU activations keep the energy smooth, so Langevin gradients are too. Works on one
+    example ``x: (dim,)`` (returns shape ``()``) as well as on a batch ``(B, dim) -> (B,)``.
+
+    Example::
+
+        >>> model = torchfn.Model(MLPEnergy(2, hidden=64, depth=2))
+        >>> params = model.init(torchfn.random.key(0))
+        >>> energy = lambda x: model.apply(params, x)          # (2,) -> ()
+    """
+
+    def __init__(self, dim: int, hidden: int = 128, depth: int = 2) -> None:
+        super().__init__()
+        if dim < 1 or hidden < 1 or depth < 1:
+            raise ValueError(
+                f"dim, hidden and depth must be >= 1, got dim={dim}, hidden={hidden}, depth={depth}"
+            )
+        layers: list[nn.Module] = []
+        width = dim
+        for _ in range(depth):
+            layers += [nn.Linear(width, hidden), nn.SiLU()]
+            width = hidden
+        layers.append(nn.Linear(width, 1))
+        self.net = nn.Sequential(*layers)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.net(x).squeeze(-1)  # (...,)

@@ -1,0 +1,96 @@
+"""A multi-layer perceptron."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from torch import Tensor, nn
+
+__all__ = ["MLP"]
+
+_ACTIVATIONS: dict[str, Callable[[], nn.Module]] = {
+    "relu": nn.ReLU,
+    "gelu": nn.GELU,
+    "silu": nn.SiLU,
+    "tanh": nn.Tanh,
+    "elu": nn.ELU,
+    "leaky_relu": nn.LeakyReLU,
+}
+
+
+def make_activation(activation: str | Callable[[], nn.Module]) -> nn.Module:
+    """An activation module from a name (``"relu"``, ``"gelu"``, ``"silu"``, ``"tanh"``,
+    ``"elu"``, ``"leaky_relu"``) or a zero-argument module factory (``nn.Softplus``)."""
+    if isinstance(activation, str):
+        if activation not in _ACTIVATIONS:
+            raise ValueError(
+                f"activation must be one of {sorted(_ACTIVATIONS)} or a module class, "
+                f"got {activation!r}"
+            )
+        return _ACTIVATIONS[activation]()
+    if callable(activation):
+        module = activation()
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"activation() must build an nn.Module, got {type(module).__name__}")
+        return module
+    raise TypeError(f"activation must be a name or a module class, got {type(activation).__name__}")
+
+
+def _check_dims(**dims: object) -> None:
+    for name, d in dims.items():
+        if isinstance(d, bool) or not isinstance(d, int) or d < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {d!r}")
+
+
+class MLP(nn.Module):
+    """``Linear -> act -> [Dropout] -> ... -> Linear``: ``(..., in_dim) -> (..., out_dim)``.
+
+    Works on one example ``(in_dim,)`` as well as any batch ``(..., in_dim)``, so it
+    composes with per-example ``vmap``.
+
+    Args:
+        in_dim: input features.
+        hidden: widths of the hidden layers, e.g. ``(64, 64)``; ``()`` is a linear model.
+        out_dim: output features.
+        activation: a name (``"relu"``, ``"gelu"``, ``"silu"``, ``"tanh"``, ...) or an
+            ``nn.Module`` class.
+        dropout: dropout probability after each hidden activation (keyed by
+            ``torchfn.Model.apply(..., key=k, train=True)``).
+
+    Example::
+
+        >>> import torchfn
+        >>> model = torchfn.Model(MLP(4, (32, 32), 3, activation="gelu", dropout=0.1))
+        >>> params = model.init(torchfn.random.key(0))
+        >>> model.apply(params, torch.randn(8, 4)).shape
+        torch.Size([8, 3])
+    """
+
+    def __init__(
+        self,
+        in_dim: int,
+        hidden: Sequence[int],
+        out_dim: int,
+        activation: str | Callable[[], nn.Module] = "relu",
+        dropout: float = 0.0,
+    ) -> None:
+        super().__init__()
+        if isinstance(hidden, int):
+            raise TypeError(f"hidden must be a sequence of widths such as (64, 64), got {hidden}")
+        hidden = tuple(hidden)
+        _check_dims(in_dim=in_dim, out_dim=out_dim, **{f"hidden[{i}]": h for i, h in
+                                                       enumerate(hidden)})
+        if not 0.0 <= dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {dropout}")
+        layers: list[nn.Module] = []
+        width = in_dim
+        for h in hidden:
+            layers += [nn.Linear(width, h), make_activation(activation)]
+            if dropout > 0:
+                layers.append(nn.Dropout(dropout))
+            width = h
+        layers.append(nn.Linear(width, out_dim))
+        self.net = nn.Sequential(*layers)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.net(x)  # (..., out_dim)

@@ -1,0 +1,156 @@
+"""A small pre-LayerNorm Transformer encoder whose attention is ``torchfn.kernels.attention``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor, nn
+
+from torchfn.models._mlp import _check_dims
+
+__all__ = ["TransformerEncoder", "TransformerBlock", "MultiHeadAttention"]
+
+AttendFn = Callable[..., Tensor]
+
+
+def _fused_attention(q: Tensor, k: Tensor, v: Tensor, *, key_padding_mask, causal) -> Tensor:
+    """The default attention: ``torchfn.kernels.attention`` (fused on GPU, blockwise on
+    CPU; composes with grad / vmap / jvp). Imported lazily: kernels import triton only
+    when it runs on CUDA."""
+    from torchfn.kernels import attention
+
+    return attention(q, k, v, key_padding_mask=key_padding_mask, causal=causal)
+
+
+class MultiHeadAttention(nn.Module):
+    """Self-attention ``(B, N, dim) -> (B, N, dim)`` with ``heads`` heads.
+
+    ``attend(q, k, v, key_padding_mask=..., causal=...)`` on ``(B, H, N, D)`` tensors
+    computes ``softmax(q k^T / sqrt(D)) v``; the default is
+    ``torchfn.kernels.attention``. Pass another (e.g. a wrapper around
+    ``F.scaled_dot_product_attention``) to compare.
+    """
+
+    def __init__(self, dim: int, heads: int, *, causal: bool = False,
+                 attend: AttendFn | None = None) -> None:
+        super().__init__()
+        _check_dims(dim=dim, heads=heads)
+        if dim % heads:
+            raise ValueError(f"dim must be divisible by heads, got dim={dim}, heads={heads}")
+        self.heads, self.causal = heads, causal
+        self.attend = attend or _fused_attention
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.out = nn.Linear(dim, dim)
+
+    def forward(self, x: Tensor, key_padding_mask: Tensor | None = None) -> Tensor:
+        b, n, dim = x.shape
+        qkv = self.qkv(x).reshape(b, n, 3, self.heads, dim // self.heads)  # (B, N, 3, H, D)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each (B, H, N, D)
+        o = self.attend(q, k, v, key_padding_mask=key_padding_mask, causal=self.causal)
+        return self.out(o.transpose(1, 2).reshape(b, n, dim))  # (B, N, dim)
+
+
+class TransformerBlock(nn.Module):
+    """``x + Drop(Attn(LN(x)))`` then ``x + Drop(MLP(LN(x)))`` (pre-LN, GELU MLP)."""
+
+    def __init__(self, dim: int, heads: int, *, mlp_ratio: int = 4, dropout: float = 0.0,
+                 causal: bool = False, attend: AttendFn | None = None) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(dim)
+        self.attn = MultiHeadAttention(dim, heads, causal=causal, attend=attend)
+        self.ln2 = nn.LayerNorm(dim)
+        self.mlp = nn.Sequential(
+            nn.Linear(dim, mlp_ratio * dim), nn.GELU(), nn.Linear(mlp_ratio * dim, dim)
+        )
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x: Tensor, key_padding_mask: Tensor | None = None) -> Tensor:
+        x = x + self.drop(self.attn(self.ln1(x), key_padding_mask))
+        return x + self.drop(self.mlp(self.ln2(x)))  # (B, N, dim)
+
+
+class TransformerEncoder(nn.Module):
+    """Token (or feature) embedding + learned positions, ``depth`` pre-LN blocks, final
+    LayerNorm and an optional linear head.
+
+    Inputs: integer tokens ``(B, N)`` when ``vocab_size`` is given, else features
+    ``(B, N, in_dim)`` (``in_dim`` defaults to ``dim``). One example (``(N,)`` tokens or
+    ``(N, in_dim)`` features) also works, for per-example ``vmap``. Output
+    ``(B, N, out_dim)`` (``out_dim=None``: ``dim``, no head). ``key_padding_mask``
+    ``(B, N)`` bool marks real tokens (True) as in ``torchfn.kernels.attention``.
+
+    Args:
+        dim: model width; heads: attention heads (``dim % heads == 0``); depth: blocks.
+        vocab_size / in_dim: token or feature input (give at most one).
+        max_len: the longest sequence (size of the position table).
+        out_dim: output head width, or ``None``.
+        mlp_ratio, dropout, causal: block settings; ``causal`` masks future positions.
+        attend: the attention function (default ``torchfn.kernels.attention``).
+
+    Example::
+
+        >>> import torchfn
+        >>> model = torchfn.Model(TransformerEncoder(dim=32, heads=4, depth=2,
+        ...                                          vocab_size=100, out_dim=100, causal=True))
+        >>> params = model.init(torchfn.random.key(0))
+        >>> tokens = torch.randint(0, 100, (2, 16))
+        >>> model.apply(params, tokens).shape
+        torch.Size([2, 16, 100])
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        heads: int,
+        depth: int,
+        *,
+        vocab_size: int | None = None,
+        in_dim: int | None = None,
+        max_len: int = 256,
+        out_dim: int | None = None,
+        mlp_ratio: int = 4,
+        dropout: float = 0.0,
+        causal: bool = False,
+        attend: AttendFn | None = None,
+    ) -> None:
+        super().__init__()
+        _check_dims(dim=dim, heads=heads, depth=depth, max_len=max_len, mlp_ratio=mlp_ratio)
+        if vocab_size is not None and in_dim is not None:
+            raise ValueError(
+                f"give vocab_size (token input) or in_dim (feature input), not both: "
+                f"got vocab_size={vocab_size}, in_dim={in_dim}"
+            )
+        if not 0.0 <= dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {dropout}")
+        self.tokens = vocab_size is not None
+        if vocab_size is not None:
+            _check_dims(vocab_size=vocab_size)
+            self.embed: nn.Module = nn.Embedding(vocab_size, dim)
+        else:
+            _check_dims(in_dim=in_dim or dim)
+            self.embed = nn.Linear(in_dim or dim, dim)
+        self.pos = nn.Embedding(max_len, dim)
+        self.drop = nn.Dropout(dropout)
+        self.blocks = nn.ModuleList(
+            TransformerBlock(dim, heads, mlp_ratio=mlp_ratio, dropout=dropout, causal=causal,
+                             attend=attend)
+            for _ in range(depth)
+        )
+        self.ln = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, out_dim) if out_dim is not None else nn.Identity()
+
+    def forward(self, x: Tensor, key_padding_mask: Tensor | None = None) -> Tensor:
+        one = x.dim() == (1 if self.tokens else 2)  # a single example: add a batch dim
+        if one:
+            x = x.unsqueeze(0)
+            key_padding_mask = None if key_padding_mask is None else key_padding_mask[None]
+        n = x.shape[1]
+        if n > self.pos.num_embeddings:
+            raise ValueError(f"sequence length {n} exceeds max_len={self.pos.num_embeddings}")
+        positions = torch.arange(n, device=x.device)
+        h = self.drop(self.embed(x) + self.pos(positions))  # (B, N, dim)
+        for block in self.blocks:
+            h = block(h, key_padding_mask)
+        out = self.head(self.ln(h))  # (B, N, out_dim)
+        return out.squeeze(0) if one else out

@@ -1,0 +1,55 @@
+"""Discrete-time diffusion (DDPM / DDIM): schedules, the forward process, samplers.
+
+    >>> from torchfn.transforms import diffusion
+    >>> s = diffusion.cosine_schedule(1000)                    # float64 coefficients
+    >>> x_t = diffusion.q_sample(s, x0, t, noise)              # x0: (B, ...), t: (B,) int64
+    >>> x = diffusion.ddim_sample(eps_fn, s, (64, 2), key, steps=50)
+
+The training loss lives in ``torchfn.losses.diffusion_loss``.
+"""
+
+from torchfn.transforms.diffusion._q_sample import (
+    PREDICTIONS,
+    predict_eps_from_v,
+    predict_eps_from_x0,
+    predict_x0_from_eps,
+    predict_x0_from_v,
+    q_posterior,
+    q_sample,
+    velocity,
+)
+from torchfn.transforms.diffusion._samplers import (
+    ddim_sample,
+    ddim_step,
+    ddim_timesteps,
+    ddpm_sample,
+    ddpm_step,
+)
+from torchfn.transforms.diffusion._schedules import (
+    Schedule,
+    cosine_schedule,
+    linear_schedule,
+    schedule_from_betas,
+    sigmoid_schedule,
+)
+
+__all__ = [
+    "PREDICTIONS",
+    "Schedule",
+    "cosine_schedule",
+    "ddim_sample",
+    "ddim_step",
+    "ddim_timesteps",
+    "ddpm_sample",
+    "ddpm_step",
+    "linear_schedule",
+    "predict_eps_from_v",
+    "predict_eps_from_x0",
+    "predict_x0_from_eps",
+    "predict_x0_from_v",
+    "q_posterior",
+    "q_sample",
+    "schedule_from_betas",
+    "sigmoid_schedule",
+    "velocity",
+]

@@ -1,0 +1,178 @@
+"""Bad input to ``attention``: errors that name the argument, the expectation and the value."""
+
+import os
+import sys
+
+import pytest
+import torch
+
+from torchfn.kernels import AttentionBackendError, _dispatch, attention, reference_attention
+
+
+@pytest.fixture
+def qkv():
+    g = torch.Generator().manual_seed(0)
+    return (
+        torch.randn(2, 4, 5, 8, generator=g),
+        torch.randn(2, 2, 6, 8, generator=g),
+        torch.randn(2, 2, 6, 8, generator=g),
+    )
+
+
+@pytest.mark.parametrize(
+    "change, error, match",
+    [
+        (lambda q, k, v: ([1.0], k, v), TypeError, r"q must be a torch.Tensor, got list"),
+        (
+            lambda q, k, v: (q[0], k, v),
+            ValueError,
+            r"q must be 4-D \(B, H, Nq, D\), got shape \(4, 5, 8\)",
+        ),
+        (
+            lambda q, k, v: (q, k[None], v),
+            ValueError,
+            r"k must be 4-D \(B, Hkv, Nk, D\), got shape",
+        ),
+        (lambda q, k, v: (q.long(), k, v), TypeError, r"q must be float16, .* got torch.int64"),
+        (
+            lambda q, k, v: (q, k.double(), v),
+            TypeError,
+            r"k.dtype must equal q.dtype \(torch.float32\), got torch.float64",
+        ),
+        (lambda q, k, v: (q, k, v.half()), TypeError, r"v.dtype must equal q.dtype"),
+        (
+            lambda q, k, v: (q, k, v.to("meta")),
+            ValueError,
+            r"v must be on q's device \(cpu\), got meta",
+        ),
+        (
+            lambda q, k, v: (q, k, v[:, :, :5]),
+            ValueError,
+            r"v must have k's shape .*\(2, 2, 6, 8\), got \(2, 2, 5, 8\)",
+        ),
+        (
+            lambda q, k, v: (q, k[:1], v[:1]),
+            ValueError,
+            r"k must have batch size B = 2 \(from q\), got 1",
+        ),
+        (
+            lambda q, k, v: (q, k[..., :4], v[..., :4]),
+            ValueError,
+            r"k must have head dim D = 8 \(from q\), got 4",
+        ),
+        (
+            lambda q, k, v: (q[:, :3], k, v),
+            ValueError,
+            r"H = 3 must be a multiple of k's heads Hkv .* got Hkv = 2",
+        ),
+        (lambda q, k, v: (q[:, :, :0], k, v), ValueError, r"q and k must have no empty dim"),
+        (
+            lambda q, k, v: (
+                torch.ones(1, 1, 2, 257),
+                torch.ones(1, 1, 2, 257),
+                torch.ones(1, 1, 2, 257),
+            ),
+            ValueError,
+            r"head dim D must be in 1..256, got 257",
+        ),
+    ],
+)
+def test_bad_qkv(qkv, change, error, match):
+    with pytest.raises(error, match=match):
+        attention(*change(*qkv))
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        (
+            dict(mask=torch.ones(5, 7, dtype=torch.bool)),
+            ValueError,
+            r"mask must broadcast to \(B, H, Nq, Nk\) = \(2, 4, 5, 6\), got shape \(5, 7\)",
+        ),
+        (
+            dict(mask=torch.ones(3, 4, 5, 6, dtype=torch.bool)),
+            ValueError,
+            r"mask must broadcast .* got shape \(3, 4, 5, 6\)",
+        ),
+        (
+            dict(mask=torch.ones(1, 2, 4, 5, 6, dtype=torch.bool)),
+            ValueError,
+            r"mask must broadcast",
+        ),
+        (
+            dict(mask=torch.ones(5, 6, dtype=torch.int32)),
+            TypeError,
+            r"mask must be bool .* got torch.int32",
+        ),
+        (
+            dict(mask=torch.zeros(5, 6, dtype=torch.float16)),
+            TypeError,
+            r"additive float mask of q's dtype \(torch.float32\) or float32, got torch.float16",
+        ),
+        (
+            dict(mask=torch.zeros(5, 6, requires_grad=True)),
+            ValueError,
+            r"mask must not require grad",
+        ),
+        (dict(mask=[[True]]), TypeError, r"mask must be a torch.Tensor or None, got list"),
+        (
+            dict(mask=torch.zeros(5, 6, device="meta")),
+            ValueError,
+            r"mask must be on q's device \(cpu\), got meta",
+        ),
+        (
+            dict(key_padding_mask=torch.ones(2, 5, dtype=torch.bool)),
+            ValueError,
+            r"key_padding_mask must have shape \(B, Nk\) = \(2, 6\), got \(2, 5\)",
+        ),
+        (
+            dict(key_padding_mask=torch.ones(2, 6)),
+            TypeError,
+            r"key_padding_mask must be a bool tensor \(True = attend\), got torch.float32",
+        ),
+        (dict(causal=1), TypeError, r"causal must be a bool, got int"),
+        (dict(scale="0.1"), TypeError, r"scale must be a float or None, got str"),
+        (dict(scale=float("inf")), ValueError, r"scale must be finite, got inf"),
+        (
+            dict(backend="cuda"),
+            ValueError,
+            r"backend must be one of None, 'torch', 'triton', got 'cuda'",
+        ),
+    ],
+)
+def test_bad_options(qkv, kwargs, error, match):
+    with pytest.raises(error, match=match):
+        attention(*qkv, **kwargs)
+
+
+def test_reference_validates_too(qkv):
+    q, k, v = qkv
+    with pytest.raises(
+        ValueError, match=r"H = 4 must be a multiple of k's heads Hkv .* got Hkv = 3"
+    ):
+        reference_attention(q, k[:, :1].expand(2, 3, 6, 8), v[:, :1].expand(2, 3, 6, 8))
+
+
+def test_triton_rejects_float64(qkv):
+    with pytest.raises(TypeError, match=r"backend='triton' supports .* got float64"):
+        attention(*(x.double() for x in qkv), backend="triton")
+
+
+def test_triton_missing_package(qkv, monkeypatch):
+    monkeypatch.setattr(_dispatch, "_triton_found", [False])
+    with pytest.raises(AttentionBackendError, match=r"backend='triton' needs the triton package"):
+        attention(*qkv, backend="triton")
+    assert attention(*qkv).shape == qkv[0].shape  # backend=None never needs it
+
+
+def test_triton_on_cpu_needs_interpreter_before_triton_language(qkv, monkeypatch):
+    """Too late to switch the interpreter on: a clear error. Early enough: it is switched on."""
+    monkeypatch.setattr(_dispatch, "_triton_found", [True])
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setitem(sys.modules, "triton.language", sys.modules.get("triton.language", os))
+    with pytest.raises(AttentionBackendError, match=r"TRITON_INTERPRET=None .* already loaded"):
+        attention(*qkv, backend="triton")
+    monkeypatch.delitem(sys.modules, "triton.language")
+    assert _dispatch._resolve_backend("triton", qkv[0]) == "triton"
+    assert os.environ["TRITON_INTERPRET"] == "1"

@@ -1,0 +1,250 @@
+"""``attention`` under every transform, for each backend, equals the float64 reference.
+
+The torch backend runs in float64 (tight tolerances, plus ``gradcheck``), once with
+Nq != Nk (its blockwise path) and once with Nq == Nk (SDPA's fused CPU kernels); the
+Triton backend runs in float32 (in the Triton interpreter on CPU, so sizes are tiny)
+and is held to the fp32 contract, 1e-5 (second order, computed by fp32 torch math: 1e-4).
+"""
+
+import importlib.util
+
+import pytest
+import torch
+from torch.func import grad, hessian, jacfwd, jacrev, jvp, vmap
+
+from torchfn.kernels import attention, reference_attention
+
+# B=1, H=2 query heads on Hkv=1 kv head (GQA), Nq <= Nk=7, odd D, causal + bool mask
+B, H, HKV, NK, D = 1, 2, 1, 7, 6
+HAS_TRITON = all(importlib.util.find_spec(m) for m in ("triton", "torchfn.kernels._triton_ops"))
+VARIANTS = [
+    pytest.param(("torch", 5), id="torch-blockwise"),  # causal, Nq != Nk: blockwise path
+    pytest.param(("torch", NK), id="torch-sdpa"),  # Nq == Nk: SDPA's fused CPU kernels
+    pytest.param(
+        ("triton", 5),
+        id="triton",
+        marks=pytest.mark.skipif(not HAS_TRITON, reason="triton or _triton_ops is missing"),
+    ),
+]
+
+
+@pytest.fixture(scope="module", params=VARIANTS)
+def case(request):
+    """Inputs, mask (one fully masked row), and the attention of each backend + reference."""
+    attn_backend, nq = request.param
+    g = torch.Generator().manual_seed(11)
+    dtype = torch.float64 if attn_backend == "torch" else torch.float32
+
+    def normal(*shape):
+        return torch.randn(*shape, generator=g, dtype=torch.float64).to(dtype)
+
+    mask = torch.rand(B, 1, nq, NK, generator=g) < 0.8
+    mask[..., 1, :] = False  # query 1 sees no key
+    mask[..., 2, :4] = True  # query 2 keeps its causally visible keys
+
+    def ours(q, k, v):
+        return attention(q, k, v, mask=mask, causal=True, backend=attn_backend)
+
+    def ref(q, k, v):
+        return reference_attention(q.double(), k.double(), v.double(), mask=mask, causal=True)
+
+    tol = 1e-10 if attn_backend == "torch" else 1e-5
+    return dict(
+        qkv=(normal(B, H, nq, D), normal(B, HKV, NK, D), normal(B, HKV, NK, D)),
+        w=normal(B, H, nq, D),  # a random readout, so no gradient is trivially 0
+        normal=normal,
+        ours=ours,
+        ref=ref,
+        tol=tol,
+        tol2=1e-10 if attn_backend == "torch" else 1e-4,
+        backend=attn_backend,
+        nq=nq,
+    )
+
+
+def loss_of(fn, w):
+    return lambda q, k, v: (fn(q, k, v) * w).sum()
+
+
+def test_grad(case, rel_err):
+    q, k, v = case["qkv"]
+    ours = grad(loss_of(case["ours"], case["w"]), argnums=(0, 1, 2))(q, k, v)
+    ref = grad(loss_of(case["ref"], case["w"].double()), argnums=(0, 1, 2))(q, k, v)
+    for a, b in zip(ours, ref):
+        assert a.dtype == q.dtype and rel_err(a, b) <= case["tol"]
+    assert ours[0][..., 1, :].eq(0).all()  # the fully masked row gets no gradient
+
+
+def test_vmap_grad_per_sample_equals_loop(case, rel_err):
+    """Per-sample gradients of a projection through attention: vmap(grad) == a loop."""
+    normal, w = case["normal"], case["w"]
+    params = {n: normal(D, D) for n in ("wq", "wk", "wv")}
+    xs = normal(3, B, H, NK, D)  # 3 samples
+
+    def loss(params, x):
+        q = x[:, :, NK - case["nq"] :] @ params["wq"]
+        k, v = x[:, :HKV] @ params["wk"], x[:, :HKV] @ params["wv"]
+        return (case["ours"](q, k, v) * w).sum()
+
+    batched = vmap(grad(loss), in_dims=(None, 0))(params, xs)
+    for i in range(xs.shape[0]):
+        single = grad(loss)(params, xs[i])
+        for n in params:
+            assert rel_err(batched[n][i], single[n]) <= case["tol"]
+    assert batched["wq"].abs().amax() > 0
+
+
+def test_vmap_forward_in_dims_and_batched_mask(case, rel_err):
+    """vmap over k only, and over a per-sample key-padding mask, == a loop."""
+    q, k, v = case["qkv"]
+    ks = case["normal"](2, B, HKV, NK, D)
+    out = vmap(case["ours"], in_dims=(None, 0, None))(q, ks, v)
+    for i in range(2):
+        assert rel_err(out[i], case["ref"](q, ks[i], v)) <= case["tol"]
+    kps = torch.tensor([[True] * NK, [True, False] * 3 + [True]]).unsqueeze(1)  # (2, B, Nk)
+    fn = lambda kp: attention(q, k, v, key_padding_mask=kp, backend=case["backend"])  # noqa: E731
+    out = vmap(fn)(kps)
+    for i in range(2):
+        ref = reference_attention(q.double(), k.double(), v.double(), key_padding_mask=kps[i])
+        assert rel_err(out[i], ref) <= case["tol"]
+
+
+def test_jacrev(case, rel_err):
+    q, k, v = case["qkv"]
+    # a small output (B, H, Nq) keeps the number of vmapped cotangents down
+    ours = jacrev(lambda q: case["ours"](q, k, v).sum(-1))(q)
+    ref = jacrev(lambda q: case["ref"](q, k, v).sum(-1))(q.double())
+    assert ours.shape == (B, H, case["nq"], B, H, case["nq"], D)
+    assert rel_err(ours, ref) <= case["tol"]
+
+
+def test_jacfwd(case, rel_err):
+    """jacfwd in 3 directions moving q, k and v at once (all tangents batched)."""
+    q, k, v = case["qkv"]
+    normal = case["normal"]
+    qkv, dirs = (q, k, v), (normal(*q.shape), normal(*k.shape), normal(*v.shape))
+
+    def along(fn, x):
+        moved = (p.to(x.dtype) + x[i] * d.to(x.dtype) for i, (p, d) in enumerate(zip(qkv, dirs)))
+        return fn(*moved).sum(-1)
+
+    x0 = torch.zeros(3, dtype=q.dtype)
+    ours = jacfwd(lambda x: along(case["ours"], x))(x0)
+    ref = jacfwd(lambda x: along(case["ref"], x))(x0.double())
+    assert ours.shape == (B, H, case["nq"], 3)
+    assert rel_err(ours, ref) <= case["tol"]
+    if case["backend"] == "torch":  # the full Jacobian wrt v too (cheap here)
+        ours = jacfwd(lambda v: case["ours"](q, k, v))(v)
+        ref = jacfwd(lambda v: case["ref"](q, k, v))(v)
+        assert rel_err(ours, ref) <= case["tol"]
+
+
+def test_jvp_is_right_not_zero(case, rel_err):
+    q, k, v = case["qkv"]
+    normal = case["normal"]
+    tangents = (normal(*q.shape), normal(*k.shape), normal(*v.shape))
+    o, t = jvp(case["ours"], (q, k, v), tangents)
+    o_ref, t_ref = jvp(case["ref"], (q.double(), k.double(), v.double()),
+                       tuple(x.double() for x in tangents))
+    assert rel_err(o, o_ref) <= case["tol"]
+    assert rel_err(t, t_ref) <= case["tol"]
+    assert t_ref.abs().amax() > 0.1 and t.abs().amax() > 0.1
+    # one tangent at a time (the others None inside the fused jvp)
+    for i in range(3):
+        only = tuple(x if j == i else torch.zeros_like(x) for j, x in enumerate(tangents))
+        _, t_i = jvp(case["ours"], (q, k, v), only)
+        _, t_i_ref = jvp(case["ref"], (q.double(), k.double(), v.double()),
+                         tuple(x.double() for x in only))
+        assert rel_err(t_i, t_i_ref) <= case["tol"]
+
+
+def test_hessian(case, rel_err):
+    """Hessian of a scalar in a few directions of q and k (forward-over-reverse)."""
+    q, k, v = case["qkv"]
+    normal, w = case["normal"], case["w"]
+    dq, dk = normal(2, *q.shape), normal(2, *k.shape)
+
+    def scalar(fn, x):
+        qx = q.to(x.dtype) + torch.einsum("i,i...->...", x[:2], dq.to(x.dtype))
+        kx = k.to(x.dtype) + torch.einsum("i,i...->...", x[2:], dk.to(x.dtype))
+        return (fn(qx, kx, v.to(x.dtype)) * w.to(x.dtype)).sum()
+
+    x0 = torch.zeros(4, dtype=q.dtype) + 0.1
+    ours = hessian(lambda x: scalar(case["ours"], x))(x0)
+    ref = hessian(lambda x: scalar(case["ref"], x))(x0.double())
+    assert rel_err(ours, ref) <= case["tol2"]
+    assert torch.allclose(ours, ours.T, atol=10 * case["tol2"])
+
+
+def test_grad_of_grad(case, rel_err):
+    q, k, v = case["qkv"]
+    u = case["normal"](*q.shape)
+
+    def outer(fn, w, u):
+        inner = grad(loss_of(fn, w), argnums=(0, 1, 2))
+        return lambda q, k, v: sum((g * c).sum() for g, c in zip(inner(q, k, v), (u, k, v)))
+
+    ours = grad(outer(case["ours"], case["w"], u), argnums=(0, 1, 2))(q, k, v)
+    ref = grad(outer(case["ref"], case["w"].double(), u.double()), argnums=(0, 1, 2))(
+        q.double(), k.double(), v.double()
+    )
+    for a, b in zip(ours, ref):
+        assert rel_err(a, b) <= case["tol2"]
+
+
+def test_opcheck(case):
+    """The raw custom ops pass torch.library.opcheck (schema, fake tensors, aot dispatch)."""
+    q, k, v = case["qkv"]
+    normal, be = case["normal"], case["backend"]
+    mask = torch.rand(B, 1, case["nq"], NK, generator=torch.Generator().manual_seed(1)) < 0.7
+    o, lse = torch.ops.torchfn.attention_fwd(q, k, v, mask, True, 0.4, be)
+    ops = torch.ops.torchfn
+    torch.library.opcheck(ops.attention_fwd.default, (q, k, v, mask, True, 0.4, be))
+    torch.library.opcheck(
+        ops.attention_bwd.default, (q, k, v, o, lse, normal(*q.shape), mask, True, 0.4, be)
+    )
+    tq, tv = normal(*q.shape), normal(*v.shape)
+    torch.library.opcheck(ops.attention_jvp.default, (q, k, v, tq, None, tv, None, False, 0.4, be))
+
+
+def test_torch_compile_forward_backward(case, rel_err):
+    """torch.compile(f) forward + backward == eager (the jvp-free twin Function)."""
+    torch._dynamo.reset()
+    q, k, v = (x.detach().clone().requires_grad_() for x in case["qkv"])
+    loss = loss_of(case["ours"], case["w"])
+    compiled = torch.compile(loss, fullgraph=True)
+    value = compiled(q, k, v)
+    grads = torch.autograd.grad(value, (q, k, v))
+    ref_value = loss(q, k, v)
+    ref_grads = torch.autograd.grad(ref_value, (q, k, v))
+    assert rel_err(value, ref_value) <= case["tol"]
+    for a, b in zip(grads, ref_grads):
+        assert rel_err(a, b) <= case["tol"]
+
+
+def test_torch_compile_of_func_grad(case, rel_err):
+    """compile(grad(f)): dynamo cannot trace the Function inside torch.func, so attention
+    runs eagerly inside the compiled step, and the result is right."""
+    if case["backend"] != "torch":
+        pytest.skip("the torch backend covers the compile(grad) wiring; the interpreter is slow")
+    torch._dynamo.reset()
+    q, k, v = case["qkv"]
+    f = grad(loss_of(case["ours"], case["w"]))
+    assert rel_err(torch.compile(f)(q, k, v), f(q, k, v)) <= case["tol"]
+
+
+def test_gradcheck_and_gradgradcheck_float64(case):
+    if case["backend"] != "torch":
+        pytest.skip("gradcheck needs float64, which only the torch backend supports")
+    q, k, v = (x[:, :, :4, :3].detach().clone().requires_grad_() for x in case["qkv"])
+    mask = torch.tensor([[True, False, True, True]] * 3 + [[False] * 4])  # last row fully masked
+
+    def fn(q, k, v):
+        return attention(q, k, v, mask=mask, scale=0.7, backend="torch")
+
+    assert torch.autograd.gradcheck(fn, (q, k, v))
+    assert torch.autograd.gradgradcheck(fn, (q, k, v))
+    assert torch.autograd.gradcheck(
+        fn, (q, k, v), check_forward_ad=True, check_backward_ad=False, check_undefined_grad=False,
+        check_batched_grad=False,
+    )

@@ -1,0 +1,305 @@
+"""Raw Triton attention kernels (fwd / bwd / jvp) vs a float64 reference, on CPU.
+
+The kernels run in the Triton interpreter. Without CUDA, ``TRITON_INTERPRET=1`` is
+set here (and in ``conftest.py``) before Triton or the kernel modules are imported;
+the autouse fixture also sets it for every test, and ``_triton_ops`` re-defines its
+kernels whenever the variable changed since they were made, so module order and a
+GPU machine (where the variable must not leak into the CUDA tests) both work.
+
+Contract: fp32 relative error <= 1e-5; fp16 / bf16 error <= 2x the error of
+``F.scaled_dot_product_attention`` in the same dtype on the same inputs. (In the
+interpreter every dot runs in fp32 and P / dS are not rounded to fp16 / bf16, as on
+SDPA's CPU path; the GPU rounding is checked by ``test_triton_gpu.py``.)
+"""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before the first `import triton`
+
+import pytest  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from hypothesis import given  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+pytest.importorskip("triton", reason="triton is not installed")
+
+from torchfn.kernels import _triton_ops as T  # noqa: E402
+
+FP32_TOL = 1e-5
+
+
+@pytest.fixture(autouse=True)
+def _interpreter_on(monkeypatch):
+    # another module (the GPU tests) may switch the variable off for its own duration
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+# --------------------------------------------------------------------------- reference
+def reference(q, k, v, mask=None, causal=False, scale=None):
+    """Materialised float64 attention -> (o, lse); fully masked rows give o = 0, lse = -inf."""
+    q, k, v = q.double(), k.double(), v.double()
+    B, H, Nq, D = q.shape
+    Hkv, Nk = k.shape[1], k.shape[2]
+    k = k.repeat_interleave(H // Hkv, 1)
+    v = v.repeat_interleave(H // Hkv, 1)
+    scale = D**-0.5 if scale is None else scale
+    s = scale * q @ k.transpose(-1, -2)
+    allowed = torch.ones(B, H, Nq, Nk, dtype=torch.bool)
+    if mask is not None:
+        if mask.dtype == torch.bool:
+            allowed = allowed & mask
+        else:
+            s = s + mask.double()
+            allowed = allowed & (mask > float("-inf"))
+    if causal:
+        allowed = allowed & _causal(Nq, Nk)
+    row_ok = allowed.any(-1, keepdim=True)
+    s = torch.where(row_ok, torch.where(allowed, s, float("-inf")), 0.0)
+    o = (torch.softmax(s, -1) * row_ok) @ v
+    lse = torch.where(row_ok[..., 0], torch.logsumexp(s, -1), float("-inf"))
+    return o, lse
+
+
+def _causal(Nq, Nk):
+    """Bottom-right aligned: query i sees key j iff j <= i + (Nk - Nq)."""
+    return torch.arange(Nk)[None, :] <= torch.arange(Nq)[:, None] + (Nk - Nq)
+
+
+def sdpa(q, k, v, mask, causal, scale):
+    """SDPA in the inputs' dtype (dense mask, repeated kv heads); fully masked rows -> 0."""
+    H, Hkv = q.shape[1], k.shape[1]
+    k = k.repeat_interleave(H // Hkv, 1)
+    v = v.repeat_interleave(H // Hkv, 1)
+    attn = None
+    if mask is not None:
+        attn = mask
+    if causal:
+        c = _causal(q.shape[2], k.shape[2])
+        if attn is None:
+            attn = c
+        elif attn.dtype == torch.bool:
+            attn = attn & c
+        else:
+            attn = attn.masked_fill(~c, float("-inf"))
+    if attn is not None and attn.dtype != torch.bool:
+        attn = attn.to(q.dtype)
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=attn, scale=scale)
+    return torch.nan_to_num(o, nan=0.0)
+
+
+def rel_err(x, ref):
+    """max |x - ref| / max(max |ref|, 1): inputs are ~N(0, 1), so the floor only matters when
+    the exact result vanishes (a single key: dq = dk = 0) and rounding noise is all there is."""
+    return ((x.double() - ref).abs().max() / ref.abs().max().clamp_min(1.0)).item()
+
+
+# --------------------------------------------------------------------------- data
+def make_mask(kind, B, H, Nq, Nk, dtype, gen):
+    if kind is None:
+        return None
+    if kind == "bool":  # per (batch, query, key), shared by heads (zero head stride)
+        m = torch.rand(B, 1, Nq, Nk, generator=gen) < 0.7
+        m[0, 0, Nq // 2] = False  # one fully masked row
+        return m.expand(B, H, Nq, Nk)
+    if kind == "additive":  # one bias for the whole batch, some -inf entries
+        m = torch.randn(1, 1, Nq, Nk, generator=gen)
+        m = m.masked_fill(torch.rand(1, 1, Nq, Nk, generator=gen) < 0.1, float("-inf"))
+        return m.to(dtype).expand(B, H, Nq, Nk)
+    if kind == "keypad":  # (B, Nk) key padding -> (B, 1, 1, Nk) expanded
+        lengths = torch.randint(1, Nk + 1, (B,), generator=gen)
+        m = torch.arange(Nk)[None, :] < lengths[:, None]
+        return m[:, None, None, :].expand(B, H, Nq, Nk)
+    raise ValueError(kind)
+
+
+def make_inputs(B, H, Hkv, Nq, Nk, D, dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H, Nq, D, generator=gen).to(dtype)
+    k = torch.randn(B, Hkv, Nk, D, generator=gen).to(dtype)
+    v = torch.randn(B, Hkv, Nk, D, generator=gen).to(dtype)
+    do = torch.randn(B, H, Nq, D, generator=gen).to(dtype)
+    tq, tk, tv = (torch.randn(x.shape, generator=gen).to(dtype) for x in (q, k, v))
+    return q, k, v, do, (tq, tk, tv), gen
+
+
+# --------------------------------------------------------------------------- the check
+def check(B, H, Hkv, Nq, Nk, D, dtype, causal, mask_kind, *, seed=0, fwd_cfg=None, bwd_cfg=None):
+    """Triton fwd/bwd/jvp vs the float64 reference; raises AssertionError with the errors."""
+    q, k, v, do, (tq, tk, tv), gen = make_inputs(B, H, Hkv, Nq, Nk, D, dtype, seed)
+    mask = make_mask(mask_kind, B, H, Nq, Nk, dtype, gen)
+    scale = D**-0.5
+
+    o, lse = T.fwd(q, k, v, mask, causal, scale, config=fwd_cfg)
+    dq, dk, dv = T.bwd(q, k, v, o, lse, do, mask, causal, scale, config=bwd_cfg)
+    o2, lse2, to = T.jvp(q, k, v, tq, tk, tv, mask, causal, scale, config=fwd_cfg)
+    assert o.shape == (B, H, Nq, D) and o.dtype == dtype and lse.dtype == torch.float32
+    assert dk.shape == (B, Hkv, Nk, D) and dq.dtype == dtype
+    for t in (o, lse, dq, dk, dv, to):
+        assert not t.isnan().any()
+
+    leaves = [x.double().requires_grad_() for x in (q, k, v)]
+    ro, rlse = reference(*leaves, mask, causal, scale)
+    rgrads = torch.autograd.grad(ro, leaves, do.double())
+    _, rto = torch.func.jvp(
+        lambda a, b, c: reference(a, b, c, mask, causal, scale)[0],
+        tuple(x.double() for x in (q, k, v)), tuple(x.double() for x in (tq, tk, tv)),
+    )
+
+    # lse: same -inf pattern, fp32-accurate elsewhere (all dtypes accumulate in fp32)
+    fin = rlse.isfinite()
+    assert torch.equal(lse.isfinite(), fin)
+    for lse_ in (lse, lse2):
+        err = ((lse_.double() - rlse).abs() / (1 + rlse.abs()))[fin]
+        assert err.numel() == 0 or err.max().item() <= FP32_TOL
+    # fully masked rows are exactly zero in o, to and dq
+    empty = ~fin
+    for t in (o, o2, to, dq):
+        assert (t[empty] == 0).all()
+
+    ours = {"o": rel_err(o, ro), "o_jvp": rel_err(o2, ro), "to": rel_err(to, rto),
+            "dq": rel_err(dq, rgrads[0]), "dk": rel_err(dk, rgrads[1]),
+            "dv": rel_err(dv, rgrads[2])}
+    if dtype == torch.float32:
+        bad = {n: e for n, e in ours.items() if not e <= FP32_TOL}
+        assert not bad, f"fp32 relative errors above {FP32_TOL}: {bad}"
+        return ours
+
+    # fp16 / bf16: within 2x SDPA's error (SDPA has no forward AD: `to` is held to the
+    # forward's bound, scaled by how large the tangent is compared with the output)
+    lp = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+    so = sdpa(*lp, mask, causal, scale)
+    sgrads = torch.autograd.grad(so, lp, do)
+    base = {"o": rel_err(so, ro), "dq": rel_err(sgrads[0], rgrads[0]),
+            "dk": rel_err(sgrads[1], rgrads[1]), "dv": rel_err(sgrads[2], rgrads[2])}
+    base["o_jvp"] = base["to"] = base["o"]
+    bad = {n: (e, base[n]) for n, e in ours.items() if not e <= 2 * base[n] + 1e-6}
+    assert not bad, f"{dtype} errors above 2x SDPA's (ours, sdpa): {bad}"
+    return ours
+
+
+# --------------------------------------------------------------------------- explicit cases
+CASES = [
+    # B, H, Hkv, Nq, Nk, D, dtype, causal, mask
+    pytest.param(1, 2, 2, 64, 64, 32, torch.float32, False, None, id="fp32-basic"),
+    pytest.param(1, 2, 2, 96, 160, 64, torch.float32, True, None, id="fp32-causal-Nq<Nk"),
+    pytest.param(1, 2, 2, 160, 96, 40, torch.float32, True, None, id="fp32-causal-Nq>Nk"),
+    pytest.param(2, 1, 1, 37, 53, 24, torch.float32, False, None, id="fp32-odd-N-D24"),
+    pytest.param(1, 2, 2, 77, 77, 72, torch.float32, True, None, id="fp32-causal-D72"),
+    pytest.param(2, 2, 2, 48, 80, 16, torch.float32, False, "bool", id="fp32-bool-empty-row"),
+    pytest.param(2, 2, 2, 48, 80, 40, torch.float32, True, "additive", id="fp32-additive"),
+    pytest.param(2, 2, 2, 64, 100, 32, torch.float32, False, "keypad", id="fp32-keypad"),
+    pytest.param(1, 4, 2, 64, 96, 32, torch.float32, True, None, id="fp32-gqa"),
+    pytest.param(1, 4, 1, 50, 70, 24, torch.float32, False, "bool", id="fp32-mqa-bool"),
+    pytest.param(1, 2, 1, 70, 130, 64, torch.float16, True, None, id="fp16-causal-gqa"),
+    pytest.param(1, 2, 2, 96, 96, 72, torch.float16, False, "additive", id="fp16-additive-D72"),
+    pytest.param(1, 2, 2, 100, 60, 40, torch.bfloat16, True, "bool", id="bf16-causal-bool"),
+    pytest.param(1, 4, 1, 64, 64, 64, torch.bfloat16, False, "keypad", id="bf16-mqa-keypad"),
+]
+
+
+@pytest.mark.parametrize("B, H, Hkv, Nq, Nk, D, dtype, causal, mask", CASES)
+def test_matches_reference(B, H, Hkv, Nq, Nk, D, dtype, causal, mask):
+    check(B, H, Hkv, Nq, Nk, D, dtype, causal, mask)
+
+
+@pytest.mark.parametrize(
+    "fwd_cfg, bwd_cfg",
+    [((16, 32, 4, 1), ((16, 32, 4, 1), (32, 16, 4, 1))),
+     ((32, 16, 4, 1), ((32, 16, 4, 1), (16, 32, 4, 1)))],
+    ids=["BM<BN", "BM>BN"],
+)
+@pytest.mark.parametrize("Nq, Nk", [(45, 83), (83, 45)])
+def test_block_shapes_on_causal_diagonal(fwd_cfg, bwd_cfg, Nq, Nk):
+    # the two-stage (unmasked / diagonal) key loop must not depend on the block shape
+    check(1, 2, 1, Nq, Nk, 24, torch.float32, True, None, fwd_cfg=fwd_cfg, bwd_cfg=bwd_cfg)
+
+
+@given(
+    b_h_hkv=st.sampled_from([(1, 1, 1), (2, 2, 1), (1, 4, 2), (1, 3, 3), (2, 2, 2), (1, 4, 1)]),
+    Nq=st.integers(1, 150),
+    Nk=st.integers(1, 150),
+    D=st.sampled_from([1, 8, 20, 32, 48, 64, 80, 136]),
+    causal=st.booleans(),
+    mask=st.sampled_from([None, "bool", "additive", "keypad"]),
+    seed=st.integers(0, 2**16),
+)
+def test_property_fp32_matches_reference(b_h_hkv, Nq, Nk, D, causal, mask, seed):
+    B, H, Hkv = b_h_hkv
+    check(B, H, Hkv, Nq, Nk, D, torch.float32, causal, mask, seed=seed)
+
+
+# --------------------------------------------------------------------------- edge cases
+def test_fully_masked_rows_are_zero_not_nan():
+    q, k, v, do, (tq, tk, tv), _ = make_inputs(1, 2, 2, 40, 24, 16, torch.float32, 1)
+    mask = torch.ones(1, 2, 40, 24, dtype=torch.bool)
+    mask[:, :, 5:9] = False
+    # causal with Nq > Nk: the first Nq - Nk queries see no key at all
+    o, lse = T.fwd(q, k, v, mask, True, 0.25)
+    dq, dk, dv = T.bwd(q, k, v, o, lse, do, mask, True, 0.25)
+    _, _, to = T.jvp(q, k, v, tq, tk, tv, mask, True, 0.25)
+    empty = torch.zeros(40, dtype=torch.bool)
+    empty[:16] = True
+    empty[5:9] = True
+    assert (lse[:, :, empty] == float("-inf")).all() and lse[:, :, ~empty].isfinite().all()
+    assert (o[:, :, empty] == 0).all() and (to[:, :, empty] == 0).all()
+    assert (dq[:, :, empty] == 0).all()
+    assert not any(t.isnan().any() for t in (dq, dk, dv))
+    leaves = [x.double().requires_grad_() for x in (q, k, v)]
+    rgrads = torch.autograd.grad(reference(*leaves, mask, True, 0.25)[0], leaves, do.double())
+    for g, rg in zip((dq, dk, dv), rgrads):
+        assert rel_err(g, rg) <= FP32_TOL
+
+
+def test_partial_tangents_match_reference():
+    q, k, v, _, (tq, tk, tv), _ = make_inputs(1, 2, 1, 50, 70, 24, torch.float32, 2)
+    scale = 0.3
+    for tangents in [(tq, None, None), (None, tk, None), (None, None, tv), (None, None, None)]:
+        o, lse, to = T.jvp(q, k, v, *tangents, None, True, scale)
+        full = tuple(torch.zeros_like(x, dtype=torch.float64) if t is None else t.double()
+                     for x, t in zip((q, k, v), tangents))
+        ro, rto = torch.func.jvp(lambda a, b, c: reference(a, b, c, None, True, scale)[0],
+                                 (q.double(), k.double(), v.double()), full)
+        assert rel_err(o, ro) <= FP32_TOL
+        if all(t is None for t in tangents):
+            assert (to == 0).all()
+        else:
+            assert rel_err(to, rto) <= FP32_TOL
+
+
+def test_backward_is_deterministic():
+    q, k, v, do, _, _ = make_inputs(1, 4, 2, 64, 64, 32, torch.float16, 3)
+    o, lse = T.fwd(q, k, v, None, True, 0.2)
+    first = T.bwd(q, k, v, o, lse, do, None, True, 0.2)
+    second = T.bwd(q, k, v, o, lse, do, None, True, 0.2)
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+
+
+def test_non_contiguous_inputs():
+    # (B, N, H, D) memory viewed as (B, H, N, D): strided heads and rows, contiguous last dim
+    gen = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(2, 33, 2, 24, generator=gen).transpose(1, 2) for _ in range(3))
+    o, lse = T.fwd(q, k, v, None, False, 0.2)
+    ro, rlse = reference(q, k, v, None, False, 0.2)
+    assert rel_err(o, ro) <= FP32_TOL
+
+
+def test_empty_key_set_gives_zero_output():
+    q = torch.randn(1, 1, 5, 16)
+    k = torch.randn(1, 1, 0, 16)
+    o, lse = T.fwd(q, k, k, None, False, 0.25)
+    assert (o == 0).all() and (lse == float("-inf")).all()
+    dq, dk, dv = T.bwd(q, k, k, o, lse, torch.ones_like(q), None, False, 0.25)
+    assert (dq == 0).all() and dk.shape == (1, 1, 0, 16)
+
+
+def test_cpu_without_interpreter_raises(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    q = torch.randn(1, 1, 4, 16)
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
+        T.fwd(q, q, q, None, False, 0.25)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    o, _ = T.fwd(q, q, q, None, False, 0.25)  # kernels are re-defined for the interpreter
+    assert rel_err(o, reference(q, q, q, None, False, 0.25)[0]) <= FP32_TOL
