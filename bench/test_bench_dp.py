@@ -56,8 +56,8 @@ def _setup(kind: str):
 
 
 def _single_loss(module):
-    def loss_fn(params, x, y):  # ONE example
-        return F.cross_entropy(functional_call(module, params, (x[None],)), y[None])
+    def loss_fn(params, x, y):  # ONE example, unbatched: x (784,) or (1, 28, 28), y ()
+        return F.cross_entropy(functional_call(module, params, (x,)), y)
 
     return loss_fn
 

@@ -40,7 +40,7 @@ def make_batch():
     return torch.randn(BATCH, 784, generator=g), torch.randint(0, 10, (BATCH,), generator=g)
 
 
-def torchfn_setup(net):
+def torchfn_setup(net, donate=False):
     model = torchfn.Model(net)
     params, _ = model.extract(net)
 
@@ -50,7 +50,7 @@ def torchfn_setup(net):
 
     opt = optim.adam(1e-3)
     state = TrainState.create(params, opt, key=random.key(0))
-    return make_train_step(loss_fn, opt), state
+    return make_train_step(loss_fn, opt, donate=donate), state
 
 
 def module_setup(net, **adam_kw):
@@ -97,6 +97,26 @@ def test_torchfn_eager(benchmark):
 
     def fn_run():
         s, st = torchfn_setup(make_mlp())
+        return run_torchfn(s, st, batch, 0)
+
+    def module_run():
+        f = module_setup(make_mlp(), foreach=True)
+        return lambda: f(*batch)
+
+    ours, peer = peak_memory(fn_run), peak_memory(module_run)
+    benchmark.extra_info.update(peak_bytes=ours, peer_peak_bytes=peer,
+                                peak_memory_ratio=round(ours / peer, 3))
+
+
+@pytest.mark.benchmark(group="train_step_eager")
+def test_torchfn_eager_donate(benchmark):
+    """donate=True: params and Adam moments updated in the given state's buffers."""
+    batch = make_batch()
+    step, state = torchfn_setup(make_mlp(), donate=True)
+    benchmark(run_torchfn(step, state, batch, 3))
+
+    def fn_run():
+        s, st = torchfn_setup(make_mlp(), donate=True)
         return run_torchfn(s, st, batch, 0)
 
     def module_run():

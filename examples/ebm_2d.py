@@ -46,6 +46,7 @@ def parse_args(argv=None):
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--alpha", type=float, default=0.1, help="L2 energy penalty")
     p.add_argument("--hidden", type=int, default=128)
+    p.add_argument("--fourier", type=int, default=8, help="Fourier input features (0: off)")
     p.add_argument(
         "--langevin-steps", type=int, default=20, help="Langevin steps per training step"
     )
@@ -82,7 +83,7 @@ def main(argv=None) -> dict:
     reference = toy(k_ref_data, args.samples)  # (n, 2): the data-vs-data baseline
 
     # ---- energy model E(x): (2,) -> (), optimizer, replay buffer
-    model = torchfn.Model(MLPEnergy(2, hidden=args.hidden, depth=2))
+    model = torchfn.Model(MLPEnergy(2, hidden=args.hidden, depth=2, fourier=args.fourier))
     params = model.init(k_init)
     tx = optim.adam(args.lr, betas=(0.0, 0.999))  # beta1 = 0 as in IGEBM
     opt_state = tx.init(params)

@@ -252,6 +252,7 @@ def test_shapes_and_int_shape(key):
 def test_chunked_eager_path_equals_traced_path(monkeypatch, key):
     """The in-place chunked eager path gives the same bits as the out-of-place one."""
     monkeypatch.setattr(_threefry, "_CHUNK", 256)
+    monkeypatch.setattr(_threefry, "_CHUNK_SERIAL", 256)
     monkeypatch.setattr(random_impl, "_FAST_MIN", 1)
     shape = (3, 341)  # 4 chunks, the last partial
     fns = {
@@ -298,6 +299,7 @@ def test_threefry_known_answer():
 
 def test_pure_global_rng_untouched(key, monkeypatch):
     monkeypatch.setattr(_threefry, "_CHUNK", 256)
+    monkeypatch.setattr(_threefry, "_CHUNK_SERIAL", 256)
     monkeypatch.setattr(random_impl, "_FAST_MIN", 1)
     state = torch.get_rng_state()
     random.normal(key, (1000,))  # chunked eager path
@@ -315,6 +317,7 @@ def test_pure_global_rng_untouched(key, monkeypatch):
 
 def test_arguments_not_mutated(key, monkeypatch):
     monkeypatch.setattr(_threefry, "_CHUNK", 256)
+    monkeypatch.setattr(_threefry, "_CHUNK_SERIAL", 256)
     monkeypatch.setattr(random_impl, "_FAST_MIN", 1)
     before = key.clone()
     p = torch.full((4,), 0.3)

@@ -34,6 +34,9 @@ def test_denoiser_is_a_pure_model_that_vmaps():
     torch.testing.assert_close(per_ex, out, rtol=1e-5, atol=1e-6)
     # t matters
     assert not torch.allclose(out, model.apply(params, x, t.flip(0)))
+    # without the Fourier input features too
+    plain = torchfn.Model(MLPDenoiser(3, hidden=8, depth=1, fourier=0))
+    assert plain.apply(plain.init(random.key(0)), x, t).shape == (5, 3)
     # gradients flow to every parameter
     g = torch.func.grad(lambda p: model.apply(p, x, t).pow(2).sum())(params)
     assert set(g) == set(params) and all(torch.isfinite(v).all() for v in g.values())
@@ -52,6 +55,8 @@ def test_energy_is_scalar_per_example():
 def test_bad_input():
     with pytest.raises(ValueError, match="dim, hidden, depth and time_dim must be >= 1"):
         MLPDenoiser(2, depth=0)
+    with pytest.raises(ValueError, match="fourier must be >= 0 and max_freq >= 1"):
+        MLPDenoiser(2, fourier=-1)
     with pytest.raises(ValueError, match="dim, hidden and depth must be >= 1"):
         MLPEnergy(0)
     with pytest.raises(ValueError, match="dim must be >= 1"):

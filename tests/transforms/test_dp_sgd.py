@@ -75,7 +75,8 @@ def test_zero_noise_is_clipped_sum_over_expected_batch(b, ebs, seed):
 
 def test_noise_std_matches_sigma_c_over_b():
     clip, sigma, ebs = 0.5, 1.3, 16.0
-    grads = {"w": _grads(0, 4, shapes=((100, 100),))["p0"], "b": _grads(1, 4, shapes=((100,),))["p0"]}
+    grads = {"w": _grads(0, 4, shapes=((100, 100),))["p0"],
+             "b": _grads(1, 4, shapes=((100,),))["p0"]}
     params = _params_like(grads)
     dp = dp_sgd(clip, sigma, ebs, key=random.key(3))
     state = dp.init(params)
@@ -265,7 +266,8 @@ def test_bad_input():
     dp = dp_sgd(1.0, 1.0, 4, key=k)
     params = {"w": torch.ones(3, 2), "b": torch.ones(3)}
     state = dp.init(params)
-    with pytest.raises(ValueError, match=r"batch dim: grads\['b'\] must have shape \(B, 3\), got \(3,\)"):
+    no_batch = r"batch dim: grads\['b'\] must have shape \(B, 3\), got \(3,\)"
+    with pytest.raises(ValueError, match=no_batch):
         dp.update(params, state, params)  # batch-mean grads, no batch dim
     with pytest.raises(ValueError, match="scalar"):
         dp.update({"s": torch.tensor(1.0)}, state)

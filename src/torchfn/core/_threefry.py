@@ -26,7 +26,19 @@ from torch import Tensor
 # rotation constants of Threefry-2x32 (Salmon et al. 2011), as in jax.random
 _ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))
 _PARITY = 0x1BD11BDA
-_CHUNK = 1 << 18  # elements per eager chunk: the int32 temporaries stay in cache
+# Eager chunk sizes. ATen runs an elementwise op on one thread below 32768
+# elements (its grain size): with few threads, serial chunks that fit L2 avoid
+# ~130 OpenMP fork/joins per chunk, which stall badly when the cores are shared.
+# With many threads, larger chunks let each op use them all.
+_CHUNK_SERIAL = (1 << 15) - 1
+_CHUNK = 1 << 18
+_SERIAL_MAX_THREADS = 2
+VML_GRAIN = 2048  # ATen's grain for transcendental float kernels (log, log1p, ...)
+
+
+def serial_chunks() -> bool:
+    """Whether eager CPU sampling runs in single-threaded, L2-sized chunks."""
+    return torch.get_num_threads() <= _SERIAL_MAX_THREADS
 
 
 def as_i32(value: int) -> int:
@@ -124,7 +136,7 @@ def counter_bits_chunked(
     space and returns a tensor of ``out``'s dtype and the chunk's length.
     """
     device = k0.device
-    size = min(_CHUNK, n)
+    size = min(_CHUNK_SERIAL if serial_chunks() else _CHUNK, n)
     base = torch.arange(size, dtype=torch.int32, device=device)
     x0 = torch.empty(size, dtype=torch.int32, device=device)
     x1 = torch.empty_like(x0)

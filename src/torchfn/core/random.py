@@ -564,14 +564,21 @@ def _horner_(coeffs: tuple[float, ...], w: Tensor) -> Tensor:
 
 def _erfinv_xla(x: Tensor) -> Tensor:
     """erfinv of float32 ``x`` in (-1, 1) as XLA computes it (new tensor; ``x`` is kept)."""
-    w = (x * x).neg_().log1p_().neg_()  # -log(1 - x^2) >= 0
+    w = (x * x).neg_()
     if _plain(x) and x.device.type == "cpu":
+        if _tf.serial_chunks():  # keep log1p on this thread too (see _threefry)
+            for part in w.split(_tf.VML_GRAIN - 1):
+                part.log1p_()
+        else:
+            w.log1p_()
+        w.neg_()  # -log(1 - x^2) >= 0
         tail = w >= 5.0  # |x| > 0.9966: ~0.3% of normal samples
         w_tail = w[tail]
         p = _horner_(_ERFINV_CENTRAL, w.sub_(2.5))
         if w_tail.numel():
             p[tail] = _horner_(_ERFINV_TAIL, w_tail.sqrt_().sub_(3.0))
     else:  # traced / batched / GPU: no data-dependent shapes
+        w = w.log1p().neg()
         p = torch.where(
             w < 5.0, _horner_(_ERFINV_CENTRAL, w - 2.5), _horner_(_ERFINV_TAIL, torch.sqrt(w) - 3.0)
         )

@@ -1,7 +1,7 @@
 """Model definitions (plain nn.Modules; make them pure with torchfn.Model)."""
 
 from torchfn.models._cnn import BasicBlock, ConvNet, ResNet
-from torchfn.models._denoiser import MLPDenoiser, timestep_embedding
+from torchfn.models._denoiser import MLPDenoiser, fourier_features, timestep_embedding
 from torchfn.models._energy import MLPEnergy
 from torchfn.models._mlp import MLP
 from torchfn.models._transformer import MultiHeadAttention, TransformerBlock, TransformerEncoder
@@ -10,6 +10,7 @@ from torchfn.models._vae import MLPVAE
 __all__ = [
     # diffusion denoiser and EBM energy (_denoiser, _energy)
     "MLPDenoiser",
+    "fourier_features",
     "timestep_embedding",
     "MLPEnergy",
     # MLP, CNNs, Transformer, VAE (_mlp, _cnn, _transformer, _vae)

@@ -46,7 +46,13 @@ def _adam(lr, betas, eps, weight_decay, decoupled, mask, name) -> GradientTransf
             optree.tree_unflatten(spec, _ops.zeros_like(leaves)),
         )
 
-    def update(grads: Any, state: AdamState, params: Any = None, *, inplace: Any = None):
+    def update(
+        grads: Any, state: AdamState, params: Any = None, *, inplace: Any = None,
+        donate: bool = False,
+    ):
+        """``donate=True`` lets the update overwrite ``state``'s moment buffers (JAX's
+        ``donate_argnums``): the old state must not be used afterwards. It saves two
+        parameter-sized buffers of peak memory; eager only, ignored under transforms."""
         check_state(state, AdamState, name)
         g, spec = optree.tree_flatten(grads)
         mu = check_structure(state.mu, "optimizer state", grads, "grads")
@@ -57,8 +63,13 @@ def _adam(lr, betas, eps, weight_decay, decoupled, mask, name) -> GradientTransf
         if has_wd and not decoupled:
             g = _ops.add(g, p, alpha=weight_decay)
 
-        mu = _ops.lerp(mu, g, 1 - b1)
-        nu = _ops.addcmul_(_ops.mul(nu, b2), g, g, 1 - b2)
+        if donate and _ops.can_donate(mu + nu, b1, b2):
+            torch._foreach_lerp_(mu, g, 1 - b1)  # in the donated buffers
+            torch._foreach_mul_(nu, b2)
+            torch._foreach_addcmul_(nu, g, g, value=1 - b2)
+        else:
+            mu = _ops.lerp(mu, g, 1 - b1)
+            nu = _ops.addcmul_(_ops.mul(nu, b2), g, g, 1 - b2)
 
         t = count.to(torch.float64)
         bc1 = 1 - b1**t

@@ -41,6 +41,12 @@ def _can_mutate(xs: Sequence[Tensor]) -> bool:
     return True
 
 
+def can_donate(xs: Sequence[Tensor], *scalars: Scalar) -> bool:
+    """True when donated state buffers ``xs`` may be overwritten in place: eager,
+    no autograd on them, plain Python hyperparameters."""
+    return bool(xs) and _can_mutate(xs) and not any(_is_tensor(s) for s in scalars)
+
+
 def _is_tensor(s: Scalar) -> bool:
     return isinstance(s, Tensor)
 

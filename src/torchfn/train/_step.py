@@ -97,6 +97,24 @@ def _split(batch: Any, k: int) -> list[Any]:
             for i in range(k)]
 
 
+def _apply_donated(params: Any, updates: Any) -> Any:
+    """``params + updates`` written into the donated params, or None when that
+    is not safe (dtype change, autograd, an update aliasing a param)."""
+    p_leaves, spec = optree.tree_flatten(params)
+    u_leaves = optree.tree_leaves(updates)
+    if len(u_leaves) != len(p_leaves) or not p_leaves:
+        return None
+    ptrs = {p.untyped_storage().data_ptr() for p in p_leaves}
+    if len(ptrs) != len(p_leaves):  # two leaves share memory: not safe to add twice
+        return None
+    for p, u in zip(p_leaves, u_leaves):
+        if (p.dtype != u.dtype or p.shape != u.shape or p.requires_grad
+                or u.untyped_storage().data_ptr() in ptrs):
+            return None
+    torch._foreach_add_(p_leaves, u_leaves)
+    return optree.tree_unflatten(spec, p_leaves)
+
+
 def make_train_step(
     loss_fn: Callable[..., Any],
     optimizer: Any,
@@ -105,6 +123,7 @@ def make_train_step(
     clip_norm: float | None = None,
     policy: Any = None,
     has_aux: bool = False,
+    donate: bool = False,
 ) -> Callable[[TrainState, Any], tuple[TrainState, dict[str, torch.Tensor]]]:
     """A pure train step ``step(state, batch) -> (state, metrics)``.
 
@@ -156,6 +175,14 @@ def make_train_step(
     ``torch.compile`` it uses ``torch.func.grad_and_value``. For memory, wrap
     the repeated blocks of the model in :func:`torchfn.remat`.
 
+    ``donate=True`` (JAX's ``donate_argnums``) lets an eager step reuse the
+    buffers of the state it is given: params are updated in place and an
+    optimizer whose ``update`` takes ``donate`` (``adam``, ``adamw``) overwrites
+    its moments, so peak memory matches ``loss.backward()`` + ``torch.optim``.
+    The state passed in must not be used afterwards (``state, m = step(state,
+    batch)``). It is ignored (the step stays pure) inside transforms, under
+    ``torch.compile`` and with a loss scale, where a skipped step needs the old state.
+
     Example::
 
         >>> import torch, torchfn
@@ -188,6 +215,12 @@ def make_train_step(
     except (TypeError, ValueError):
         pure_update = False
     update_kwargs = {"inplace": False} if pure_update else {}
+    if not isinstance(donate, bool):
+        raise TypeError(f"donate must be a bool, got {type(donate).__name__}")
+    try:
+        donate_kw = donate and "donate" in inspect.signature(optimizer.update).parameters
+    except (TypeError, ValueError):
+        donate_kw = False
 
     from torchfn import random
 
@@ -286,11 +319,13 @@ def make_train_step(
             leaves, g_def = optree.tree_flatten(grads)
             grads = optree.tree_unflatten(g_def, _mul(leaves, coef))
 
-        updates, opt_state = optimizer.update(
-            grads, state.opt_state, params=params, **update_kwargs
-        )
+        donating = donate and not skip and not torch.compiler.is_compiling()
+        kwargs = dict(update_kwargs, donate=True) if donating and donate_kw else update_kwargs
+        updates, opt_state = optimizer.update(grads, state.opt_state, params=params, **kwargs)
         del grads, total, leaves  # free the gradients before the new params exist
-        new_params = optim.apply_updates(params, updates)
+        new_params = _apply_donated(params, updates) if donating else None
+        if new_params is None:
+            new_params = optim.apply_updates(params, updates)
         del updates
 
         metrics: dict[str, torch.Tensor] = {"loss": loss, "grad_norm": grad_norm}

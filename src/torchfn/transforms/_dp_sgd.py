@@ -163,6 +163,9 @@ def _noisy_mean(
     # optree directly (as torchfn.tree does): tree.unflatten's type check and tree.map's
     # dict order both differ under torch.compile, and the noise must not depend on that
     leaves, spec = optree.tree_flatten(summed)
+    if std == 0:  # noise_multiplier=0: no draw (not private; for debugging and tests)
+        out = [s / expected_batch_size for s in leaves]
+        return optree.tree_unflatten(spec, out), DPSGDState(state.key, state.step + 1)
     sizes = [s.numel() for s in leaves]
     dtype = torch.float64 if any(s.dtype == torch.float64 for s in leaves) else torch.float32
     # one draw for all leaves: a single threefry call (and kernel under torch.compile)
