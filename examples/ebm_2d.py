@@ -47,6 +47,7 @@ def parse_args(argv=None):
     p.add_argument("--alpha", type=float, default=0.1, help="L2 energy penalty")
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--fourier", type=int, default=8, help="Fourier input features (0: off)")
+    p.add_argument("--max-freq", type=float, default=10.0, help="highest Fourier frequency")
     p.add_argument(
         "--langevin-steps", type=int, default=20, help="Langevin steps per training step"
     )
@@ -59,7 +60,7 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-BOX = 2.5  # chains start uniform in [-BOX, BOX]^2 (data is scaled to unit variance)
+BOX = 2.5  # chains live in [-BOX, BOX]^2, restarts are uniform there (data has unit variance)
 
 
 def uniform_init(key, n):  # (n, 2): where restarted chains begin
@@ -83,7 +84,9 @@ def main(argv=None) -> dict:
     reference = toy(k_ref_data, args.samples)  # (n, 2): the data-vs-data baseline
 
     # ---- energy model E(x): (2,) -> (), optimizer, replay buffer
-    model = torchfn.Model(MLPEnergy(2, hidden=args.hidden, depth=2, fourier=args.fourier))
+    model = torchfn.Model(
+        MLPEnergy(2, hidden=args.hidden, depth=2, fourier=args.fourier, max_freq=args.max_freq)
+    )
     params = model.init(k_init)
     tx = optim.adam(args.lr, betas=(0.0, 0.999))  # beta1 = 0 as in IGEBM
     opt_state = tx.init(params)
@@ -107,7 +110,12 @@ def main(argv=None) -> dict:
         x_neg, idx = replay_sample(buffer, k_buffer, args.batch, init_fn=uniform_init)
         energy_fn = partial(model.apply, params)  # x: (2,) -> E(x): ()
         x_neg = langevin(
-            energy_fn, x_neg, k_langevin, steps=args.langevin_steps, step_size=args.step_size
+            energy_fn,
+            x_neg,
+            k_langevin,
+            steps=args.langevin_steps,
+            step_size=args.step_size,
+            clamp=(-BOX, BOX),
         )  # (B, 2), detached
         buffer = replay_push(buffer, x_neg, idx)
 
@@ -130,6 +138,7 @@ def main(argv=None) -> dict:
             k_run,
             steps=500,
             step_size=args.step_size,
+            clamp=(-BOX, BOX),
         )
         * scale
     )
@@ -145,13 +154,12 @@ def main(argv=None) -> dict:
     }
     if args.data == "eight_gaussians":
         centers, radius = data.eight_gaussians_centers(), 3 * math.sqrt(2) / 4
+        named = (("replay_buffer", chains), ("fresh_langevin_500", fresh), ("data", reference))
         metrics["modes_covered"] = {
-            name: data.modes_covered(x, centers, radius=radius)
-            for name, x in (
-                ("replay_buffer", chains),
-                ("fresh_langevin_500", fresh),
-                ("data", reference),
-            )
+            name: data.modes_covered(x, centers, radius=radius) for name, x in named
+        }
+        metrics["share_within_3_std_of_a_mode"] = {
+            name: data.mode_shares(x, centers, radius=radius).sum().item() for name, x in named
         }
     (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
     if not args.no_plot:

@@ -249,8 +249,10 @@ def test_shapes_and_int_shape(key):
 # ----------------------------------------------------------------------------- fast path
 
 
-def test_chunked_eager_path_equals_traced_path(monkeypatch, key):
+@pytest.mark.parametrize("serial", [True, False], ids=["serial-chunks", "parallel-chunks"])
+def test_chunked_eager_path_equals_traced_path(monkeypatch, key, serial):
     """The in-place chunked eager path gives the same bits as the out-of-place one."""
+    monkeypatch.setattr(_threefry, "_SERIAL_MAX_THREADS", 1 << 20 if serial else 0)
     monkeypatch.setattr(_threefry, "_CHUNK", 256)
     monkeypatch.setattr(_threefry, "_CHUNK_SERIAL", 256)
     monkeypatch.setattr(random_impl, "_FAST_MIN", 1)
@@ -277,11 +279,19 @@ def test_chunk_counter_high_word(key):
     """Counters past 2**32 carry into the high word, as JAX's uint64 iota."""
     base = torch.arange(16, dtype=torch.int32)
     bufs = [torch.empty(16, dtype=torch.int32) for _ in range(3)]
-    sched = _threefry._schedule(key[0], key[1])
+    sched = _threefry.chunk_schedule(key[0], key[1])
     start = (1 << 32) + 5
     y0, y1, _ = _threefry._hash_chunk_(key[0], key[1], sched, base, start, *bufs)
     r0, r1 = _threefry.threefry2x32(key[0], key[1], torch.ones(16, dtype=torch.int32), base + 5)
     assert torch.equal(y0, r0) and torch.equal(y1, r1)
+
+
+def test_exact_sqrt_matches_correctly_rounded():
+    """The erf_inv tail needs XLA's correctly rounded sqrt (torch.sqrt on CPU is not)."""
+    lo, hi = torch.tensor([5.0, 40.0]).view(torch.int32).tolist()
+    x = torch.arange(lo, hi, 97, dtype=torch.int32).view(torch.float32)  # every 97th float
+    ref = torch.from_numpy(np.sqrt(x.double().numpy()).astype(np.float32))
+    assert torch.equal(random_impl._sqrt(x), ref)
 
 
 def test_threefry_known_answer():
@@ -438,7 +448,7 @@ def test_compile_inductor_same_bits(key):
     out = f(key)
     ref = _compiled_outputs(key)
     for i, (a, b) in enumerate(zip(out, ref)):
-        if i in (4, 10):  # normal, gumbel: the compiler may fuse or split a multiply-add
+        if i in (4, 9):  # normal, gumbel: compiled log/fma differ from eager by an ulp
             assert ulp_distance(a, b) <= 2
         else:
             assert torch.equal(a, b), i
