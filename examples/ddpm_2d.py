@@ -153,7 +153,7 @@ def plot(path, test, ddpm, ddim, losses, ddim_steps):
         (test, ddpm, ddim),
         ("held-out data", "DDPM (ancestral)", f"DDIM ({ddim_steps} steps)"),
     ):
-        ax.scatter(pts[:, 0], pts[:, 1], s=2, alpha=0.5)
+        ax.scatter(pts[:, 0].numpy(), pts[:, 1].numpy(), s=2, alpha=0.5)
         ax.set(title=title, xlim=(-4.5, 4.5), ylim=(-4.5, 4.5), aspect="equal")
     k = max(1, len(losses) // 100)
     smooth = [sum(losses[i : i + k]) / len(losses[i : i + k]) for i in range(0, len(losses), k)]

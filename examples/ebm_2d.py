@@ -1,9 +1,11 @@
 """An energy-based model on a 2-D toy distribution, trained with Langevin negatives.
 
-p(x) ~ exp(-E(x)) with E an MLP. Each step contrasts data x+ with negatives x- drawn by
-Langevin dynamics, x' = x - eta grad E(x) + sqrt(2 eta) z, started from persistent chains
-kept in a replay buffer (5% restarted from uniform noise) -- Du & Mordatch (2019). The
-loss is contrastive divergence, mean E(x+) - mean E(x-), plus a small L2 penalty.
+p(x) ~ exp(-E(x)) with E an MLP (on Fourier features of x). Each step contrasts data x+
+with negatives x- drawn by Langevin dynamics, x' = x - eta grad E(x) + sqrt(2 eta) z, that
+continue persistent chains kept in a replay buffer (5% restarted from uniform noise) -- Du &
+Mordatch (2019). The chains live in a box around the data (clamped), so the model is a
+density on that box. The loss is contrastive divergence, mean E(x+) - mean E(x-), plus a
+small L2 penalty on the energies.
 
     python examples/ebm_2d.py                        # about 1-2 min on 2 CPU cores
     python examples/ebm_2d.py --steps 100 --out /tmp/ebm_smoke
@@ -44,14 +46,14 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=1500, help="training steps")
     p.add_argument("--batch", type=int, default=256)
     p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--alpha", type=float, default=0.1, help="L2 energy penalty")
+    p.add_argument("--alpha", type=float, default=0.03, help="L2 energy penalty")
     p.add_argument("--hidden", type=int, default=128)
-    p.add_argument("--fourier", type=int, default=8, help="Fourier input features (0: off)")
-    p.add_argument("--max-freq", type=float, default=10.0, help="highest Fourier frequency")
+    p.add_argument("--fourier", type=int, default=6, help="Fourier input features (0: off)")
+    p.add_argument("--max-freq", type=float, default=6.0, help="highest Fourier frequency")
     p.add_argument(
-        "--langevin-steps", type=int, default=20, help="Langevin steps per training step"
+        "--langevin-steps", type=int, default=30, help="Langevin steps per training step"
     )
-    p.add_argument("--step-size", type=float, default=0.01, help="Langevin eta (noise sqrt(2 eta))")
+    p.add_argument("--step-size", type=float, default=0.005, help="Langevin eta")
     p.add_argument("--buffer", type=int, default=10_000, help="replay buffer capacity")
     p.add_argument("--samples", type=int, default=2000, help="samples for the metrics")
     p.add_argument("--seed", type=int, default=0)
@@ -184,12 +186,12 @@ def plot(path, energy_fn, scale, test, chains, fresh, losses):
     density = torch.exp(-(e - e.min()))  # unnormalised model density
 
     fig, axes = plt.subplots(1, 5, figsize=(20, 4))
-    axes[0].imshow(density, origin="lower", extent=(-lim, lim, -lim, lim), cmap="viridis")
+    axes[0].imshow(density.numpy(), origin="lower", extent=(-lim, lim, -lim, lim), cmap="viridis")
     axes[0].set(title="exp(-E(x))")
     for ax, pts, title in zip(
         axes[1:4], (test, chains, fresh), ("held-out data", "replay buffer", "fresh Langevin (500)")
     ):
-        ax.scatter(pts[:, 0], pts[:, 1], s=2, alpha=0.5)
+        ax.scatter(pts[:, 0].numpy(), pts[:, 1].numpy(), s=2, alpha=0.5)
         ax.set(title=title, xlim=(-lim, lim), ylim=(-lim, lim), aspect="equal")
     axes[4].plot(losses, lw=0.5)
     axes[4].set(title="loss: E(x+) - E(x-) + alpha L2", xlabel="step")

@@ -148,8 +148,7 @@ def test_ddim_reproduces_gaussian_data_float64():
 def test_ddpm_reproduces_gaussian_data_exactly(variance):
     # With the Gaussian-optimal eps every ancestral step is x' = A x + b + sigma_t z, so the
     # law of ddpm_sample's output is N(m, v) with (m, v) propagated exactly from N(0, 1):
-    # no Monte Carlo error. (The Monte Carlo version of this check is the slow test below;
-    # test_ddpm_sample_is_the_step_loop ties ddpm_sample to these steps.)
+    # no Monte Carlo error (test_ddpm_sample_reproduces_gaussian_data_float64 samples it).
     T, n = 1000, 20000
     s = D.linear_schedule(T)
     eps_fn = gaussian_eps_fn(s, GAUSS_MU, GAUSS_SIGMA)
@@ -189,9 +188,8 @@ def test_ddpm_sample_is_the_step_loop():
     assert not torch.allclose(chain[1] - chain[0], chain[2] - chain[1])
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("variance", ["fixed_small", "fixed_large"])
-def test_ddpm_sample_reproduces_gaussian_data_float64_monte_carlo(variance):
+def test_ddpm_sample_reproduces_gaussian_data_float64(variance):
     s = D.linear_schedule(1000)
     eps_fn = gaussian_eps_fn(s, GAUSS_MU, GAUSS_SIGMA)
     x = D.ddpm_sample(eps_fn, s, (20000, 1), random.key(12), dtype=torch.float64, variance=variance)
