@@ -76,6 +76,22 @@ def threefry2x32(k0: Tensor, k1: Tensor, x0: Tensor, x1: Tensor) -> tuple[Tensor
     return x0, x1
 
 
+def threefry2x32_py(k0: int, k1: int, x0: int, x1: int) -> tuple[int, int]:
+    """:func:`threefry2x32` on Python ints (uint32 values): the same bits without
+    ~100 tensor ops, for the handful of words of a ``split``/``fold_in`` of a CPU key."""
+    m = 0xFFFFFFFF
+    k0, k1, x0, x1 = k0 & m, k1 & m, x0 & m, x1 & m
+    ks = (k0, k1, k0 ^ k1 ^ _PARITY)
+    x0, x1 = (x0 + k0) & m, (x1 + k1) & m
+    for i in range(5):
+        for r in _ROTATIONS[i % 2]:
+            x0 = (x0 + x1) & m
+            x1 = (((x1 << r) | (x1 >> (32 - r))) & m) ^ x0
+        x0 = (x0 + ks[(i + 1) % 3]) & m
+        x1 = (x1 + ks[(i + 2) % 3] + i + 1) & m
+    return x0, x1
+
+
 def counters(n: int, device: torch.device) -> tuple[Tensor | int, Tensor]:
     """High and low int32 words of the uint64 iota ``0..n-1`` (``hi`` is 0 when n <= 2**32)."""
     if n <= (1 << 31):

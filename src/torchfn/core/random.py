@@ -125,6 +125,14 @@ def _plain(t: Tensor) -> bool:
     return not torch._C._functorch.is_functorch_wrapped_tensor(t)
 
 
+_PY_MAX = 64  # split/fold_in of up to this many keys hash in Python on a CPU key
+
+
+def _small_cpu(t: Tensor) -> bool:
+    """A plain eager CPU tensor whose few values can be read without a device sync."""
+    return _plain(t) and t.device.type == "cpu" and not t.requires_grad
+
+
 def _eager_tensor(t: object) -> bool:
     """A tensor whose values may be inspected here (eager, not traced, not batched)."""
     return isinstance(t, Tensor) and _plain(t) and t.device.type != "meta"
@@ -240,6 +248,11 @@ def split(key: Tensor, num: int | Sequence[int] = 2) -> Tensor:
     if isinstance(num, int) and num < 1:
         raise ValueError(f"split: num must be >= 1, got {num}")
     n = math.prod(shape)
+    if n <= _PY_MAX and _small_cpu(key):  # same bits, ~20x faster than tensor ops
+        k0, k1 = key.tolist()
+        words = [_tf.threefry2x32_py(k0, k1, 0, i) for i in range(n)]
+        out = torch.tensor([[_tf.as_i32(a), _tf.as_i32(b)] for a, b in words], dtype=KEY_DTYPE)
+        return out.reshape(*shape, 2)
     y0, y1 = _tf.counter_words(key[0], key[1], n)
     return torch.stack([y0, y1], dim=-1).reshape(*shape, 2)
 
@@ -267,6 +280,15 @@ def fold_in(key: Tensor, data: int | Tensor) -> Tensor:
         True
     """
     key = _check_key(key, "fold_in")
+    if _small_cpu(key) and (not isinstance(data, Tensor) or _small_cpu(data)):
+        if isinstance(data, Tensor) and data.dim() == 0 and not (
+            data.dtype == torch.bool or data.is_floating_point() or data.is_complex()
+        ):
+            data = int(data) & 0xFFFFFFFF  # as the tensor path's int32 cast: modulo 2**32
+        if isinstance(data, int) and not isinstance(data, bool) and -(1 << 31) <= data < (1 << 32):
+            k0, k1 = key.tolist()
+            y0, y1 = _tf.threefry2x32_py(k0, k1, 0, data)
+            return torch.tensor([_tf.as_i32(y0), _tf.as_i32(y1)], dtype=KEY_DTYPE)
     if isinstance(data, Tensor):
         if data.dtype == torch.bool or data.is_floating_point() or data.is_complex():
             raise TypeError(f"fold_in: data must be an integer, got a tensor of dtype {data.dtype}")
