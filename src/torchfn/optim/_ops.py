@@ -103,6 +103,10 @@ def add_scalar_(xs: Leaves, s: Scalar) -> Leaves:
     """``[x + s]``, in place on fresh ``xs`` when allowed."""
     if not xs:
         return []
+    if _is_tensor(s) and torch.compiler.is_compiling():
+        # dynamo graph-breaks on _foreach_add_(list, 0-d tensor) (a .item());
+        # per-leaf adds fuse into the same kernels
+        return [x + s for x in xs]
     if _can_mutate(xs):
         torch._foreach_add_(xs, s)
         return xs
