@@ -90,33 +90,15 @@ def peak_memory(run, warmup=2):
 
 
 @pytest.mark.benchmark(group="train_step_eager")
-def test_torchfn_eager(benchmark):
-    batch = make_batch()
-    step, state = torchfn_setup(make_mlp())
-    benchmark(run_torchfn(step, state, batch, 3))
-
-    def fn_run():
-        s, st = torchfn_setup(make_mlp())
-        return run_torchfn(s, st, batch, 0)
-
-    def module_run():
-        f = module_setup(make_mlp(), foreach=True)
-        return lambda: f(*batch)
-
-    ours, peer = peak_memory(fn_run), peak_memory(module_run)
-    benchmark.extra_info.update(peak_bytes=ours, peer_peak_bytes=peer,
-                                peak_memory_ratio=round(ours / peer, 3))
-
-
-@pytest.mark.benchmark(group="train_step_eager")
-def test_torchfn_eager_donate(benchmark):
+@pytest.mark.parametrize("donate", [False, True], ids=["pure", "donate"])
+def test_torchfn_eager(benchmark, donate):
     """donate=True: params and Adam moments updated in the given state's buffers."""
     batch = make_batch()
-    step, state = torchfn_setup(make_mlp(), donate=True)
+    step, state = torchfn_setup(make_mlp(), donate=donate)
     benchmark(run_torchfn(step, state, batch, 3))
 
     def fn_run():
-        s, st = torchfn_setup(make_mlp(), donate=True)
+        s, st = torchfn_setup(make_mlp(), donate=donate)
         return run_torchfn(s, st, batch, 0)
 
     def module_run():
