@@ -84,3 +84,27 @@ def test_donated_step_peak_memory_matches_torch_optim():
 def test_donate_must_be_bool():
     with pytest.raises(TypeError, match="donate must be a bool"):
         make_train_step(lambda p, s, b, k: p["w"].sum(), optim.adam(1e-3), donate="yes")
+
+
+@pytest.mark.parametrize(
+    "opt",
+    [optim.sgd(0.1), optim.sgd(0.1, momentum=0.9), optim.rmsprop(1e-2),
+     optim.rmsprop(1e-2, centered=True, momentum=0.5), optim.adam(1e-2)],
+    ids=["sgd", "sgd-momentum", "rmsprop", "rmsprop-centered-momentum", "adam"],
+)
+def test_vmapped_step_over_stacked_states_equals_loop(opt):
+    """Ensembles: every optimizer state vmaps with in_dims=0 (no None leaves)."""
+    def loss_fn(params, model_state, batch, key):
+        x, y = batch
+        return ((x @ params["w"] - y) ** 2).mean()
+
+    step = make_train_step(loss_fn, opt)
+    g = torch.Generator().manual_seed(0)
+    members = [TrainState.create({"w": torch.randn(3, generator=g)}, opt, key=random.key(i))
+               for i in range(4)]
+    batch = (torch.randn(8, 3, generator=g), torch.randn(8, generator=g))
+    stacked = torchfn.tree.stack(members)
+    for _ in range(2):
+        stacked, _ = torch.func.vmap(step, in_dims=(0, None))(stacked, batch)
+        members = [step(m, batch)[0] for m in members]
+    torch.testing.assert_close(stacked.params["w"], torch.stack([m.params["w"] for m in members]))

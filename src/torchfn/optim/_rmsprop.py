@@ -24,8 +24,8 @@ __all__ = ["RMSpropState", "rmsprop"]
 class RMSpropState(NamedTuple):
     count: Tensor  # () int32
     square_avg: Any  # params' structure
-    grad_avg: Any  # params' structure if centered, else None
-    momentum_buffer: Any  # params' structure if momentum, else None
+    grad_avg: Any  # params' structure if centered, else () (no leaves: vmaps)
+    momentum_buffer: Any  # params' structure if momentum, else ()
 
 
 def rmsprop(
@@ -74,8 +74,8 @@ def rmsprop(
         return RMSpropState(
             new_count(leaves),
             zeros(),
-            zeros() if centered else None,
-            zeros() if has_momentum else None,
+            zeros() if centered else (),
+            zeros() if has_momentum else (),
         )
 
     def update(grads: Any, state: RMSpropState, params: Any = None, *, inplace: Any = None):
@@ -87,7 +87,7 @@ def rmsprop(
             p = check_params(params, spec, "rmsprop with weight_decay")
             g = _ops.add(g, p, alpha=weight_decay)
         sq = _ops.addcmul_(_ops.mul(sq, alpha), g, g, 1 - alpha)
-        gbar_tree = None
+        gbar_tree = ()
         if centered:
             gbar = _ops.lerp(optree.tree_leaves(state.grad_avg), g, 1 - alpha)
             avg = _ops.sqrt(_ops.addcmul(sq, gbar, gbar, -1.0))
@@ -95,7 +95,7 @@ def rmsprop(
         else:
             avg = _ops.sqrt(sq)
         avg = _ops.add_scalar_(avg, eps)
-        buf_tree = None
+        buf_tree = ()
         if has_momentum:
             buf = _ops.mul(optree.tree_leaves(state.momentum_buffer), momentum)
             buf = _ops.add_(buf, _ops.div_list(g, avg))

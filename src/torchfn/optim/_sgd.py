@@ -24,7 +24,7 @@ __all__ = ["SGDState", "sgd"]
 
 class SGDState(NamedTuple):
     count: Tensor  # () int32
-    momentum_buffer: Any  # params' structure, or None without momentum
+    momentum_buffer: Any  # params' structure, or () without momentum (no leaves: vmaps)
 
 
 def sgd(
@@ -74,7 +74,7 @@ def sgd(
 
     def init(params: Any) -> SGDState:
         leaves, spec = optree.tree_flatten(params)
-        buf = optree.tree_unflatten(spec, _ops.zeros_like(leaves)) if has_momentum else None
+        buf = optree.tree_unflatten(spec, _ops.zeros_like(leaves)) if has_momentum else ()
         return SGDState(new_count(leaves), buf)
 
     def update(grads: Any, state: SGDState, params: Any = None, *, inplace: Any = None):
@@ -84,7 +84,7 @@ def sgd(
         if has_wd:
             g = _ops.add(g, check_params(params, spec, "sgd with weight_decay"),
                          alpha=weight_decay)
-        buf_tree = None
+        buf_tree = ()
         if has_momentum:
             buf = check_structure(state.momentum_buffer, "optimizer state", grads, "grads")
             buf = _ops.mul(buf, momentum)  # 0 on the first step

@@ -159,7 +159,7 @@ def ensemble_step(
                     f"batch: with split_batch=True every leaf needs a leading member dim of "
                     f"size {n}, got shapes {bad}"
                 )
-        # non-tensor leaves (an optimizer's ``momentum_buffer=None``) are not mapped
+        # non-tensor leaves (None, Python numbers in a user's state) are not mapped
         state_dims = _tensor_dims(states)
         batch_dims = _tensor_dims(batch) if split_batch else None
         static: list[Any] = []  # the output's non-tensor leaves and structure
