@@ -320,13 +320,17 @@ class Model:
                 f"params: names do not match the {self._module_type}'s parameters: "
                 f"missing {missing}, unexpected {extra}{hint}"
             )
-        for n in self._param_names:
-            t = params[n]
+        self._check_entries("params", params, self._param_names)
+
+    def _check_entries(self, what: str, tree: Mapping, names: list[str]) -> None:
+        """Every ``tree[name]`` is a tensor of the module's shape for that name."""
+        for n in names:
+            t = tree[n]
             if not isinstance(t, torch.Tensor):
-                raise TypeError(f"params[{n!r}] must be a tensor, got {type(t).__name__}")
+                raise TypeError(f"{what}[{n!r}] must be a tensor, got {type(t).__name__}")
             if tuple(t.shape) != self._meta[n][0]:
                 raise ValueError(
-                    f"params[{n!r}] has shape {tuple(t.shape)}, expected {self._meta[n][0]}"
+                    f"{what}[{n!r}] has shape {tuple(t.shape)}, expected {self._meta[n][0]}"
                 )
 
     def _check_state(self, state: Any, *, train: bool, required: bool) -> State:
@@ -350,14 +354,7 @@ class Model:
                 f"state: names do not match the {self._module_type}'s buffers: "
                 f"missing {missing}, unexpected {extra}"
             )
-        for n in self._state_names:
-            t = state[n]
-            if not isinstance(t, torch.Tensor):
-                raise TypeError(f"state[{n!r}] must be a tensor, got {type(t).__name__}")
-            if tuple(t.shape) != self._meta[n][0]:
-                raise ValueError(
-                    f"state[{n!r}] has shape {tuple(t.shape)}, expected {self._meta[n][0]}"
-                )
+        self._check_entries("state", state, self._state_names)
         return dict(state)
 
     def __repr__(self) -> str:
