@@ -25,6 +25,17 @@ process) cannot take the others down; every result is written as it comes:
 ``--budget-s`` (default 240) is a global deadline: past it no new measurement
 starts; the JSON (``--out``) and a markdown table (same name, ``.md``) are
 always written. Results go to bench/RESULTS.md by hand.
+
+Providers: ``torchfn`` (raw ops, deterministic backward), ``torchfn_atomic``
+(``deterministic=False``: dQ by atomics), ``torchfn_tma`` (forward with tensor-descriptor
+loads, ``TORCHFN_TRITON_TMA=1``), ``torchfn_api`` (the public function), SDPA's flash and
+cuDNN backends, and compiled FlexAttention.
+
+``--sweep`` is a separate run (about 5 minutes with ``--budget-s 280``): it compiles a
+grid of block configs for every kernel, with and without TMA, in parallel, then times
+each kernel config at N = 8192 (checking that it gives the first config's result), and
+the best combination against SDPA cuDNN. Its table says which configs to put first in
+``_triton_ops._GPU_CONFIGS`` and whether TMA should be switched on by default.
 """
 
 from __future__ import annotations
@@ -338,12 +349,15 @@ def warm_tasks(dry: bool) -> list[dict]:
         fc = T._candidates("fwd", _dtype(dname), bd)
         kc = T._candidates("dkdv", _dtype(dname), bd)
         qc = T._candidates("dq", _dtype(dname), bd)
+        ac = T._candidates("dkdv_atomic", _dtype(dname), bd)
         common = {"dtype": dname, "D": D, "causal": causal}
         fwd = [dict(common, type="fwd", cfg=c) for c in fc]
         bwd = [dict(common, type="bwd", cfg=(kc[min(i, len(kc) - 1)], qc[min(i, len(qc) - 1)]),
                     fwd_cfg=fc[0]) for i in range(max(len(kc), len(qc)))]
-        first += [fwd[0], bwd[0]]
-        rest += fwd[1:] + bwd[1:]
+        atomic = [dict(common, type="bwd_atomic", cfg=(c, qc[0]), fwd_cfg=fc[0]) for c in ac]
+        tma = [dict(common, type="fwd_tma", cfg=c) for c in fc]
+        first += [fwd[0], bwd[0], atomic[0], tma[0]]
+        rest += fwd[1:] + bwd[1:] + atomic[1:] + tma[1:]
     cases = [{"type": "case", "case": c} for c in (CASES_DRY if dry else CASES_GPU)]
     # the default configs of every combo, then the correctness cases, then the other configs
     return first + cases + rest
@@ -359,11 +373,15 @@ def warm_kernel(task: dict, dry: bool) -> None:
     N = 32 if dry else 256
     dev = _device(dry)
     q, k, v, do = (torch.randn(1, H, N, D, device=dev, dtype=dtype) for _ in range(4))
+    if task["type"] == "fwd_tma":
+        _with_tma(lambda: T.fwd(q, k, v, None, causal, D**-0.5, config=tuple(task["cfg"])))()
+        _sync(dry)
+        return
     cfg = tuple(task["cfg"]) if task["type"] == "fwd" else tuple(task["fwd_cfg"])
     o, lse = T.fwd(q, k, v, None, causal, D**-0.5, config=cfg)
-    if task["type"] == "bwd":
+    if task["type"] in ("bwd", "bwd_atomic"):
         pair = tuple(tuple(c) for c in task["cfg"])
-        T.bwd(q, k, v, o, lse, do, None, causal, D**-0.5, config=pair)
+        T.bwd(q, k, v, o, lse, do, None, causal, D**-0.5, task["type"] == "bwd", config=pair)
     _sync(dry)
 
 
@@ -452,16 +470,23 @@ def _providers(dry: bool):
 
     from torchfn.kernels import _triton_ops as T
 
-    def raw(q, k, v, do, causal, mode):
+    def raw_with(deterministic):
+        def raw(q, k, v, do, causal, mode):
+            scale = q.shape[-1] ** -0.5
+            if mode == "fwd":
+                return (lambda: T.fwd(q, k, v, None, causal, scale)), None, _null
+
+            def fb():
+                o, lse = T.fwd(q, k, v, None, causal, scale)
+                return T.bwd(q, k, v, o, lse, do, None, causal, scale, deterministic)
+
+            return fb, None, _null
+
+        return raw
+
+    def raw_tma(q, k, v, do, causal, mode):
         scale = q.shape[-1] ** -0.5
-        if mode == "fwd":
-            return (lambda: T.fwd(q, k, v, None, causal, scale)), None, _null
-
-        def fb():
-            o, lse = T.fwd(q, k, v, None, causal, scale)
-            return T.bwd(q, k, v, o, lse, do, None, causal, scale)
-
-        return fb, None, _null
+        return _with_tma(lambda: T.fwd(q, k, v, None, causal, scale)), None, _null
 
     def autograd_fn(call):
         def build(q, k, v, do, causal, mode, ctx=_null):
@@ -494,8 +519,9 @@ def _providers(dry: bool):
                                                          backend="triton"))(
             q, k, v, do, causal, mode)
 
-    return {"torchfn": raw, "torchfn_api": api, "sdpa_flash": sdpa_with("FLASH_ATTENTION"),
-            "sdpa_cudnn": sdpa_with("CUDNN_ATTENTION")}
+    return {"torchfn": raw_with(True), "torchfn_atomic": raw_with(False), "torchfn_tma": raw_tma,
+            "torchfn_api": api,
+            "sdpa_flash": sdpa_with("FLASH_ATTENTION"), "sdpa_cudnn": sdpa_with("CUDNN_ATTENTION")}
 
 
 def phase_bench(args) -> None:
@@ -529,6 +555,10 @@ def phase_bench(args) -> None:
         for mode in ("fwd", "fwd_bwd"):
             for name, build in provs.items():
                 if name == "torchfn_api" and N not in api_n:
+                    continue
+                if name == "torchfn_atomic" and mode == "fwd":  # the same forward as torchfn
+                    continue
+                if name == "torchfn_tma" and mode != "fwd":  # TMA loads: forward only
                     continue
                 meta = {"provider": name, "mode": mode, "dtype": dname, "D": D, "N": N, "B": B,
                         "H": H, "causal": causal}
@@ -624,6 +654,326 @@ def phase_flex(args, time_it: bool) -> None:
                 _append(args.part, dict(meta, kind="flex_warm", error=_err_str(e)))
 
 
+# ============================================================================ sweep
+# ``--sweep``: time every kernel over a wide grid of block configs, one kernel at a time,
+# to choose ``_triton_ops._GPU_CONFIGS`` from measurements. The grid is every bf16 config
+# that bench/aot_sm90.py compiles for sm_90 without spills and within 227 KiB of shared
+# memory (one stage count per tile shape), plus the table's own entries.
+SWEEP_N = 8192
+SWEEP_COMBOS = [(128, False), (128, True), (64, False), (64, True)]  # (D, causal), by priority
+SWEEP_GRID: dict[str, dict[int, list[tuple[int, int, int, int]]]] = {
+    "fwd": {
+        64: [(64, 32, 4, 3), (64, 32, 8, 3), (64, 64, 4, 3), (64, 64, 8, 3), (64, 128, 4, 3),
+             (64, 128, 8, 3), (128, 32, 4, 3), (128, 32, 8, 3), (128, 64, 4, 3),
+             (128, 64, 8, 3), (128, 128, 8, 3)],
+        128: [(64, 32, 4, 3), (64, 32, 8, 3), (64, 64, 4, 3), (64, 64, 8, 3), (64, 128, 4, 2),
+              (64, 128, 8, 3), (128, 32, 8, 3), (128, 64, 8, 3), (128, 128, 8, 3),
+              (128, 128, 8, 2)],
+    },
+    "dkdv": {
+        64: [(16, 64, 4, 3), (16, 64, 8, 3), (16, 128, 4, 3), (16, 128, 8, 3), (32, 64, 4, 3),
+             (32, 64, 8, 3), (32, 128, 8, 3), (64, 64, 4, 3), (64, 64, 8, 3), (64, 128, 8, 3)],
+        128: [(16, 64, 4, 3), (16, 64, 8, 3), (16, 128, 8, 3), (16, 128, 8, 4), (32, 64, 4, 3),
+              (32, 64, 8, 2), (32, 64, 8, 3), (32, 128, 8, 3), (64, 64, 8, 3)],
+    },
+    "dq": {
+        64: [(64, 16, 4, 3), (64, 16, 8, 3), (64, 32, 4, 3), (64, 32, 8, 3), (64, 64, 4, 3),
+             (64, 64, 8, 3), (128, 16, 4, 3), (128, 16, 8, 3), (128, 32, 4, 3), (128, 32, 8, 3),
+             (128, 64, 4, 4), (128, 64, 8, 3)],
+        128: [(64, 16, 4, 3), (64, 16, 8, 3), (64, 32, 4, 3), (64, 32, 8, 3), (64, 64, 4, 3),
+              (64, 64, 8, 3), (128, 16, 8, 3), (128, 32, 8, 3), (128, 64, 8, 3)],
+    },
+    "dkdv_atomic": {
+        64: [(32, 64, 4, 3), (32, 64, 8, 3), (32, 128, 4, 3), (32, 128, 8, 3), (64, 64, 4, 3),
+             (64, 64, 8, 3), (64, 128, 8, 3)],
+        128: [(32, 64, 4, 3), (32, 64, 8, 3), (32, 128, 8, 3), (64, 64, 8, 3)],
+    },
+    # "<op>_tma": the kernel with its streamed tiles through tensor descriptors
+    # (TORCHFN_TRITON_TMA=1). Fewer registers than pointer loads (forward, D=128, 128x64:
+    # 138 against 182), so bigger tiles fit; an op without its own grid uses the plain one's.
+    "dkdv_tma": {
+        64: [(16, 128, 8, 3), (32, 64, 8, 3), (32, 128, 8, 3), (64, 64, 8, 3), (64, 128, 8, 3)],
+        128: [(16, 128, 8, 3), (32, 64, 8, 3), (32, 128, 8, 3), (64, 64, 8, 3), (64, 128, 8, 2),
+              (64, 128, 8, 3)],
+    },
+    "fwd_tma": {
+        64: [(64, 64, 4, 3), (64, 128, 8, 3), (128, 32, 8, 3), (128, 64, 4, 3), (128, 64, 8, 3),
+             (128, 64, 8, 4), (128, 128, 4, 3), (128, 128, 8, 3), (128, 128, 8, 4)],
+        128: [(64, 64, 4, 3), (64, 64, 8, 4), (64, 128, 4, 3), (64, 128, 8, 3), (128, 32, 8, 4),
+              (128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 2), (128, 128, 8, 3)],
+    },
+}
+_SWEEP_GRID_DRY = {"fwd": [(16, 16, 4, 1), (32, 16, 4, 1)], "dkdv": [(16, 32, 4, 1)],
+                   "dq": [(32, 16, 4, 1)], "dkdv_atomic": [(16, 32, 4, 1), (32, 32, 4, 1)]}
+SWEEP_OPS = ("fwd", "fwd_tma", "dkdv", "dkdv_tma", "dq", "dq_tma", "dkdv_atomic",
+             "dkdv_atomic_tma")
+
+
+def _sweep_grid(op: str, D: int, dry: bool) -> list[tuple[int, int, int, int]]:
+    base = op.removesuffix("_tma")
+    if dry:
+        return _SWEEP_GRID_DRY[base]
+    from torchfn.kernels import _triton_ops as T
+
+    grid = list(SWEEP_GRID.get(op, SWEEP_GRID[base])[D])
+    return grid + [c for c in T._candidates(base, _dtype("bf16"), D) if c not in grid]
+
+
+def _sweep_combos(dry: bool) -> list[tuple[int, bool]]:
+    return [(16, False), (16, True)] if dry else SWEEP_COMBOS
+
+
+def _sweep_defaults(D: int) -> tuple[tuple, tuple, tuple]:
+    """The table's first (untuned) fwd / dkdv / dq configs: the fixed partner of a sweep."""
+    from torchfn.kernels import _triton_ops as T
+
+    bf16 = _dtype("bf16")
+    return tuple(T._candidates(op, bf16, max(16, 1 << (D - 1).bit_length()))[0]
+                 for op in ("fwd", "dkdv", "dq"))
+
+
+def _sweep_call(op: str, cfg, x, causal: bool, D: int):
+    """A callable that runs kernel ``op`` with ``cfg`` (the backward's other kernel fixed)."""
+    from torchfn.kernels import _triton_ops as T
+
+    if op.endswith("_tma"):
+        return _with_tma(_sweep_call(op.removesuffix("_tma"), cfg, x, causal, D))
+    q, k, v, do, o, lse = x
+    scale = D**-0.5
+    _, k0, q0 = _sweep_defaults(D) if D >= 64 else (cfg, cfg, cfg)
+    if op == "fwd":
+        return lambda: T.fwd(q, k, v, None, causal, scale, config=cfg)
+    if op == "dkdv":
+        return lambda: T.bwd(q, k, v, o, lse, do, None, causal, scale, True, config=(cfg, q0))
+    if op == "dq":
+        return lambda: T.bwd(q, k, v, o, lse, do, None, causal, scale, True, config=(k0, cfg))
+    return lambda: T.bwd(q, k, v, o, lse, do, None, causal, scale, False, config=(cfg, q0))
+
+
+def _with_tma(fn):
+    """``fn`` run with the opt-in TMA loads switched on (the flag is read at each launch)."""
+    def run():
+        os.environ["TORCHFN_TRITON_TMA"] = "1"
+        try:
+            return fn()
+        finally:
+            os.environ["TORCHFN_TRITON_TMA"] = "0"
+
+    return run
+
+
+def _sweep_tasks(dry: bool) -> list[tuple[int, bool, str, tuple]]:
+    return [(D, causal, op, cfg) for D, causal in _sweep_combos(dry)
+            for op in SWEEP_OPS for cfg in _sweep_grid(op, D, dry)]
+
+
+def _sweep_inputs(D: int, N: int, dry: bool, causal: bool, seed: int = 0):
+    import torch
+
+    from torchfn.kernels import _triton_ops as T
+
+    dev = _device(dry)
+    B, H = (1, 2) if dry else (max(1, TOKENS // N), WIDTH // D)
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    q, k, v, do = (torch.randn(B, H, N, D, generator=gen, device=dev).to(_dtype("bf16"))
+                   for _ in range(4))
+    o, lse = T.fwd(q, k, v, None, causal, D**-0.5)
+    return B, H, (q, k, v, do, o, lse)
+
+
+def phase_sweepwarm(args) -> None:
+    """Compile this worker's share of the sweep grid into Triton's disk cache."""
+    os.environ["TORCHFN_TRITON_AUTOTUNE"] = "0"
+    for D, causal, op, cfg in _sweep_tasks(args.dry_run)[args.worker_id::args.nworkers]:
+        row = {"kind": "sweep_warm", "D": D, "causal": causal, "op": op, "cfg": cfg}
+        if time.time() > args.deadline:
+            _append(args.part, dict(row, skipped="deadline"))
+            continue
+        t0 = time.time()
+        try:
+            # same specialisation as the timed size: H, N and strides divisible by 16
+            _, _, x = _sweep_inputs(D, 32 if args.dry_run else 256, args.dry_run, causal)
+            _sweep_call(op, cfg, x, causal, D)()
+            _sync(args.dry_run)
+            row["ok"] = True
+        except Exception as e:  # noqa: BLE001 - out of resources: that config is out
+            row["error"] = _err_str(e)
+        row["secs"] = round(time.time() - t0, 2)
+        _append(args.part, row)
+
+
+def phase_sweep(args) -> None:
+    """Time each (op, config) at N = SWEEP_N, then the best fwd + bwd against SDPA cuDNN."""
+    os.environ["TORCHFN_TRITON_AUTOTUNE"] = "0"
+    timer = _timer(args.dry_run)
+    provs = _providers(args.dry_run)
+    N = 64 if args.dry_run else SWEEP_N
+    for D, causal in _sweep_combos(args.dry_run):
+        if time.time() > args.deadline:
+            break
+        B, H, x = _sweep_inputs(D, N, args.dry_run, causal)
+        best: dict[str, tuple[float, tuple]] = {}
+        first = _sweep_grid("fwd", D, args.dry_run)[0], _sweep_grid("dkdv", D, args.dry_run)[0]
+        ref = {"fwd": _sweep_call("fwd", first[0], x, causal, D)(),
+               "bwd": _sweep_call("dkdv", first[1], x, causal, D)()}
+        for op in SWEEP_OPS:
+            for cfg in _sweep_grid(op, D, args.dry_run):
+                row = {"kind": "sweep", "D": D, "causal": causal, "N": N, "op": op, "cfg": cfg}
+                if time.time() > args.deadline:
+                    _append(args.part, dict(row, skipped="deadline"))
+                    continue
+                try:
+                    fn = _sweep_call(op, cfg, x, causal, D)
+                    out = fn()
+                    _sync(args.dry_run)
+                    # every config must give the same result as the first one (rounding aside)
+                    row["max_rel_diff"] = max(
+                        ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
+                        for a, b in zip(out, ref["fwd" if op.startswith("fwd") else "bwd"]))
+                    row["same_result"] = row["max_rel_diff"] < 2e-2
+                    row["ms"] = timer(fn)
+                    if row["same_result"] and row["ms"] < best.get(op, (float("inf"),))[0]:
+                        best[op] = (row["ms"], cfg)
+                except Exception as e:  # noqa: BLE001
+                    row["error"] = _err_str(e)
+                _append(args.part, row)
+                print(f"  sweep D={D} causal={causal} {op:>11} {cfg}: "
+                      + (f"{row['ms']:.3f} ms, diff {row['max_rel_diff']:.1e}" if "ms" in row
+                         else row.get("error", "skipped")), flush=True)
+        if all(op in best for op in SWEEP_OPS):
+            _sweep_best(args, timer, provs, D, causal, N, B, H, x,
+                        {op: cfg for op, (_, cfg) in best.items()})
+            _append(args.part, {"kind": "sweep_best_configs", "D": D, "causal": causal,
+                                "best": {op: {"ms": t, "cfg": c} for op, (t, c) in best.items()}})
+
+
+def _sweep_best(args, timer, provs, D, causal, N, B, H, x, cfgs: dict) -> None:
+    """Time fwd and fwd+bwd with the best config of each kernel, and SDPA cuDNN beside them."""
+    from torchfn.kernels import _triton_ops as T
+
+    q, k, v, do, _, _ = x
+    scale = D**-0.5
+
+    def fwd():
+        return T.fwd(q, k, v, None, causal, scale, config=cfgs["fwd"])
+
+    def fwd_bwd(det):
+        def run():
+            o, lse = fwd()
+            kv = cfgs["dkdv"] if det else cfgs["dkdv_atomic"]
+            return T.bwd(q, k, v, o, lse, do, None, causal, scale, det, config=(kv, cfgs["dq"]))
+
+        return run
+
+    def fwd_tma():
+        return T.fwd(q, k, v, None, causal, scale, config=cfgs["fwd_tma"])
+
+    def fwd_bwd_tma(det):
+        def run():
+            o, lse = fwd_tma()
+            kv = cfgs["dkdv_tma"] if det else cfgs["dkdv_atomic_tma"]
+            return T.bwd(q, k, v, o, lse, do, None, causal, scale, det,
+                         config=(kv, cfgs["dq_tma"]))
+
+        return _with_tma(run)
+
+    runs = {("sweep_best", "fwd"): fwd, ("sweep_best_tma", "fwd"): _with_tma(fwd_tma),
+            ("sweep_best", "fwd_bwd"): fwd_bwd(True),
+            ("sweep_best_atomic", "fwd_bwd"): fwd_bwd(False),
+            ("sweep_best_tma", "fwd_bwd"): fwd_bwd_tma(True),
+            ("sweep_best_atomic_tma", "fwd_bwd"): fwd_bwd_tma(False)}
+    for (name, mode), fn in runs.items():
+        meta = {"provider": name, "mode": mode, "dtype": "bf16", "D": D, "N": N, "B": B, "H": H,
+                "causal": causal, "configs": cfgs}
+        _measure(args, args.part, meta, lambda fn=fn: (fn, None, _null), timer)
+    for mode in ("fwd", "fwd_bwd"):
+        meta = {"provider": "sdpa_cudnn", "mode": mode, "dtype": "bf16", "D": D, "N": N,
+                "B": B, "H": H, "causal": causal}
+        _measure(args, args.part, meta,
+                 lambda mode=mode: provs["sdpa_cudnn"](q, k, v, do, causal, mode), timer)
+
+
+def sweep_markdown(rows: list[dict]) -> str:
+    lines = ["### Config sweep (ms per call; dkdv / dq rows time the whole backward with the",
+             "other kernel at its default config)", ""]
+    timed = [r for r in rows if r.get("kind") == "sweep" and "ms" in r]
+    wrong = [r for r in timed if not r.get("same_result", True)]
+    if wrong:
+        lines += ["**Configs whose result differs from the first config's (> 2e-2), left out "
+                  "of 'best':** " + ", ".join(f"{r['op']} D={r['D']} causal={r['causal']} "
+                                              f"{tuple(r['cfg'])}: {r['max_rel_diff']:.1e}"
+                                              for r in wrong), ""]
+    for D, causal in sorted({(r["D"], r["causal"]) for r in timed}, reverse=True):
+        lines += [f"**D={D}, causal={causal}, N={timed[0]['N']}**", "",
+                  "| kernel | best 3 configs (ms) | table default (ms) |", "|---|---|---|"]
+        for op in SWEEP_OPS:
+            rs = sorted((r for r in timed if (r["D"], r["causal"], r["op"]) == (D, causal, op)),
+                        key=lambda r: r["ms"])
+            if not rs:
+                continue
+            try:
+                from torchfn.kernels import _triton_ops as T
+
+                default = tuple(T._candidates(op.removesuffix("_tma"), _dtype("bf16"), D)[0])
+            except Exception:  # noqa: BLE001
+                default = None
+            d_ms = next((r["ms"] for r in rs if tuple(r["cfg"]) == default), None)
+            top = ", ".join(f"{tuple(r['cfg'])}: {r['ms']:.3f}" for r in rs[:3])
+            lines.append(f"| {op} | {top} | " + (f"{d_ms:.3f} |" if d_ms else "- |"))
+        lines.append("")
+    bench = [r for r in rows if r.get("kind") == "bench" and "tflops" in r]
+    if bench:
+        lines += ["| D | causal | mode | provider | TFLOP/s | / SDPA cuDNN |",
+                  "|---|---|---|---|---|---|"]
+        ref = {(r["D"], r["causal"], r["mode"]): r["tflops"] for r in bench
+               if r["provider"] == "sdpa_cudnn"}
+        for r in bench:
+            c = ref.get((r["D"], r["causal"], r["mode"]))
+            tf = f"{r['tflops']:.0f}" if r["tflops"] >= 10 else f"{r['tflops']:.2g}"
+            lines.append(f"| {r['D']} | {r['causal']} | {r['mode']} | {r['provider']} | {tf} | "
+                         + (f"{r['tflops'] / c:.2f} |" if c else "- |"))
+    return "\n".join(lines)
+
+
+def orchestrate_sweep(args) -> int:
+    t0 = time.time()
+    end = t0 + args.budget_s
+    os.environ.setdefault("TRITON_CACHE_DIR",
+                          os.path.join(tempfile.gettempdir(), "torchfn_triton_cache"))
+    info = env_info(args.dry_run)
+    print("== environment\n" + json.dumps(info, indent=1), flush=True)
+    tmp = tempfile.mkdtemp(prefix="torchfn_gpu_sweep_")
+    nw = args.workers or max(1, min(14, (os.cpu_count() or 2) - 2))
+    if args.dry_run:
+        nw = min(nw, 2)
+    warm_deadline = t0 + 0.55 * args.budget_s
+    print(f"== sweep warm: {nw} workers, {len(_sweep_tasks(args.dry_run))} kernels "
+          f"(deadline +{warm_deadline - t0:.0f}s)", flush=True)
+    parts = [os.path.join(tmp, f"sweepwarm{i}.jsonl") for i in range(nw)]
+    procs = [_spawn(args, "sweepwarm", parts[i], warm_deadline,
+                    os.path.join(tmp, f"sweepwarm{i}.log"), i, nw) for i in range(nw)]
+    codes = _wait(procs, warm_deadline + 20)
+    warm = [r for p in parts for r in _read_rows(p)]
+    print(f"   compiled {sum(1 for r in warm if r.get('ok'))}/{len(warm)}; "
+          f"worker exits {codes}", flush=True)
+    part = os.path.join(tmp, "sweep.jsonl")
+    print(f"== sweep timing (deadline +{end - t0:.0f}s)", flush=True)
+    _wait([_spawn(args, "sweep", part, end, None)], end + 60)
+    rows = _read_rows(part)
+    md = sweep_markdown(rows)
+    result = {"env": info, "args": {"budget_s": args.budget_s, "sweep": True, "workers": nw},
+              "warm": warm, "sweep": rows, "markdown": md,
+              "elapsed_s": round(time.time() - t0, 1)}
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1, default=str)
+    with open(os.path.splitext(args.out)[0] + ".md", "w") as f:
+        f.write(md + "\n")
+    print("\n" + md, flush=True)
+    print(f"== wrote {args.out} in {result['elapsed_s']} s", flush=True)
+    return 0
+
+
 # ============================================================================ orchestration
 def _spawn(args, phase: str, part: str, deadline: float, log: str | None,
            worker_id: int = 0, nworkers: int = 1) -> subprocess.Popen:
@@ -679,11 +1029,20 @@ def summarize(bench: list[dict], dry: bool) -> dict:
             sd = [x for x in (t("sdpa_flash"), t("sdpa_cudnn")) if x is not None]
             if ours and sd:
                 entry[f"{mode}_vs_best_sdpa"] = min(sd) / ours  # speed ratio, > 1: faster
+            atomic = t("torchfn_atomic") if mode == "fwd_bwd" else None
+            if mode == "bwd" and ms.get(("torchfn_atomic", "fwd_bwd", *k)) and t("torchfn", "fwd"):
+                fb_a, f = ms[("torchfn_atomic", "fwd_bwd", *k)], t("torchfn", "fwd")
+                atomic = fb_a - f if fb_a > f else None
+            if atomic and sd:
+                entry[f"{mode}_atomic_vs_best_sdpa"] = min(sd) / atomic
+            tma = t("torchfn_tma") if mode == "fwd" else None
+            if tma and sd:
+                entry["fwd_tma_vs_best_sdpa"] = min(sd) / tma
             if ours and t("flex"):
                 entry[f"{mode}_vs_flex"] = t("flex") / ours
         out.append(entry)
     agg = {}
-    for mode in ("fwd", "fwd_bwd", "bwd"):
+    for mode in ("fwd", "fwd_tma", "fwd_bwd", "bwd", "fwd_bwd_atomic", "bwd_atomic"):
         vals = [e[f"{mode}_vs_best_sdpa"] for e in out if f"{mode}_vs_best_sdpa" in e]
         vals = [x for x in vals if x > 0]
         if vals:
@@ -713,8 +1072,10 @@ def markdown(result: dict) -> str:
                      f"| {cell('to')} | {r['lse_err']:.1e} | "
                      f"{'yes' if r['pass'] else 'NO: ' + ','.join(r['fails'])} |")
     lines += ["", "### TFLOP/s (FlashAttention convention; fwd+bwd = 3.5x fwd flops)", "",
-              "| dtype | D | causal | N | mode | torchfn | torchfn api | SDPA flash | SDPA cuDNN "
-              "| flex | torchfn / best SDPA |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+              "| dtype | D | causal | N | mode | torchfn | torchfn atomic-dQ | torchfn TMA "
+              "| torchfn api | SDPA flash | SDPA cuDNN | flex | torchfn / best SDPA "
+              "| atomic-dQ or TMA / best SDPA |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     rows = [r for r in result["bench"] if "N" in r]
     idx = {(r["provider"], r["mode"], r["dtype"], r["D"], r["causal"], r["N"]): r for r in rows}
     keys = sorted({(r["dtype"], r["D"], r["causal"], r["N"], r["mode"]) for r in rows})
@@ -728,11 +1089,14 @@ def markdown(result: dict) -> str:
                 return x, (f"{x:.0f}" if x >= 10 else f"{x:.2g}")
             return None, "skip" if "skipped" in r else "err"
 
-        vals = {p: val(p) for p in ("torchfn", "torchfn_api", "sdpa_flash", "sdpa_cudnn", "flex")}
+        vals = {p: val(p) for p in ("torchfn", "torchfn_atomic", "torchfn_tma", "torchfn_api",
+                                    "sdpa_flash", "sdpa_cudnn", "flex")}
         best = max([v[0] for p, v in vals.items() if p.startswith("sdpa") and v[0]], default=None)
         ratio = f"{vals['torchfn'][0] / best:.2f}" if best and vals["torchfn"][0] else "-"
+        variant = vals["torchfn_atomic"][0] or vals["torchfn_tma"][0]
+        ratio_a = f"{variant / best:.2f}" if best and variant else "-"
         lines.append(f"| {dt} | {D} | {'yes' if c else 'no'} | {N} | {mode} | "
-                     + " | ".join(v[1] for v in vals.values()) + f" | {ratio} |")
+                     + " | ".join(v[1] for v in vals.values()) + f" | {ratio} | {ratio_a} |")
     agg = result["summary"].get("overall_torchfn_over_best_sdpa", {})
     if agg:
         lines += ["", "torchfn / best SDPA backend at N >= 4k (speed ratio, bwd = fwd_bwd - fwd): "
@@ -870,19 +1234,22 @@ def main(argv=None) -> int:
     ap.add_argument("--dry-run", action="store_true",
                     help="CPU smoke test of this script: Triton interpreter, tiny sizes")
     ap.add_argument("--workers", type=int, default=0, help="parallel compile workers (0: auto)")
+    ap.add_argument("--sweep", action="store_true",
+                    help="time every kernel over a grid of block configs instead (own run)")
     ap.add_argument("--phase", help=argparse.SUPPRESS)
     ap.add_argument("--part", help=argparse.SUPPRESS)
     ap.add_argument("--deadline", type=float, help=argparse.SUPPRESS)
     ap.add_argument("--worker-id", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--nworkers", type=int, default=1, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    os.environ["TORCHFN_TRITON_TMA"] = "0"  # the TMA providers / sweep ops switch it on
     if args.dry_run:
         os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported anywhere
     elif os.environ.get("TRITON_INTERPRET") == "1":
         print("warning: TRITON_INTERPRET=1 is set: the kernels will run in the interpreter",
               flush=True)
     if args.phase is None:
-        return orchestrate(args)
+        return orchestrate_sweep(args) if args.sweep else orchestrate(args)
     try:
         if args.phase == "warm":
             phase_warm(args)
@@ -892,6 +1259,10 @@ def main(argv=None) -> int:
             phase_flex(args, time_it=True)
         elif args.phase == "flexwarm":
             phase_flex(args, time_it=False)
+        elif args.phase == "sweepwarm":
+            phase_sweepwarm(args)
+        elif args.phase == "sweep":
+            phase_sweep(args)
     except Exception as e:  # noqa: BLE001
         _append(args.part, {"kind": "phase_error", "phase": args.phase, "error": _err_str(e),
                             "trace": traceback.format_exc()[-2000:]})

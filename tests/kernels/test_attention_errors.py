@@ -132,6 +132,7 @@ def test_bad_qkv(qkv, change, error, match):
             r"key_padding_mask must be a bool tensor \(True = attend\), got torch.float32",
         ),
         (dict(causal=1), TypeError, r"causal must be a bool, got int"),
+        (dict(deterministic=None), TypeError, r"deterministic must be a bool, got NoneType"),
         (dict(scale="0.1"), TypeError, r"scale must be a float or None, got str"),
         (dict(scale=float("inf")), ValueError, r"scale must be finite, got inf"),
         (

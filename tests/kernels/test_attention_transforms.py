@@ -18,11 +18,16 @@ from torchfn.kernels import attention, reference_attention
 B, H, HKV, NK, D = 1, 2, 1, 7, 6
 HAS_TRITON = all(importlib.util.find_spec(m) for m in ("triton", "torchfn.kernels._triton_ops"))
 VARIANTS = [
-    pytest.param(("torch", 5), id="torch-blockwise"),  # causal, Nq != Nk: blockwise path
-    pytest.param(("torch", NK), id="torch-sdpa"),  # Nq == Nk: SDPA's fused CPU kernels
+    pytest.param(("torch", 5, True), id="torch-blockwise"),  # causal, Nq != Nk: blockwise
+    pytest.param(("torch", NK, True), id="torch-sdpa"),  # Nq == Nk: SDPA's fused CPU kernels
     pytest.param(
-        ("triton", 5),
+        ("triton", 5, True),
         id="triton",
+        marks=pytest.mark.skipif(not HAS_TRITON, reason="triton or _triton_ops is missing"),
+    ),
+    pytest.param(  # dQ added with atomics inside the dK/dV kernel
+        ("triton", 5, False),
+        id="triton-atomic-dq",
         marks=pytest.mark.skipif(not HAS_TRITON, reason="triton or _triton_ops is missing"),
     ),
 ]
@@ -31,7 +36,7 @@ VARIANTS = [
 @pytest.fixture(scope="module", params=VARIANTS)
 def case(request):
     """Inputs, mask (one fully masked row), and the attention of each backend + reference."""
-    attn_backend, nq = request.param
+    attn_backend, nq, deterministic = request.param
     g = torch.Generator().manual_seed(11)
     dtype = torch.float64 if attn_backend == "torch" else torch.float32
 
@@ -43,7 +48,8 @@ def case(request):
     mask[..., 2, :4] = True  # query 2 keeps its causally visible keys
 
     def ours(q, k, v):
-        return attention(q, k, v, mask=mask, causal=True, backend=attn_backend)
+        return attention(q, k, v, mask=mask, causal=True, backend=attn_backend,
+                         deterministic=deterministic)
 
     def ref(q, k, v):
         return reference_attention(q.double(), k.double(), v.double(), mask=mask, causal=True)
@@ -58,6 +64,7 @@ def case(request):
         tol=tol,
         tol2=1e-10 if attn_backend == "torch" else 1e-4,
         backend=attn_backend,
+        deterministic=deterministic,
         nq=nq,
     )
 
@@ -201,7 +208,8 @@ def test_opcheck(case):
     ops = torch.ops.torchfn
     torch.library.opcheck(ops.attention_fwd.default, (q, k, v, mask, True, 0.4, be))
     torch.library.opcheck(
-        ops.attention_bwd.default, (q, k, v, o, lse, normal(*q.shape), mask, True, 0.4, be)
+        ops.attention_bwd.default,
+        (q, k, v, o, lse, normal(*q.shape), mask, True, 0.4, be, case["deterministic"]),
     )
     tq, tv = normal(*q.shape), normal(*v.shape)
     torch.library.opcheck(ops.attention_jvp.default, (q, k, v, tq, None, tv, None, False, 0.4, be))

@@ -2,7 +2,8 @@
 
 fp32 relative error <= 1e-5 (fp32 dots run as 3xTF32); fp16 / bf16 within 2x the
 error of ``F.scaled_dot_product_attention`` in the same dtype; a deterministic
-backward. Compiled kernels (``TRITON_INTERPRET`` switched off for these tests) with
+backward, and the same bounds for the atomic-dQ backward (``deterministic=False``).
+Compiled kernels (``TRITON_INTERPRET`` switched off for these tests) with
 the default block configs (no autotuning), so the file stays under a minute.
 Run: ``pytest -m gpu tests/kernels/test_triton_gpu.py``.
 """
@@ -112,14 +113,32 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("deterministic", [True, False], ids=["det", "atomic-dq"])
 @pytest.mark.parametrize("B, H, Hkv, Nq, Nk, D, dtype, causal, mask_kind", CASES)
-def test_gpu_kernels_match_reference(B, H, Hkv, Nq, Nk, D, dtype, causal, mask_kind):
+def test_gpu_kernels_match_reference(B, H, Hkv, Nq, Nk, D, dtype, causal, mask_kind,
+                                     deterministic):
+    check_gpu(B, H, Hkv, Nq, Nk, D, dtype, causal, mask_kind, deterministic)
+
+
+@pytest.mark.parametrize("deterministic", [True, False], ids=["det", "atomic-dq"])
+@pytest.mark.parametrize("B, H, Hkv, Nq, Nk, D, dtype, causal, mask_kind", CASES[1:3])
+def test_gpu_tma_kernels_match_reference(B, H, Hkv, Nq, Nk, D, dtype, causal, mask_kind,
+                                         deterministic, monkeypatch):
+    # TORCHFN_TRITON_TMA=1 (sm_90+): tiles through tensor descriptors, same contract
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("tensor descriptors (TMA) need sm_90 or newer")
+    monkeypatch.setenv("TORCHFN_TRITON_TMA", "1")
+    check_gpu(B, H, Hkv, Nq, Nk, D, dtype, causal, mask_kind, deterministic)
+
+
+def check_gpu(B, H, Hkv, Nq, Nk, D, dtype, causal, mask_kind, deterministic):
+    """Triton fwd / bwd / jvp on CUDA vs float64; raises AssertionError with the errors."""
     from torchfn.kernels import _triton_ops as T
 
     q, k, v, do, (tq, tk, tv), mask = make(B, H, Hkv, Nq, Nk, D, dtype, mask_kind)
     scale = D**-0.5
     o, lse = T.fwd(q, k, v, mask, causal, scale)
-    dq, dk, dv = T.bwd(q, k, v, o, lse, do, mask, causal, scale)
+    dq, dk, dv = T.bwd(q, k, v, o, lse, do, mask, causal, scale, deterministic)
     _, lse2, to = T.jvp(q, k, v, tq, tk, tv, mask, causal, scale)
     assert not T.is_interpreted()
 

@@ -126,14 +126,15 @@ def make_inputs(B, H, Hkv, Nq, Nk, D, dtype, seed):
 
 
 # --------------------------------------------------------------------------- the check
-def check(B, H, Hkv, Nq, Nk, D, dtype, causal, mask_kind, *, seed=0, fwd_cfg=None, bwd_cfg=None):
+def check(B, H, Hkv, Nq, Nk, D, dtype, causal, mask_kind, *, seed=0, fwd_cfg=None, bwd_cfg=None,
+          deterministic=True):
     """Triton fwd/bwd/jvp vs the float64 reference; raises AssertionError with the errors."""
     q, k, v, do, (tq, tk, tv), gen = make_inputs(B, H, Hkv, Nq, Nk, D, dtype, seed)
     mask = make_mask(mask_kind, B, H, Nq, Nk, dtype, gen)
     scale = D**-0.5
 
     o, lse = T.fwd(q, k, v, mask, causal, scale, config=fwd_cfg)
-    dq, dk, dv = T.bwd(q, k, v, o, lse, do, mask, causal, scale, config=bwd_cfg)
+    dq, dk, dv = T.bwd(q, k, v, o, lse, do, mask, causal, scale, deterministic, config=bwd_cfg)
     o2, lse2, to = T.jvp(q, k, v, tq, tk, tv, mask, causal, scale, config=fwd_cfg)
     assert o.shape == (B, H, Nq, D) and o.dtype == dtype and lse.dtype == torch.float32
     assert dk.shape == (B, Hkv, Nk, D) and dq.dtype == dtype
@@ -217,6 +218,31 @@ def test_block_shapes_on_causal_diagonal(fwd_cfg, bwd_cfg, Nq, Nk):
     check(1, 2, 1, Nq, Nk, 24, torch.float32, True, None, fwd_cfg=fwd_cfg, bwd_cfg=bwd_cfg)
 
 
+ATOMIC_CASES = [
+    pytest.param(1, 4, 2, 64, 96, 32, torch.float32, True, None, id="fp32-causal-gqa"),
+    pytest.param(1, 2, 2, 160, 96, 40, torch.float32, True, "bool", id="fp32-causal-Nq>Nk-bool"),
+    pytest.param(2, 2, 1, 37, 53, 24, torch.float32, False, "keypad", id="fp32-mqa-keypad-odd"),
+    pytest.param(1, 2, 1, 70, 130, 64, torch.float16, True, "additive", id="fp16-causal-add"),
+    pytest.param(1, 2, 2, 100, 60, 72, torch.bfloat16, False, "bool", id="bf16-bool-D72"),
+]
+
+
+@pytest.mark.parametrize("B, H, Hkv, Nq, Nk, D, dtype, causal, mask", ATOMIC_CASES)
+def test_atomic_dq_matches_reference(B, H, Hkv, Nq, Nk, D, dtype, causal, mask):
+    # deterministic=False: dQ is added with atomics inside the dK/dV kernel (no dQ launch)
+    check(B, H, Hkv, Nq, Nk, D, dtype, causal, mask, deterministic=False)
+
+
+def test_atomic_dq_equals_deterministic_dq():
+    # the same sum in another order: equal to fp32 rounding, and dk / dv bitwise equal
+    q, k, v, do, _, _ = make_inputs(2, 4, 2, 90, 110, 40, torch.float32, 7)
+    o, lse = T.fwd(q, k, v, None, True, 0.2)
+    exact = T.bwd(q, k, v, o, lse, do, None, True, 0.2, True)
+    atomic = T.bwd(q, k, v, o, lse, do, None, True, 0.2, False)
+    torch.testing.assert_close(atomic[0], exact[0], rtol=1e-6, atol=1e-6)
+    assert torch.equal(atomic[1], exact[1]) and torch.equal(atomic[2], exact[2])
+
+
 @given(
     b_h_hkv=st.sampled_from([(1, 1, 1), (2, 2, 1), (1, 4, 2), (1, 3, 3), (2, 2, 2), (1, 4, 1)]),
     Nq=st.integers(1, 150),
@@ -275,6 +301,51 @@ def test_backward_is_deterministic():
     first = T.bwd(q, k, v, o, lse, do, None, True, 0.2)
     second = T.bwd(q, k, v, o, lse, do, None, True, 0.2)
     assert all(torch.equal(a, b) for a, b in zip(first, second))
+
+
+TMA_CASES = [
+    pytest.param(1, 4, 2, 64, 96, 32, torch.float32, True, None, id="fp32-causal-gqa"),
+    pytest.param(2, 2, 2, 37, 53, 24, torch.float32, False, "bool", id="fp32-odd-N-D24-bool"),
+    pytest.param(1, 2, 1, 70, 130, 64, torch.float16, True, "additive", id="fp16-causal-add"),
+    pytest.param(1, 2, 2, 100, 60, 72, torch.bfloat16, True, "keypad", id="bf16-Nq>Nk-D72"),
+]
+
+
+@pytest.mark.parametrize("deterministic", [True, False], ids=["det", "atomic-dq"])
+@pytest.mark.parametrize("B, H, Hkv, Nq, Nk, D, dtype, causal, mask", TMA_CASES)
+def test_tma_matches_reference(B, H, Hkv, Nq, Nk, D, dtype, causal, mask, deterministic,
+                               monkeypatch):
+    # TORCHFN_TRITON_TMA=1: the forward's q, k, v and the backward's streamed tiles come
+    # through tensor descriptors, whose bounds zero-fill ragged rows and padded dims (the
+    # interpreter emulates TMA on the CPU)
+    monkeypatch.setenv("TORCHFN_TRITON_TMA", "1")
+    x = torch.zeros(B, H, Nq, D, dtype=dtype)
+    assert T._tma_descriptors({"desc_q": x}, {"desc_q": "m"}, T._block_d(D)) is not None
+    check(B, H, Hkv, Nq, Nk, D, dtype, causal, mask, deterministic=deterministic)
+
+
+def test_tma_is_skipped_for_unaligned_strides(monkeypatch):
+    monkeypatch.setenv("TORCHFN_TRITON_TMA", "1")
+    x = torch.zeros(1, 2, 8, 18)  # fp32 rows of 72 bytes: not a multiple of 16
+    assert T._tma_descriptors({"desc_q": x}, {"desc_q": "m"}, 32) is None
+    q, k, v, do, _, _ = make_inputs(1, 2, 1, 30, 40, 18, torch.float32, 9)
+    o, lse = T.fwd(q, k, v, None, True, 0.3)  # falls back to pointer loads
+    assert rel_err(o, reference(q.double(), k.double(), v.double(), None, True, 0.3)[0]) \
+        <= FP32_TOL
+
+
+@pytest.mark.parametrize("scale", [-0.3, 0.0, 0.3])
+def test_scale_of_any_sign(scale):
+    # the online softmax must not assume a positive scale
+    q, k, v, do, _, _ = make_inputs(1, 2, 1, 70, 90, 24, torch.float32, 5)
+    o, lse = T.fwd(q, k, v, None, False, scale)
+    dq, dk, dv = T.bwd(q, k, v, o, lse, do, None, False, scale)
+    leaves = [x.double().requires_grad_() for x in (q, k, v)]
+    ro, rlse = reference(*leaves, None, False, scale)
+    rgrads = torch.autograd.grad(ro, leaves, do.double())
+    assert rel_err(o, ro) <= FP32_TOL and rel_err(lse, rlse) <= FP32_TOL
+    for g, rg in zip((dq, dk, dv), rgrads):
+        assert rel_err(g, rg) <= FP32_TOL
 
 
 def test_non_contiguous_inputs():

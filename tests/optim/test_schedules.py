@@ -207,7 +207,8 @@ def test_reduce_on_plateau_equals_torch(kw, metrics):
     assert float(state.lr) == 0.3
     for m in metrics:
         ref.step(m)
-        lr, state = sched.update(state, torch.tensor(m) if m > 0 else m)
+        # a float64 tensor: float32 would flush a tiny metric (1e-209) to 0 before we see it
+        lr, state = sched.update(state, torch.tensor(m, dtype=torch.float64) if m > 0 else m)
         assert float(lr) == opt.param_groups[0]["lr"]
         assert int(state.num_bad_epochs) == ref.num_bad_epochs
         assert int(state.cooldown_counter) == ref.cooldown_counter

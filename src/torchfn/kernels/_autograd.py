@@ -84,14 +84,16 @@ def attention_bwd(
     causal: bool,
     scale: float,
     backend: str,
+    deterministic: bool = True,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) for the cotangent ``do``; dk / dv summed over GQA query heads."""
     q, k, v, o, do = (_last_contiguous(x) for x in (q, k, v, o, do))
-    return _backend(backend).bwd(q, k, v, o, lse, do, _expand(mask, q, k), causal, scale)
+    return _backend(backend).bwd(q, k, v, o, lse, do, _expand(mask, q, k), causal, scale,
+                                 deterministic)
 
 
 @attention_bwd.register_fake
-def _(q, k, v, o, lse, do, mask, causal, scale, backend):
+def _(q, k, v, o, lse, do, mask, causal, scale, backend, deterministic=True):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
@@ -160,11 +162,11 @@ def _(info, in_dims, q, k, v, mask, causal, scale, backend):
 
 
 @torch.library.register_vmap(f"{_LIB}::attention_bwd")
-def _(info, in_dims, q, k, v, o, lse, do, mask, causal, scale, backend):
+def _(info, in_dims, q, k, v, o, lse, do, mask, causal, scale, backend, deterministic=True):
     n = info.batch_size
     q, k, v, o, lse, do = (_fold(x, d, n) for x, d in zip((q, k, v, o, lse, do), in_dims))
     mask = _fold_mask(mask, in_dims[6], n, q.shape[0] // n)
-    grads = attention_bwd(q, k, v, o, lse, do, mask, causal, scale, backend)
+    grads = attention_bwd(q, k, v, o, lse, do, mask, causal, scale, backend, deterministic)
     return tuple(_unfold(g, n) for g in grads), (0, 0, 0)
 
 
@@ -181,18 +183,19 @@ def _(info, in_dims, q, k, v, tq, tk, tv, mask, causal, scale, backend):
 
 
 def _save(ctx, inputs, output) -> None:
-    q, k, v, mask, causal, scale, backend = inputs
+    q, k, v, mask, causal, scale, backend, deterministic = inputs
     o, lse = output
     ctx.mark_non_differentiable(lse)
     ctx.save_for_backward(q, k, v, o, lse, mask)
     ctx.causal, ctx.scale, ctx.backend = causal, scale, backend
+    ctx.deterministic = deterministic
 
 
 class _Attention(torch.autograd.Function):
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(q, k, v, mask, causal, scale, backend):
+    def forward(q, k, v, mask, causal, scale, backend, deterministic):
         return attention_fwd(q, k, v, mask, causal, scale, backend)
 
     @staticmethod
@@ -204,9 +207,9 @@ class _Attention(torch.autograd.Function):
     def backward(ctx, do, _dlse):
         q, k, v, o, lse, mask = ctx.saved_tensors
         dq, dk, dv = _AttentionBackward.apply(
-            q, k, v, o, lse, do, mask, ctx.causal, ctx.scale, ctx.backend
+            q, k, v, o, lse, do, mask, ctx.causal, ctx.scale, ctx.backend, ctx.deterministic
         )
-        return dq, dk, dv, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None
 
     @staticmethod
     def jvp(ctx, tq, tk, tv, *_):
@@ -221,7 +224,7 @@ class _AttentionCompiled(torch.autograd.Function):
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(q, k, v, mask, causal, scale, backend):
+    def forward(q, k, v, mask, causal, scale, backend, deterministic):
         return attention_fwd(q, k, v, mask, causal, scale, backend)
 
     @staticmethod
@@ -231,8 +234,9 @@ class _AttentionCompiled(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do, _dlse):
         q, k, v, o, lse, mask = ctx.saved_tensors
-        dq, dk, dv = attention_bwd(q, k, v, o, lse, do, mask, ctx.causal, ctx.scale, ctx.backend)
-        return dq, dk, dv, None, None, None, None
+        dq, dk, dv = attention_bwd(q, k, v, o, lse, do, mask, ctx.causal, ctx.scale, ctx.backend,
+                                   ctx.deterministic)
+        return dq, dk, dv, None, None, None, None, None
 
 
 def _vjp_formula(ctx):
@@ -256,12 +260,12 @@ class _AttentionBackward(torch.autograd.Function):
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(q, k, v, o, lse, do, mask, causal, scale, backend):
-        return attention_bwd(q, k, v, o, lse, do, mask, causal, scale, backend)
+    def forward(q, k, v, o, lse, do, mask, causal, scale, backend, deterministic):
+        return attention_bwd(q, k, v, o, lse, do, mask, causal, scale, backend, deterministic)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        q, k, v, _o, _lse, do, mask, causal, scale, _backend = inputs
+        q, k, v, _o, _lse, do, mask, causal, scale, _backend, _deterministic = inputs
         ctx.save_for_backward(q, k, v, do, mask)
         ctx.save_for_forward(q, k, v, do, mask)
         ctx.causal, ctx.scale = causal, scale
@@ -271,7 +275,7 @@ class _AttentionBackward(torch.autograd.Function):
         fn, primals = _vjp_formula(ctx)
         _, pullback = torch.func.vjp(fn, *primals)
         rq, rk, rv, rdo = pullback((gq, gk, gv))
-        return rq, rk, rv, None, None, rdo, None, None, None, None
+        return rq, rk, rv, None, None, rdo, None, None, None, None, None
 
     @staticmethod
     def jvp(ctx, tq, tk, tv, _to, _tlse, tdo, *_):
@@ -290,6 +294,7 @@ def attention(
     causal: bool,
     scale: float,
     backend: str,
+    deterministic: bool = True,
 ) -> Tensor:
     """Differentiable attention on validated inputs (mask: compact 4-D)."""
     fn = _Attention
@@ -297,14 +302,14 @@ def attention(
         if torch._C._functorch.maybe_current_level() is not None:
             # dynamo cannot trace an autograd.Function inside a torch.func transform
             # (grad, vmap, ...) with custom ops in it: run this call eagerly
-            return _eager()(q, k, v, mask, causal, scale, backend)
+            return _eager()(q, k, v, mask, causal, scale, backend, deterministic)
         fn = _AttentionCompiled
-    o, _ = fn.apply(q, k, v, mask, causal, scale, backend)
+    o, _ = fn.apply(q, k, v, mask, causal, scale, backend, deterministic)
     return o
 
 
-def _eager_attention(q, k, v, mask, causal, scale, backend):
-    return _Attention.apply(q, k, v, mask, causal, scale, backend)[0]
+def _eager_attention(q, k, v, mask, causal, scale, backend, deterministic):
+    return _Attention.apply(q, k, v, mask, causal, scale, backend, deterministic)[0]
 
 
 _EAGER: list = []

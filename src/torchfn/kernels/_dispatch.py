@@ -202,6 +202,7 @@ def attention(
     causal: bool = False,
     scale: float | None = None,
     backend: str | None = None,
+    deterministic: bool = True,
 ) -> Tensor:
     """Fused softmax attention that composes with ``grad``, ``vmap``, ``jvp`` and ``compile``.
 
@@ -229,6 +230,11 @@ def attention(
             ``"1"`` and triton.language is not loaded yet, this sets
             ``TRITON_INTERPRET=1`` for the process (later GPU Triton launches are then
             interpreted too), otherwise it raises :class:`AttentionBackendError`.
+        deterministic: ``True`` (default): the backward uses no atomics and gives
+            bitwise-identical gradients on every run. ``False`` lets the Triton backward
+            add dQ with float32 atomics (FlashAttention-2's scheme: 5 matmuls per tile
+            pair instead of 7), so ``dq`` may differ in the last bits between runs.
+            The PyTorch path is always deterministic.
 
     Returns:
         (B, H, Nq, D) in q's dtype. A row with no allowed key returns 0 (never NaN)
@@ -246,4 +252,7 @@ def attention(
     torch.Size([2, 4, 8, 16])
     """
     args = _prepare(q, k, v, mask, key_padding_mask, causal, scale, backend)
-    return _autograd.attention(q, k, v, args.mask, args.causal, args.scale, args.backend)
+    if not isinstance(deterministic, bool):
+        raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
+    return _autograd.attention(q, k, v, args.mask, args.causal, args.scale, args.backend,
+                               deterministic)

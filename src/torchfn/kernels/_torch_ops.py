@@ -185,8 +185,12 @@ def bwd(
     mask: Tensor | None,
     causal: bool,
     scale: float,
+    deterministic: bool = True,
 ):
-    """dq: (B, H, Nq, D); dk, dv: (B, Hkv, Nk, D) summed over each kv head's query heads."""
+    """dq: (B, H, Nq, D); dk, dv: (B, Hkv, Nk, D) summed over each kv head's query heads.
+
+    Always deterministic; ``deterministic`` is accepted for the shared backend contract.
+    """
     sdpa = _sdpa_args(q, k, v, mask, causal)
     if sdpa is not None:
         kr, vr, bias = sdpa

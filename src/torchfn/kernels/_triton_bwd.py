@@ -9,6 +9,15 @@ Three launches:
   accumulating ``dK``, ``dV`` in registers, so they come out summed over the group.
 * ``_attn_bwd_dq``: one program per (query block, batch, head); loops over key blocks.
 
+That is 7 matmuls per (query block, key block) pair: dK/dV take 4, dQ recomputes ``S``
+and ``dP`` for 3. With ``deterministic=False`` the dK/dV kernel also adds each
+``dS K`` into a float32 ``dQ`` buffer with ``atomic_add`` (``DQ_ATOMIC``; FlashAttention-2's
+5-matmul scheme) and the dQ launch is skipped. The sum order then varies from run to
+run, so ``dq`` differs in the last bits between runs.
+
+With ``USE_TMA`` (opt-in, sm_90+) the tiles streamed in the loops (q and dO for
+dK/dV, k and v for dQ) come through tensor descriptors, as in the forward.
+
 Both loops are split into a masked stage (causal diagonal / ragged end) and an
 unmasked stage, as in the forward.
 """
@@ -16,7 +25,13 @@ unmasked stage, as in the forward.
 import triton
 import triton.language as tl
 
-from torchfn.kernels._triton_fwd import _causal_bounds, _load_rows, _mask_scores, _store_rows
+from torchfn.kernels._triton_fwd import (
+    _causal_bounds,
+    _load_rows,
+    _load_tile,
+    _mask_scores,
+    _store_rows,
+)
 
 
 @triton.jit
@@ -43,16 +58,22 @@ def _bwd_preprocess(
 
 
 @triton.jit
-def _dkdv_inner(dk, dv, k, v, q_base, do_base, m_base, lse2_base, delta_base,
+def _dkdv_inner(dk, dv, k, v, q_base, do_base, m_base, lse2_base, delta_base, dq_base,
                 offs_n, offs_d, lo, hi, sqm, sdm, smm, smn, Nq, Nk, qk_scale,
+                desc_q, desc_do, off_b, off_h,
                 BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                 CAUSAL_STAGE: tl.constexpr, MASK_KIND: tl.constexpr,
-                DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, ELEM: tl.constexpr):
+                DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, ELEM: tl.constexpr,
+                DQ_ATOMIC: tl.constexpr, USE_TMA: tl.constexpr):
     offs_m0 = tl.arange(0, BLOCK_M)
     for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + offs_m0
-        q = _load_rows(q_base, offs_m, offs_d, sqm, Nq, HEAD_DIM, BLOCK_D, True)  # (M, D)
-        do = _load_rows(do_base, offs_m, offs_d, sdm, Nq, HEAD_DIM, BLOCK_D, True)
+        if USE_TMA:
+            q = _load_tile(desc_q, off_b, off_h, start_m, BLOCK_M, BLOCK_D)  # (M, D)
+            do = _load_tile(desc_do, off_b, off_h, start_m, BLOCK_M, BLOCK_D)
+        else:
+            q = _load_rows(q_base, offs_m, offs_d, sqm, Nq, HEAD_DIM, BLOCK_D, True)  # (M, D)
+            do = _load_rows(do_base, offs_m, offs_d, sdm, Nq, HEAD_DIM, BLOCK_D, True)
         if UPCAST:
             q = q.to(tl.float32)
             do = do.to(tl.float32)
@@ -75,12 +96,20 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, m_base, lse2_base, delta_base,
         if not UPCAST:
             dsT = dsT.to(ELEM)
         dk = tl.dot(dsT, q, dk, input_precision=DOT_PREC)
+        if DQ_ATOMIC:  # dQ[m] += dS K, unscaled; dq_base: float32 (Nq, HEAD_DIM) rows
+            dq = tl.dot(tl.trans(dsT), k, input_precision=DOT_PREC)  # (M, D)
+            dq_ptrs = dq_base + offs_m[:, None] * HEAD_DIM + offs_d[None, :]
+            if HEAD_DIM == BLOCK_D:
+                tl.atomic_add(dq_ptrs, dq, mask=offs_m[:, None] < Nq, sem="relaxed")
+            else:
+                tl.atomic_add(dq_ptrs, dq, sem="relaxed",
+                              mask=(offs_m[:, None] < Nq) & (offs_d[None, :] < HEAD_DIM))
     return dk, dv
 
 
 @triton.jit
 def _attn_bwd_dkdv(
-    Q, K, V, MASK, DO, LSE2, DELTA, DK, DV,
+    Q, K, V, MASK, DO, LSE2, DELTA, DK, DV, DQACC,
     sqb, sqh, sqm, skb, skh, skn, svb, svh, svn,
     smb, smh, smm, smn, sdb, sdh, sdm,
     sdkb, sdkh, sdkn, sdvb, sdvh, sdvn,
@@ -88,7 +117,8 @@ def _attn_bwd_dkdv(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
-    DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
+    DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, DQ_ATOMIC: tl.constexpr = False,
+    desc_q=None, desc_do=None, USE_TMA: tl.constexpr = False,
 ):
     start_n = tl.program_id(0) * BLOCK_N
     off_bhk = tl.program_id(1)
@@ -122,14 +152,17 @@ def _attn_bwd_dkdv(
         q_base = Q + off_b * sqb + off_h * sqh
         do_base = DO + off_b * sdb + off_h * sdh
         m_base = MASK + off_b * smb + off_h * smh
+        dq_base = DQACC + row0 * HEAD_DIM
         if IS_CAUSAL:
             dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, m_base, LSE2 + row0,
-                                 DELTA + row0, offs_n, offs_d, m_lo, m_mid, sqm, sdm, smm, smn,
-                                 Nq, Nk, qk_scale, BLOCK_M, HEAD_DIM, BLOCK_D, True, MASK_KIND,
-                                 DOT_PREC, UPCAST, ELEM)
+                                 DELTA + row0, dq_base, offs_n, offs_d, m_lo, m_mid, sqm, sdm,
+                                 smm, smn, Nq, Nk, qk_scale, desc_q, desc_do, off_b, off_h,
+                                 BLOCK_M, HEAD_DIM, BLOCK_D, True, MASK_KIND, DOT_PREC, UPCAST,
+                                 ELEM, DQ_ATOMIC, USE_TMA)
         dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, m_base, LSE2 + row0, DELTA + row0,
-                             offs_n, offs_d, m_mid, Nq, sqm, sdm, smm, smn, Nq, Nk, qk_scale,
-                             BLOCK_M, HEAD_DIM, BLOCK_D, False, MASK_KIND, DOT_PREC, UPCAST, ELEM)
+                             dq_base, offs_n, offs_d, m_mid, Nq, sqm, sdm, smm, smn, Nq, Nk,
+                             qk_scale, desc_q, desc_do, off_b, off_h, BLOCK_M, HEAD_DIM, BLOCK_D,
+                             False, MASK_KIND, DOT_PREC, UPCAST, ELEM, DQ_ATOMIC, USE_TMA)
 
     dk = dk * sm_scale
     _store_rows(DK + off_b * sdkb + off_hk * sdkh, dk.to(DK.dtype.element_ty), offs_n, offs_d,
@@ -140,16 +173,21 @@ def _attn_bwd_dkdv(
 
 @triton.jit
 def _dq_inner(dq, q, do, lse2, delta, k_base, v_base, m_base, offs_m, offs_d, lo, hi,
-              skn, svn, smm, smn, Nq, Nk, qk_scale,
+              skn, svn, smm, smn, Nq, Nk, qk_scale, desc_k, desc_v, off_b, off_hk,
               BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
               BOUNDARY: tl.constexpr, IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
-              DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, ELEM: tl.constexpr):
+              DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, ELEM: tl.constexpr,
+              USE_TMA: tl.constexpr):
     offs_n0 = tl.arange(0, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         offs_n = start_n + offs_n0
-        k = _load_rows(k_base, offs_n, offs_d, skn, Nk, HEAD_DIM, BLOCK_D, BOUNDARY)
-        v = _load_rows(v_base, offs_n, offs_d, svn, Nk, HEAD_DIM, BLOCK_D, BOUNDARY)
+        if USE_TMA:
+            k = _load_tile(desc_k, off_b, off_hk, start_n, BLOCK_N, BLOCK_D)
+            v = _load_tile(desc_v, off_b, off_hk, start_n, BLOCK_N, BLOCK_D)
+        else:
+            k = _load_rows(k_base, offs_n, offs_d, skn, Nk, HEAD_DIM, BLOCK_D, BOUNDARY)
+            v = _load_rows(v_base, offs_n, offs_d, svn, Nk, HEAD_DIM, BLOCK_D, BOUNDARY)
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
@@ -181,6 +219,7 @@ def _attn_bwd_dq(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
     DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
+    desc_k=None, desc_v=None, USE_TMA: tl.constexpr = False,
 ):
     if IS_CAUSAL:  # the longest query blocks (last rows) first: better tail balance
         start_m = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
@@ -210,11 +249,13 @@ def _attn_bwd_dq(
     m_base = MASK + off_b * smb + off_h * smh
     lo, hi = _causal_bounds(start_m, Nq, Nk, BLOCK_M, BLOCK_N, IS_CAUSAL)
     dq = _dq_inner(dq, q, do, lse2, delta, k_base, v_base, m_base, offs_m, offs_d, 0, lo,
-                   skn, svn, smm, smn, Nq, Nk, qk_scale,
-                   BLOCK_N, HEAD_DIM, BLOCK_D, False, IS_CAUSAL, MASK_KIND, DOT_PREC, UPCAST, ELEM)
+                   skn, svn, smm, smn, Nq, Nk, qk_scale, desc_k, desc_v, off_b, off_hk,
+                   BLOCK_N, HEAD_DIM, BLOCK_D, False, IS_CAUSAL, MASK_KIND, DOT_PREC, UPCAST, ELEM,
+                   USE_TMA)
     dq = _dq_inner(dq, q, do, lse2, delta, k_base, v_base, m_base, offs_m, offs_d, lo, hi,
-                   skn, svn, smm, smn, Nq, Nk, qk_scale,
-                   BLOCK_N, HEAD_DIM, BLOCK_D, True, IS_CAUSAL, MASK_KIND, DOT_PREC, UPCAST, ELEM)
+                   skn, svn, smm, smn, Nq, Nk, qk_scale, desc_k, desc_v, off_b, off_hk,
+                   BLOCK_N, HEAD_DIM, BLOCK_D, True, IS_CAUSAL, MASK_KIND, DOT_PREC, UPCAST, ELEM,
+                   USE_TMA)
     dq = dq * sm_scale
     _store_rows(DQ + off_b * sdqb + off_h * sdqh, dq.to(DQ.dtype.element_ty), offs_m, offs_d,
                 sdqm, Nq, HEAD_DIM, BLOCK_D)

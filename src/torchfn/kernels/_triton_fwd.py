@@ -11,6 +11,10 @@ the ragged end, which apply the causal / bounds mask. Causal is bottom-right
 aligned: query ``i`` sees key ``j`` iff ``j <= i + (Nk - Nq)``; key blocks past
 the diagonal are never visited.
 
+``USE_TMA`` (sm_90+, opt-in, see ``_triton_ops``) reads q, k and v through 4-D tensor
+descriptors, i.e. the Hopper TMA engine, instead of per-thread pointer loads; the
+descriptor's bounds zero-fill rows past N and dims past D, as the masked loads do.
+
 Import this module only through ``_triton_ops`` (Triton is optional; under
 ``TRITON_INTERPRET=1`` the kernels run on CPU).
 """
@@ -83,17 +87,29 @@ def _causal_bounds(start_m, Nq, Nk, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr
 
 
 @triton.jit
+def _load_tile(desc, off_b, off_h, start, ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
+    """A (ROWS, BLOCK_D) tile through a 4-D (B, H, N, D) tensor descriptor (TMA on sm_90+);
+    rows past N and dims past D read 0 (the descriptor's bounds)."""
+    t = desc.load([off_b.to(tl.int32), off_h.to(tl.int32), start, 0])
+    return tl.reshape(t, [ROWS, BLOCK_D])
+
+
+@triton.jit
 def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, m_base, offs_m, offs_d, lo, hi,
-               skn, svn, smm, smn, Nq, Nk, qk_scale,
+               skn, svn, smm, smn, Nq, Nk, qk_scale, desc_k, desc_v, off_b, off_hk,
                BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                BOUNDARY: tl.constexpr, IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
-               DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
+               DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr):
     offs_n0 = tl.arange(0, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         offs_n = start_n + offs_n0
-        k = _load_rows(k_base, offs_n, offs_d, skn, Nk, HEAD_DIM, BLOCK_D, BOUNDARY)
-        v = _load_rows(v_base, offs_n, offs_d, svn, Nk, HEAD_DIM, BLOCK_D, BOUNDARY)
+        if USE_TMA:
+            k = _load_tile(desc_k, off_b, off_hk, start_n, BLOCK_N, BLOCK_D)
+            v = _load_tile(desc_v, off_b, off_hk, start_n, BLOCK_N, BLOCK_D)
+        else:
+            k = _load_rows(k_base, offs_n, offs_d, skn, Nk, HEAD_DIM, BLOCK_D, BOUNDARY)
+            v = _load_rows(v_base, offs_n, offs_d, svn, Nk, HEAD_DIM, BLOCK_D, BOUNDARY)
         p_dtype = v.dtype
         if UPCAST:
             k = k.to(tl.float32)
@@ -133,6 +149,7 @@ def _attn_fwd(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
     DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
+    desc_q=None, desc_k=None, desc_v=None, USE_TMA: tl.constexpr = False,
 ):
     if IS_CAUSAL:  # the longest query blocks (last rows) first: better tail balance
         start_m = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
@@ -149,7 +166,10 @@ def _attn_fwd(
 
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    q = _load_rows(q_base, offs_m, offs_d, sqm, Nq, HEAD_DIM, BLOCK_D, True)  # (M, D)
+    if USE_TMA:
+        q = _load_tile(desc_q, off_b, off_h, start_m, BLOCK_M, BLOCK_D)  # (M, D)
+    else:
+        q = _load_rows(q_base, offs_m, offs_d, sqm, Nq, HEAD_DIM, BLOCK_D, True)  # (M, D)
     if UPCAST:
         q = q.to(tl.float32)
 
@@ -159,13 +179,13 @@ def _attn_fwd(
 
     lo, hi = _causal_bounds(start_m, Nq, Nk, BLOCK_M, BLOCK_N, IS_CAUSAL)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, m_base, offs_m, offs_d, 0, lo,
-                               skn, svn, smm, smn, Nq, Nk, qk_scale,
-                               BLOCK_N, HEAD_DIM, BLOCK_D, False, IS_CAUSAL, MASK_KIND,
-                               DOT_PREC, UPCAST)
+                               skn, svn, smm, smn, Nq, Nk, qk_scale, desc_k, desc_v, off_b,
+                               off_hk, BLOCK_N, HEAD_DIM, BLOCK_D, False, IS_CAUSAL, MASK_KIND,
+                               DOT_PREC, UPCAST, USE_TMA)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, m_base, offs_m, offs_d, lo, hi,
-                               skn, svn, smm, smn, Nq, Nk, qk_scale,
-                               BLOCK_N, HEAD_DIM, BLOCK_D, True, IS_CAUSAL, MASK_KIND,
-                               DOT_PREC, UPCAST)
+                               skn, svn, smm, smn, Nq, Nk, qk_scale, desc_k, desc_v, off_b,
+                               off_hk, BLOCK_N, HEAD_DIM, BLOCK_D, True, IS_CAUSAL, MASK_KIND,
+                               DOT_PREC, UPCAST, USE_TMA)
 
     # fully masked rows: l = 0 -> o = 0, lse = -inf
     empty = l_i == 0.0

@@ -43,34 +43,48 @@ __all__ = ["fwd", "bwd", "jvp", "tuned_configs", "is_interpreted"]
 # --------------------------------------------------------------------------- configs
 # (BLOCK_M, BLOCK_N, num_warps, num_stages); the first entry is the untuned default.
 # Forward / JVP: query block x key block. Backward follows the FA2 Triton tutorial:
-# dK/dV with narrow query blocks and wide key blocks, dQ the other way round. The lists
-# were pruned offline for sm_90 (Triton AOT compile + cuobjdump): configs that spilled
-# registers or overflowed shared memory are gone; the GPU autotuner picks among the rest.
+# dK/dV with narrow query blocks and wide key blocks, dQ the other way round. Every
+# bf16 entry for D = 64 / 128 is compiled ahead of time for sm_90 by bench/aot_sm90.py
+# (Triton's AOT compiler with the JIT's divisibility-16 specialisation, then cuobjdump):
+# none spills registers or needs more than the 227 KiB of shared memory an H100 / H200
+# block gets.
+# The GPU autotuner times the candidates on first use and keeps the fastest.
 _GPU_CONFIGS: dict[str, dict[str, list[tuple[int, int, int, int]]]] = {
     "fwd": {
         "d64": [(128, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 4), (64, 64, 4, 3)],
-        "d128": [(128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3)],
+        "d128": [(128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3), (128, 64, 8, 4),
+                 (64, 128, 8, 2)],
         "d256": [(32, 32, 4, 2), (64, 32, 4, 2)],
         "fp32": [(32, 32, 8, 2), (64, 32, 8, 2)],
         "fp32_d256": [(16, 32, 4, 1)],
     },
     "jvp": {
         "d64": [(64, 64, 8, 2), (64, 32, 4, 2)],
-        "d128": [(64, 32, 4, 2), (32, 64, 4, 2)],
+        "d128": [(64, 32, 4, 2), (32, 64, 8, 2), (128, 32, 8, 2)],
         "d256": [(32, 16, 4, 2), (32, 32, 4, 2)],
         "fp32": [(16, 32, 4, 2)],
         "fp32_d256": [(16, 16, 4, 1)],
     },
     "dkdv": {
-        "d64": [(32, 128, 8, 3), (64, 128, 8, 3), (32, 64, 8, 3)],
-        "d128": [(16, 128, 8, 3), (32, 64, 8, 2), (32, 64, 8, 3)],
+        "d64": [(32, 128, 8, 3), (64, 128, 8, 3), (32, 64, 8, 3), (16, 128, 8, 3)],
+        "d128": [(16, 128, 8, 3), (32, 64, 8, 2), (32, 64, 8, 3), (64, 64, 8, 3),
+                 (32, 128, 8, 3)],
+        "d256": [(16, 32, 4, 2), (32, 32, 4, 2)],
+        "fp32": [(32, 32, 8, 2), (16, 32, 4, 2)],
+        "fp32_d256": [(16, 16, 4, 1)],
+    },
+    # dK/dV with the atomic dQ (deterministic=False): one more dot, so other tiles fit.
+    # BLOCK_M >= 64 lets the dQ dot use wgmma (at 32 it falls back to mma.sync).
+    "dkdv_atomic": {
+        "d64": [(64, 128, 8, 3), (32, 128, 8, 3), (64, 64, 8, 3)],
+        "d128": [(32, 128, 8, 3), (64, 64, 8, 3), (32, 64, 8, 3)],
         "d256": [(16, 32, 4, 2), (32, 32, 4, 2)],
         "fp32": [(32, 32, 8, 2), (16, 32, 4, 2)],
         "fp32_d256": [(16, 16, 4, 1)],
     },
     "dq": {
         "d64": [(128, 64, 8, 3), (128, 32, 4, 3), (64, 64, 4, 3)],
-        "d128": [(128, 64, 8, 3), (64, 64, 4, 3)],
+        "d128": [(128, 64, 8, 3), (64, 64, 4, 3), (128, 32, 8, 3), (64, 64, 8, 3)],
         "d256": [(32, 32, 4, 2), (64, 16, 4, 2)],
         "fp32": [(32, 32, 8, 2)],
         "fp32_d256": [(16, 16, 4, 1)],
@@ -81,6 +95,7 @@ _INTERP_CONFIGS: dict[str, tuple[int, int, int, int]] = {
     "fwd": (64, 64, 4, 1),
     "jvp": (64, 64, 4, 1),
     "dkdv": (32, 64, 4, 1),
+    "dkdv_atomic": (32, 64, 4, 1),
     "dq": (64, 32, 4, 1),
 }
 _PRE_BLOCK_M = 64  # preprocess kernel (delta, lse2)
@@ -149,15 +164,25 @@ def _autotune_enabled() -> bool:
 
 def _launch(kind: str, kernel: Any, grid: Callable[[int, int], tuple[int, ...]],
             args: tuple, consts: dict[str, Any], key: tuple,
-            config: tuple[int, int, int, int] | None) -> None:
-    """Launch ``kernel`` with a block config: given, interpreter-fixed, tuned or default."""
+            config: tuple[int, int, int, int] | None,
+            reset: Callable[[], None] | None = None,
+            extra: Callable[[int, int], dict[str, Any]] | None = None) -> None:
+    """Launch ``kernel`` with a block config: given, interpreter-fixed, tuned or default.
+
+    ``reset`` runs before every launch, for kernels that accumulate into an output
+    (atomics): the tuner launches a kernel many times. ``extra(BLOCK_M, BLOCK_N)`` gives
+    keyword arguments that depend on the block shape (tensor descriptors).
+    """
 
     def run(cfg: tuple[int, int, int, int]) -> None:
+        if reset is not None:
+            reset()
         bm, bn, warps, stages = cfg
+        kw = {} if extra is None else extra(bm, bn)
         if is_interpreted():
-            kernel[grid(bm, bn)](*args, **consts, BLOCK_M=bm, BLOCK_N=bn)
+            kernel[grid(bm, bn)](*args, **consts, **kw, BLOCK_M=bm, BLOCK_N=bn)
         else:
-            kernel[grid(bm, bn)](*args, **consts, BLOCK_M=bm, BLOCK_N=bn,
+            kernel[grid(bm, bn)](*args, **consts, **kw, BLOCK_M=bm, BLOCK_N=bn,
                                  num_warps=warps, num_stages=stages)
 
     if config is not None:
@@ -178,7 +203,8 @@ def _launch(kind: str, kernel: Any, grid: Callable[[int, int], tuple[int, ...]],
 def _tune(run: Callable, cands: list[tuple[int, int, int, int]]) -> tuple[int, int, int, int]:
     """Time each config (compiling it first); configs that fail to compile/launch are skipped.
 
-    Every kernel here overwrites all of its outputs, so re-running it is harmless.
+    Every kernel here overwrites all of its outputs or is reset first (``_launch``'s
+    ``reset``), so re-running it is harmless.
     """
     from triton.testing import do_bench
 
@@ -198,6 +224,42 @@ def _tune(run: Callable, cands: list[tuple[int, int, int, int]]) -> tuple[int, i
 
 
 # --------------------------------------------------------------------------- helpers
+def _tma_descriptors(names_tensors: dict[str, Tensor], rows: dict[str, str], block_d: int,
+                     ) -> Callable[[int, int], dict[str, Any]] | None:
+    """Tensor-descriptor (TMA) kwargs per block shape, or None when TMA is off or unusable.
+
+    Opt-in with ``TORCHFN_TRITON_TMA=1`` until a GPU run shows it is faster. It needs
+    sm_90+ (or the interpreter), triton's host ``TensorDescriptor``, 16-byte aligned
+    base pointers and strides, and a contiguous last dim. ``rows`` maps each
+    descriptor name to "m" or "n": its tile has BLOCK_M or BLOCK_N rows.
+    """
+    if os.environ.get("TORCHFN_TRITON_TMA", "0") != "1":
+        return None
+    try:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+    except ImportError:
+        return None
+    tensors = list(names_tensors.values())
+    dev = tensors[0].device
+    if not is_interpreted() and (dev.type != "cuda"
+                                 or torch.cuda.get_device_capability(dev)[0] < 9):
+        return None
+    for t in tensors:
+        step = 16 // t.element_size()
+        if t.stride(-1) != 1 or t.data_ptr() % 16 or any(
+                st % step or st == 0 for st, n in zip(t.stride()[:-1], t.shape[:-1]) if n > 1):
+            return None
+
+    def make(bm: int, bn: int) -> dict[str, Any]:
+        kw: dict[str, Any] = {"USE_TMA": True}
+        for name, t in names_tensors.items():
+            r = bm if rows[name] == "m" else bn
+            kw[name] = TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, r, block_d])
+        return kw
+
+    return make
+
+
 def _c(t: Tensor) -> Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
@@ -273,17 +335,24 @@ def fwd(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool, scal
             v.stride(0), v.stride(1), v.stride(2), *ms, o.stride(0), o.stride(1), o.stride(2),
             H, H // Hkv, Nq, Nk, float(scale) * 1.4426950408889634)
     grid = lambda bm, bn: (triton.cdiv(Nq, bm), B * H)
-    _launch("fwd", _triton_fwd._attn_fwd, grid, args, consts, key, config)
+    tma = _tma_descriptors({"desc_q": q, "desc_k": k, "desc_v": v},
+                           {"desc_q": "m", "desc_k": "n", "desc_v": "n"}, consts["BLOCK_D"])
+    _launch("fwd", _triton_fwd._attn_fwd, grid, args, consts, (*key, tma is not None), config,
+            extra=tma)
     return o.to(q.dtype), lse
 
 
 def bwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Tensor,
-        mask: Tensor | None, causal: bool, scale: float,
+        mask: Tensor | None, causal: bool, scale: float, deterministic: bool = True,
         *, config: tuple[tuple[int, int, int, int], tuple[int, int, int, int]] | None = None,
         ) -> tuple[Tensor, Tensor, Tensor]:
     """Backward from ``do``: (dq, dk, dv) in the input dtype; dk/dv summed over GQA groups.
 
-    Deterministic (no atomics). ``config`` = (dkdv config, dq config) overrides tuning.
+    ``deterministic=True``: no atomics, bitwise reproducible, a separate dQ launch
+    (7 matmuls per tile pair). ``False``: dQ is accumulated with float32 atomics inside
+    the dK/dV launch (5 matmuls), at the cost of run-to-run rounding differences in dq.
+    ``config`` = (dkdv config, dq config) overrides tuning (the dq one is unused when
+    ``deterministic=False``).
     """
     _ensure_mode(q.device)
     q, k, v, o, do = _c(q), _c(k), _c(v), _c(o), _c(do)
@@ -307,18 +376,28 @@ def bwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Tensor,
     common = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
               v.stride(0), v.stride(1), v.stride(2), *ms,
               do.stride(0), do.stride(1), do.stride(2))
-    args_kv = (q, k, v, mptr, do, lse2, delta, dk, dv, *common,
+    atomic = not deterministic
+    # atomic dQ: a float32 (B, H, Nq, D) accumulator, unscaled; else an unused pointer
+    dq_acc = torch.zeros((B, H, Nq, D), dtype=torch.float32, device=q.device) if atomic else dq
+    args_kv = (q, k, v, mptr, do, lse2, delta, dk, dv, dq_acc, *common,
                dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
                H, Hkv, H // Hkv, Nq, Nk, qk_scale, float(scale))
     grid_kv = lambda bm, bn: (triton.cdiv(Nk, bn), B * Hkv)
-    _launch("dkdv", _triton_bwd._attn_bwd_dkdv, grid_kv, args_kv, consts, key,
-            None if config is None else config[0])
+    bd = consts["BLOCK_D"]
+    tma_kv = _tma_descriptors({"desc_q": q, "desc_do": do}, {"desc_q": "m", "desc_do": "m"}, bd)
+    _launch("dkdv_atomic" if atomic else "dkdv", _triton_bwd._attn_bwd_dkdv, grid_kv, args_kv,
+            dict(consts, DQ_ATOMIC=atomic), (*key, tma_kv is not None),
+            None if config is None else config[0],
+            reset=dq_acc.zero_ if atomic else None, extra=tma_kv)
+    if atomic:
+        return (dq_acc * scale).to(q.dtype), dk.to(q.dtype), dv.to(q.dtype)
     args_q = (q, k, v, mptr, do, lse2, delta, dq, *common,
               dq.stride(0), dq.stride(1), dq.stride(2),
               H, H // Hkv, Nq, Nk, qk_scale, float(scale))
     grid_q = lambda bm, bn: (triton.cdiv(Nq, bm), B * H)
-    _launch("dq", _triton_bwd._attn_bwd_dq, grid_q, args_q, consts, key,
-            None if config is None else config[1])
+    tma_q = _tma_descriptors({"desc_k": k, "desc_v": v}, {"desc_k": "n", "desc_v": "n"}, bd)
+    _launch("dq", _triton_bwd._attn_bwd_dq, grid_q, args_q, consts, (*key, tma_q is not None),
+            None if config is None else config[1], extra=tma_q)
     return dq.to(q.dtype), dk.to(q.dtype), dv.to(q.dtype)
 
 

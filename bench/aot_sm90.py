@@ -1,0 +1,154 @@
+#!/usr/bin/env python
+"""Compile every GPU config candidate of the Triton attention kernels for sm_90, on a CPU.
+
+No GPU is needed: Triton's ahead-of-time compiler targets ``cuda:90`` with the
+``ptxas`` and ``cuobjdump`` bundled in the triton wheel. Each candidate of
+``_triton_ops._GPU_CONFIGS`` (bf16, head dims 64 and 128, causal off) is compiled with
+the same specialisation the JIT gives a realistic launch (pointers and strides
+divisible by 16, GQA group 1), and the script prints, per config:
+
+* ``regs``: registers per thread (255 is the ceiling),
+* ``spill``: bytes of local-memory stack (register spills; 0 is the goal),
+* ``smem``: shared memory per block (an H100 / H200 block may use 227 KiB).
+
+A kind ending in ``_tma`` (``fwd_tma``, ``dkdv_tma``, ...) is that kernel with ``USE_TMA``:
+its streamed tiles come through tensor descriptors (opt-in ``TORCHFN_TRITON_TMA=1``).
+
+It exits 1 when a candidate spills or overflows shared memory, so it can guard edits
+to the config table. Without the divisibility hints the pipeliner cannot prove 16-byte
+alignment, emits no ``cp.async`` and every config looks single-buffered: the hints are
+what makes this match the GPU. Usage, from the repository root::
+
+    PYTHONPATH=src python bench/aot_sm90.py [--kinds fwd dkdv] [--dims 128]
+
+Results depend on the Triton version (3.9 here; the lent H200 ran 3.6).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # the JIT's default, without a warning
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+SMEM_LIMIT = 227 * 1024
+_BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+_PTRS = {"Q", "K", "V", "TQ", "TK", "TV", "MASK", "O", "TO", "DO", "DQ", "DK", "DV"}
+_FP32_PTRS = {"LSE", "LSE2", "DELTA", "DQACC"}
+_INT_ONE = {"GROUP"}  # the JIT turns an int argument equal to 1 into a constant
+
+
+def _kernel(kind: str):
+    from torchfn.kernels import _triton_bwd, _triton_fwd, _triton_jvp
+
+    return {
+        "fwd": _triton_fwd._attn_fwd,
+        "jvp": _triton_jvp._attn_jvp,
+        "dkdv": _triton_bwd._attn_bwd_dkdv,
+        "dkdv_atomic": _triton_bwd._attn_bwd_dkdv,
+        "dq": _triton_bwd._attn_bwd_dq,
+    }[kind]
+
+
+# the tiles each kernel reads through tensor descriptors with USE_TMA: BLOCK_M or BLOCK_N rows
+_TMA_DESCS = {
+    "fwd": {"desc_q": "m", "desc_k": "n", "desc_v": "n"},
+    "dkdv": {"desc_q": "m", "desc_do": "m"},
+    "dkdv_atomic": {"desc_q": "m", "desc_do": "m"},
+    "dq": {"desc_k": "n", "desc_v": "n"},
+}
+
+
+def compile_sm90(kind: str, head_dim: int, cfg: tuple[int, int, int, int]) -> dict:
+    """Compile one (kind, head dim, config) for sm_90: {'regs', 'spill', 'smem'}.
+
+    A kind ending in ``_tma`` is that kernel with ``USE_TMA`` (tensor-descriptor loads).
+    """
+    tma = kind.endswith("_tma")
+    kind = kind.removesuffix("_tma")
+    fn = _kernel(kind)
+    bm, bn, warps, stages = cfg
+    consts = dict(HEAD_DIM=head_dim, BLOCK_D=head_dim, IS_CAUSAL=False, MASK_KIND=0,
+                  DOT_PREC="tf32", UPCAST=False, BLOCK_M=bm, BLOCK_N=bn)
+    if kind == "dkdv_atomic":
+        consts["DQ_ATOMIC"] = True
+    descs = {}
+    if tma:
+        consts["USE_TMA"] = True
+        descs = {n: bm if r == "m" else bn for n, r in _TMA_DESCS[kind].items()}
+    if kind == "jvp":
+        consts.update(HAS_TQ=True, HAS_TK=True, HAS_TV=True)
+    for param in fn.params:  # constexpr parameters left out take their defaults
+        if param.is_constexpr and param.name not in consts and param.has_default:
+            consts[param.name] = param.default
+    sig = {}
+    for name in fn.arg_names:
+        if name in descs:
+            sig[name] = f"tensordesc<bf16[1, 1, {descs[name]}, {head_dim}]>"
+        elif name.startswith("desc_"):  # unused descriptor: the launch passes None
+            consts[name] = None
+            sig[name] = "constexpr"
+        elif name in consts or name in _INT_ONE:
+            sig[name] = "constexpr"
+        elif name in _PTRS:
+            sig[name] = "*bf16"
+        elif name in _FP32_PTRS:
+            sig[name] = "*fp32"
+        elif name in ("qk_scale", "sm_scale"):
+            sig[name] = "fp32"
+        else:
+            sig[name] = "i32"
+    consts.update({n: 1 for n in _INT_ONE if n in fn.arg_names})
+    sig.update({n: "constexpr" for n in consts if n in sig})
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
+             if sig[n] == "i32" or sig[n].startswith("*")}
+    src = ASTSource(fn=fn, signature=sig, attrs=attrs,
+                    constexprs={(fn.arg_names.index(n),): v for n, v in consts.items()
+                                if n in fn.arg_names})
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                              options=dict(num_warps=warps, num_stages=stages))
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(compiled.asm["cubin"])
+    try:
+        usage = subprocess.run([os.path.join(_BIN, "cuobjdump"), "-res-usage", f.name],
+                               capture_output=True, text=True, check=True).stdout
+    finally:
+        os.unlink(f.name)
+    regs, stack = re.search(r"REG:(\d+)", usage), re.search(r"STACK:(\d+)", usage)
+    return {"regs": int(regs.group(1)), "spill": int(stack.group(1)) if stack else 0,
+            "smem": compiled.metadata.shared}
+
+
+def main(argv: list[str] | None = None) -> int:
+    from torchfn.kernels._triton_ops import _GPU_CONFIGS
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--kinds", nargs="+",
+                    default=[*_GPU_CONFIGS, *(f"{k}_tma" for k in _TMA_DESCS)])
+    ap.add_argument("--dims", nargs="+", type=int, default=[64, 128])
+    args = ap.parse_args(argv)
+    bad = 0
+    for kind in args.kinds:
+        for d in args.dims:
+            table = _GPU_CONFIGS[kind.removesuffix("_tma")]
+            for cfg in table[f"d{d}"]:
+                r = compile_sm90(kind, d, cfg)
+                ok = r["spill"] == 0 and r["smem"] <= SMEM_LIMIT
+                bad += not ok
+                print(f"{kind:>12} D={d:<3} {str(cfg):<18} regs={r['regs']:<3} "
+                      f"spill={r['spill']:<5} smem={r['smem'] // 1024} KiB"
+                      f"{'' if ok else '  <-- spills or overflows'}", flush=True)
+    print(f"{bad} candidate(s) spill or overflow shared memory")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

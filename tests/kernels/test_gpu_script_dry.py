@@ -1,0 +1,51 @@
+"""The GPU benchmark script's own CPU dry run: every phase runs and the JSON is complete.
+
+Device time is scarce (minutes per session), so a crash in ``bench/gpu_attention.py``
+must show up here first. The dry run uses the Triton interpreter and tiny shapes; the
+speed numbers it writes mean nothing, but the correctness cases it runs are real.
+Slow (about a minute): the kernels themselves are covered by ``test_triton_kernels.py``.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("triton", reason="triton is not installed")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SCRIPT = os.path.join(ROOT, "bench", "gpu_attention.py")
+
+
+def _run(tmp_path, *extra):
+    out = tmp_path / "result.json"
+    env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "src"), TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, SCRIPT, "--dry-run", "--budget-s", "300",
+                           "--out", str(out), *extra],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+@pytest.mark.slow
+def test_bench_dry_run_is_complete(tmp_path):
+    result = _run(tmp_path)
+    assert result["correctness"] and result["correctness_all_pass"]
+    assert not result["phase_errors"]
+    providers = {r["provider"] for r in result["bench"] if "ms" in r}
+    assert {"torchfn", "torchfn_atomic", "torchfn_tma", "torchfn_api", "sdpa_flash"} <= providers
+
+
+@pytest.mark.slow
+def test_sweep_dry_run_times_every_kernel(tmp_path):
+    result = _run(tmp_path, "--sweep")
+    timed = {(r["op"], r["causal"]) for r in result["sweep"] if r.get("kind") == "sweep"
+             and "ms" in r}
+    ops = [f"{op}{tma}" for op in ("fwd", "dkdv", "dq", "dkdv_atomic") for tma in ("", "_tma")]
+    assert timed == {(op, c) for op in ops for c in (False, True)}
+    # every config gives the first config's result, TMA or not
+    assert all(r["same_result"] for r in result["sweep"] if "ms" in r and "op" in r)
+    best = {r["provider"] for r in result["sweep"] if r.get("kind") == "bench" and "ms" in r}
+    assert {"sweep_best", "sweep_best_tma", "sweep_best_atomic", "sweep_best_atomic_tma"} <= best
