@@ -3,7 +3,8 @@
 
 No GPU is needed: Triton's ahead-of-time compiler targets ``cuda:90`` with the
 ``ptxas`` and ``cuobjdump`` bundled in the triton wheel. Each candidate of
-``_triton_ops._GPU_CONFIGS`` (bf16, head dims 64 and 128, causal off) is compiled with
+``_triton_ops._GPU_CONFIGS`` (bf16 or ``--dtype fp32``, head dims 64 and 128 by default,
+``--dims 256`` too, causal off) is compiled with
 the same specialisation the JIT gives a realistic launch (pointers and strides
 divisible by 16, GQA group 1), and the script prints, per config:
 
@@ -67,17 +68,21 @@ _TMA_DESCS = {
 }
 
 
-def compile_sm90(kind: str, head_dim: int, cfg: tuple[int, int, int, int]) -> dict:
+def compile_sm90(kind: str, head_dim: int, cfg: tuple[int, int, int, int],
+                 dtype: str = "bf16") -> dict:
     """Compile one (kind, head dim, config) for sm_90: {'regs', 'spill', 'smem'}.
 
-    A kind ending in ``_tma`` is that kernel with ``USE_TMA`` (tensor-descriptor loads).
+    ``dtype``: "bf16" or "fp32" (fp32 dots as 3xTF32, the GPU default). A kind ending
+    in ``_tma`` is that kernel with ``USE_TMA`` (tensor-descriptor loads).
     """
     tma = kind.endswith("_tma")
     kind = kind.removesuffix("_tma")
     fn = _kernel(kind)
     bm, bn, warps, stages = cfg
-    consts = dict(HEAD_DIM=head_dim, BLOCK_D=head_dim, IS_CAUSAL=False, MASK_KIND=0,
-                  DOT_PREC="tf32", UPCAST=False, BLOCK_M=bm, BLOCK_N=bn)
+    block_d = max(16, 1 << (head_dim - 1).bit_length())
+    consts = dict(HEAD_DIM=head_dim, BLOCK_D=block_d, IS_CAUSAL=False, MASK_KIND=0,
+                  DOT_PREC="tf32x3" if dtype == "fp32" else "tf32", UPCAST=False,
+                  BLOCK_M=bm, BLOCK_N=bn)
     if kind == "dkdv_atomic":
         consts["DQ_ATOMIC"] = True
     descs = {}
@@ -92,14 +97,14 @@ def compile_sm90(kind: str, head_dim: int, cfg: tuple[int, int, int, int]) -> di
     sig = {}
     for name in fn.arg_names:
         if name in descs:
-            sig[name] = f"tensordesc<bf16[1, 1, {descs[name]}, {head_dim}]>"
+            sig[name] = f"tensordesc<{dtype}[1, 1, {descs[name]}, {block_d}]>"
         elif name.startswith("desc_"):  # unused descriptor: the launch passes None
             consts[name] = None
             sig[name] = "constexpr"
         elif name in consts or name in _INT_ONE:
             sig[name] = "constexpr"
         elif name in _PTRS:
-            sig[name] = "*bf16"
+            sig[name] = f"*{dtype}"
         elif name in _FP32_PTRS:
             sig[name] = "*fp32"
         elif name in ("qk_scale", "sm_scale"):
@@ -134,16 +139,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kinds", nargs="+",
                     default=[*_GPU_CONFIGS, *(f"{k}_tma" for k in _TMA_DESCS)])
     ap.add_argument("--dims", nargs="+", type=int, default=[64, 128])
+    ap.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16",
+                    help="fp32 checks the table's fp32 lists (head dim <= 128 or 256)")
     args = ap.parse_args(argv)
     bad = 0
     for kind in args.kinds:
         for d in args.dims:
             table = _GPU_CONFIGS[kind.removesuffix("_tma")]
-            for cfg in table[f"d{d}"]:
-                r = compile_sm90(kind, d, cfg)
+            if args.dtype == "fp32":
+                row = "fp32" if d <= 64 else ("fp32_d128" if d <= 128 else "fp32_d256")
+            else:
+                row = f"d{d}"
+            for cfg in table[row]:
+                r = compile_sm90(kind, d, cfg, args.dtype)
                 ok = r["spill"] == 0 and r["smem"] <= SMEM_LIMIT
                 bad += not ok
-                print(f"{kind:>12} D={d:<3} {str(cfg):<18} regs={r['regs']:<3} "
+                print(f"{kind:>15} {args.dtype} D={d:<3} {str(cfg):<18} regs={r['regs']:<3} "
                       f"spill={r['spill']:<5} smem={r['smem'] // 1024} KiB"
                       f"{'' if ok else '  <-- spills or overflows'}", flush=True)
     print(f"{bad} candidate(s) spill or overflow shared memory")

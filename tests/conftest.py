@@ -7,6 +7,8 @@ from hypothesis import settings
 
 settings.register_profile("ci", max_examples=15, deadline=None, derandomize=True)
 settings.register_profile("dev", max_examples=25, deadline=None)
+# HYPOTHESIS_PROFILE=stress: many more random examples, to hunt edge cases before a release
+settings.register_profile("stress", max_examples=300, deadline=None)
 settings.load_profile("ci" if os.environ.get("CI") else os.environ.get("HYPOTHESIS_PROFILE", "dev"))
 
 

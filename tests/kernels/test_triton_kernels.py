@@ -209,8 +209,9 @@ def test_matches_reference(B, H, Hkv, Nq, Nk, D, dtype, causal, mask):
 @pytest.mark.parametrize(
     "fwd_cfg, bwd_cfg",
     [((16, 32, 4, 1), ((16, 32, 4, 1), (32, 16, 4, 1))),
-     ((32, 16, 4, 1), ((32, 16, 4, 1), (16, 32, 4, 1)))],
-    ids=["BM<BN", "BM>BN"],
+     ((32, 16, 4, 1), ((32, 16, 4, 1), (16, 32, 4, 1))),
+     ((16, 64, 4, 1), ((16, 64, 4, 1), (16, 64, 4, 1)))],
+    ids=["BM<BN", "BM>BN", "BM<<BN"],
 )
 @pytest.mark.parametrize("Nq, Nk", [(45, 83), (83, 45)])
 def test_block_shapes_on_causal_diagonal(fwd_cfg, bwd_cfg, Nq, Nk):

@@ -81,6 +81,15 @@ def test_pgd_stays_in_eps_ball_and_is_deterministic_per_key(seed, norm, eps, ste
     assert torch.equal(x_adv, pgd(mlp_loss, p, x, y, random.key(seed), **kw))
 
 
+@pytest.mark.parametrize("norm", ["linf", "l2"])
+def test_pgd_with_zero_eps_returns_x(norm):
+    # the eps-ball is a point: the random start and every projected step stay at x
+    x, y = batch(3, 4)
+    out = pgd(mlp_loss, mlp_params(3), x, y, random.key(0), eps=0.0, step_size=0.1, steps=2,
+              norm=norm)
+    assert torch.equal(out, x)
+
+
 def test_pgd_random_start_differs_across_keys_and_vmap_over_keys_equals_loop():
     x, y = batch(0, 4)
     p = mlp_params(0)

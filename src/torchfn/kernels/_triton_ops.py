@@ -44,10 +44,11 @@ __all__ = ["fwd", "bwd", "jvp", "tuned_configs", "is_interpreted"]
 # (BLOCK_M, BLOCK_N, num_warps, num_stages); the first entry is the untuned default.
 # Forward / JVP: query block x key block. Backward follows the FA2 Triton tutorial:
 # dK/dV with narrow query blocks and wide key blocks, dQ the other way round. Every
-# bf16 entry for D = 64 / 128 is compiled ahead of time for sm_90 by bench/aot_sm90.py
-# (Triton's AOT compiler with the JIT's divisibility-16 specialisation, then cuobjdump):
-# none spills registers or needs more than the 227 KiB of shared memory an H100 / H200
-# block gets.
+# entry is compiled ahead of time for sm_90 by bench/aot_sm90.py (Triton's AOT compiler
+# with the JIT's divisibility-16 specialisation, then cuobjdump): none spills registers
+# or needs more than the 227 KiB of shared memory an H100 / H200 block gets, except
+# where a comment says that every config tried spills (fp32 "tf32x3" dots take three
+# MMAs and more registers).
 # The GPU autotuner times the candidates on first use and keeps the fastest.
 _GPU_CONFIGS: dict[str, dict[str, list[tuple[int, int, int, int]]]] = {
     "fwd": {
@@ -56,38 +57,43 @@ _GPU_CONFIGS: dict[str, dict[str, list[tuple[int, int, int, int]]]] = {
                  (64, 128, 8, 2)],
         "d256": [(32, 32, 4, 2), (64, 32, 4, 2)],
         "fp32": [(32, 32, 8, 2), (64, 32, 8, 2)],
-        "fp32_d256": [(16, 32, 4, 1)],
+        "fp32_d128": [(32, 32, 8, 2), (16, 64, 8, 2), (16, 32, 4, 2)],
+        "fp32_d256": [(16, 16, 8, 2), (16, 16, 8, 1)],
     },
     "jvp": {
         "d64": [(64, 64, 8, 2), (64, 32, 4, 2)],
         "d128": [(64, 32, 4, 2), (32, 64, 8, 2), (128, 32, 8, 2)],
-        "d256": [(32, 16, 4, 2), (32, 32, 4, 2)],
+        "d256": [(16, 32, 8, 2), (16, 16, 4, 2)],
         "fp32": [(16, 32, 4, 2)],
-        "fp32_d256": [(16, 16, 4, 1)],
+        "fp32_d128": [(16, 32, 4, 2)],  # spills (all tried do): three fp32 accumulators
+        "fp32_d256": [(16, 16, 4, 1)],  # spills, as every config tried
     },
     "dkdv": {
         "d64": [(32, 128, 8, 3), (64, 128, 8, 3), (32, 64, 8, 3), (16, 128, 8, 3)],
         "d128": [(16, 128, 8, 3), (32, 64, 8, 2), (32, 64, 8, 3), (64, 64, 8, 3),
                  (32, 128, 8, 3)],
-        "d256": [(16, 32, 4, 2), (32, 32, 4, 2)],
+        "d256": [(16, 32, 4, 2), (32, 32, 8, 2), (16, 64, 8, 2)],
         "fp32": [(32, 32, 8, 2), (16, 32, 4, 2)],
-        "fp32_d256": [(16, 16, 4, 1)],
+        "fp32_d128": [(32, 16, 8, 2), (16, 16, 8, 2)],
+        "fp32_d256": [(16, 16, 4, 1)],  # spills, as every config tried
     },
     # dK/dV with the atomic dQ (deterministic=False): one more dot, so other tiles fit.
     # BLOCK_M >= 64 lets the dQ dot use wgmma (at 32 it falls back to mma.sync).
     "dkdv_atomic": {
         "d64": [(64, 128, 8, 3), (32, 128, 8, 3), (64, 64, 8, 3)],
         "d128": [(32, 128, 8, 3), (64, 64, 8, 3), (32, 64, 8, 3)],
-        "d256": [(16, 32, 4, 2), (32, 32, 4, 2)],
+        "d256": [(16, 32, 8, 2), (32, 32, 8, 2)],
         "fp32": [(32, 32, 8, 2), (16, 32, 4, 2)],
-        "fp32_d256": [(16, 16, 4, 1)],
+        "fp32_d128": [(32, 16, 8, 2), (16, 16, 8, 2)],
+        "fp32_d256": [(16, 16, 4, 1)],  # spills, as every config tried
     },
     "dq": {
         "d64": [(128, 64, 8, 3), (128, 32, 4, 3), (64, 64, 4, 3)],
         "d128": [(128, 64, 8, 3), (64, 64, 4, 3), (128, 32, 8, 3), (64, 64, 8, 3)],
         "d256": [(32, 32, 4, 2), (64, 16, 4, 2)],
         "fp32": [(32, 32, 8, 2)],
-        "fp32_d256": [(16, 16, 4, 1)],
+        "fp32_d128": [(16, 32, 8, 2), (16, 64, 8, 2), (16, 16, 8, 2)],
+        "fp32_d256": [(16, 16, 4, 1)],  # spills, as every config tried
     },
 }
 # Interpreter (CPU): few, wide-ish blocks keep the ~5 ms/step interpreter cost down.
@@ -152,7 +158,7 @@ def _bucket(n: int) -> int:
 def _candidates(kind: str, dtype: torch.dtype, block_d: int) -> list[tuple[int, int, int, int]]:
     table = _GPU_CONFIGS[kind]
     if dtype == torch.float32:
-        cls = "fp32" if block_d <= 128 else "fp32_d256"
+        cls = "fp32" if block_d <= 64 else ("fp32_d128" if block_d <= 128 else "fp32_d256")
     else:
         cls = "d64" if block_d <= 64 else ("d128" if block_d <= 128 else "d256")
     return table[cls]

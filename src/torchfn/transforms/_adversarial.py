@@ -102,6 +102,8 @@ def _project(delta: Tensor, eps: float, norm: str) -> Tensor:
 def _random_start(key: Tensor, x: Tensor, eps: float, norm: str) -> Tensor:
     """A uniform point of the eps-ball around 0, one per example: ``(B, ...)``."""
     if norm == "linf":
+        if eps == 0:  # the ball is a point (uniform needs minval < maxval)
+            return torch.zeros_like(x)
         return random.uniform(key, tuple(x.shape), x.dtype, -eps, eps).to(x.device)
     k_dir, k_rad = random.split(key)
     d = x[0].numel()
