@@ -102,13 +102,15 @@ class _Encoder:
         data = t.detach().resolve_conj().resolve_neg().to("cpu")
         storage = data.untyped_storage()
         if (
-            not data.is_contiguous()
+            data.layout != torch.strided
+            or data.stride() != _row_major_strides(data.shape)
             or storage.nbytes() != data.nbytes
             or storage.data_ptr() in self.storages
-            or data.layout != torch.strided
         ):
             data = data.to_dense() if data.layout != torch.strided else data
-            data = data.clone(memory_format=torch.contiguous_format)
+            # a fresh tensor: row-major strides even where torch calls any stride
+            # contiguous (size-1 and empty dims), so the bytes can be viewed flat
+            data = torch.empty(data.shape, dtype=data.dtype).copy_(data)
         if data.numel():
             self.storages.add(data.untyped_storage().data_ptr())
         name = self._name(path)
@@ -202,6 +204,14 @@ def _decode(node: dict, tensors: dict[str, torch.Tensor], file: str, like: Any =
 
 
 # ------------------------------------------------------------------ checksum
+
+
+def _row_major_strides(shape: torch.Size) -> tuple[int, ...]:
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(strides))
 
 
 def _checksum(structure: str, user: str, tensors: dict[str, torch.Tensor]) -> str:
