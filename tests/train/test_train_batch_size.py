@@ -34,7 +34,7 @@ def test_halves_until_it_fits(start, limit):
     size, result = find_batch_size(fn, start)
     assert size <= limit and float(result) == size
     assert tried == [start // 2**i or 1 for i in range(len(tried))]  # halving sequence
-    assert size == start or 2 * size > limit or size == 1  # the first that fits
+    assert tried[-1] == size and all(t > limit for t in tried[:-1])  # the first that fits
 
 
 def test_runtime_error_out_of_memory_and_min_size(releases):

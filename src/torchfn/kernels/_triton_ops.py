@@ -4,7 +4,7 @@ This is the Triton half of the backend contract (see ``_torch_ops`` for the
 PyTorch half)::
 
     fwd(q, k, v, mask, causal, scale) -> (o, lse)
-    bwd(q, k, v, o, lse, do, mask, causal, scale) -> (dq, dk, dv)
+    bwd(q, k, v, o, lse, do, mask, causal, scale, deterministic=True) -> (dq, dk, dv)
     jvp(q, k, v, tq, tk, tv, mask, causal, scale) -> (o, lse, to)
 
 q: (B, H, Nq, D); k, v: (B, Hkv, Nk, D) with Hkv dividing H; mask None or already
@@ -14,8 +14,11 @@ in q's dtype; lse: (B, H, Nq) float32 (natural log, -inf on fully masked rows).
 Block sizes: on a GPU every kernel is tuned once per (kernel, N bucket, head dim,
 causal, mask kind, dtype) over a handful of configs (``TORCHFN_TRITON_AUTOTUNE=0``
 uses the first, hand-picked config). Under ``TRITON_INTERPRET=1`` (CPU) one small
-fixed config is used. fp32 dots never use plain TF32: 3xTF32 ("tf32x3") on the GPU,
-overridable with ``TORCHFN_TRITON_FP32_PRECISION=ieee``; exact in the interpreter.
+fixed config is used. ``TORCHFN_TRITON_TMA=1`` (sm_90+, or the interpreter) makes the
+kernels read their streamed tiles through tensor descriptors (TMA); off by default
+until a GPU run shows it is faster. fp32 dots never use plain TF32: 3xTF32 ("tf32x3")
+on the GPU, overridable with ``TORCHFN_TRITON_FP32_PRECISION=ieee``; exact in the
+interpreter.
 
 Example (GPU)::
 
