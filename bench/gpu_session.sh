@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# The prepared GPU checks for one device session (15 device-minutes), in two calls:
+#
+#   bash bench/gpu_session.sh check   # gpu-marked tests + the benchmark table (~6-7 min)
+#   bash bench/gpu_session.sh sweep   # per-kernel block-config sweep (~5 min)
+#
+# Run from the repository root on the CUDA machine; it needs torch, triton, pytest and
+# hypothesis there, nothing else (torchfn.kernels imports neither optree nor torchopt).
+# Everything goes to $OUT (default /tmp/torchfn_gpu): logs, JSON and markdown tables.
+# Copy the tables into bench/RESULTS.md by hand. DRY=1 runs both on a CPU (interpreter,
+# tiny sizes) to check the script itself.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-/tmp/torchfn_gpu}"
+WORK=/tmp/torchfn_gpu_work  # worker logs stay here: the device tool returns 8 files at most
+mkdir -p "$OUT" "$WORK"
+export PYTHONPATH=src PYTHONUNBUFFERED=1
+unset TRITON_INTERPRET
+DRY_FLAG=${DRY:+--dry-run}
+
+case "${1:-}" in
+  check)
+    nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv 2>&1 | tee "$OUT/gpu.txt"
+    # correctness on the GPU first: deterministic, atomic-dQ and TMA kernels, transforms
+    timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu \
+      tests/kernels/test_triton_gpu.py tests/kernels/test_attention_gpu.py 2>&1 \
+      | tee "$OUT/gpu_tests.txt"
+    timeout 290 python3 bench/gpu_attention.py $DRY_FLAG --out "$WORK/gpu_attention.json" \
+      --budget-s "${BUDGET_S:-230}" 2>&1 | tail -120 > "$OUT/bench.log"
+    cp "$WORK"/gpu_attention.json "$WORK"/gpu_attention.md "$OUT"/
+    ;;
+  sweep)
+    timeout 330 python3 bench/gpu_attention.py $DRY_FLAG --sweep --out "$WORK/gpu_sweep.json" \
+      --budget-s "${BUDGET_S:-270}" 2>&1 | tail -150 > "$OUT/sweep.log"
+    cp "$WORK"/gpu_sweep.json "$WORK"/gpu_sweep.md "$OUT"/
+    ;;
+  *)
+    echo "usage: bash bench/gpu_session.sh check|sweep" >&2
+    exit 2
+    ;;
+esac
