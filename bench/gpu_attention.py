@@ -854,34 +854,23 @@ def _sweep_best(args, timer, provs, D, causal, N, B, H, x, cfgs: dict) -> None:
     q, k, v, do, _, _ = x
     scale = D**-0.5
 
-    def fwd():
-        return T.fwd(q, k, v, None, causal, scale, config=cfgs["fwd"])
+    def fwd(tma=""):
+        return T.fwd(q, k, v, None, causal, scale, config=cfgs["fwd" + tma])
 
-    def fwd_bwd(det):
+    def fwd_bwd(det, tma=""):
         def run():
-            o, lse = fwd()
-            kv = cfgs["dkdv"] if det else cfgs["dkdv_atomic"]
-            return T.bwd(q, k, v, o, lse, do, None, causal, scale, det, config=(kv, cfgs["dq"]))
-
-        return run
-
-    def fwd_tma():
-        return T.fwd(q, k, v, None, causal, scale, config=cfgs["fwd_tma"])
-
-    def fwd_bwd_tma(det):
-        def run():
-            o, lse = fwd_tma()
-            kv = cfgs["dkdv_tma"] if det else cfgs["dkdv_atomic_tma"]
+            o, lse = fwd(tma)
+            kv = cfgs[("dkdv" if det else "dkdv_atomic") + tma]
             return T.bwd(q, k, v, o, lse, do, None, causal, scale, det,
-                         config=(kv, cfgs["dq_tma"]))
+                         config=(kv, cfgs["dq" + tma]))
 
-        return _with_tma(run)
+        return _with_tma(run) if tma else run
 
-    runs = {("sweep_best", "fwd"): fwd, ("sweep_best_tma", "fwd"): _with_tma(fwd_tma),
+    runs = {("sweep_best", "fwd"): fwd, ("sweep_best_tma", "fwd"): _with_tma(lambda: fwd("_tma")),
             ("sweep_best", "fwd_bwd"): fwd_bwd(True),
             ("sweep_best_atomic", "fwd_bwd"): fwd_bwd(False),
-            ("sweep_best_tma", "fwd_bwd"): fwd_bwd_tma(True),
-            ("sweep_best_atomic_tma", "fwd_bwd"): fwd_bwd_tma(False)}
+            ("sweep_best_tma", "fwd_bwd"): fwd_bwd(True, "_tma"),
+            ("sweep_best_atomic_tma", "fwd_bwd"): fwd_bwd(False, "_tma")}
     for (name, mode), fn in runs.items():
         meta = {"provider": name, "mode": mode, "dtype": "bf16", "D": D, "N": N, "B": B, "H": H,
                 "causal": causal, "configs": cfgs}
@@ -935,14 +924,20 @@ def sweep_markdown(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def orchestrate_sweep(args) -> int:
+def _start(args, prefix: str) -> tuple[float, float, dict, str]:
+    """(start time, global deadline, environment, scratch dir) of an orchestrated run.
+
+    Children share one Triton disk cache (the warm phase fills it)."""
     t0 = time.time()
-    end = t0 + args.budget_s
     os.environ.setdefault("TRITON_CACHE_DIR",
                           os.path.join(tempfile.gettempdir(), "torchfn_triton_cache"))
     info = env_info(args.dry_run)
     print("== environment\n" + json.dumps(info, indent=1), flush=True)
-    tmp = tempfile.mkdtemp(prefix="torchfn_gpu_sweep_")
+    return t0, t0 + args.budget_s, info, tempfile.mkdtemp(prefix=prefix)
+
+
+def orchestrate_sweep(args) -> int:
+    t0, end, info, tmp = _start(args, "torchfn_gpu_sweep_")
     nw = args.workers or max(1, min(14, (os.cpu_count() or 2) - 2))
     if args.dry_run:
         nw = min(nw, 2)
@@ -1106,17 +1101,10 @@ def markdown(result: dict) -> str:
 
 
 def orchestrate(args) -> int:
-    t0 = time.time()
-    end = t0 + args.budget_s
-    # children share one Triton disk cache (the warm phase fills it) and compile
-    # FlexAttention single-threaded (several processes compile at once; same inductor config
-    # in the warm-up and the timed process keeps its cache keys equal)
-    os.environ.setdefault("TRITON_CACHE_DIR",
-                          os.path.join(tempfile.gettempdir(), "torchfn_triton_cache"))
+    # FlexAttention compiles single-threaded (several processes compile at once; the same
+    # inductor config in the warm-up and the timed process keeps its cache keys equal)
     os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
-    info = env_info(args.dry_run)
-    print("== environment\n" + json.dumps(info, indent=1), flush=True)
-    tmp = tempfile.mkdtemp(prefix="torchfn_gpu_attn_")
+    t0, end, info, tmp = _start(args, "torchfn_gpu_attn_")
     phases: dict = {}
 
     # 1. warm: compile in parallel + correctness; one worker pre-compiles FlexAttention

@@ -27,6 +27,7 @@ import triton.language as tl
 
 from torchfn.kernels._triton_fwd import (
     _causal_bounds,
+    _load_kv,
     _load_rows,
     _load_tile,
     _mask_scores,
@@ -182,12 +183,8 @@ def _dq_inner(dq, q, do, lse2, delta, k_base, v_base, m_base, offs_m, offs_d, lo
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         offs_n = start_n + offs_n0
-        if USE_TMA:
-            k = _load_tile(desc_k, off_b, off_hk, start_n, BLOCK_N, BLOCK_D)
-            v = _load_tile(desc_v, off_b, off_hk, start_n, BLOCK_N, BLOCK_D)
-        else:
-            k = _load_rows(k_base, offs_n, offs_d, skn, Nk, HEAD_DIM, BLOCK_D, BOUNDARY)
-            v = _load_rows(v_base, offs_n, offs_d, svn, Nk, HEAD_DIM, BLOCK_D, BOUNDARY)
+        k, v = _load_kv(k_base, v_base, desc_k, desc_v, off_b, off_hk, start_n, offs_n, offs_d,
+                        skn, svn, Nk, HEAD_DIM, BLOCK_N, BLOCK_D, BOUNDARY, USE_TMA)
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)

@@ -95,6 +95,20 @@ def _load_tile(desc, off_b, off_h, start, ROWS: tl.constexpr, BLOCK_D: tl.conste
 
 
 @triton.jit
+def _load_kv(k_base, v_base, desc_k, desc_v, off_b, off_hk, start_n, offs_n, offs_d, skn, svn,
+             Nk, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+             BOUNDARY: tl.constexpr, USE_TMA: tl.constexpr):
+    """The (BLOCK_N, BLOCK_D) k and v tiles at key ``start_n``, in their stored dtype."""
+    if USE_TMA:
+        k = _load_tile(desc_k, off_b, off_hk, start_n, BLOCK_N, BLOCK_D)
+        v = _load_tile(desc_v, off_b, off_hk, start_n, BLOCK_N, BLOCK_D)
+    else:
+        k = _load_rows(k_base, offs_n, offs_d, skn, Nk, HEAD_DIM, BLOCK_D, BOUNDARY)
+        v = _load_rows(v_base, offs_n, offs_d, svn, Nk, HEAD_DIM, BLOCK_D, BOUNDARY)
+    return k, v
+
+
+@triton.jit
 def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, m_base, offs_m, offs_d, lo, hi,
                skn, svn, smm, smn, Nq, Nk, qk_scale, desc_k, desc_v, off_b, off_hk,
                BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -104,12 +118,8 @@ def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, m_base, offs_m, offs_d, lo, hi,
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         offs_n = start_n + offs_n0
-        if USE_TMA:
-            k = _load_tile(desc_k, off_b, off_hk, start_n, BLOCK_N, BLOCK_D)
-            v = _load_tile(desc_v, off_b, off_hk, start_n, BLOCK_N, BLOCK_D)
-        else:
-            k = _load_rows(k_base, offs_n, offs_d, skn, Nk, HEAD_DIM, BLOCK_D, BOUNDARY)
-            v = _load_rows(v_base, offs_n, offs_d, svn, Nk, HEAD_DIM, BLOCK_D, BOUNDARY)
+        k, v = _load_kv(k_base, v_base, desc_k, desc_v, off_b, off_hk, start_n, offs_n, offs_d,
+                        skn, svn, Nk, HEAD_DIM, BLOCK_N, BLOCK_D, BOUNDARY, USE_TMA)
         p_dtype = v.dtype
         if UPCAST:
             k = k.to(tl.float32)
