@@ -31,6 +31,7 @@ from torchfn.kernels._triton_fwd import (
     _load_rows,
     _load_tile,
     _mask_scores,
+    _mask_tile,
     _store_rows,
 )
 
@@ -189,14 +190,8 @@ def _dq_inner(dq, q, do, lse2, delta, k_base, v_base, m_base, offs_m, offs_d, lo
             k = k.to(tl.float32)
             v = v.to(tl.float32)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale  # (M, N)
-        if MASK_KIND != 0:
-            qk = _mask_scores(qk, m_base, offs_m[:, None], offs_n[None, :], smm, smn, Nq, Nk,
-                              MASK_KIND)
-        if BOUNDARY:
-            ok = offs_n[None, :] < Nk
-            if IS_CAUSAL:
-                ok = ok & (offs_n[None, :] <= offs_m[:, None] + (Nk - Nq))
-            qk = tl.where(ok, qk, float("-inf"))
+        qk = _mask_tile(qk, m_base, offs_m, offs_n, smm, smn, Nq, Nk, BOUNDARY, IS_CAUSAL,
+                        MASK_KIND)
         p = tl.math.exp2(qk - lse2[:, None])
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)  # (M, N)
         ds = p * (dp - delta[:, None])

@@ -71,6 +71,34 @@ def _mask_scores(s, m_base, rows, cols, smm, smn, Nq, Nk, MASK_KIND: tl.constexp
 
 
 @triton.jit
+def _mask_tile(s, m_base, offs_m, offs_n, smm, smn, Nq, Nk, BOUNDARY: tl.constexpr,
+               IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr):
+    """(M, N) log2-unit scores with the user mask applied and, on a boundary tile, keys
+    past ``Nk`` (and, causal, past the bottom-right diagonal) at -inf."""
+    if MASK_KIND != 0:
+        s = _mask_scores(s, m_base, offs_m[:, None], offs_n[None, :], smm, smn, Nq, Nk,
+                         MASK_KIND)
+    if BOUNDARY:
+        ok = offs_n[None, :] < Nk
+        if IS_CAUSAL:
+            ok = ok & (offs_n[None, :] <= offs_m[:, None] + (Nk - Nq))
+        s = tl.where(ok, s, float("-inf"))
+    return s
+
+
+@triton.jit
+def _row_max(m_i, s, MAY_BE_EMPTY: tl.constexpr):
+    """The new running row max of the online softmax, and a copy safe to subtract in
+    ``exp2`` (0 where a row has seen no key yet, so -inf - -inf never happens)."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    if MAY_BE_EMPTY:
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_safe = m_new
+    return m_new, m_safe
+
+
+@triton.jit
 def _causal_bounds(start_m, Nq, Nk, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    IS_CAUSAL: tl.constexpr):
     """Key range of a query block: [0, lo) needs no mask, [lo, hi) is diagonal / ragged end."""
@@ -125,19 +153,9 @@ def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, m_base, offs_m, offs_d, lo, hi,
             k = k.to(tl.float32)
             v = v.to(tl.float32)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale  # (M, N) log2 units
-        if MASK_KIND != 0:
-            qk = _mask_scores(qk, m_base, offs_m[:, None], offs_n[None, :], smm, smn, Nq, Nk,
-                              MASK_KIND)
-        if BOUNDARY:
-            ok = offs_n[None, :] < Nk
-            if IS_CAUSAL:
-                ok = ok & (offs_n[None, :] <= offs_m[:, None] + (Nk - Nq))
-            qk = tl.where(ok, qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        if BOUNDARY or MASK_KIND != 0:  # a row may still be empty: keep exp2 away from -inf - -inf
-            m_new_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        else:
-            m_new_safe = m_new
+        qk = _mask_tile(qk, m_base, offs_m, offs_n, smm, smn, Nq, Nk, BOUNDARY, IS_CAUSAL,
+                        MASK_KIND)
+        m_new, m_new_safe = _row_max(m_i, qk, BOUNDARY or MASK_KIND != 0)
         p = tl.math.exp2(qk - m_new_safe[:, None])
         alpha = tl.math.exp2(m_i - m_new_safe)
         l_i = l_i * alpha + tl.sum(p, 1)

@@ -14,7 +14,13 @@ Absent tangents (``HAS_T* = False``) are zero and cost nothing.
 import triton
 import triton.language as tl
 
-from torchfn.kernels._triton_fwd import _causal_bounds, _load_rows, _mask_scores, _store_rows
+from torchfn.kernels._triton_fwd import (
+    _causal_bounds,
+    _load_rows,
+    _mask_tile,
+    _row_max,
+    _store_rows,
+)
 
 
 @triton.jit
@@ -45,19 +51,9 @@ def _jvp_inner(acc_o, acc_t, acc_s, l_i, m_i, q, tq,
                 tk = tk.to(tl.float32)
             ts = tl.dot(q, tl.trans(tk), ts, input_precision=DOT_PREC)
         ts = ts * sm_scale
-        if MASK_KIND != 0:
-            qk = _mask_scores(qk, m_base, offs_m[:, None], offs_n[None, :], smm, smn, Nq, Nk,
-                              MASK_KIND)
-        if BOUNDARY:
-            ok = offs_n[None, :] < Nk
-            if IS_CAUSAL:
-                ok = ok & (offs_n[None, :] <= offs_m[:, None] + (Nk - Nq))
-            qk = tl.where(ok, qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        if BOUNDARY or MASK_KIND != 0:
-            m_new_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        else:
-            m_new_safe = m_new
+        qk = _mask_tile(qk, m_base, offs_m, offs_n, smm, smn, Nq, Nk, BOUNDARY, IS_CAUSAL,
+                        MASK_KIND)
+        m_new, m_new_safe = _row_max(m_i, qk, BOUNDARY or MASK_KIND != 0)
         p = tl.math.exp2(qk - m_new_safe[:, None])
         alpha = tl.math.exp2(m_i - m_new_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
