@@ -12,8 +12,9 @@ divisible by 16, GQA group 1), and the script prints, per config:
 * ``spill``: bytes of local-memory stack (register spills; 0 is the goal),
 * ``smem``: shared memory per block (an H100 / H200 block may use 227 KiB).
 
-A kind ending in ``_tma`` (``fwd_tma``, ``dkdv_tma``, ...) is that kernel with ``USE_TMA``:
-its streamed tiles come through tensor descriptors (opt-in ``TORCHFN_TRITON_TMA=1``).
+A kind ending in ``_tma`` (``fwd_tma``, ``dkdv_tma``, ...) is that kernel with ``USE_TMA``
+and the configs of ``_GPU_TMA_CONFIGS``: its streamed tiles come through tensor
+descriptors, which the GPU autotuner tries on sm_90+.
 
 It exits 1 when a candidate spills or overflows shared memory, so it can guard edits
 to the config table. Without the divisibility hints the pipeliner cannot prove 16-byte
@@ -133,11 +134,11 @@ def compile_sm90(kind: str, head_dim: int, cfg: tuple[int, int, int, int],
 
 
 def main(argv: list[str] | None = None) -> int:
-    from torchfn.kernels._triton_ops import _GPU_CONFIGS
+    from torchfn.kernels._triton_ops import _GPU_CONFIGS, _GPU_TMA_CONFIGS
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--kinds", nargs="+",
-                    default=[*_GPU_CONFIGS, *(f"{k}_tma" for k in _TMA_DESCS)])
+                    default=[*_GPU_CONFIGS, *(f"{k}_tma" for k in _GPU_TMA_CONFIGS)])
     ap.add_argument("--dims", nargs="+", type=int, default=[64, 128])
     ap.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16",
                     help="fp32 checks the table's fp32 lists (head dim <= 128 or 256)")
@@ -145,12 +146,13 @@ def main(argv: list[str] | None = None) -> int:
     bad = 0
     for kind in args.kinds:
         for d in args.dims:
-            table = _GPU_CONFIGS[kind.removesuffix("_tma")]
+            base = kind.removesuffix("_tma")
+            table = _GPU_TMA_CONFIGS.get(base, {}) if kind != base else _GPU_CONFIGS[base]
             if args.dtype == "fp32":
                 row = "fp32" if d <= 64 else ("fp32_d128" if d <= 128 else "fp32_d256")
             else:
                 row = f"d{d}"
-            for cfg in table[row]:
+            for cfg in table.get(row, []):
                 r = compile_sm90(kind, d, cfg, args.dtype)
                 ok = r["spill"] == 0 and r["smem"] <= SMEM_LIMIT
                 bad += not ok

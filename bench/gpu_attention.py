@@ -26,16 +26,17 @@ process) cannot take the others down; every result is written as it comes:
 starts; the JSON (``--out``) and a markdown table (same name, ``.md``) are
 always written. Results go to bench/RESULTS.md by hand.
 
-Providers: ``torchfn`` (raw ops, deterministic backward), ``torchfn_atomic``
-(``deterministic=False``: dQ by atomics), ``torchfn_tma`` (forward with tensor-descriptor
-loads, ``TORCHFN_TRITON_TMA=1``), ``torchfn_api`` (the public function), SDPA's flash and
-cuDNN backends, and compiled FlexAttention.
+Providers: ``torchfn`` (raw ops with the library's defaults: deterministic backward, the
+autotuner choosing between tensor-descriptor (TMA) and pointer-load configs),
+``torchfn_atomic`` (``deterministic=False``: dQ by atomics), ``torchfn_ptr`` (pointer
+loads only, ``TORCHFN_TRITON_TMA=0``: what TMA adds), ``torchfn_api`` (the public
+function), SDPA's flash and cuDNN backends, and compiled FlexAttention.
 
 ``--sweep`` is a separate run (about 5 minutes with ``--budget-s 280``): it compiles a
 grid of block configs for every kernel, with and without TMA, in parallel, then times
 each kernel config at N = 8192 (checking that it gives the first config's result), and
 the best combination against SDPA cuDNN. Its table says which configs to put first in
-``_triton_ops._GPU_CONFIGS`` and whether TMA should be switched on by default.
+``_triton_ops._GPU_CONFIGS`` and ``_GPU_TMA_CONFIGS`` (TMA lists only where TMA won).
 """
 
 from __future__ import annotations
@@ -346,18 +347,20 @@ def warm_tasks(dry: bool) -> list[dict]:
     first, rest = [], []
     for dname, D, causal in _bench_combos(dry):
         bd = max(16, 1 << (D - 1).bit_length())
-        fc = T._candidates("fwd", _dtype(dname), bd)
-        kc = T._candidates("dkdv", _dtype(dname), bd)
-        qc = T._candidates("dq", _dtype(dname), bd)
-        ac = T._candidates("dkdv_atomic", _dtype(dname), bd)
+        dt = _dtype(dname)
+
+        def cands(kind, dt=dt, bd=bd):  # (..., use_tma): the TMA list first, as the tuner
+            return ([(*c, True) for c in T._tma_candidates(kind, dt, bd)]
+                    + [(*c, False) for c in T._candidates(kind, dt, bd)])
+
+        fc, kc, qc, ac = (cands(kind) for kind in ("fwd", "dkdv", "dq", "dkdv_atomic"))
         common = {"dtype": dname, "D": D, "causal": causal}
         fwd = [dict(common, type="fwd", cfg=c) for c in fc]
         bwd = [dict(common, type="bwd", cfg=(kc[min(i, len(kc) - 1)], qc[min(i, len(qc) - 1)]),
                     fwd_cfg=fc[0]) for i in range(max(len(kc), len(qc)))]
         atomic = [dict(common, type="bwd_atomic", cfg=(c, qc[0]), fwd_cfg=fc[0]) for c in ac]
-        tma = [dict(common, type="fwd_tma", cfg=c) for c in fc]
-        first += [fwd[0], bwd[0], atomic[0], tma[0]]
-        rest += fwd[1:] + bwd[1:] + atomic[1:] + tma[1:]
+        first += [fwd[0], bwd[0], atomic[0]]
+        rest += fwd[1:] + bwd[1:] + atomic[1:]
     cases = [{"type": "case", "case": c} for c in (CASES_DRY if dry else CASES_GPU)]
     # the default configs of every combo, then the correctness cases, then the other configs
     return first + cases + rest
@@ -373,10 +376,6 @@ def warm_kernel(task: dict, dry: bool) -> None:
     N = 32 if dry else 256
     dev = _device(dry)
     q, k, v, do = (torch.randn(1, H, N, D, device=dev, dtype=dtype) for _ in range(4))
-    if task["type"] == "fwd_tma":
-        _with_tma(lambda: T.fwd(q, k, v, None, causal, D**-0.5, config=tuple(task["cfg"])))()
-        _sync(dry)
-        return
     cfg = tuple(task["cfg"]) if task["type"] == "fwd" else tuple(task["fwd_cfg"])
     o, lse = T.fwd(q, k, v, None, causal, D**-0.5, config=cfg)
     if task["type"] in ("bwd", "bwd_atomic"):
@@ -484,9 +483,9 @@ def _providers(dry: bool):
 
         return raw
 
-    def raw_tma(q, k, v, do, causal, mode):
-        scale = q.shape[-1] ** -0.5
-        return _with_tma(lambda: T.fwd(q, k, v, None, causal, scale)), None, _null
+    def raw_ptr(q, k, v, do, causal, mode):
+        fn, grads, ctx = raw_with(True)(q, k, v, do, causal, mode)
+        return _with_tma(fn, "0"), grads, ctx
 
     def autograd_fn(call):
         def build(q, k, v, do, causal, mode, ctx=_null):
@@ -519,7 +518,7 @@ def _providers(dry: bool):
                                                          backend="triton"))(
             q, k, v, do, causal, mode)
 
-    return {"torchfn": raw_with(True), "torchfn_atomic": raw_with(False), "torchfn_tma": raw_tma,
+    return {"torchfn": raw_with(True), "torchfn_atomic": raw_with(False), "torchfn_ptr": raw_ptr,
             "torchfn_api": api,
             "sdpa_flash": sdpa_with("FLASH_ATTENTION"), "sdpa_cudnn": sdpa_with("CUDNN_ATTENTION")}
 
@@ -557,8 +556,6 @@ def phase_bench(args) -> None:
                 if name == "torchfn_api" and N not in api_n:
                     continue
                 if name == "torchfn_atomic" and mode == "fwd":  # the same forward as torchfn
-                    continue
-                if name == "torchfn_tma" and mode != "fwd":  # TMA loads: forward only
                     continue
                 meta = {"provider": name, "mode": mode, "dtype": dname, "D": D, "N": N, "B": B,
                         "H": H, "causal": causal}
@@ -750,14 +747,15 @@ def _sweep_call(op: str, cfg, x, causal: bool, D: int):
     return lambda: T.bwd(q, k, v, o, lse, do, None, causal, scale, False, config=(cfg, q0))
 
 
-def _with_tma(fn):
-    """``fn`` run with the opt-in TMA loads switched on (the flag is read at each launch)."""
+def _with_tma(fn, mode: str = "1"):
+    """``fn`` run with ``TORCHFN_TRITON_TMA=mode`` ("1": TMA loads forced on, "0": off);
+    the variable is read at each launch, and "auto" (the default) is restored after."""
     def run():
-        os.environ["TORCHFN_TRITON_TMA"] = "1"
+        os.environ["TORCHFN_TRITON_TMA"] = mode
         try:
             return fn()
         finally:
-            os.environ["TORCHFN_TRITON_TMA"] = "0"
+            os.environ["TORCHFN_TRITON_TMA"] = "auto"
 
     return run
 
@@ -903,7 +901,9 @@ def sweep_markdown(rows: list[dict]) -> str:
             try:
                 from torchfn.kernels import _triton_ops as T
 
-                default = tuple(T._candidates(op.removesuffix("_tma"), _dtype("bf16"), D)[0])
+                base, bf16 = op.removesuffix("_tma"), _dtype("bf16")
+                default = tuple(((op != base and T._tma_candidates(base, bf16, D))
+                                 or T._candidates(base, bf16, D))[0])
             except Exception:  # noqa: BLE001
                 default = None
             d_ms = next((r["ms"] for r in rs if tuple(r["cfg"]) == default), None)
@@ -1030,14 +1030,15 @@ def summarize(bench: list[dict], dry: bool) -> dict:
                 atomic = fb_a - f if fb_a > f else None
             if atomic and sd:
                 entry[f"{mode}_atomic_vs_best_sdpa"] = min(sd) / atomic
-            tma = t("torchfn_tma") if mode == "fwd" else None
-            if tma and sd:
-                entry["fwd_tma_vs_best_sdpa"] = min(sd) / tma
+            ptr = t("torchfn_ptr")
+            if ptr and sd:
+                entry[f"{mode}_ptr_vs_best_sdpa"] = min(sd) / ptr
             if ours and t("flex"):
                 entry[f"{mode}_vs_flex"] = t("flex") / ours
         out.append(entry)
     agg = {}
-    for mode in ("fwd", "fwd_tma", "fwd_bwd", "bwd", "fwd_bwd_atomic", "bwd_atomic"):
+    for mode in ("fwd", "fwd_bwd", "bwd", "fwd_ptr", "fwd_bwd_ptr", "bwd_ptr", "fwd_bwd_atomic",
+                 "bwd_atomic"):
         vals = [e[f"{mode}_vs_best_sdpa"] for e in out if f"{mode}_vs_best_sdpa" in e]
         vals = [x for x in vals if x > 0]
         if vals:
@@ -1067,9 +1068,9 @@ def markdown(result: dict) -> str:
                      f"| {cell('to')} | {r['lse_err']:.1e} | "
                      f"{'yes' if r['pass'] else 'NO: ' + ','.join(r['fails'])} |")
     lines += ["", "### TFLOP/s (FlashAttention convention; fwd+bwd = 3.5x fwd flops)", "",
-              "| dtype | D | causal | N | mode | torchfn | torchfn atomic-dQ | torchfn TMA "
+              "| dtype | D | causal | N | mode | torchfn | torchfn atomic-dQ | torchfn no TMA "
               "| torchfn api | SDPA flash | SDPA cuDNN | flex | torchfn / best SDPA "
-              "| atomic-dQ or TMA / best SDPA |",
+              "| atomic-dQ / best SDPA |",
               "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     rows = [r for r in result["bench"] if "N" in r]
     idx = {(r["provider"], r["mode"], r["dtype"], r["D"], r["causal"], r["N"]): r for r in rows}
@@ -1084,11 +1085,11 @@ def markdown(result: dict) -> str:
                 return x, (f"{x:.0f}" if x >= 10 else f"{x:.2g}")
             return None, "skip" if "skipped" in r else "err"
 
-        vals = {p: val(p) for p in ("torchfn", "torchfn_atomic", "torchfn_tma", "torchfn_api",
+        vals = {p: val(p) for p in ("torchfn", "torchfn_atomic", "torchfn_ptr", "torchfn_api",
                                     "sdpa_flash", "sdpa_cudnn", "flex")}
         best = max([v[0] for p, v in vals.items() if p.startswith("sdpa") and v[0]], default=None)
         ratio = f"{vals['torchfn'][0] / best:.2f}" if best and vals["torchfn"][0] else "-"
-        variant = vals["torchfn_atomic"][0] or vals["torchfn_tma"][0]
+        variant = vals["torchfn_atomic"][0]
         ratio_a = f"{variant / best:.2f}" if best and variant else "-"
         lines.append(f"| {dt} | {D} | {'yes' if c else 'no'} | {N} | {mode} | "
                      + " | ".join(v[1] for v in vals.values()) + f" | {ratio} | {ratio_a} |")
@@ -1230,7 +1231,7 @@ def main(argv=None) -> int:
     ap.add_argument("--worker-id", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--nworkers", type=int, default=1, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    os.environ["TORCHFN_TRITON_TMA"] = "0"  # the TMA providers / sweep ops switch it on
+    os.environ["TORCHFN_TRITON_TMA"] = "auto"  # the library default; providers switch it
     if args.dry_run:
         os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported anywhere
     elif os.environ.get("TRITON_INTERPRET") == "1":

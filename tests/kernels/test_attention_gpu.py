@@ -23,6 +23,14 @@ try:
 except ImportError:  # run as a script on a machine without pytest
     pytest = None
 
+if pytest is not None:
+
+    @pytest.fixture(autouse=True)
+    def _first_configs(monkeypatch):
+        # correctness, not speed: one config per kernel (the tuner would compile them all,
+        # minutes for fp32); bench/gpu_attention.py --sweep checks every config's result
+        monkeypatch.setenv("TORCHFN_TRITON_AUTOTUNE", "0")
+
 DEV = "cuda"
 # (B, H, Hkv, Nq, Nk, D): GQA, Nq != Nk, a non-power-of-two head dim, a multi-block N
 SHAPES = [(2, 4, 2, 300, 257, 64), (1, 2, 1, 129, 200, 80), (1, 4, 4, 128, 128, 128)]
@@ -160,9 +168,12 @@ def test_transforms_triton():
 
 
 if __name__ == "__main__":
+    import os
     import sys
     import time
     import traceback
+
+    os.environ["TORCHFN_TRITON_AUTOTUNE"] = "0"
 
     failed = 0
     for name, fn in list(globals().items()):

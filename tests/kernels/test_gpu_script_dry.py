@@ -35,7 +35,7 @@ def test_bench_dry_run_is_complete(tmp_path):
     assert result["correctness"] and result["correctness_all_pass"]
     assert not result["phase_errors"]
     providers = {r["provider"] for r in result["bench"] if "ms" in r}
-    assert {"torchfn", "torchfn_atomic", "torchfn_tma", "torchfn_api", "sdpa_flash"} <= providers
+    assert {"torchfn", "torchfn_atomic", "torchfn_ptr", "torchfn_api", "sdpa_flash"} <= providers
 
 
 @pytest.mark.slow

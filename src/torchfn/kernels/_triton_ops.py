@@ -14,9 +14,10 @@ in q's dtype; lse: (B, H, Nq) float32 (natural log, -inf on fully masked rows).
 Block sizes: on a GPU every kernel is tuned once per (kernel, N bucket, head dim,
 causal, mask kind, dtype) over a handful of configs (``TORCHFN_TRITON_AUTOTUNE=0``
 uses the first, hand-picked config). Under ``TRITON_INTERPRET=1`` (CPU) one small
-fixed config is used. ``TORCHFN_TRITON_TMA=1`` (sm_90+, or the interpreter) makes the
-kernels read their streamed tiles through tensor descriptors (TMA); off by default
-until a GPU run shows it is faster. fp32 dots never use plain TF32: 3xTF32 ("tf32x3")
+fixed config is used. On sm_90+ the tuner also tries the kernels with their streamed
+tiles read through tensor descriptors (TMA), where the H200 sweep found that faster
+(``TORCHFN_TRITON_TMA``: "auto" default, "0" never, "1" always; the interpreter uses
+TMA only with "1"). fp32 dots never use plain TF32: 3xTF32 ("tf32x3")
 on the GPU, overridable with ``TORCHFN_TRITON_FP32_PRECISION=ieee``; exact in the
 interpreter.
 
@@ -44,20 +45,20 @@ __all__ = ["fwd", "bwd", "jvp", "tuned_configs", "is_interpreted"]
 
 
 # --------------------------------------------------------------------------- configs
-# (BLOCK_M, BLOCK_N, num_warps, num_stages); the first entry is the untuned default.
-# Forward / JVP: query block x key block. Backward follows the FA2 Triton tutorial:
-# dK/dV with narrow query blocks and wide key blocks, dQ the other way round. Every
-# entry is compiled ahead of time for sm_90 by bench/aot_sm90.py (Triton's AOT compiler
-# with the JIT's divisibility-16 specialisation, then cuobjdump): none spills registers
-# or needs more than the 227 KiB of shared memory an H100 / H200 block gets, except
-# where a comment says that every config tried spills (fp32 "tf32x3" dots take three
-# MMAs and more registers).
-# The GPU autotuner times the candidates on first use and keeps the fastest.
+# (BLOCK_M, BLOCK_N, num_warps, num_stages). Forward / JVP: query block x key block.
+# Backward follows the FA2 Triton tutorial: dK/dV with narrow query blocks and wide key
+# blocks, dQ the other way round. Every entry is compiled ahead of time for sm_90 by
+# bench/aot_sm90.py (Triton's AOT compiler with the JIT's divisibility-16
+# specialisation, then cuobjdump): none spills registers or needs more than the 227 KiB
+# of shared memory an H100 / H200 block gets, except where a comment says that every
+# config tried spills (fp32 "tf32x3" dots take three MMAs and more registers).
+# The bf16/fp16 D=64 and D=128 lists are ordered by the H200 sweep (bench/RESULTS.md,
+# `gpu_attention.py --sweep`, N=8192): fastest first. The GPU autotuner times the
+# candidates on first use and keeps the fastest; the first entry is the untuned default.
 _GPU_CONFIGS: dict[str, dict[str, list[tuple[int, int, int, int]]]] = {
     "fwd": {
-        "d64": [(128, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 4), (64, 64, 4, 3)],
-        "d128": [(128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3), (128, 64, 8, 4),
-                 (64, 128, 8, 2)],
+        "d64": [(128, 64, 8, 3), (128, 64, 8, 4), (64, 64, 4, 3), (128, 64, 4, 3)],
+        "d128": [(128, 128, 8, 3), (128, 64, 8, 4), (64, 64, 4, 3), (128, 64, 8, 3)],
         "d256": [(32, 32, 4, 2), (64, 32, 4, 2)],
         "fp32": [(32, 32, 8, 2), (64, 32, 8, 2)],
         "fp32_d128": [(32, 32, 8, 2), (16, 64, 8, 2), (16, 32, 4, 2)],
@@ -72,31 +73,45 @@ _GPU_CONFIGS: dict[str, dict[str, list[tuple[int, int, int, int]]]] = {
         "fp32_d256": [(16, 16, 4, 1)],  # spills, as every config tried
     },
     "dkdv": {
-        "d64": [(32, 128, 8, 3), (64, 128, 8, 3), (32, 64, 8, 3), (16, 128, 8, 3)],
-        "d128": [(16, 128, 8, 3), (32, 64, 8, 2), (32, 64, 8, 3), (64, 64, 8, 3),
-                 (32, 128, 8, 3)],
+        "d64": [(32, 64, 4, 3), (64, 64, 4, 3), (16, 128, 4, 3), (64, 128, 8, 3)],
+        "d128": [(32, 64, 4, 3), (32, 128, 8, 3), (16, 64, 4, 3)],
         "d256": [(16, 32, 4, 2), (32, 32, 8, 2), (16, 64, 8, 2)],
         "fp32": [(32, 32, 8, 2), (16, 32, 4, 2)],
         "fp32_d128": [(32, 16, 8, 2), (16, 16, 8, 2)],
         "fp32_d256": [(16, 16, 4, 1)],  # spills, as every config tried
     },
     # dK/dV with the atomic dQ (deterministic=False): one more dot, so other tiles fit.
-    # BLOCK_M >= 64 lets the dQ dot use wgmma (at 32 it falls back to mma.sync).
     "dkdv_atomic": {
-        "d64": [(64, 128, 8, 3), (32, 128, 8, 3), (64, 64, 8, 3)],
-        "d128": [(32, 128, 8, 3), (64, 64, 8, 3), (32, 64, 8, 3)],
+        "d64": [(64, 128, 8, 3), (32, 128, 4, 3), (64, 64, 4, 3)],
+        "d128": [(32, 128, 8, 3), (32, 64, 4, 3)],
         "d256": [(16, 32, 8, 2), (32, 32, 8, 2)],
         "fp32": [(32, 32, 8, 2), (16, 32, 4, 2)],
         "fp32_d128": [(32, 16, 8, 2), (16, 16, 8, 2)],
         "fp32_d256": [(16, 16, 4, 1)],  # spills, as every config tried
     },
     "dq": {
-        "d64": [(128, 64, 8, 3), (128, 32, 4, 3), (64, 64, 4, 3)],
-        "d128": [(128, 64, 8, 3), (64, 64, 4, 3), (128, 32, 8, 3), (64, 64, 8, 3)],
+        "d64": [(128, 64, 8, 3), (64, 64, 4, 3), (128, 64, 4, 4)],
+        "d128": [(128, 64, 8, 3), (64, 32, 4, 3), (64, 64, 4, 3)],
         "d256": [(32, 32, 4, 2), (64, 16, 4, 2)],
         "fp32": [(32, 32, 8, 2)],
         "fp32_d128": [(16, 32, 8, 2), (16, 64, 8, 2), (16, 16, 8, 2)],
         "fp32_d256": [(16, 16, 4, 1)],  # spills, as every config tried
+    },
+}
+# The same kernels with their streamed tiles read through tensor descriptors (TMA,
+# sm_90+). Listed only where the H200 sweep measured TMA faster than the best pointer
+# config: the forward (D=128: 1.99 ms against 2.23 at N=8192), dK/dV at D=128 (6.87
+# against 7.22 ms for the whole backward) and the atomic dK/dV. With TMA usable, these
+# come before the pointer configs, so the untuned default is the first TMA entry.
+_GPU_TMA_CONFIGS: dict[str, dict[str, list[tuple[int, int, int, int]]]] = {
+    "fwd": {
+        "d64": [(128, 128, 4, 3), (128, 64, 8, 4), (128, 64, 8, 3)],
+        "d128": [(128, 128, 8, 3), (128, 64, 8, 3), (64, 64, 4, 3), (128, 64, 8, 4)],
+    },
+    "dkdv": {"d128": [(64, 128, 8, 3), (64, 128, 8, 2), (32, 128, 8, 3)]},
+    "dkdv_atomic": {
+        "d64": [(64, 128, 8, 3), (32, 128, 4, 3)],
+        "d128": [(32, 128, 8, 3), (32, 64, 4, 3)],
     },
 }
 # Interpreter (CPU): few, wide-ish blocks keep the ~5 ms/step interpreter cost down.
@@ -108,11 +123,12 @@ _INTERP_CONFIGS: dict[str, tuple[int, int, int, int]] = {
     "dq": (64, 32, 4, 1),
 }
 _PRE_BLOCK_M = 64  # preprocess kernel (delta, lse2)
-_TUNED: dict[tuple, tuple[int, int, int, int]] = {}
+_TUNED: dict[tuple, tuple[int, int, int, int, bool]] = {}
 
 
-def tuned_configs() -> dict[tuple, tuple[int, int, int, int]]:
-    """The configs the GPU autotuner picked so far: key -> (BLOCK_M, BLOCK_N, warps, stages)."""
+def tuned_configs() -> dict[tuple, tuple[int, int, int, int, bool]]:
+    """The configs the GPU autotuner picked so far:
+    key -> (BLOCK_M, BLOCK_N, warps, stages, tma)."""
     return dict(_TUNED)
 
 
@@ -158,13 +174,30 @@ def _bucket(n: int) -> int:
     return min(max(triton.next_power_of_2(max(n, 1)), 256), 16384)
 
 
-def _candidates(kind: str, dtype: torch.dtype, block_d: int) -> list[tuple[int, int, int, int]]:
-    table = _GPU_CONFIGS[kind]
+def _class(dtype: torch.dtype, block_d: int) -> str:
     if dtype == torch.float32:
-        cls = "fp32" if block_d <= 64 else ("fp32_d128" if block_d <= 128 else "fp32_d256")
-    else:
-        cls = "d64" if block_d <= 64 else ("d128" if block_d <= 128 else "d256")
-    return table[cls]
+        return "fp32" if block_d <= 64 else ("fp32_d128" if block_d <= 128 else "fp32_d256")
+    return "d64" if block_d <= 64 else ("d128" if block_d <= 128 else "d256")
+
+
+def _candidates(kind: str, dtype: torch.dtype, block_d: int) -> list[tuple[int, int, int, int]]:
+    """The pointer-load configs of ``kind`` for this dtype and padded head dim."""
+    return _GPU_CONFIGS[kind][_class(dtype, block_d)]
+
+
+def _tma_candidates(kind: str, dtype: torch.dtype, block_d: int,
+                    ) -> list[tuple[int, int, int, int]]:
+    """The TMA configs of ``kind`` (empty where TMA was not measured faster)."""
+    return _GPU_TMA_CONFIGS.get(kind, {}).get(_class(dtype, block_d), [])
+
+
+def _tma_mode() -> str:
+    """``TORCHFN_TRITON_TMA``: "auto" (default: tune over TMA and pointer configs), "1"
+    (TMA wherever usable, e.g. to test it) or "0" (pointer loads only)."""
+    mode = os.environ.get("TORCHFN_TRITON_TMA", "auto").strip().lower() or "auto"
+    if mode not in ("auto", "0", "1"):
+        raise ValueError(f"TORCHFN_TRITON_TMA must be 'auto', '0' or '1', got {mode!r}")
+    return mode
 
 
 def _autotune_enabled() -> bool:
@@ -173,21 +206,24 @@ def _autotune_enabled() -> bool:
 
 def _launch(kind: str, kernel: Any, grid: Callable[[int, int], tuple[int, ...]],
             args: tuple, consts: dict[str, Any], key: tuple,
-            config: tuple[int, int, int, int] | None,
+            config: tuple[int, ...] | None,
             reset: Callable[[], None] | None = None,
-            extra: Callable[[int, int], dict[str, Any]] | None = None) -> None:
+            tma: Callable[[int, int], dict[str, Any]] | None = None) -> None:
     """Launch ``kernel`` with a block config: given, interpreter-fixed, tuned or default.
 
-    ``reset`` runs before every launch, for kernels that accumulate into an output
-    (atomics): the tuner launches a kernel many times. ``extra(BLOCK_M, BLOCK_N)`` gives
-    keyword arguments that depend on the block shape (tensor descriptors).
+    A config is (BLOCK_M, BLOCK_N, num_warps, num_stages[, use_tma]); a given 4-tuple
+    uses TMA only under ``TORCHFN_TRITON_TMA=1``. ``reset`` runs before every launch, for
+    kernels that accumulate into an output (atomics): the tuner launches a kernel many
+    times. ``tma(BLOCK_M, BLOCK_N)`` gives the tensor-descriptor keyword arguments
+    (None: TMA off or unusable for these tensors).
     """
+    mode = _tma_mode() if tma is not None else "0"
 
-    def run(cfg: tuple[int, int, int, int]) -> None:
+    def run(cfg: tuple[int, int, int, int, bool]) -> None:
         if reset is not None:
             reset()
-        bm, bn, warps, stages = cfg
-        kw = {} if extra is None else extra(bm, bn)
+        bm, bn, warps, stages, use_tma = cfg
+        kw = tma(bm, bn) if use_tma and tma is not None else {}
         if is_interpreted():
             kernel[grid(bm, bn)](*args, **consts, **kw, BLOCK_M=bm, BLOCK_N=bn)
         else:
@@ -195,13 +231,20 @@ def _launch(kind: str, kernel: Any, grid: Callable[[int, int], tuple[int, ...]],
                                  num_warps=warps, num_stages=stages)
 
     if config is not None:
-        run(config)
+        run((*config[:4], bool(config[4]) if len(config) > 4 else mode == "1"))
         return
     if is_interpreted():
-        run(_INTERP_CONFIGS[kind])
+        run((*_INTERP_CONFIGS[kind], mode == "1"))
         return
-    cands = _candidates(kind, args[0].dtype, consts["BLOCK_D"])
-    full_key = (kind, *key)
+    dtype, bd = args[0].dtype, consts["BLOCK_D"]
+    ptr, tmas = _candidates(kind, dtype, bd), _tma_candidates(kind, dtype, bd)
+    if mode == "0":
+        cands = [(*c, False) for c in ptr]
+    elif mode == "1":  # TMA only: its own list, else the pointer configs with TMA loads
+        cands = [(*c, True) for c in (tmas or ptr)]
+    else:
+        cands = [(*c, True) for c in tmas] + [(*c, False) for c in ptr]
+    full_key = (kind, *key, mode)
     cfg = _TUNED.get(full_key)
     if cfg is None:
         cfg = _tune(run, cands) if _autotune_enabled() and len(cands) > 1 else cands[0]
@@ -209,7 +252,8 @@ def _launch(kind: str, kernel: Any, grid: Callable[[int, int], tuple[int, ...]],
     run(cfg)
 
 
-def _tune(run: Callable, cands: list[tuple[int, int, int, int]]) -> tuple[int, int, int, int]:
+def _tune(run: Callable, cands: list[tuple[int, int, int, int, bool]],
+          ) -> tuple[int, int, int, int, bool]:
     """Time each config (compiling it first); configs that fail to compile/launch are skipped.
 
     Every kernel here overwrites all of its outputs or is reset first (``_launch``'s
@@ -237,12 +281,13 @@ def _tma_descriptors(names_tensors: dict[str, Tensor], rows: dict[str, str], blo
                      ) -> Callable[[int, int], dict[str, Any]] | None:
     """Tensor-descriptor (TMA) kwargs per block shape, or None when TMA is off or unusable.
 
-    Opt-in with ``TORCHFN_TRITON_TMA=1`` until a GPU run shows it is faster. It needs
-    sm_90+ (or the interpreter), triton's host ``TensorDescriptor``, 16-byte aligned
-    base pointers and strides, and a contiguous last dim. ``rows`` maps each
-    descriptor name to "m" or "n": its tile has BLOCK_M or BLOCK_N rows.
+    TMA needs sm_90+ (or the interpreter, where only ``TORCHFN_TRITON_TMA=1`` uses it),
+    triton's host ``TensorDescriptor``, 16-byte aligned base pointers and strides, and a
+    contiguous last dim. ``rows`` maps each descriptor name to "m" or "n": its tile has
+    BLOCK_M or BLOCK_N rows.
     """
-    if os.environ.get("TORCHFN_TRITON_TMA", "0") != "1":
+    mode = _tma_mode()
+    if mode == "0" or (mode == "auto" and is_interpreted()):
         return None
     try:
         from triton.tools.tensor_descriptor import TensorDescriptor
@@ -347,7 +392,7 @@ def fwd(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool, scal
     tma = _tma_descriptors({"desc_q": q, "desc_k": k, "desc_v": v},
                            {"desc_q": "m", "desc_k": "n", "desc_v": "n"}, consts["BLOCK_D"])
     _launch("fwd", _triton_fwd._attn_fwd, grid, args, consts, (*key, tma is not None), config,
-            extra=tma)
+            tma=tma)
     return o.to(q.dtype), lse
 
 
@@ -359,7 +404,8 @@ def bwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Tensor,
 
     ``deterministic=True``: no atomics, bitwise reproducible, a separate dQ launch
     (7 matmuls per tile pair). ``False``: dQ is accumulated with float32 atomics inside
-    the dK/dV launch (5 matmuls), at the cost of run-to-run rounding differences in dq.
+    the dK/dV launch (5 matmuls), at the cost of run-to-run rounding differences in dq
+    (and, on an H200, of speed: the atomics cost more than the two matmuls).
     ``config`` = (dkdv config, dq config) overrides tuning (the dq one is unused when
     ``deterministic=False``).
     """
@@ -397,7 +443,7 @@ def bwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Tensor,
     _launch("dkdv_atomic" if atomic else "dkdv", _triton_bwd._attn_bwd_dkdv, grid_kv, args_kv,
             dict(consts, DQ_ATOMIC=atomic), (*key, tma_kv is not None),
             None if config is None else config[0],
-            reset=dq_acc.zero_ if atomic else None, extra=tma_kv)
+            reset=dq_acc.zero_ if atomic else None, tma=tma_kv)
     if atomic:
         return (dq_acc * scale).to(q.dtype), dk.to(q.dtype), dv.to(q.dtype)
     args_q = (q, k, v, mptr, do, lse2, delta, dq, *common,
@@ -406,7 +452,7 @@ def bwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Tensor,
     grid_q = lambda bm, bn: (triton.cdiv(Nq, bm), B * H)
     tma_q = _tma_descriptors({"desc_k": k, "desc_v": v}, {"desc_k": "n", "desc_v": "n"}, bd)
     _launch("dq", _triton_bwd._attn_bwd_dq, grid_q, args_q, consts, (*key, tma_q is not None),
-            None if config is None else config[1], extra=tma_q)
+            None if config is None else config[1], tma=tma_q)
     return dq.to(q.dtype), dk.to(q.dtype), dv.to(q.dtype)
 
 

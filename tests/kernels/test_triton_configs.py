@@ -1,0 +1,150 @@
+"""How the Triton launcher picks block configs and TMA loads (no kernel is compiled).
+
+``_launch`` is driven with a recording stand-in kernel and the GPU branch forced on
+(``is_interpreted`` patched to False), so the candidate lists, their order, the
+``TORCHFN_TRITON_TMA`` modes and explicit configs are checked on a CPU. That the
+kernels give the same result with either kind of load is the job of
+``test_tma_matches_reference`` (interpreter) and the gpu-marked tests.
+"""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before the first `import triton`
+
+import pytest  # noqa: E402
+
+pytest.importorskip("triton", reason="triton is not installed")
+
+from torchfn.kernels import _triton_ops as T  # noqa: E402
+
+
+class _Recorder:
+    """Stands in for a ``@triton.jit`` kernel: records each launch's block config."""
+
+    def __init__(self):
+        self.launches = []
+
+    def __getitem__(self, grid):
+        def launch(*args, BLOCK_M, BLOCK_N, num_warps=None, num_stages=None, **kw):
+            self.launches.append((BLOCK_M, BLOCK_N, num_warps, num_stages,
+                                  kw.get("USE_TMA", False)))
+
+        return launch
+
+
+@pytest.fixture
+def gpu_branch(monkeypatch):
+    """Run ``_launch``'s GPU branch with a recorded tuner (first-is-fastest by default)."""
+    monkeypatch.setattr(T, "is_interpreted", lambda: False)
+    monkeypatch.setattr(T, "_TUNED", {})
+    seen = {}
+
+    def tune(run, cands):
+        seen["cands"] = list(cands)
+        return cands[0]
+
+    monkeypatch.setattr(T, "_tune", tune)
+    return seen
+
+
+def _launch(kind, dtype, block_d, config=None, tma_usable=True):
+    kernel = _Recorder()
+    x = torch.zeros(1, dtype=dtype)
+    tma = (lambda bm, bn: {"USE_TMA": True}) if tma_usable else None
+    T._launch(kind, kernel, lambda bm, bn: (1,), (x,), {"BLOCK_D": block_d},
+              ("key", block_d, dtype), config, tma=tma)
+    return kernel.launches
+
+
+@pytest.mark.parametrize("kind", ["fwd", "dkdv", "dkdv_atomic"])
+def test_auto_tries_tma_configs_first_then_pointer_configs(kind, gpu_branch, monkeypatch):
+    monkeypatch.delenv("TORCHFN_TRITON_TMA", raising=False)
+    launches = _launch(kind, torch.bfloat16, 128)
+    tma = [(*c, True) for c in T._tma_candidates(kind, torch.bfloat16, 128)]
+    ptr = [(*c, False) for c in T._candidates(kind, torch.bfloat16, 128)]
+    assert tma, f"{kind} has TMA configs at D=128"
+    assert gpu_branch["cands"] == tma + ptr
+    assert launches == [tma[0]]  # the tuner's pick is launched, with descriptors
+
+
+def test_auto_without_tma_list_or_without_tma_support_uses_pointer_configs(gpu_branch,
+                                                                          monkeypatch):
+    monkeypatch.setenv("TORCHFN_TRITON_TMA", "auto")
+    ptr = [(*c, False) for c in T._candidates("dq", torch.bfloat16, 128)]
+    _launch("dq", torch.bfloat16, 128)  # dq: TMA was not faster, so no TMA list
+    assert gpu_branch["cands"] == ptr
+    ptr_fwd = [(*c, False) for c in T._candidates("fwd", torch.float32, 64)]
+    _launch("fwd", torch.float32, 64, tma_usable=False)  # e.g. sm_80, unaligned strides
+    assert gpu_branch["cands"] == ptr_fwd
+
+
+def test_mode_one_forces_tma_and_mode_zero_forbids_it(gpu_branch, monkeypatch):
+    monkeypatch.setenv("TORCHFN_TRITON_TMA", "1")
+    _launch("dq", torch.bfloat16, 64)  # no TMA list: the pointer configs, with TMA loads
+    assert gpu_branch["cands"] == [(*c, True) for c in T._candidates("dq", torch.bfloat16, 64)]
+    _launch("fwd", torch.bfloat16, 64)
+    assert gpu_branch["cands"] == [(*c, True)
+                                   for c in T._tma_candidates("fwd", torch.bfloat16, 64)]
+    monkeypatch.setenv("TORCHFN_TRITON_TMA", "0")
+    _launch("fwd", torch.bfloat16, 64)
+    assert gpu_branch["cands"] == [(*c, False)
+                                   for c in T._candidates("fwd", torch.bfloat16, 64)]
+
+
+def test_tuned_choice_is_cached_per_mode(gpu_branch, monkeypatch):
+    monkeypatch.setenv("TORCHFN_TRITON_TMA", "auto")
+    _launch("fwd", torch.bfloat16, 128)
+    monkeypatch.setenv("TORCHFN_TRITON_TMA", "0")
+    _launch("fwd", torch.bfloat16, 128)
+    picks = {key[-1]: cfg for key, cfg in T.tuned_configs().items()}
+    assert picks["auto"][4] is True and picks["0"][4] is False
+
+
+def test_explicit_config(gpu_branch, monkeypatch):
+    monkeypatch.setenv("TORCHFN_TRITON_TMA", "auto")
+    assert _launch("fwd", torch.bfloat16, 64, config=(64, 32, 4, 2)) == [(64, 32, 4, 2, False)]
+    assert _launch("fwd", torch.bfloat16, 64, config=(64, 32, 4, 2, True)) == \
+        [(64, 32, 4, 2, True)]
+    # a forced TMA config falls back to pointer loads where TMA is unusable
+    assert _launch("fwd", torch.bfloat16, 64, config=(64, 32, 4, 2, True),
+                   tma_usable=False) == [(64, 32, 4, 2, False)]
+    monkeypatch.setenv("TORCHFN_TRITON_TMA", "1")
+    assert _launch("fwd", torch.bfloat16, 64, config=(64, 32, 4, 2)) == [(64, 32, 4, 2, True)]
+    assert "cands" not in gpu_branch  # nothing was tuned
+
+
+def test_autotune_off_launches_the_first_candidate(gpu_branch, monkeypatch):
+    monkeypatch.setenv("TORCHFN_TRITON_AUTOTUNE", "0")
+    monkeypatch.setenv("TORCHFN_TRITON_TMA", "auto")
+    first = T._tma_candidates("fwd", torch.float16, 128)[0]
+    assert _launch("fwd", torch.float16, 128) == [(*first, True)]
+    assert "cands" not in gpu_branch
+
+
+def test_bad_tma_mode_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv("TORCHFN_TRITON_TMA", "yes")
+    with pytest.raises(ValueError, match="TORCHFN_TRITON_TMA must be 'auto', '0' or '1'"):
+        T._tma_mode()
+
+
+def test_interpreter_uses_tma_only_when_forced(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    x = torch.zeros(1, 2, 8, 32)
+    for mode, usable in (("auto", False), ("0", False), ("1", True)):
+        monkeypatch.setenv("TORCHFN_TRITON_TMA", mode)
+        assert (T._tma_descriptors({"desc_q": x}, {"desc_q": "m"}, 32) is not None) == usable
+
+
+def test_tma_lists_are_well_formed():
+    # every TMA list shadows a pointer list of the same kernel and class, and holds
+    # power-of-two blocks of at least 16 (tl.dot's minimum)
+    for kind, table in T._GPU_TMA_CONFIGS.items():
+        for cls, cfgs in table.items():
+            assert cls in T._GPU_CONFIGS[kind], (kind, cls)
+            for bm, bn, warps, stages in cfgs:
+                for b in (bm, bn):
+                    assert b >= 16 and b & (b - 1) == 0, (kind, cls, b)
+                assert warps in (4, 8) and 1 <= stages <= 4, (kind, cls)
