@@ -23,6 +23,11 @@ what makes this match the GPU. Usage, from the repository root::
 
     PYTHONPATH=src python bench/aot_sm90.py [--kinds fwd dkdv] [--dims 128]
 
+``--sass`` prints each candidate's SASS opcode counts instead (``sass_counts``), a
+proxy for per-tile work when no GPU can time a change::
+
+    PYTHONPATH=src python bench/aot_sm90.py --sass --kinds fwd_tma --dims 128
+
 Results depend on the Triton version (3.9 here; the lent H200 ran 3.6).
 """
 
@@ -69,19 +74,15 @@ _TMA_DESCS = {
 }
 
 
-def compile_sm90(kind: str, head_dim: int, cfg: tuple[int, int, int, int],
-                 dtype: str = "bf16") -> dict:
-    """Compile one (kind, head dim, config) for sm_90: {'regs', 'spill', 'smem'}.
-
-    ``dtype``: "bf16" or "fp32" (fp32 dots as 3xTF32, the GPU default). A kind ending
-    in ``_tma`` is that kernel with ``USE_TMA`` (tensor-descriptor loads).
-    """
+def _compile(kind: str, head_dim: int, cfg: tuple[int, int, int, int], dtype: str,
+             causal: bool = False):
+    """The Triton-compiled sm_90 kernel of one (kind, head dim, config, dtype)."""
     tma = kind.endswith("_tma")
     kind = kind.removesuffix("_tma")
     fn = _kernel(kind)
     bm, bn, warps, stages = cfg
     block_d = max(16, 1 << (head_dim - 1).bit_length())
-    consts = dict(HEAD_DIM=head_dim, BLOCK_D=block_d, IS_CAUSAL=False, MASK_KIND=0,
+    consts = dict(HEAD_DIM=head_dim, BLOCK_D=block_d, IS_CAUSAL=causal, MASK_KIND=0,
                   DOT_PREC="tf32x3" if dtype == "fp32" else "tf32", UPCAST=False,
                   BLOCK_M=bm, BLOCK_N=bn)
     if kind == "dkdv_atomic":
@@ -119,15 +120,45 @@ def compile_sm90(kind: str, head_dim: int, cfg: tuple[int, int, int, int],
     src = ASTSource(fn=fn, signature=sig, attrs=attrs,
                     constexprs={(fn.arg_names.index(n),): v for n, v in consts.items()
                                 if n in fn.arg_names})
-    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                              options=dict(num_warps=warps, num_stages=stages))
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=warps, num_stages=stages))
+
+
+def _cuobjdump(cubin: bytes, flag: str) -> str:
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-        f.write(compiled.asm["cubin"])
+        f.write(cubin)
     try:
-        usage = subprocess.run([os.path.join(_BIN, "cuobjdump"), "-res-usage", f.name],
-                               capture_output=True, text=True, check=True).stdout
+        return subprocess.run([os.path.join(_BIN, "cuobjdump"), flag, f.name],
+                              capture_output=True, text=True, check=True).stdout
     finally:
         os.unlink(f.name)
+
+
+def sass_counts(kind: str, head_dim: int, cfg: tuple[int, int, int, int],
+                dtype: str = "bf16", causal: bool = False) -> dict[str, int]:
+    """Opcode -> count in the kernel's sm_90 SASS (the whole kernel, loop bodies once).
+
+    A proxy for per-tile work when no GPU can time a change: e.g. ``FMUL`` + ``FFMA``
+    per score element in the online softmax.
+    """
+    sass = _cuobjdump(_compile(kind, head_dim, cfg, dtype, causal).asm["cubin"], "-sass")
+    counts: dict[str, int] = {}
+    opcode = r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*(?:\.[A-Z0-9_]+)*)"
+    for m in re.finditer(opcode, sass):
+        op = m.group(1).split(".")[0]
+        counts[op] = counts.get(op, 0) + 1
+    return counts
+
+
+def compile_sm90(kind: str, head_dim: int, cfg: tuple[int, int, int, int],
+                 dtype: str = "bf16") -> dict:
+    """Compile one (kind, head dim, config) for sm_90: {'regs', 'spill', 'smem'}.
+
+    ``dtype``: "bf16" or "fp32" (fp32 dots as 3xTF32, the GPU default). A kind ending
+    in ``_tma`` is that kernel with ``USE_TMA`` (tensor-descriptor loads).
+    """
+    compiled = _compile(kind, head_dim, cfg, dtype)
+    usage = _cuobjdump(compiled.asm["cubin"], "-res-usage")
     regs, stack = re.search(r"REG:(\d+)", usage), re.search(r"STACK:(\d+)", usage)
     return {"regs": int(regs.group(1)), "spill": int(stack.group(1)) if stack else 0,
             "smem": compiled.metadata.shared}
@@ -142,6 +173,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dims", nargs="+", type=int, default=[64, 128])
     ap.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16",
                     help="fp32 checks the table's fp32 lists (head dim <= 128 or 256)")
+    ap.add_argument("--sass", action="store_true",
+                    help="print SASS opcode counts (FMUL, FFMA, MUFU, HGMMA, ...) per candidate")
     args = ap.parse_args(argv)
     bad = 0
     for kind in args.kinds:
@@ -153,6 +186,13 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 row = f"d{d}"
             for cfg in table.get(row, []):
+                if args.sass:
+                    c = sass_counts(kind, d, cfg, args.dtype)
+                    ops = ("FMUL", "FFMA", "FADD", "FMNMX", "MUFU", "FSEL", "HGMMA", "HMMA")
+                    print(f"{kind:>15} {args.dtype} D={d:<3} {str(cfg):<18} "
+                          f"total={sum(c.values())} "
+                          + " ".join(f"{o}={c.get(o, 0)}" for o in ops), flush=True)
+                    continue
                 r = compile_sm90(kind, d, cfg, args.dtype)
                 ok = r["spill"] == 0 and r["smem"] <= SMEM_LIMIT
                 bad += not ok

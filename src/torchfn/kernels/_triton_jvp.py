@@ -53,7 +53,7 @@ def _jvp_inner(acc_o, acc_t, acc_s, l_i, m_i, q, tq,
         ts = ts * sm_scale
         qk = _mask_tile(qk, m_base, offs_m, offs_n, smm, smn, Nq, Nk, BOUNDARY, IS_CAUSAL,
                         MASK_KIND)
-        m_new, m_new_safe = _row_max(m_i, qk, BOUNDARY or MASK_KIND != 0)
+        m_new, m_new_safe = _row_max(m_i, tl.max(qk, 1), BOUNDARY or MASK_KIND != 0)
         p = tl.math.exp2(qk - m_new_safe[:, None])
         alpha = tl.math.exp2(m_i - m_new_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
