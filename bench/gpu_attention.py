@@ -653,9 +653,10 @@ def phase_flex(args, time_it: bool) -> None:
 
 # ============================================================================ sweep
 # ``--sweep``: time every kernel over a wide grid of block configs, one kernel at a time,
-# to choose ``_triton_ops._GPU_CONFIGS`` from measurements. The grid is every bf16 config
-# that bench/aot_sm90.py compiles for sm_90 without spills and within 227 KiB of shared
-# memory (one stage count per tile shape), plus the table's own entries.
+# to choose ``_triton_ops._GPU_CONFIGS`` / ``_GPU_TMA_CONFIGS`` from measurements. The
+# grid holds bf16 configs that bench/aot_sm90.py compiles for sm_90 without spills and
+# within 227 KiB of shared memory (mostly one stage count per tile shape, more around
+# the previous sweep's winners), plus the tables' own entries.
 SWEEP_N = 8192
 SWEEP_COMBOS = [(128, False), (128, True), (64, False), (64, True)]  # (D, causal), by priority
 SWEEP_GRID: dict[str, dict[int, list[tuple[int, int, int, int]]]] = {
@@ -669,16 +670,18 @@ SWEEP_GRID: dict[str, dict[int, list[tuple[int, int, int, int]]]] = {
     },
     "dkdv": {
         64: [(16, 64, 4, 3), (16, 64, 8, 3), (16, 128, 4, 3), (16, 128, 8, 3), (32, 64, 4, 3),
-             (32, 64, 8, 3), (32, 128, 8, 3), (64, 64, 4, 3), (64, 64, 8, 3), (64, 128, 8, 3)],
+             (32, 64, 8, 3), (32, 128, 8, 3), (64, 64, 4, 3), (64, 64, 8, 3), (64, 128, 8, 3),
+             (32, 64, 4, 4), (64, 64, 4, 4), (64, 64, 4, 2)],
         128: [(16, 64, 4, 3), (16, 64, 8, 3), (16, 128, 8, 3), (16, 128, 8, 4), (32, 64, 4, 3),
-              (32, 64, 8, 2), (32, 64, 8, 3), (32, 128, 8, 3), (64, 64, 8, 3)],
+              (32, 64, 8, 2), (32, 64, 8, 3), (32, 128, 8, 3), (64, 64, 8, 3), (32, 64, 4, 4),
+              (32, 64, 4, 2)],
     },
     "dq": {
         64: [(64, 16, 4, 3), (64, 16, 8, 3), (64, 32, 4, 3), (64, 32, 8, 3), (64, 64, 4, 3),
              (64, 64, 8, 3), (128, 16, 4, 3), (128, 16, 8, 3), (128, 32, 4, 3), (128, 32, 8, 3),
-             (128, 64, 4, 4), (128, 64, 8, 3)],
+             (128, 64, 4, 4), (128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 3)],
         128: [(64, 16, 4, 3), (64, 16, 8, 3), (64, 32, 4, 3), (64, 32, 8, 3), (64, 64, 4, 3),
-              (64, 64, 8, 3), (128, 16, 8, 3), (128, 32, 8, 3), (128, 64, 8, 3)],
+              (64, 64, 8, 3), (128, 16, 8, 3), (128, 32, 8, 3), (128, 64, 8, 3), (64, 128, 4, 3)],
     },
     "dkdv_atomic": {
         64: [(32, 64, 4, 3), (32, 64, 8, 3), (32, 128, 4, 3), (32, 128, 8, 3), (64, 64, 4, 3),
@@ -689,15 +692,24 @@ SWEEP_GRID: dict[str, dict[int, list[tuple[int, int, int, int]]]] = {
     # (TORCHFN_TRITON_TMA=1). Fewer registers than pointer loads (forward, D=128, 128x64:
     # 138 against 182), so bigger tiles fit; an op without its own grid uses the plain one's.
     "dkdv_tma": {
-        64: [(16, 128, 8, 3), (32, 64, 8, 3), (32, 128, 8, 3), (64, 64, 8, 3), (64, 128, 8, 3)],
+        64: [(16, 128, 8, 3), (32, 64, 8, 3), (32, 128, 8, 3), (64, 64, 8, 3), (64, 128, 8, 3),
+             (64, 64, 4, 3), (32, 64, 4, 3)],
         128: [(16, 128, 8, 3), (32, 64, 8, 3), (32, 128, 8, 3), (64, 64, 8, 3), (64, 128, 8, 2),
-              (64, 128, 8, 3)],
+              (64, 128, 8, 3), (64, 128, 8, 4), (64, 64, 4, 3), (32, 64, 4, 3)],
+    },
+    "dq_tma": {
+        64: [(64, 32, 4, 3), (64, 64, 4, 3), (64, 64, 8, 3), (128, 32, 8, 3), (128, 64, 4, 4),
+             (128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 3)],
+        128: [(64, 32, 4, 3), (64, 64, 4, 3), (64, 64, 8, 3), (128, 32, 8, 3), (128, 64, 8, 3),
+              (128, 64, 8, 4)],
     },
     "fwd_tma": {
         64: [(64, 64, 4, 3), (64, 128, 8, 3), (128, 32, 8, 3), (128, 64, 4, 3), (128, 64, 8, 3),
-             (128, 64, 8, 4), (128, 128, 4, 3), (128, 128, 8, 3), (128, 128, 8, 4)],
+             (128, 64, 8, 4), (128, 128, 4, 3), (128, 128, 8, 3), (128, 128, 8, 4),
+             (128, 128, 4, 4), (128, 64, 4, 4)],
         128: [(64, 64, 4, 3), (64, 64, 8, 4), (64, 128, 4, 3), (64, 128, 8, 3), (128, 32, 8, 4),
-              (128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 2), (128, 128, 8, 3)],
+              (128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 2), (128, 128, 8, 3),
+              (128, 64, 4, 3), (128, 32, 4, 3)],
     },
 }
 _SWEEP_GRID_DRY = {"fwd": [(16, 16, 4, 1), (32, 16, 4, 1)], "dkdv": [(16, 32, 4, 1)],
@@ -713,7 +725,11 @@ def _sweep_grid(op: str, D: int, dry: bool) -> list[tuple[int, int, int, int]]:
     from torchfn.kernels import _triton_ops as T
 
     grid = list(SWEEP_GRID.get(op, SWEEP_GRID[base])[D])
-    return grid + [c for c in T._candidates(base, _dtype("bf16"), D) if c not in grid]
+    bf16 = _dtype("bf16")
+    table = T._candidates(base, bf16, D)
+    if op != base:
+        table = T._tma_candidates(base, bf16, D) + table
+    return grid + [c for c in dict.fromkeys(table) if c not in grid]
 
 
 def _sweep_combos(dry: bool) -> list[tuple[int, bool]]:
