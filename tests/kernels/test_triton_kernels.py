@@ -21,7 +21,7 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from hypothesis import given  # noqa: E402
+from hypothesis import example, given  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 pytest.importorskip("triton", reason="triton is not installed")
@@ -165,20 +165,34 @@ def check(B, H, Hkv, Nq, Nk, D, dtype, causal, mask_kind, *, seed=0, fwd_cfg=Non
             "dv": rel_err(dv, rgrads[2])}
     if dtype == torch.float32:
         bad = {n: e for n, e in ours.items() if not e <= FP32_TOL}
+        if bad:
+            # where the exact gradient vanishes (max |ref| < 1: dq = dk = 0 when every row
+            # sees one key), rel_err is absolute rounding noise of dS = P (dP - delta), which
+            # grows like the square root of the number of terms summed
+            terms = {"dq": (Nk, rgrads[0]), "dk": (Nq * H // Hkv, rgrads[1])}
+            bad = {n: e for n, e in bad.items()
+                   if not (n in terms and terms[n][1].abs().max() < 1
+                           and e <= FP32_TOL * terms[n][0] ** 0.5)}
         assert not bad, f"fp32 relative errors above {FP32_TOL}: {bad}"
         return ours
 
-    # fp16 / bf16: within 2x SDPA's error (SDPA has no forward AD: `to` is held to the
-    # forward's bound, scaled by how large the tangent is compared with the output)
+    # fp16 / bf16: within 2x SDPA's error
+    base = sdpa_errors(q, k, v, do, mask, causal, scale, ro, rgrads)
+    bad = {n: (e, base[n]) for n, e in ours.items() if not e <= 2 * base[n] + 1e-6}
+    assert not bad, f"{dtype} errors above 2x SDPA's (ours, sdpa): {bad}"
+    return ours
+
+
+def sdpa_errors(q, k, v, do, mask, causal, scale, ro, rgrads) -> dict[str, float]:
+    """SDPA's relative errors in the inputs' dtype against the float64 reference. SDPA has
+    no forward AD: ``to`` is held to the forward's bound (the tangent is as large)."""
     lp = [x.detach().clone().requires_grad_() for x in (q, k, v)]
     so = sdpa(*lp, mask, causal, scale)
     sgrads = torch.autograd.grad(so, lp, do)
     base = {"o": rel_err(so, ro), "dq": rel_err(sgrads[0], rgrads[0]),
             "dk": rel_err(sgrads[1], rgrads[1]), "dv": rel_err(sgrads[2], rgrads[2])}
     base["o_jvp"] = base["to"] = base["o"]
-    bad = {n: (e, base[n]) for n, e in ours.items() if not e <= 2 * base[n] + 1e-6}
-    assert not bad, f"{dtype} errors above 2x SDPA's (ours, sdpa): {bad}"
-    return ours
+    return base
 
 
 # --------------------------------------------------------------------------- explicit cases
@@ -253,6 +267,9 @@ def test_atomic_dq_equals_deterministic_dq():
     mask=st.sampled_from([None, "bool", "additive", "keypad"]),
     seed=st.integers(0, 2**16),
 )
+# found by the stress profile: one key, so dk = 0 exactly and only rounding noise is left
+# (1.3e-5 absolute, from 294 summed terms; fp32 SDPA's is 7.5e-6)
+@example(b_h_hkv=(2, 2, 1), Nq=147, Nk=1, D=136, causal=False, mask=None, seed=0)
 def test_property_fp32_matches_reference(b_h_hkv, Nq, Nk, D, causal, mask, seed):
     B, H, Hkv = b_h_hkv
     check(B, H, Hkv, Nq, Nk, D, torch.float32, causal, mask, seed=seed)
