@@ -689,8 +689,9 @@ SWEEP_GRID: dict[str, dict[int, list[tuple[int, int, int, int]]]] = {
         128: [(32, 64, 4, 3), (32, 64, 8, 3), (32, 128, 8, 3), (64, 64, 8, 3)],
     },
     # "<op>_tma": the kernel with its streamed tiles through tensor descriptors
-    # (TORCHFN_TRITON_TMA=1). Fewer registers than pointer loads (forward, D=128, 128x64:
-    # 138 against 182), so bigger tiles fit; an op without its own grid uses the plain one's.
+    # (forced with TORCHFN_TRITON_TMA=1). Fewer registers than pointer loads (forward,
+    # D=128, 128x64: 138 against 182), so bigger tiles fit; an op without its own grid
+    # uses the plain one's.
     "dkdv_tma": {
         64: [(16, 128, 8, 3), (32, 64, 8, 3), (32, 128, 8, 3), (64, 64, 8, 3), (64, 128, 8, 3),
              (64, 64, 4, 3), (32, 64, 4, 3)],

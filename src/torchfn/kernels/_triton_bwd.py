@@ -15,8 +15,9 @@ and ``dP`` for 3. With ``deterministic=False`` the dK/dV kernel also adds each
 5-matmul scheme) and the dQ launch is skipped. The sum order then varies from run to
 run, so ``dq`` differs in the last bits between runs.
 
-With ``USE_TMA`` (opt-in, sm_90+) the tiles streamed in the loops (q and dO for
-dK/dV, k and v for dQ) come through tensor descriptors, as in the forward.
+With ``USE_TMA`` (sm_90+, where the tuner picks it) the tiles streamed in the loops
+(q and dO for dK/dV, k and v for dQ) come through tensor descriptors, as in the
+forward.
 
 Both loops are split into a masked stage (causal diagonal / ragged end) and an
 unmasked stage, as in the forward.

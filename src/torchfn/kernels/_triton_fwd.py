@@ -11,9 +11,13 @@ the ragged end, which apply the causal / bounds mask. Causal is bottom-right
 aligned: query ``i`` sees key ``j`` iff ``j <= i + (Nk - Nq)``; key blocks past
 the diagonal are never visited.
 
-``USE_TMA`` (sm_90+, opt-in, see ``_triton_ops``) reads q, k and v through 4-D tensor
-descriptors, i.e. the Hopper TMA engine, instead of per-thread pointer loads; the
-descriptor's bounds zero-fill rows past N and dims past D, as the masked loads do.
+``USE_TMA`` (sm_90+, tuned against pointer loads, see ``_triton_ops``) reads q, k and v
+through 4-D tensor descriptors, i.e. the Hopper TMA engine, instead of per-thread
+pointer loads; the descriptor's bounds zero-fill rows past N and dims past D, as the
+masked loads do.
+
+``FOLD_SCALE`` (scale > 0, no additive mask) takes the row max over raw scores and
+applies the scale inside ``exp2``'s FMA: one multiply per score less.
 
 Import this module only through ``_triton_ops`` (Triton is optional; under
 ``TRITON_INTERPRET=1`` the kernels run on CPU).
