@@ -50,11 +50,12 @@ __all__ = ["fwd", "bwd", "jvp", "tuned_configs", "is_interpreted"]
 # blocks, dQ the other way round. Every entry is compiled ahead of time for sm_90 by
 # bench/aot_sm90.py (Triton's AOT compiler with the JIT's divisibility-16
 # specialisation, then cuobjdump): none spills registers or needs more than the 227 KiB
-# of shared memory an H100 / H200 block gets, except where a comment says that every
-# config tried spills (fp32 "tf32x3" dots take three MMAs and more registers).
-# The bf16/fp16 D=64 and D=128 lists are ordered by the H200 sweep (bench/RESULTS.md,
-# `gpu_attention.py --sweep`, N=8192): fastest first. The GPU autotuner times the
-# candidates on first use and keeps the fastest; the first entry is the untuned default.
+# of shared memory an H100 / H200 block gets, except where a comment says otherwise
+# (fp32 "tf32x3" dots take three MMAs and more registers: some spill with every config).
+# The bf16/fp16 D=64 and D=128 fwd, dK/dV and dQ lists are ordered by the H200 sweep
+# (bench/RESULTS.md, `gpu_attention.py --sweep`, N=8192): fastest first. The GPU
+# autotuner times the candidates on first use and keeps the fastest; the first entry
+# is the untuned default.
 _GPU_CONFIGS: dict[str, dict[str, list[tuple[int, int, int, int]]]] = {
     "fwd": {
         "d64": [(128, 64, 8, 3), (128, 64, 8, 4), (64, 64, 4, 3), (128, 64, 4, 3)],
