@@ -190,3 +190,32 @@ def test_tuner_error_when_no_config_runs(monkeypatch):
     gpu = _FakeGPU({}, 0)
     with pytest.raises(RuntimeError, match="no Triton attention config could run"):
         T._tune(gpu.run, [(32, 32, 4, 2, False)])
+
+
+def test_untuned_launch_falls_back_when_a_config_does_not_fit(monkeypatch):
+    # a GPU with less shared memory than an H100 (e.g. 99 KiB): the first configs do not
+    # fit; with the tuner off the launcher takes the first that does, and remembers it
+    from triton.runtime.errors import OutOfResources
+
+    monkeypatch.setattr(T, "is_interpreted", lambda: False)
+    monkeypatch.setattr(T, "_TUNED", {})
+    monkeypatch.setenv("TORCHFN_TRITON_AUTOTUNE", "0")
+    monkeypatch.setenv("TORCHFN_TRITON_TMA", "0")
+    cands = T._candidates("fwd", torch.bfloat16, 128)
+    launches = []
+
+    class SmallGPU(_Recorder):
+        def __getitem__(self, grid):
+            def launch(*args, BLOCK_M, BLOCK_N, **kw):
+                launches.append((BLOCK_M, BLOCK_N))
+                if (BLOCK_M, BLOCK_N) == cands[0][:2]:
+                    raise OutOfResources(229376, 101376, "shared memory")
+
+            return launch
+
+    x = torch.zeros(1, dtype=torch.bfloat16)
+    for _ in range(2):
+        T._launch("fwd", SmallGPU(), lambda bm, bn: (1,), (x,), {"BLOCK_D": 128}, ("k",),
+                  None, tma=None)
+    assert launches == [cands[0][:2], cands[1][:2], cands[1][:2]]
+    assert list(T.tuned_configs().values()) == [(*cands[1], False)]

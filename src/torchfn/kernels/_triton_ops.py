@@ -250,10 +250,23 @@ def _launch(kind: str, kernel: Any, grid: Callable[[int, int], tuple[int, ...]],
         cands = [(*c, True) for c in tmas] + [(*c, False) for c in ptr]
     full_key = (kind, *key, mode)
     cfg = _TUNED.get(full_key)
-    if cfg is None:
-        cfg = _tune(run, cands) if _autotune_enabled() and len(cands) > 1 else cands[0]
-        _TUNED[full_key] = cfg
-    run(cfg)
+    if cfg is not None:
+        run(cfg)
+    elif _autotune_enabled() and len(cands) > 1:
+        _TUNED[full_key] = cfg = _tune(run, cands)
+        run(cfg)
+    else:  # untuned: the first config this GPU can hold (less shared memory than an H100's)
+        from triton.runtime.errors import OutOfResources
+
+        for i, cfg in enumerate(cands):
+            try:
+                run(cfg)
+            except OutOfResources:
+                if i == len(cands) - 1:
+                    raise
+                continue
+            _TUNED[full_key] = cfg
+            break
 
 
 def _tune(run: Callable, cands: list[tuple[int, int, int, int, bool]],
