@@ -14,7 +14,9 @@ divisible by 16, GQA group 1), and the script prints, per config:
 
 A kind ending in ``_tma`` (``fwd_tma``, ``dkdv_tma``, ...) is that kernel with ``USE_TMA``
 and the configs of ``_GPU_TMA_CONFIGS``: its streamed tiles come through tensor
-descriptors, which the GPU autotuner tries on sm_90+.
+descriptors, which the GPU autotuner tries on sm_90+. ``dkdv_early`` is the dK/dV
+kernel with ``EARLY_DP`` and the configs of ``_GPU_EARLY_DP_CONFIGS`` (each with its own
+TMA flag).
 
 It exits 1 when a candidate spills or overflows shared memory, so it can guard edits
 to the config table. Without the divisibility hints the pipeliner cannot prove 16-byte
@@ -24,7 +26,9 @@ what makes this match the GPU. Usage, from the repository root::
     PYTHONPATH=src python bench/aot_sm90.py [--kinds fwd dkdv] [--dims 128]
 
 ``--sass`` prints each candidate's SASS opcode counts instead (``sass_counts``), a
-proxy for per-tile work when no GPU can time a change::
+proxy for per-tile work when no GPU can time a change, and ``ovl``: how many of the
+``MUFU`` (exp2) instructions are issued while a wgmma is in flight (``wgmma_overlap``),
+i.e. overlap tensor-core work::
 
     PYTHONPATH=src python bench/aot_sm90.py --sass --kinds fwd_tma --dims 128
 
@@ -61,6 +65,7 @@ def _kernel(kind: str):
         "jvp": _triton_jvp._attn_jvp,
         "dkdv": _triton_bwd._attn_bwd_dkdv,
         "dkdv_atomic": _triton_bwd._attn_bwd_dkdv,
+        "dkdv_early": _triton_bwd._attn_bwd_dkdv,
         "dq": _triton_bwd._attn_bwd_dq,
     }[kind]
 
@@ -70,6 +75,7 @@ _TMA_DESCS = {
     "fwd": {"desc_q": "m", "desc_k": "n", "desc_v": "n"},
     "dkdv": {"desc_q": "m", "desc_do": "m"},
     "dkdv_atomic": {"desc_q": "m", "desc_do": "m"},
+    "dkdv_early": {"desc_q": "m", "desc_do": "m"},
     "dq": {"desc_k": "n", "desc_v": "n"},
 }
 
@@ -80,13 +86,15 @@ def _compile(kind: str, head_dim: int, cfg: tuple[int, int, int, int], dtype: st
     tma = kind.endswith("_tma")
     kind = kind.removesuffix("_tma")
     fn = _kernel(kind)
-    bm, bn, warps, stages = cfg
+    bm, bn, warps, stages = cfg[:4]
     block_d = max(16, 1 << (head_dim - 1).bit_length())
     consts = dict(HEAD_DIM=head_dim, BLOCK_D=block_d, IS_CAUSAL=causal, MASK_KIND=0,
                   DOT_PREC="tf32x3" if dtype == "fp32" else "tf32", UPCAST=False,
                   BLOCK_M=bm, BLOCK_N=bn)
     if kind == "dkdv_atomic":
         consts["DQ_ATOMIC"] = True
+    if kind == "dkdv_early":
+        consts["EARLY_DP"] = True
     descs = {}
     if tma:
         consts["USE_TMA"] = True
@@ -134,6 +142,11 @@ def _cuobjdump(cubin: bytes, flag: str) -> str:
         os.unlink(f.name)
 
 
+def _sass(kind: str, head_dim: int, cfg: tuple, dtype: str = "bf16",
+          causal: bool = False) -> str:
+    return _cuobjdump(_compile(kind, head_dim, cfg, dtype, causal).asm["cubin"], "-sass")
+
+
 def sass_counts(kind: str, head_dim: int, cfg: tuple[int, int, int, int],
                 dtype: str = "bf16", causal: bool = False) -> dict[str, int]:
     """Opcode -> count in the kernel's sm_90 SASS (the whole kernel, loop bodies once).
@@ -141,13 +154,43 @@ def sass_counts(kind: str, head_dim: int, cfg: tuple[int, int, int, int],
     A proxy for per-tile work when no GPU can time a change: e.g. ``FMUL`` + ``FFMA``
     per score element in the online softmax.
     """
-    sass = _cuobjdump(_compile(kind, head_dim, cfg, dtype, causal).asm["cubin"], "-sass")
+    return _opcode_counts(_sass(kind, head_dim, cfg, dtype, causal))
+
+
+def _opcode_counts(sass: str) -> dict[str, int]:
     counts: dict[str, int] = {}
     opcode = r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*(?:\.[A-Z0-9_]+)*)"
     for m in re.finditer(opcode, sass):
         op = m.group(1).split(".")[0]
         counts[op] = counts.get(op, 0) + 1
     return counts
+
+
+def wgmma_overlap(sass: str, ops: tuple[str, ...] = ("MUFU",)) -> dict[str, tuple[int, int]]:
+    """Opcode -> (issued while a wgmma is in flight, total), in SASS order.
+
+    In flight: from a group's first ``HGMMA`` until a ``WARPGROUP.DEPBAR.LE gsb0, n``
+    leaves no committed group pending (a group commits at its ``HGMMA ... gsb0``). A
+    static reading of straight-line code, loop bodies once: it shows whether the
+    compiler lets the softmax arithmetic run beside the tensor cores, not how long.
+    """
+    pending, open_group = 0, False
+    counts: dict[str, list[int]] = {op: [0, 0] for op in ops}
+    line_re = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);")
+    for m in line_re.finditer(sass):
+        op, rest = m.group(1), m.group(2)
+        base = op.split(".")[0]
+        if base == "HGMMA":
+            if "gsb0" in rest:
+                pending, open_group = pending + 1, False
+            else:
+                open_group = True
+        elif op.startswith("WARPGROUP.DEPBAR"):
+            pending = min(pending, int(rest.split(",")[-1].strip(), 16))
+        elif base in counts:
+            counts[base][1] += 1
+            counts[base][0] += bool(pending or open_group)
+    return {op: (a, b) for op, (a, b) in counts.items()}
 
 
 def compile_sm90(kind: str, head_dim: int, cfg: tuple[int, int, int, int],
@@ -165,11 +208,16 @@ def compile_sm90(kind: str, head_dim: int, cfg: tuple[int, int, int, int],
 
 
 def main(argv: list[str] | None = None) -> int:
-    from torchfn.kernels._triton_ops import _GPU_CONFIGS, _GPU_TMA_CONFIGS
+    from torchfn.kernels._triton_ops import (
+        _GPU_CONFIGS,
+        _GPU_EARLY_DP_CONFIGS,
+        _GPU_TMA_CONFIGS,
+    )
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--kinds", nargs="+",
-                    default=[*_GPU_CONFIGS, *(f"{k}_tma" for k in _GPU_TMA_CONFIGS)])
+                    default=[*_GPU_CONFIGS, *(f"{k}_tma" for k in _GPU_TMA_CONFIGS),
+                             "dkdv_early"])
     ap.add_argument("--dims", nargs="+", type=int, default=[64, 128])
     ap.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16",
                     help="fp32 checks the table's fp32 lists (head dim <= 128 or 256)")
@@ -180,23 +228,32 @@ def main(argv: list[str] | None = None) -> int:
     for kind in args.kinds:
         for d in args.dims:
             base = kind.removesuffix("_tma")
-            table = _GPU_TMA_CONFIGS.get(base, {}) if kind != base else _GPU_CONFIGS[base]
+            if base == "dkdv_early":  # entries carry their own TMA flag
+                table = _GPU_EARLY_DP_CONFIGS["dkdv"]
+            else:
+                table = _GPU_TMA_CONFIGS.get(base, {}) if kind != base else _GPU_CONFIGS[base]
             if args.dtype == "fp32":
                 row = "fp32" if d <= 64 else ("fp32_d128" if d <= 128 else "fp32_d256")
             else:
                 row = f"d{d}"
             for cfg in table.get(row, []):
+                name = kind
+                if base == "dkdv_early":
+                    name, cfg = ("dkdv_early_tma" if cfg[4] else "dkdv_early"), cfg[:4]
                 if args.sass:
-                    c = sass_counts(kind, d, cfg, args.dtype)
+                    sass = _sass(name, d, cfg, args.dtype)
+                    c = _opcode_counts(sass)
                     ops = ("FMUL", "FFMA", "FADD", "FMNMX", "MUFU", "FSEL", "HGMMA", "HMMA")
-                    print(f"{kind:>15} {args.dtype} D={d:<3} {str(cfg):<18} "
+                    ovl, mufu = wgmma_overlap(sass)["MUFU"]
+                    print(f"{name:>15} {args.dtype} D={d:<3} {str(cfg):<18} "
                           f"total={sum(c.values())} "
-                          + " ".join(f"{o}={c.get(o, 0)}" for o in ops), flush=True)
+                          + " ".join(f"{o}={c.get(o, 0)}" for o in ops)
+                          + f" ovl={ovl}/{mufu}", flush=True)
                     continue
-                r = compile_sm90(kind, d, cfg, args.dtype)
+                r = compile_sm90(name, d, cfg, args.dtype)
                 ok = r["spill"] == 0 and r["smem"] <= SMEM_LIMIT
                 bad += not ok
-                print(f"{kind:>15} {args.dtype} D={d:<3} {str(cfg):<18} regs={r['regs']:<3} "
+                print(f"{name:>15} {args.dtype} D={d:<3} {str(cfg):<18} regs={r['regs']:<3} "
                       f"spill={r['spill']:<5} smem={r['smem'] // 1024} KiB"
                       f"{'' if ok else '  <-- spills or overflows'}", flush=True)
     print(f"{bad} candidate(s) spill or overflow shared memory")

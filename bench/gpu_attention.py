@@ -36,7 +36,9 @@ function), SDPA's flash and cuDNN backends, and compiled FlexAttention.
 grid of block configs for every kernel, with and without TMA, in parallel, then times
 each kernel config at N = 8192 (checking that it gives the first config's result), and
 the best combination against SDPA cuDNN. Its table says which configs to put first in
-``_triton_ops._GPU_CONFIGS`` and ``_GPU_TMA_CONFIGS`` (TMA lists only where TMA won).
+``_triton_ops._GPU_CONFIGS`` and ``_GPU_TMA_CONFIGS`` (TMA lists only where TMA won), and
+whether dK/dV's ``EARLY_DP`` variant (``dkdv_early`` rows, ``_GPU_EARLY_DP_CONFIGS``)
+beats the plain order.
 """
 
 from __future__ import annotations
@@ -349,9 +351,10 @@ def warm_tasks(dry: bool) -> list[dict]:
         bd = max(16, 1 << (D - 1).bit_length())
         dt = _dtype(dname)
 
-        def cands(kind, dt=dt, bd=bd):  # (..., use_tma): the TMA list first, as the tuner
+        def cands(kind, dt=dt, bd=bd):  # (..., tma[, early_dp]): in the tuner's order
             return ([(*c, True) for c in T._tma_candidates(kind, dt, bd)]
-                    + [(*c, False) for c in T._candidates(kind, dt, bd)])
+                    + [(*c, False) for c in T._candidates(kind, dt, bd)]
+                    + [tuple(c) for c in T._early_dp_candidates(kind, dt, bd, "auto")])
 
         fc, kc, qc, ac = (cands(kind) for kind in ("fwd", "dkdv", "dq", "dkdv_atomic"))
         common = {"dtype": dname, "D": D, "causal": causal}
@@ -704,6 +707,16 @@ SWEEP_GRID: dict[str, dict[int, list[tuple[int, int, int, int]]]] = {
         128: [(64, 32, 4, 3), (64, 64, 4, 3), (64, 64, 8, 3), (128, 32, 8, 3), (128, 64, 8, 3),
               (128, 64, 8, 4)],
     },
+    # "dkdv_early[_tma]": dK/dV with EARLY_DP (dP^T's matmul before the exp), around the
+    # pointer and TMA winners of the last sweep; none spills on sm_90 (Triton 3.6 and 3.9)
+    "dkdv_early": {
+        64: [(32, 64, 4, 3), (64, 64, 4, 3), (64, 128, 8, 3), (32, 128, 8, 3), (32, 64, 4, 4)],
+        128: [(32, 64, 4, 3), (32, 128, 8, 3), (16, 64, 4, 3), (32, 64, 4, 2), (32, 64, 8, 3)],
+    },
+    "dkdv_early_tma": {
+        64: [(32, 64, 4, 3), (64, 64, 4, 3), (64, 128, 8, 3)],
+        128: [(32, 128, 8, 3), (32, 64, 4, 3), (16, 128, 8, 3), (32, 64, 8, 3)],
+    },
     "fwd_tma": {
         64: [(64, 64, 4, 3), (64, 128, 8, 3), (128, 32, 8, 3), (128, 64, 4, 3), (128, 64, 8, 3),
              (128, 64, 8, 4), (128, 128, 4, 3), (128, 128, 8, 3), (128, 128, 8, 4),
@@ -714,23 +727,33 @@ SWEEP_GRID: dict[str, dict[int, list[tuple[int, int, int, int]]]] = {
     },
 }
 _SWEEP_GRID_DRY = {"fwd": [(16, 16, 4, 1), (32, 16, 4, 1)], "dkdv": [(16, 32, 4, 1)],
-                   "dq": [(32, 16, 4, 1)], "dkdv_atomic": [(16, 32, 4, 1), (32, 32, 4, 1)]}
-SWEEP_OPS = ("fwd", "fwd_tma", "dkdv", "dkdv_tma", "dq", "dq_tma", "dkdv_atomic",
-             "dkdv_atomic_tma")
+                   "dq": [(32, 16, 4, 1)], "dkdv_atomic": [(16, 32, 4, 1), (32, 32, 4, 1)],
+                   "dkdv_early": [(16, 32, 4, 1)]}
+SWEEP_OPS = ("fwd", "fwd_tma", "dkdv", "dkdv_tma", "dq", "dq_tma", "dkdv_early",
+             "dkdv_early_tma", "dkdv_atomic", "dkdv_atomic_tma")
+_SWEEP_NEEDED = ("fwd", "fwd_tma", "dkdv", "dkdv_tma", "dq", "dq_tma", "dkdv_atomic",
+                 "dkdv_atomic_tma")  # for the best combinations; the others add to them
+
+
+def _table(op: str, D: int) -> list[tuple[int, int, int, int]]:
+    """The library's own bf16 candidates for sweep op ``op`` (4-tuples, tuner order)."""
+    from torchfn.kernels import _triton_ops as T
+
+    base, bf16 = op.removesuffix("_tma"), _dtype("bf16")
+    if base == "dkdv_early":
+        return [c[:4] for c in T._GPU_EARLY_DP_CONFIGS["dkdv"].get(T._class(bf16, D), [])
+                if c[4] == (op != base)]
+    table = T._candidates(base, bf16, D)
+    return T._tma_candidates(base, bf16, D) + table if op != base else table
 
 
 def _sweep_grid(op: str, D: int, dry: bool) -> list[tuple[int, int, int, int]]:
     base = op.removesuffix("_tma")
     if dry:
         return _SWEEP_GRID_DRY[base]
-    from torchfn.kernels import _triton_ops as T
 
     grid = list(SWEEP_GRID.get(op, SWEEP_GRID[base])[D])
-    bf16 = _dtype("bf16")
-    table = T._candidates(base, bf16, D)
-    if op != base:
-        table = T._tma_candidates(base, bf16, D) + table
-    return grid + [c for c in dict.fromkeys(table) if c not in grid]
+    return grid + [c for c in dict.fromkeys(_table(op, D)) if c not in grid]
 
 
 def _sweep_combos(dry: bool) -> list[tuple[int, bool]]:
@@ -750,11 +773,16 @@ def _sweep_call(op: str, cfg, x, causal: bool, D: int):
     """A callable that runs kernel ``op`` with ``cfg`` (the backward's other kernel fixed)."""
     from torchfn.kernels import _triton_ops as T
 
-    if op.endswith("_tma"):
-        return _with_tma(_sweep_call(op.removesuffix("_tma"), cfg, x, causal, D))
     q, k, v, do, o, lse = x
     scale = D**-0.5
     _, k0, q0 = _sweep_defaults(D) if D >= 64 else (cfg, cfg, cfg)
+    if op.startswith("dkdv_early"):  # the config carries the variant flags
+        early = (*cfg[:4], op.endswith("_tma"), True)
+        call = lambda: T.bwd(q, k, v, o, lse, do, None, causal, scale, True,  # noqa: E731
+                             config=(early, q0))
+        return _with_tma(call) if op.endswith("_tma") else call
+    if op.endswith("_tma"):
+        return _with_tma(_sweep_call(op.removesuffix("_tma"), cfg, x, causal, D))
     if op == "fwd":
         return lambda: T.fwd(q, k, v, None, causal, scale, config=cfg)
     if op == "dkdv":
@@ -855,7 +883,7 @@ def phase_sweep(args) -> None:
                 print(f"  sweep D={D} causal={causal} {op:>11} {cfg}: "
                       + (f"{row['ms']:.3f} ms, diff {row['max_rel_diff']:.1e}" if "ms" in row
                          else row.get("error", "skipped")), flush=True)
-        if all(op in best for op in SWEEP_OPS):
+        if all(op in best for op in _SWEEP_NEEDED):
             _sweep_best(args, timer, provs, D, causal, N, B, H, x,
                         {op: cfg for op, (_, cfg) in best.items()})
             _append(args.part, {"kind": "sweep_best_configs", "D": D, "causal": causal,
@@ -872,10 +900,14 @@ def _sweep_best(args, timer, provs, D, causal, N, B, H, x, cfgs: dict) -> None:
     def fwd(tma=""):
         return T.fwd(q, k, v, None, causal, scale, config=cfgs["fwd" + tma])
 
-    def fwd_bwd(det, tma=""):
+    def fwd_bwd(det, tma="", kv_op=None):
+        kv_op = kv_op or ("dkdv" if det else "dkdv_atomic") + tma
+        kv = cfgs[kv_op]
+        if kv_op.startswith("dkdv_early"):
+            kv = (*kv[:4], bool(tma), True)
+
         def run():
             o, lse = fwd(tma)
-            kv = cfgs[("dkdv" if det else "dkdv_atomic") + tma]
             return T.bwd(q, k, v, o, lse, do, None, causal, scale, det,
                          config=(kv, cfgs["dq" + tma]))
 
@@ -886,6 +918,10 @@ def _sweep_best(args, timer, provs, D, causal, N, B, H, x, cfgs: dict) -> None:
             ("sweep_best_atomic", "fwd_bwd"): fwd_bwd(False),
             ("sweep_best_tma", "fwd_bwd"): fwd_bwd(True, "_tma"),
             ("sweep_best_atomic_tma", "fwd_bwd"): fwd_bwd(False, "_tma")}
+    if "dkdv_early" in cfgs:
+        runs[("sweep_best_early", "fwd_bwd")] = fwd_bwd(True, "", "dkdv_early")
+    if "dkdv_early_tma" in cfgs:  # as sweep_best_tma, with the EARLY_DP dK/dV
+        runs[("sweep_best_early_tma", "fwd_bwd")] = fwd_bwd(True, "_tma", "dkdv_early_tma")
     for (name, mode), fn in runs.items():
         meta = {"provider": name, "mode": mode, "dtype": "bf16", "D": D, "N": N, "B": B, "H": H,
                 "causal": causal, "configs": cfgs}
@@ -916,12 +952,8 @@ def sweep_markdown(rows: list[dict]) -> str:
             if not rs:
                 continue
             try:
-                from torchfn.kernels import _triton_ops as T
-
-                base, bf16 = op.removesuffix("_tma"), _dtype("bf16")
-                default = tuple(((op != base and T._tma_candidates(base, bf16, D))
-                                 or T._candidates(base, bf16, D))[0])
-            except Exception:  # noqa: BLE001
+                default = tuple(_table(op, D)[0])
+            except Exception:  # noqa: BLE001 - no table entry (dkdv_early_tma at D=64)
                 default = None
             d_ms = next((r["ms"] for r in rs if tuple(r["cfg"]) == default), None)
             top = ", ".join(f"{tuple(r['cfg'])}: {r['ms']:.3f}" for r in rs[:3])

@@ -2,9 +2,10 @@
 
 ``_launch`` is driven with a recording stand-in kernel and the GPU branch forced on
 (``is_interpreted`` patched to False), so the candidate lists, their order, the
-``TORCHFN_TRITON_TMA`` modes and explicit configs are checked on a CPU. That the
-kernels give the same result with either kind of load is the job of
-``test_tma_matches_reference`` (interpreter) and the gpu-marked tests.
+``TORCHFN_TRITON_TMA`` modes, the untimed ``EARLY_DP`` variants and explicit configs
+are checked on a CPU. That the kernels give the same result with either kind of load
+or either dK/dV order is the job of ``test_triton_kernels`` (interpreter) and the
+gpu-marked tests.
 """
 
 import os
@@ -19,18 +20,19 @@ import pytest  # noqa: E402
 pytest.importorskip("triton", reason="triton is not installed")
 
 from torchfn.kernels import _triton_ops as T  # noqa: E402
+from torchfn.kernels._triton_ops import Config  # noqa: E402
 
 
 class _Recorder:
-    """Stands in for a ``@triton.jit`` kernel: records each launch's block config."""
+    """Stands in for a ``@triton.jit`` kernel: records each launch's config."""
 
     def __init__(self):
         self.launches = []
 
     def __getitem__(self, grid):
         def launch(*args, BLOCK_M, BLOCK_N, num_warps=None, num_stages=None, **kw):
-            self.launches.append((BLOCK_M, BLOCK_N, num_warps, num_stages,
-                                  kw.get("USE_TMA", False)))
+            self.launches.append(Config(BLOCK_M, BLOCK_N, num_warps, num_stages,
+                                        kw.get("USE_TMA", False), kw.get("EARLY_DP", False)))
 
         return launch
 
@@ -59,24 +61,51 @@ def _launch(kind, dtype, block_d, config=None, tma_usable=True):
     return kernel.launches
 
 
+def _early(kind, dtype, block_d):
+    return [Config(*c[:4], tma=c[4], early_dp=True)
+            for c in T._GPU_EARLY_DP_CONFIGS.get(kind, {}).get(T._class(dtype, block_d), [])]
+
+
 @pytest.mark.parametrize("kind", ["fwd", "dkdv", "dkdv_atomic"])
 def test_auto_tries_tma_configs_first_then_pointer_configs(kind, gpu_branch, monkeypatch):
     monkeypatch.delenv("TORCHFN_TRITON_TMA", raising=False)
     launches = _launch(kind, torch.bfloat16, 128)
-    tma = [(*c, True) for c in T._tma_candidates(kind, torch.bfloat16, 128)]
-    ptr = [(*c, False) for c in T._candidates(kind, torch.bfloat16, 128)]
+    tma = [Config(*c, tma=True) for c in T._tma_candidates(kind, torch.bfloat16, 128)]
+    ptr = [Config(*c) for c in T._candidates(kind, torch.bfloat16, 128)]
     assert tma, f"{kind} has TMA configs at D=128"
-    assert gpu_branch["cands"] == tma + ptr
+    # then the untimed EARLY_DP variants of dK/dV (none for the other kernels)
+    early = _early(kind, torch.bfloat16, 128)
+    assert bool(early) == (kind == "dkdv")
+    assert gpu_branch["cands"] == tma + ptr + early
     assert launches == [tma[0]]  # the tuner's pick is launched, with descriptors
+
+
+@pytest.mark.parametrize("dtype, block_d", [(torch.bfloat16, 64), (torch.float16, 128)])
+def test_early_dp_variants_follow_the_tma_mode(dtype, block_d, gpu_branch, monkeypatch):
+    early = _early("dkdv", dtype, block_d)
+    assert early and all(c.early_dp for c in early)
+    for mode, want in (("auto", early),
+                       ("0", [c for c in early if not c.tma]),
+                       ("1", list(dict.fromkeys(c._replace(tma=True) for c in early)))):
+        monkeypatch.setenv("TORCHFN_TRITON_TMA", mode)
+        _launch("dkdv", dtype, block_d)
+        n = len(want)
+        assert gpu_branch["cands"][-n:] == want, mode
+        assert not any(c.early_dp for c in gpu_branch["cands"][:-n]), mode
+    # the tuner picked a variant: it is launched with EARLY_DP (and its TMA flag)
+    monkeypatch.setenv("TORCHFN_TRITON_TMA", "auto")
+    monkeypatch.setattr(T, "_TUNED", {})
+    monkeypatch.setattr(T, "_tune", lambda run, cands: cands[-1])
+    assert _launch("dkdv", dtype, block_d) == [early[-1]]
 
 
 def test_auto_without_tma_list_or_without_tma_support_uses_pointer_configs(gpu_branch,
                                                                           monkeypatch):
     monkeypatch.setenv("TORCHFN_TRITON_TMA", "auto")
-    ptr = [(*c, False) for c in T._candidates("dq", torch.bfloat16, 128)]
+    ptr = [Config(*c) for c in T._candidates("dq", torch.bfloat16, 128)]
     _launch("dq", torch.bfloat16, 128)  # dq: TMA was not faster, so no TMA list
     assert gpu_branch["cands"] == ptr
-    ptr_fwd = [(*c, False) for c in T._candidates("fwd", torch.float32, 64)]
+    ptr_fwd = [Config(*c) for c in T._candidates("fwd", torch.float32, 64)]
     _launch("fwd", torch.float32, 64, tma_usable=False)  # e.g. sm_80, unaligned strides
     assert gpu_branch["cands"] == ptr_fwd
 
@@ -84,14 +113,14 @@ def test_auto_without_tma_list_or_without_tma_support_uses_pointer_configs(gpu_b
 def test_mode_one_forces_tma_and_mode_zero_forbids_it(gpu_branch, monkeypatch):
     monkeypatch.setenv("TORCHFN_TRITON_TMA", "1")
     _launch("dq", torch.bfloat16, 64)  # no TMA list: the pointer configs, with TMA loads
-    assert gpu_branch["cands"] == [(*c, True) for c in T._candidates("dq", torch.bfloat16, 64)]
+    assert gpu_branch["cands"] == [Config(*c, tma=True)
+                                   for c in T._candidates("dq", torch.bfloat16, 64)]
     _launch("fwd", torch.bfloat16, 64)
-    assert gpu_branch["cands"] == [(*c, True)
+    assert gpu_branch["cands"] == [Config(*c, tma=True)
                                    for c in T._tma_candidates("fwd", torch.bfloat16, 64)]
     monkeypatch.setenv("TORCHFN_TRITON_TMA", "0")
     _launch("fwd", torch.bfloat16, 64)
-    assert gpu_branch["cands"] == [(*c, False)
-                                   for c in T._candidates("fwd", torch.bfloat16, 64)]
+    assert gpu_branch["cands"] == [Config(*c) for c in T._candidates("fwd", torch.bfloat16, 64)]
 
 
 def test_tuned_choice_is_cached_per_mode(gpu_branch, monkeypatch):
@@ -100,27 +129,38 @@ def test_tuned_choice_is_cached_per_mode(gpu_branch, monkeypatch):
     monkeypatch.setenv("TORCHFN_TRITON_TMA", "0")
     _launch("fwd", torch.bfloat16, 128)
     picks = {key[-1]: cfg for key, cfg in T.tuned_configs().items()}
-    assert picks["auto"][4] is True and picks["0"][4] is False
+    assert picks["auto"].tma is True and picks["0"].tma is False
 
 
 def test_explicit_config(gpu_branch, monkeypatch):
     monkeypatch.setenv("TORCHFN_TRITON_TMA", "auto")
-    assert _launch("fwd", torch.bfloat16, 64, config=(64, 32, 4, 2)) == [(64, 32, 4, 2, False)]
+    assert _launch("fwd", torch.bfloat16, 64, config=(64, 32, 4, 2)) == \
+        [(64, 32, 4, 2, False, False)]
     assert _launch("fwd", torch.bfloat16, 64, config=(64, 32, 4, 2, True)) == \
-        [(64, 32, 4, 2, True)]
+        [(64, 32, 4, 2, True, False)]
     # a forced TMA config falls back to pointer loads where TMA is unusable
     assert _launch("fwd", torch.bfloat16, 64, config=(64, 32, 4, 2, True),
-                   tma_usable=False) == [(64, 32, 4, 2, False)]
+                   tma_usable=False) == [(64, 32, 4, 2, False, False)]
+    assert _launch("dkdv", torch.bfloat16, 64, config=(32, 64, 4, 3, False, True)) == \
+        [(32, 64, 4, 3, False, True)]
     monkeypatch.setenv("TORCHFN_TRITON_TMA", "1")
-    assert _launch("fwd", torch.bfloat16, 64, config=(64, 32, 4, 2)) == [(64, 32, 4, 2, True)]
+    assert _launch("fwd", torch.bfloat16, 64, config=(64, 32, 4, 2)) == \
+        [(64, 32, 4, 2, True, False)]
     assert "cands" not in gpu_branch  # nothing was tuned
+
+
+def test_bad_explicit_config_is_a_clear_error(gpu_branch):
+    with pytest.raises(ValueError, match=r"config must be \(BLOCK_M, BLOCK_N, num_warps"):
+        _launch("fwd", torch.bfloat16, 64, config=(64, 32, 4))
+    with pytest.raises(ValueError, match="early_dp is a variant of the dK/dV kernel, not of 'dq'"):
+        _launch("dq", torch.bfloat16, 64, config=(64, 32, 4, 2, False, True))
 
 
 def test_autotune_off_launches_the_first_candidate(gpu_branch, monkeypatch):
     monkeypatch.setenv("TORCHFN_TRITON_AUTOTUNE", "0")
     monkeypatch.setenv("TORCHFN_TRITON_TMA", "auto")
     first = T._tma_candidates("fwd", torch.float16, 128)[0]
-    assert _launch("fwd", torch.float16, 128) == [(*first, True)]
+    assert _launch("fwd", torch.float16, 128) == [Config(*first, tma=True)]
     assert "cands" not in gpu_branch
 
 
@@ -138,13 +178,14 @@ def test_interpreter_uses_tma_only_when_forced(monkeypatch):
         assert (T._tma_descriptors({"desc_q": x}, {"desc_q": "m"}, 32) is not None) == usable
 
 
-def test_tma_lists_are_well_formed():
-    # every TMA list shadows a pointer list of the same kernel and class, and holds
-    # power-of-two blocks of at least 16 (tl.dot's minimum)
-    for kind, table in T._GPU_TMA_CONFIGS.items():
+def test_tma_and_early_dp_lists_are_well_formed():
+    # every TMA / EARLY_DP list shadows a pointer list of the same kernel and class, and
+    # holds power-of-two blocks of at least 16 (tl.dot's minimum)
+    for kind, table in [*T._GPU_TMA_CONFIGS.items(), *T._GPU_EARLY_DP_CONFIGS.items()]:
         for cls, cfgs in table.items():
             assert cls in T._GPU_CONFIGS[kind], (kind, cls)
-            for bm, bn, warps, stages in cfgs:
+            for bm, bn, warps, stages, *tma in cfgs:
+                assert tma in ([], [True], [False]), (kind, cls)
                 for b in (bm, bn):
                     assert b >= 16 and b & (b - 1) == 0, (kind, cls, b)
                 assert warps in (4, 8) and 1 <= stages <= 4, (kind, cls)
@@ -173,23 +214,23 @@ class _FakeGPU:
 def test_tuner_finds_the_fastest_config_through_a_clock_ramp(ramp, monkeypatch):
     import triton.testing
 
-    fastest = (128, 128, 8, 3, True)
-    true_ms = {fastest: 1.00, (128, 64, 8, 3, True): 1.05, (64, 64, 4, 3, True): 1.07,
-               (64, 64, 4, 3, False): 1.10}
+    fastest = Config(128, 128, 8, 3, True)
+    true_ms = {fastest: 1.00, Config(128, 64, 8, 3, True): 1.05,
+               Config(64, 64, 4, 3, True): 1.07, Config(64, 64, 4, 3, False): 1.10}
     gpu = _FakeGPU(true_ms, ramp)
     monkeypatch.setattr(triton.testing, "do_bench", gpu.do_bench)
-    cands = [fastest, (32, 32, 4, 2, False), *list(true_ms)[1:]]  # one does not compile
+    cands = [fastest, Config(32, 32, 4, 2), *list(true_ms)[1:]]  # one does not compile
     assert T._tune(gpu.run, cands) == fastest
     # a single config that runs is returned without timing
     gpu = _FakeGPU(true_ms, ramp)
     monkeypatch.setattr(triton.testing, "do_bench", gpu.do_bench)
-    assert T._tune(gpu.run, [(32, 32, 4, 2, False), fastest]) == fastest and gpu.calls == 0
+    assert T._tune(gpu.run, [Config(32, 32, 4, 2), fastest]) == fastest and gpu.calls == 0
 
 
 def test_tuner_error_when_no_config_runs(monkeypatch):
     gpu = _FakeGPU({}, 0)
     with pytest.raises(RuntimeError, match="no Triton attention config could run"):
-        T._tune(gpu.run, [(32, 32, 4, 2, False)])
+        T._tune(gpu.run, [Config(32, 32, 4, 2)])
 
 
 def test_untuned_launch_falls_back_when_a_config_does_not_fit(monkeypatch):
@@ -218,4 +259,4 @@ def test_untuned_launch_falls_back_when_a_config_does_not_fit(monkeypatch):
         T._launch("fwd", SmallGPU(), lambda bm, bn: (1,), (x,), {"BLOCK_D": 128}, ("k",),
                   None, tma=None)
     assert launches == [cands[0][:2], cands[1][:2], cands[1][:2]]
-    assert list(T.tuned_configs().values()) == [(*cands[1], False)]
+    assert list(T.tuned_configs().values()) == [Config(*cands[1])]

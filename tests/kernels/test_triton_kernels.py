@@ -336,6 +336,35 @@ def test_tma_matches_reference(B, H, Hkv, Nq, Nk, D, dtype, causal, mask, determ
     check(B, H, Hkv, Nq, Nk, D, dtype, causal, mask, deterministic=deterministic)
 
 
+EARLY_CFG = ((32, 64, 4, 1, False, True), (64, 32, 4, 1))  # dK/dV with EARLY_DP, dQ
+
+
+@pytest.mark.parametrize("B, H, Hkv, Nq, Nk, D, dtype, causal, mask", [
+    pytest.param(1, 2, 2, 160, 96, 40, torch.float32, True, "bool", id="fp32-causal-Nq>Nk-bool"),
+    pytest.param(1, 2, 1, 70, 130, 64, torch.float16, True, "additive", id="fp16-causal-gqa-add"),
+])
+def test_early_dp_matches_reference(B, H, Hkv, Nq, Nk, D, dtype, causal, mask):
+    check(B, H, Hkv, Nq, Nk, D, dtype, causal, mask, bwd_cfg=EARLY_CFG)
+
+
+@pytest.mark.parametrize("tma", [False, True], ids=["ptr", "tma"])
+@pytest.mark.parametrize("deterministic", [True, False], ids=["det", "atomic-dq"])
+@pytest.mark.parametrize("causal, mask", [(True, None), (False, "keypad"), (True, "additive")])
+def test_early_dp_gives_the_same_gradients(causal, mask, deterministic, tma, monkeypatch):
+    # EARLY_DP only moves dP^T's matmul ahead of the exp: the same operations on the same
+    # values, so the same bits
+    monkeypatch.setenv("TORCHFN_TRITON_TMA", "1" if tma else "0")
+    q, k, v, do, _, gen = make_inputs(2, 4, 2, 70, 90, 40, torch.float16, 11)
+    mask_ = make_mask(mask, 2, 4, 70, 90, torch.float16, gen)
+    o, lse = T.fwd(q, k, v, mask_, causal, 0.2)
+    (bm, bn, w, s, _, _), dq_cfg = EARLY_CFG
+    late = T.bwd(q, k, v, o, lse, do, mask_, causal, 0.2, deterministic,
+                 config=((bm, bn, w, s, tma, False), dq_cfg))
+    early = T.bwd(q, k, v, o, lse, do, mask_, causal, 0.2, deterministic,
+                  config=((bm, bn, w, s, tma, True), dq_cfg))
+    assert all(torch.equal(a, b) for a, b in zip(late, early))
+
+
 def test_tma_is_skipped_for_unaligned_strides(monkeypatch):
     monkeypatch.setenv("TORCHFN_TRITON_TMA", "1")
     x = torch.zeros(1, 2, 8, 18)  # fp32 rows of 72 bytes: not a multiple of 16

@@ -21,6 +21,13 @@ forward.
 
 Both loops are split into a masked stage (causal diagonal / ragged end) and an
 unmasked stage, as in the forward.
+
+``EARLY_DP`` (a dK/dV variant the GPU tuner tries) issues ``dP^T = V dO^T`` right after
+``S^T`` instead of after the ``dV`` update. Neither depends on ``P^T``, so on sm_90 the
+tensor cores compute it while the same warps exponentiate ``P^T`` (FlashAttention-3's
+intra-warpgroup overlap, without warp specialisation). The sm_90 SASS shows the exp
+and the softmax arithmetic issued while that wgmma is in flight; the cost is one more
+(N, M) float32 tile live in registers. The same operations on the same values.
 """
 
 import triton
@@ -67,7 +74,7 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, m_base, lse2_base, delta_base, dq
                 BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                 CAUSAL_STAGE: tl.constexpr, MASK_KIND: tl.constexpr,
                 DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, ELEM: tl.constexpr,
-                DQ_ATOMIC: tl.constexpr, USE_TMA: tl.constexpr):
+                DQ_ATOMIC: tl.constexpr, USE_TMA: tl.constexpr, EARLY_DP: tl.constexpr):
     offs_m0 = tl.arange(0, BLOCK_M)
     for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + offs_m0
@@ -83,6 +90,8 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, m_base, lse2_base, delta_base, dq
         lse2 = tl.load(lse2_base + offs_m, mask=offs_m < Nq, other=float("inf"))
         delta = tl.load(delta_base + offs_m, mask=offs_m < Nq, other=0.0)
         qkT = tl.dot(k, tl.trans(q), input_precision=DOT_PREC) * qk_scale  # (N, M)
+        if EARLY_DP:  # issued before the exp: the tensor cores run it while P^T is computed
+            dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)  # (N, M)
         if MASK_KIND != 0:
             qkT = _mask_scores(qkT, m_base, offs_m[None, :], offs_n[:, None], smm, smn, Nq, Nk,
                                MASK_KIND)
@@ -94,7 +103,8 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, m_base, lse2_base, delta_base, dq
         else:
             pT_lo = pT.to(ELEM)
         dv = tl.dot(pT_lo, do, dv, input_precision=DOT_PREC)
-        dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)  # (N, M)
+        if not EARLY_DP:
+            dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)  # (N, M)
         dsT = pT * (dpT - delta[None, :])
         if not UPCAST:
             dsT = dsT.to(ELEM)
@@ -121,7 +131,7 @@ def _attn_bwd_dkdv(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
     DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, DQ_ATOMIC: tl.constexpr = False,
-    desc_q=None, desc_do=None, USE_TMA: tl.constexpr = False,
+    desc_q=None, desc_do=None, USE_TMA: tl.constexpr = False, EARLY_DP: tl.constexpr = False,
 ):
     start_n = tl.program_id(0) * BLOCK_N
     off_bhk = tl.program_id(1)
@@ -161,11 +171,12 @@ def _attn_bwd_dkdv(
                                  DELTA + row0, dq_base, offs_n, offs_d, m_lo, m_mid, sqm, sdm,
                                  smm, smn, Nq, Nk, qk_scale, desc_q, desc_do, off_b, off_h,
                                  BLOCK_M, HEAD_DIM, BLOCK_D, True, MASK_KIND, DOT_PREC, UPCAST,
-                                 ELEM, DQ_ATOMIC, USE_TMA)
+                                 ELEM, DQ_ATOMIC, USE_TMA, EARLY_DP)
         dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, m_base, LSE2 + row0, DELTA + row0,
                              dq_base, offs_n, offs_d, m_mid, Nq, sqm, sdm, smm, smn, Nq, Nk,
                              qk_scale, desc_q, desc_do, off_b, off_h, BLOCK_M, HEAD_DIM, BLOCK_D,
-                             False, MASK_KIND, DOT_PREC, UPCAST, ELEM, DQ_ATOMIC, USE_TMA)
+                             False, MASK_KIND, DOT_PREC, UPCAST, ELEM, DQ_ATOMIC, USE_TMA,
+                             EARLY_DP)
 
     dk = dk * sm_scale
     _store_rows(DK + off_b * sdkb + off_hk * sdkh, dk.to(DK.dtype.element_ty), offs_n, offs_d,

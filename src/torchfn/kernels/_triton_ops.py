@@ -17,7 +17,8 @@ uses the first, hand-picked config). Under ``TRITON_INTERPRET=1`` (CPU) one smal
 fixed config is used. On sm_90+ the tuner also tries the kernels with their streamed
 tiles read through tensor descriptors (TMA), where the H200 sweep found that faster
 (``TORCHFN_TRITON_TMA``: "auto" default, "0" never, "1" always; the interpreter uses
-TMA only with "1"). fp32 dots never use plain TF32: 3xTF32 ("tf32x3")
+TMA only with "1"). The dK/dV kernel's ``EARLY_DP`` variant (``_triton_bwd``) is
+tried last, not yet timed. fp32 dots never use plain TF32: 3xTF32 ("tf32x3")
 on the GPU, overridable with ``TORCHFN_TRITON_FP32_PRECISION=ieee``; exact in the
 interpreter.
 
@@ -32,7 +33,7 @@ from __future__ import annotations
 import importlib
 import os
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import triton
@@ -45,6 +46,21 @@ __all__ = ["fwd", "bwd", "jvp", "tuned_configs", "is_interpreted"]
 
 
 # --------------------------------------------------------------------------- configs
+class Config(NamedTuple):
+    """One launch of a kernel: block shape, warps, pipeline stages and variant flags.
+
+    ``tma``: streamed tiles through tensor descriptors (sm_90+). ``early_dp``: the dK/dV
+    kernel's ``EARLY_DP`` variant (``_triton_bwd``). Compares equal to the plain tuple.
+    """
+
+    block_m: int
+    block_n: int
+    warps: int
+    stages: int
+    tma: bool = False
+    early_dp: bool = False
+
+
 # (BLOCK_M, BLOCK_N, num_warps, num_stages). Forward / JVP: query block x key block.
 # Backward follows the FA2 Triton tutorial: dK/dV with narrow query blocks and wide key
 # blocks, dQ the other way round. Every entry is compiled ahead of time for sm_90 by
@@ -118,6 +134,17 @@ _GPU_TMA_CONFIGS: dict[str, dict[str, list[tuple[int, int, int, int]]]] = {
         "d128": [(32, 128, 8, 3), (32, 64, 4, 3)],
     },
 }
+# dK/dV's EARLY_DP variant, as (BLOCK_M, BLOCK_N, warps, stages, tma): not timed yet (no
+# GPU since it was written), so the tuner tries these last and the untuned default stays
+# a measured config. Chosen from sm_90 AOT builds with Triton 3.6 (the H200's version)
+# and 3.9: no spills, and the SASS issues the exp while dP^T's wgmma is in flight
+# (`bench/aot_sm90.py --sass`, column `ovl`). Around the sweep's fastest dK/dV configs.
+_GPU_EARLY_DP_CONFIGS: dict[str, dict[str, list[tuple[int, int, int, int, bool]]]] = {
+    "dkdv": {
+        "d64": [(32, 64, 4, 3, False), (64, 64, 4, 3, False), (64, 128, 8, 3, False)],
+        "d128": [(32, 64, 4, 3, False), (32, 128, 8, 3, True), (32, 64, 4, 3, True)],
+    },
+}
 # Interpreter (CPU): few, wide-ish blocks keep the ~5 ms/step interpreter cost down.
 _INTERP_CONFIGS: dict[str, tuple[int, int, int, int]] = {
     "fwd": (64, 64, 4, 1),
@@ -127,12 +154,12 @@ _INTERP_CONFIGS: dict[str, tuple[int, int, int, int]] = {
     "dq": (64, 32, 4, 1),
 }
 _PRE_BLOCK_M = 64  # preprocess kernel (delta, lse2)
-_TUNED: dict[tuple, tuple[int, int, int, int, bool]] = {}
+_TUNED: dict[tuple, Config] = {}
 
 
-def tuned_configs() -> dict[tuple, tuple[int, int, int, int, bool]]:
-    """The configs the GPU autotuner picked so far:
-    key -> (BLOCK_M, BLOCK_N, warps, stages, tma)."""
+def tuned_configs() -> dict[tuple, Config]:
+    """The configs the GPU autotuner picked so far: key -> ``Config``
+    (BLOCK_M, BLOCK_N, warps, stages, tma, early_dp)."""
     return dict(_TUNED)
 
 
@@ -195,6 +222,34 @@ def _tma_candidates(kind: str, dtype: torch.dtype, block_d: int,
     return _GPU_TMA_CONFIGS.get(kind, {}).get(_class(dtype, block_d), [])
 
 
+def _early_dp_candidates(kind: str, dtype: torch.dtype, block_d: int, mode: str,
+                         ) -> list[Config]:
+    """The ``EARLY_DP`` variants to try under TMA ``mode`` (none without TMA's say-so
+    for the TMA ones; with mode "1" every one reads through descriptors)."""
+    listed = _GPU_EARLY_DP_CONFIGS.get(kind, {}).get(_class(dtype, block_d), [])
+    out: list[Config] = []
+    for *blocks, tma in listed:
+        if mode == "0" and tma:
+            continue
+        cfg = Config(*blocks, tma=tma or mode == "1", early_dp=True)
+        if cfg not in out:
+            out.append(cfg)
+    return out
+
+
+def _as_config(kind: str, config: tuple, mode: str) -> Config:
+    """An explicit ``config=`` (4 to 6 entries) as a ``Config``; a 4-tuple uses TMA only
+    under ``TORCHFN_TRITON_TMA=1``."""
+    if not 4 <= len(config) <= 6:
+        raise ValueError("config must be (BLOCK_M, BLOCK_N, num_warps, num_stages[, tma"
+                         f"[, early_dp]]), got {tuple(config)!r}")
+    cfg = Config(*config[:4], tma=bool(config[4]) if len(config) > 4 else mode == "1",
+                 early_dp=bool(config[5]) if len(config) > 5 else False)
+    if cfg.early_dp and kind not in ("dkdv", "dkdv_atomic"):
+        raise ValueError(f"config: early_dp is a variant of the dK/dV kernel, not of {kind!r}")
+    return cfg
+
+
 def _tma_mode() -> str:
     """``TORCHFN_TRITON_TMA``: "auto" (default: tune over TMA and pointer configs), "1"
     (TMA wherever usable, e.g. to test it) or "0" (pointer loads only)."""
@@ -215,19 +270,21 @@ def _launch(kind: str, kernel: Any, grid: Callable[[int, int], tuple[int, ...]],
             tma: Callable[[int, int], dict[str, Any]] | None = None) -> None:
     """Launch ``kernel`` with a block config: given, interpreter-fixed, tuned or default.
 
-    A config is (BLOCK_M, BLOCK_N, num_warps, num_stages[, use_tma]); a given 4-tuple
-    uses TMA only under ``TORCHFN_TRITON_TMA=1``. ``reset`` runs before every launch, for
-    kernels that accumulate into an output (atomics): the tuner launches a kernel many
-    times. ``tma(BLOCK_M, BLOCK_N)`` gives the tensor-descriptor keyword arguments
-    (None: TMA off or unusable for these tensors).
+    A config is (BLOCK_M, BLOCK_N, num_warps, num_stages[, tma[, early_dp]]) (see
+    ``Config``); a given 4-tuple uses TMA only under ``TORCHFN_TRITON_TMA=1``. ``reset``
+    runs before every launch, for kernels that accumulate into an output (atomics): the
+    tuner launches a kernel many times. ``tma(BLOCK_M, BLOCK_N)`` gives the
+    tensor-descriptor keyword arguments (None: TMA off or unusable for these tensors).
     """
     mode = _tma_mode() if tma is not None else "0"
 
-    def run(cfg: tuple[int, int, int, int, bool]) -> None:
+    def run(cfg: Config) -> None:
         if reset is not None:
             reset()
-        bm, bn, warps, stages, use_tma = cfg
+        bm, bn, warps, stages, use_tma, early_dp = cfg
         kw = tma(bm, bn) if use_tma and tma is not None else {}
+        if early_dp:
+            kw = dict(kw, EARLY_DP=True)
         if is_interpreted():
             kernel[grid(bm, bn)](*args, **consts, **kw, BLOCK_M=bm, BLOCK_N=bn)
         else:
@@ -235,19 +292,20 @@ def _launch(kind: str, kernel: Any, grid: Callable[[int, int], tuple[int, ...]],
                                  num_warps=warps, num_stages=stages)
 
     if config is not None:
-        run((*config[:4], bool(config[4]) if len(config) > 4 else mode == "1"))
+        run(_as_config(kind, config, mode))
         return
     if is_interpreted():
-        run((*_INTERP_CONFIGS[kind], mode == "1"))
+        run(Config(*_INTERP_CONFIGS[kind], tma=mode == "1"))
         return
     dtype, bd = args[0].dtype, consts["BLOCK_D"]
     ptr, tmas = _candidates(kind, dtype, bd), _tma_candidates(kind, dtype, bd)
     if mode == "0":
-        cands = [(*c, False) for c in ptr]
+        cands = [Config(*c) for c in ptr]
     elif mode == "1":  # TMA only: its own list, else the pointer configs with TMA loads
-        cands = [(*c, True) for c in (tmas or ptr)]
+        cands = [Config(*c, tma=True) for c in (tmas or ptr)]
     else:
-        cands = [(*c, True) for c in tmas] + [(*c, False) for c in ptr]
+        cands = [Config(*c, tma=True) for c in tmas] + [Config(*c) for c in ptr]
+    cands += _early_dp_candidates(kind, dtype, bd, mode)  # untimed variants: last
     full_key = (kind, *key, mode)
     cfg = _TUNED.get(full_key)
     if cfg is not None:
@@ -269,8 +327,7 @@ def _launch(kind: str, kernel: Any, grid: Callable[[int, int], tuple[int, ...]],
             break
 
 
-def _tune(run: Callable, cands: list[tuple[int, int, int, int, bool]],
-          ) -> tuple[int, int, int, int, bool]:
+def _tune(run: Callable, cands: list[Config]) -> Config:
     """Time each config (compiling it first); configs that fail to compile/launch are skipped.
 
     An idle GPU starts at a low clock (the H200 idled at 345 MHz) and ramps up under
@@ -400,11 +457,11 @@ def _empty_fwd(q: Tensor) -> tuple[Tensor, Tensor]:
 
 # --------------------------------------------------------------------------- raw ops
 def fwd(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool, scale: float,
-        *, config: tuple[int, int, int, int] | None = None) -> tuple[Tensor, Tensor]:
+        *, config: tuple[int, ...] | None = None) -> tuple[Tensor, Tensor]:
     """Forward: ``o = softmax(scale q k^T + mask) v`` and its row logsumexp ``lse`` (float32).
 
     q: (B, H, Nq, D); k, v: (B, Hkv, Nk, D) -> o: (B, H, Nq, D), lse: (B, H, Nq).
-    ``config`` = (BLOCK_M, BLOCK_N, num_warps, num_stages) overrides the tuned choice.
+    ``config`` = (BLOCK_M, BLOCK_N, num_warps, num_stages[, tma]) overrides the tuned choice.
     """
     _ensure_mode(q.device)
     q, k, v = _c(q), _c(k), _c(v)
@@ -429,7 +486,7 @@ def fwd(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool, scal
 
 def bwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Tensor,
         mask: Tensor | None, causal: bool, scale: float, deterministic: bool = True,
-        *, config: tuple[tuple[int, int, int, int], tuple[int, int, int, int]] | None = None,
+        *, config: tuple[tuple[int, ...], tuple[int, ...]] | None = None,
         ) -> tuple[Tensor, Tensor, Tensor]:
     """Backward from ``do``: (dq, dk, dv) in the input dtype; dk/dv summed over GQA groups.
 
@@ -438,7 +495,7 @@ def bwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Tensor,
     the dK/dV launch (5 matmuls), at the cost of run-to-run rounding differences in dq
     (and, on an H200, of speed: the atomics cost more than the two matmuls).
     ``config`` = (dkdv config, dq config) overrides tuning (the dq one is unused when
-    ``deterministic=False``).
+    ``deterministic=False``); the dK/dV one may have a sixth entry, ``early_dp``.
     """
     _ensure_mode(q.device)
     q, k, v, o, do = _c(q), _c(k), _c(v), _c(o), _c(do)
@@ -489,7 +546,7 @@ def bwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Tensor,
 
 def jvp(q: Tensor, k: Tensor, v: Tensor, tq: Tensor | None, tk: Tensor | None,
         tv: Tensor | None, mask: Tensor | None, causal: bool, scale: float,
-        *, config: tuple[int, int, int, int] | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        *, config: tuple[int, ...] | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """Fused forward-mode: (o, lse, to) with ``to`` the tangent of ``o``; None tangents are 0.
 
     tq: (B, H, Nq, D) or None; tk, tv: (B, Hkv, Nk, D) or None -> to: (B, H, Nq, D).
