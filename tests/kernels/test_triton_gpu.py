@@ -2,7 +2,8 @@
 
 fp32 relative error <= 1e-5 (fp32 dots run as 3xTF32); fp16 / bf16 within 2x the
 error of ``F.scaled_dot_product_attention`` in the same dtype; a deterministic
-backward, and the same bounds for the atomic-dQ backward (``deterministic=False``).
+backward, and the same bounds for the atomic-dQ backward (``deterministic=False``);
+dK/dV's ``EARLY_DP`` variant gives the plain order's gradients.
 Compiled kernels (``TRITON_INTERPRET`` switched off for these tests) with
 the default block configs (no autotuning), so the file stays under a minute.
 Run: ``pytest -m gpu tests/kernels/test_triton_gpu.py``.
@@ -180,3 +181,22 @@ def test_gpu_backward_is_deterministic():
     first = T.bwd(q, k, v, o, lse, do, None, True, 0.1)
     second = T.bwd(q, k, v, o, lse, do, None, True, 0.1)
     assert all(torch.equal(a, b) for a, b in zip(first, second))
+
+
+@pytest.mark.parametrize("D, cfg", [(64, (32, 64, 4, 3, False)), (128, (32, 64, 4, 3, False)),
+                                    (128, (32, 128, 8, 3, True))],
+                         ids=["d64-ptr", "d128-ptr", "d128-tma"])
+def test_gpu_early_dp_gives_the_plain_order_gradients(D, cfg):
+    # EARLY_DP (dK/dV's dP^T matmul before the exp) runs the same operations in another
+    # issue order: the gradients of the plain order with the same tiles, to rounding
+    from torchfn.kernels import _triton_ops as T
+
+    if cfg[4] and torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("tensor descriptors (TMA) need sm_90 or newer")
+    q, k, v, do, _, _ = make(2, 4, 2, 300, 430, D, torch.bfloat16, None, seed=2)
+    o, lse = T.fwd(q, k, v, None, True, D**-0.5)
+    dq_cfg = T._candidates("dq", torch.bfloat16, D)[0]
+    late = T.bwd(q, k, v, o, lse, do, None, True, D**-0.5, config=((*cfg, False), dq_cfg))
+    early = T.bwd(q, k, v, o, lse, do, None, True, D**-0.5, config=((*cfg, True), dq_cfg))
+    for a, b in zip(late, early):
+        assert rel_err(b, a.double()) <= 8e-3  # two bf16 ulps of the largest entry
