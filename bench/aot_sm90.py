@@ -14,9 +14,9 @@ divisible by 16, GQA group 1), and the script prints, per config:
 
 A kind ending in ``_tma`` (``fwd_tma``, ``dkdv_tma``, ...) is that kernel with ``USE_TMA``
 and the configs of ``_GPU_TMA_CONFIGS``: its streamed tiles come through tensor
-descriptors, which the GPU autotuner tries on sm_90+. ``dkdv_early`` is the dK/dV
-kernel with ``EARLY_DP`` and the configs of ``_GPU_EARLY_DP_CONFIGS`` (each with its own
-TMA flag).
+descriptors, which the GPU autotuner tries on sm_90+. ``fwd_ovl`` and ``dkdv_ovl`` are
+the overlap variants (``PIPELINE``, ``EARLY_DP``) with the configs of
+``_GPU_OVERLAP_CONFIGS``, each with its own TMA flag.
 
 It exits 1 when a candidate spills or overflows shared memory, so it can guard edits
 to the config table. Without the divisibility hints the pipeliner cannot prove 16-byte
@@ -65,7 +65,6 @@ def _kernel(kind: str):
         "jvp": _triton_jvp._attn_jvp,
         "dkdv": _triton_bwd._attn_bwd_dkdv,
         "dkdv_atomic": _triton_bwd._attn_bwd_dkdv,
-        "dkdv_early": _triton_bwd._attn_bwd_dkdv,
         "dq": _triton_bwd._attn_bwd_dq,
     }[kind]
 
@@ -75,7 +74,6 @@ _TMA_DESCS = {
     "fwd": {"desc_q": "m", "desc_k": "n", "desc_v": "n"},
     "dkdv": {"desc_q": "m", "desc_do": "m"},
     "dkdv_atomic": {"desc_q": "m", "desc_do": "m"},
-    "dkdv_early": {"desc_q": "m", "desc_do": "m"},
     "dq": {"desc_k": "n", "desc_v": "n"},
 }
 
@@ -83,8 +81,12 @@ _TMA_DESCS = {
 def _compile(kind: str, head_dim: int, cfg: tuple[int, int, int, int], dtype: str,
              causal: bool = False):
     """The Triton-compiled sm_90 kernel of one (kind, head dim, config, dtype)."""
+    from torchfn.kernels._triton_ops import _OVERLAP
+
     tma = kind.endswith("_tma")
     kind = kind.removesuffix("_tma")
+    ovl = kind.endswith("_ovl")
+    kind = kind.removesuffix("_ovl")
     fn = _kernel(kind)
     bm, bn, warps, stages = cfg[:4]
     block_d = max(16, 1 << (head_dim - 1).bit_length())
@@ -93,8 +95,8 @@ def _compile(kind: str, head_dim: int, cfg: tuple[int, int, int, int], dtype: st
                   BLOCK_M=bm, BLOCK_N=bn)
     if kind == "dkdv_atomic":
         consts["DQ_ATOMIC"] = True
-    if kind == "dkdv_early":
-        consts["EARLY_DP"] = True
+    if ovl:
+        consts[_OVERLAP[kind]] = True
     descs = {}
     if tma:
         consts["USE_TMA"] = True
@@ -210,14 +212,14 @@ def compile_sm90(kind: str, head_dim: int, cfg: tuple[int, int, int, int],
 def main(argv: list[str] | None = None) -> int:
     from torchfn.kernels._triton_ops import (
         _GPU_CONFIGS,
-        _GPU_EARLY_DP_CONFIGS,
+        _GPU_OVERLAP_CONFIGS,
         _GPU_TMA_CONFIGS,
     )
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--kinds", nargs="+",
                     default=[*_GPU_CONFIGS, *(f"{k}_tma" for k in _GPU_TMA_CONFIGS),
-                             "dkdv_early"])
+                             *(f"{k}_ovl" for k in _GPU_OVERLAP_CONFIGS)])
     ap.add_argument("--dims", nargs="+", type=int, default=[64, 128])
     ap.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16",
                     help="fp32 checks the table's fp32 lists (head dim <= 128 or 256)")
@@ -228,8 +230,8 @@ def main(argv: list[str] | None = None) -> int:
     for kind in args.kinds:
         for d in args.dims:
             base = kind.removesuffix("_tma")
-            if base == "dkdv_early":  # entries carry their own TMA flag
-                table = _GPU_EARLY_DP_CONFIGS["dkdv"]
+            if base.endswith("_ovl"):  # entries carry their own TMA flag
+                table = _GPU_OVERLAP_CONFIGS[base.removesuffix("_ovl")]
             else:
                 table = _GPU_TMA_CONFIGS.get(base, {}) if kind != base else _GPU_CONFIGS[base]
             if args.dtype == "fp32":
@@ -238,8 +240,8 @@ def main(argv: list[str] | None = None) -> int:
                 row = f"d{d}"
             for cfg in table.get(row, []):
                 name = kind
-                if base == "dkdv_early":
-                    name, cfg = ("dkdv_early_tma" if cfg[4] else "dkdv_early"), cfg[:4]
+                if base.endswith("_ovl"):
+                    name, cfg = base + ("_tma" if cfg[4] else ""), cfg[:4]
                 if args.sass:
                     sass = _sass(name, d, cfg, args.dtype)
                     c = _opcode_counts(sass)

@@ -37,8 +37,8 @@ grid of block configs for every kernel, with and without TMA, in parallel, then 
 each kernel config at N = 8192 (checking that it gives the first config's result), and
 the best combination against SDPA cuDNN. Its table says which configs to put first in
 ``_triton_ops._GPU_CONFIGS`` and ``_GPU_TMA_CONFIGS`` (TMA lists only where TMA won), and
-whether dK/dV's ``EARLY_DP`` variant (``dkdv_early`` rows, ``_GPU_EARLY_DP_CONFIGS``)
-beats the plain order.
+whether the overlap variants (``fwd_ovl`` / ``dkdv_ovl`` rows: the forward's
+``PIPELINE``, dK/dV's ``EARLY_DP``; ``_GPU_OVERLAP_CONFIGS``) beat the plain kernels.
 """
 
 from __future__ import annotations
@@ -351,10 +351,10 @@ def warm_tasks(dry: bool) -> list[dict]:
         bd = max(16, 1 << (D - 1).bit_length())
         dt = _dtype(dname)
 
-        def cands(kind, dt=dt, bd=bd):  # (..., tma[, early_dp]): in the tuner's order
+        def cands(kind, dt=dt, bd=bd):  # (..., tma[, overlap]): in the tuner's order
             return ([(*c, True) for c in T._tma_candidates(kind, dt, bd)]
                     + [(*c, False) for c in T._candidates(kind, dt, bd)]
-                    + [tuple(c) for c in T._early_dp_candidates(kind, dt, bd, "auto")])
+                    + [tuple(c) for c in T._overlap_candidates(kind, dt, bd, "auto")])
 
         fc, kc, qc, ac = (cands(kind) for kind in ("fwd", "dkdv", "dq", "dkdv_atomic"))
         common = {"dtype": dname, "D": D, "causal": causal}
@@ -707,13 +707,17 @@ SWEEP_GRID: dict[str, dict[int, list[tuple[int, int, int, int]]]] = {
         128: [(64, 32, 4, 3), (64, 64, 4, 3), (64, 64, 8, 3), (128, 32, 8, 3), (128, 64, 8, 3),
               (128, 64, 8, 4)],
     },
-    # "dkdv_early[_tma]": dK/dV with EARLY_DP (dP^T's matmul before the exp), around the
-    # pointer and TMA winners of the last sweep; none spills on sm_90 (Triton 3.6 and 3.9)
-    "dkdv_early": {
+    # "<op>_ovl[_tma]": the overlap variants (forward: PIPELINE, dK/dV: EARLY_DP), around
+    # the winners of the last sweep; none spills on sm_90 (Triton 3.6 and 3.9)
+    "fwd_ovl_tma": {
+        64: [(128, 128, 8, 3), (128, 64, 8, 3), (128, 64, 8, 4), (64, 64, 4, 3)],
+        128: [(128, 128, 8, 2), (128, 64, 8, 3), (128, 64, 8, 4), (64, 64, 4, 3)],
+    },
+    "dkdv_ovl": {
         64: [(32, 64, 4, 3), (64, 64, 4, 3), (64, 128, 8, 3), (32, 128, 8, 3), (32, 64, 4, 4)],
         128: [(32, 64, 4, 3), (32, 128, 8, 3), (16, 64, 4, 3), (32, 64, 4, 2), (32, 64, 8, 3)],
     },
-    "dkdv_early_tma": {
+    "dkdv_ovl_tma": {
         64: [(32, 64, 4, 3), (64, 64, 4, 3), (64, 128, 8, 3)],
         128: [(32, 128, 8, 3), (32, 64, 4, 3), (16, 128, 8, 3), (32, 64, 8, 3)],
     },
@@ -728,9 +732,9 @@ SWEEP_GRID: dict[str, dict[int, list[tuple[int, int, int, int]]]] = {
 }
 _SWEEP_GRID_DRY = {"fwd": [(16, 16, 4, 1), (32, 16, 4, 1)], "dkdv": [(16, 32, 4, 1)],
                    "dq": [(32, 16, 4, 1)], "dkdv_atomic": [(16, 32, 4, 1), (32, 32, 4, 1)],
-                   "dkdv_early": [(16, 32, 4, 1)]}
-SWEEP_OPS = ("fwd", "fwd_tma", "dkdv", "dkdv_tma", "dq", "dq_tma", "dkdv_early",
-             "dkdv_early_tma", "dkdv_atomic", "dkdv_atomic_tma")
+                   "fwd_ovl": [(16, 16, 4, 1)], "dkdv_ovl": [(16, 32, 4, 1)]}
+SWEEP_OPS = ("fwd", "fwd_tma", "fwd_ovl_tma", "dkdv", "dkdv_tma", "dq", "dq_tma", "dkdv_ovl",
+             "dkdv_ovl_tma", "dkdv_atomic", "dkdv_atomic_tma")
 _SWEEP_NEEDED = ("fwd", "fwd_tma", "dkdv", "dkdv_tma", "dq", "dq_tma", "dkdv_atomic",
                  "dkdv_atomic_tma")  # for the best combinations; the others add to them
 
@@ -740,9 +744,9 @@ def _table(op: str, D: int) -> list[tuple[int, int, int, int]]:
     from torchfn.kernels import _triton_ops as T
 
     base, bf16 = op.removesuffix("_tma"), _dtype("bf16")
-    if base == "dkdv_early":
-        return [c[:4] for c in T._GPU_EARLY_DP_CONFIGS["dkdv"].get(T._class(bf16, D), [])
-                if c[4] == (op != base)]
+    if base.endswith("_ovl"):
+        listed = T._GPU_OVERLAP_CONFIGS[base.removesuffix("_ovl")].get(T._class(bf16, D), [])
+        return [c[:4] for c in listed if c[4] == (op != base)]
     table = T._candidates(base, bf16, D)
     return T._tma_candidates(base, bf16, D) + table if op != base else table
 
@@ -752,7 +756,7 @@ def _sweep_grid(op: str, D: int, dry: bool) -> list[tuple[int, int, int, int]]:
     if dry:
         return _SWEEP_GRID_DRY[base]
 
-    grid = list(SWEEP_GRID.get(op, SWEEP_GRID[base])[D])
+    grid = list((SWEEP_GRID[op] if op in SWEEP_GRID else SWEEP_GRID[base])[D])
     return grid + [c for c in dict.fromkeys(_table(op, D)) if c not in grid]
 
 
@@ -776,10 +780,13 @@ def _sweep_call(op: str, cfg, x, causal: bool, D: int):
     q, k, v, do, o, lse = x
     scale = D**-0.5
     _, k0, q0 = _sweep_defaults(D) if D >= 64 else (cfg, cfg, cfg)
-    if op.startswith("dkdv_early"):  # the config carries the variant flags
-        early = (*cfg[:4], op.endswith("_tma"), True)
-        call = lambda: T.bwd(q, k, v, o, lse, do, None, causal, scale, True,  # noqa: E731
-                             config=(early, q0))
+    if "_ovl" in op:  # the config carries the variant flags
+        ovl = (*cfg[:4], op.endswith("_tma"), True)
+        if op.startswith("fwd"):
+            call = lambda: T.fwd(q, k, v, None, causal, scale, config=ovl)  # noqa: E731
+        else:
+            call = lambda: T.bwd(q, k, v, o, lse, do, None, causal, scale, True,  # noqa: E731
+                                 config=(ovl, q0))
         return _with_tma(call) if op.endswith("_tma") else call
     if op.endswith("_tma"):
         return _with_tma(_sweep_call(op.removesuffix("_tma"), cfg, x, causal, D))
@@ -897,17 +904,20 @@ def _sweep_best(args, timer, provs, D, causal, N, B, H, x, cfgs: dict) -> None:
     q, k, v, do, _, _ = x
     scale = D**-0.5
 
-    def fwd(tma=""):
-        return T.fwd(q, k, v, None, causal, scale, config=cfgs["fwd" + tma])
+    def fwd(tma="", op=None):
+        cfg = cfgs[op or "fwd" + tma]
+        if op:  # an overlap variant
+            cfg = (*cfg[:4], bool(tma), True)
+        return T.fwd(q, k, v, None, causal, scale, config=cfg)
 
-    def fwd_bwd(det, tma="", kv_op=None):
+    def fwd_bwd(det, tma="", kv_op=None, fwd_op=None):
         kv_op = kv_op or ("dkdv" if det else "dkdv_atomic") + tma
         kv = cfgs[kv_op]
-        if kv_op.startswith("dkdv_early"):
+        if "_ovl" in kv_op:
             kv = (*kv[:4], bool(tma), True)
 
         def run():
-            o, lse = fwd(tma)
+            o, lse = fwd(tma, fwd_op)
             return T.bwd(q, k, v, o, lse, do, None, causal, scale, det,
                          config=(kv, cfgs["dq" + tma]))
 
@@ -918,10 +928,13 @@ def _sweep_best(args, timer, provs, D, causal, N, B, H, x, cfgs: dict) -> None:
             ("sweep_best_atomic", "fwd_bwd"): fwd_bwd(False),
             ("sweep_best_tma", "fwd_bwd"): fwd_bwd(True, "_tma"),
             ("sweep_best_atomic_tma", "fwd_bwd"): fwd_bwd(False, "_tma")}
-    if "dkdv_early" in cfgs:
-        runs[("sweep_best_early", "fwd_bwd")] = fwd_bwd(True, "", "dkdv_early")
-    if "dkdv_early_tma" in cfgs:  # as sweep_best_tma, with the EARLY_DP dK/dV
-        runs[("sweep_best_early_tma", "fwd_bwd")] = fwd_bwd(True, "_tma", "dkdv_early_tma")
+    if "fwd_ovl_tma" in cfgs:
+        runs[("sweep_best_ovl_tma", "fwd")] = _with_tma(lambda: fwd("_tma", "fwd_ovl_tma"))
+    if "dkdv_ovl" in cfgs:
+        runs[("sweep_best_ovl", "fwd_bwd")] = fwd_bwd(True, "", "dkdv_ovl")
+    if "fwd_ovl_tma" in cfgs and "dkdv_ovl_tma" in cfgs:  # as sweep_best_tma, both overlaps
+        runs[("sweep_best_ovl_tma", "fwd_bwd")] = fwd_bwd(True, "_tma", "dkdv_ovl_tma",
+                                                           "fwd_ovl_tma")
     for (name, mode), fn in runs.items():
         meta = {"provider": name, "mode": mode, "dtype": "bf16", "D": D, "N": N, "B": B, "H": H,
                 "causal": causal, "configs": cfgs}
@@ -953,7 +966,7 @@ def sweep_markdown(rows: list[dict]) -> str:
                 continue
             try:
                 default = tuple(_table(op, D)[0])
-            except Exception:  # noqa: BLE001 - no table entry (dkdv_early_tma at D=64)
+            except Exception:  # noqa: BLE001 - no table entry (dkdv_ovl_tma at D=64)
                 default = None
             d_ms = next((r["ms"] for r in rs if tuple(r["cfg"]) == default), None)
             top = ", ".join(f"{tuple(r['cfg'])}: {r['ms']:.3f}" for r in rs[:3])

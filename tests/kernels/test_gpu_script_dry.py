@@ -43,11 +43,11 @@ def test_sweep_dry_run_times_every_kernel(tmp_path):
     result = _run(tmp_path, "--sweep")
     timed = {(r["op"], r["causal"]) for r in result["sweep"] if r.get("kind") == "sweep"
              and "ms" in r}
-    ops = [f"{op}{tma}" for op in ("fwd", "dkdv", "dq", "dkdv_early", "dkdv_atomic")
-           for tma in ("", "_tma")]
+    ops = [f"{op}{tma}" for op in ("fwd", "dkdv", "dq", "dkdv_ovl", "dkdv_atomic")
+           for tma in ("", "_tma")] + ["fwd_ovl_tma"]
     assert timed == {(op, c) for op in ops for c in (False, True)}
     # every config gives the first config's result, TMA or not
     assert all(r["same_result"] for r in result["sweep"] if "ms" in r and "op" in r)
     best = {r["provider"] for r in result["sweep"] if r.get("kind") == "bench" and "ms" in r}
     assert {"sweep_best", "sweep_best_tma", "sweep_best_atomic", "sweep_best_atomic_tma",
-            "sweep_best_early", "sweep_best_early_tma"} <= best
+            "sweep_best_ovl", "sweep_best_ovl_tma"} <= best

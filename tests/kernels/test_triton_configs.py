@@ -2,10 +2,10 @@
 
 ``_launch`` is driven with a recording stand-in kernel and the GPU branch forced on
 (``is_interpreted`` patched to False), so the candidate lists, their order, the
-``TORCHFN_TRITON_TMA`` modes, the untimed ``EARLY_DP`` variants and explicit configs
-are checked on a CPU. That the kernels give the same result with either kind of load
-or either dK/dV order is the job of ``test_triton_kernels`` (interpreter) and the
-gpu-marked tests.
+``TORCHFN_TRITON_TMA`` modes, the untimed overlap variants and explicit configs are
+checked on a CPU. That the kernels give the same result with either kind of load and
+with or without their overlap variant is the job of ``test_triton_kernels``
+(interpreter) and the gpu-marked tests.
 """
 
 import os
@@ -31,8 +31,9 @@ class _Recorder:
 
     def __getitem__(self, grid):
         def launch(*args, BLOCK_M, BLOCK_N, num_warps=None, num_stages=None, **kw):
+            overlap = kw.get("PIPELINE", False) or kw.get("EARLY_DP", False)
             self.launches.append(Config(BLOCK_M, BLOCK_N, num_warps, num_stages,
-                                        kw.get("USE_TMA", False), kw.get("EARLY_DP", False)))
+                                        kw.get("USE_TMA", False), overlap))
 
         return launch
 
@@ -61,9 +62,9 @@ def _launch(kind, dtype, block_d, config=None, tma_usable=True):
     return kernel.launches
 
 
-def _early(kind, dtype, block_d):
-    return [Config(*c[:4], tma=c[4], early_dp=True)
-            for c in T._GPU_EARLY_DP_CONFIGS.get(kind, {}).get(T._class(dtype, block_d), [])]
+def _overlap(kind, dtype, block_d):
+    return [Config(*c[:4], tma=c[4], overlap=True)
+            for c in T._GPU_OVERLAP_CONFIGS.get(kind, {}).get(T._class(dtype, block_d), [])]
 
 
 @pytest.mark.parametrize("kind", ["fwd", "dkdv", "dkdv_atomic"])
@@ -73,30 +74,32 @@ def test_auto_tries_tma_configs_first_then_pointer_configs(kind, gpu_branch, mon
     tma = [Config(*c, tma=True) for c in T._tma_candidates(kind, torch.bfloat16, 128)]
     ptr = [Config(*c) for c in T._candidates(kind, torch.bfloat16, 128)]
     assert tma, f"{kind} has TMA configs at D=128"
-    # then the untimed EARLY_DP variants of dK/dV (none for the other kernels)
-    early = _early(kind, torch.bfloat16, 128)
-    assert bool(early) == (kind == "dkdv")
-    assert gpu_branch["cands"] == tma + ptr + early
+    # then the untimed overlap variants (forward and dK/dV; none for the atomic dK/dV)
+    ovl = _overlap(kind, torch.bfloat16, 128)
+    assert bool(ovl) == (kind != "dkdv_atomic")
+    assert gpu_branch["cands"] == tma + ptr + ovl
     assert launches == [tma[0]]  # the tuner's pick is launched, with descriptors
 
 
-@pytest.mark.parametrize("dtype, block_d", [(torch.bfloat16, 64), (torch.float16, 128)])
-def test_early_dp_variants_follow_the_tma_mode(dtype, block_d, gpu_branch, monkeypatch):
-    early = _early("dkdv", dtype, block_d)
-    assert early and all(c.early_dp for c in early)
-    for mode, want in (("auto", early),
-                       ("0", [c for c in early if not c.tma]),
-                       ("1", list(dict.fromkeys(c._replace(tma=True) for c in early)))):
+@pytest.mark.parametrize("kind, dtype, block_d", [("dkdv", torch.bfloat16, 64),
+                                                   ("dkdv", torch.float16, 128),
+                                                   ("fwd", torch.bfloat16, 128)])
+def test_overlap_variants_follow_the_tma_mode(kind, dtype, block_d, gpu_branch, monkeypatch):
+    ovl = _overlap(kind, dtype, block_d)
+    assert ovl
+    for mode, want in (("auto", ovl),
+                       ("0", [c for c in ovl if not c.tma]),
+                       ("1", list(dict.fromkeys(c._replace(tma=True) for c in ovl)))):
         monkeypatch.setenv("TORCHFN_TRITON_TMA", mode)
-        _launch("dkdv", dtype, block_d)
+        _launch(kind, dtype, block_d)
         n = len(want)
-        assert gpu_branch["cands"][-n:] == want, mode
-        assert not any(c.early_dp for c in gpu_branch["cands"][:-n]), mode
-    # the tuner picked a variant: it is launched with EARLY_DP (and its TMA flag)
+        assert gpu_branch["cands"][len(gpu_branch["cands"]) - n:] == want, mode
+        assert not any(c.overlap for c in gpu_branch["cands"][:len(gpu_branch["cands"]) - n])
+    # the tuner picked a variant: it is launched with its flag (and its TMA flag)
     monkeypatch.setenv("TORCHFN_TRITON_TMA", "auto")
     monkeypatch.setattr(T, "_TUNED", {})
     monkeypatch.setattr(T, "_tune", lambda run, cands: cands[-1])
-    assert _launch("dkdv", dtype, block_d) == [early[-1]]
+    assert _launch(kind, dtype, block_d) == [ovl[-1]]
 
 
 def test_auto_without_tma_list_or_without_tma_support_uses_pointer_configs(gpu_branch,
@@ -116,8 +119,10 @@ def test_mode_one_forces_tma_and_mode_zero_forbids_it(gpu_branch, monkeypatch):
     assert gpu_branch["cands"] == [Config(*c, tma=True)
                                    for c in T._candidates("dq", torch.bfloat16, 64)]
     _launch("fwd", torch.bfloat16, 64)
-    assert gpu_branch["cands"] == [Config(*c, tma=True)
-                                   for c in T._tma_candidates("fwd", torch.bfloat16, 64)]
+    ovl = _overlap("fwd", torch.bfloat16, 64)  # TMA variants only
+    assert ovl and all(c.tma for c in ovl)
+    assert gpu_branch["cands"] == [Config(*c, tma=True) for c in
+                                   T._tma_candidates("fwd", torch.bfloat16, 64)] + ovl
     monkeypatch.setenv("TORCHFN_TRITON_TMA", "0")
     _launch("fwd", torch.bfloat16, 64)
     assert gpu_branch["cands"] == [Config(*c) for c in T._candidates("fwd", torch.bfloat16, 64)]
@@ -152,7 +157,7 @@ def test_explicit_config(gpu_branch, monkeypatch):
 def test_bad_explicit_config_is_a_clear_error(gpu_branch):
     with pytest.raises(ValueError, match=r"config must be \(BLOCK_M, BLOCK_N, num_warps"):
         _launch("fwd", torch.bfloat16, 64, config=(64, 32, 4))
-    with pytest.raises(ValueError, match="early_dp is a variant of the dK/dV kernel, not of 'dq'"):
+    with pytest.raises(ValueError, match="the 'dq' kernel has no overlap variant"):
         _launch("dq", torch.bfloat16, 64, config=(64, 32, 4, 2, False, True))
 
 
@@ -178,10 +183,11 @@ def test_interpreter_uses_tma_only_when_forced(monkeypatch):
         assert (T._tma_descriptors({"desc_q": x}, {"desc_q": "m"}, 32) is not None) == usable
 
 
-def test_tma_and_early_dp_lists_are_well_formed():
-    # every TMA / EARLY_DP list shadows a pointer list of the same kernel and class, and
+def test_tma_and_overlap_lists_are_well_formed():
+    # every TMA / overlap list shadows a pointer list of the same kernel and class, and
     # holds power-of-two blocks of at least 16 (tl.dot's minimum)
-    for kind, table in [*T._GPU_TMA_CONFIGS.items(), *T._GPU_EARLY_DP_CONFIGS.items()]:
+    assert set(T._GPU_OVERLAP_CONFIGS) <= set(T._OVERLAP)
+    for kind, table in [*T._GPU_TMA_CONFIGS.items(), *T._GPU_OVERLAP_CONFIGS.items()]:
         for cls, cfgs in table.items():
             assert cls in T._GPU_CONFIGS[kind], (kind, cls)
             for bm, bn, warps, stages, *tma in cfgs:

@@ -3,7 +3,7 @@
 fp32 relative error <= 1e-5 (fp32 dots run as 3xTF32); fp16 / bf16 within 2x the
 error of ``F.scaled_dot_product_attention`` in the same dtype; a deterministic
 backward, and the same bounds for the atomic-dQ backward (``deterministic=False``);
-dK/dV's ``EARLY_DP`` variant gives the plain order's gradients.
+the overlap variants (forward ``PIPELINE``, dK/dV ``EARLY_DP``) give the plain kernels' results.
 Compiled kernels (``TRITON_INTERPRET`` switched off for these tests) with
 the default block configs (no autotuning), so the file stays under a minute.
 Run: ``pytest -m gpu tests/kernels/test_triton_gpu.py``.
@@ -200,3 +200,19 @@ def test_gpu_early_dp_gives_the_plain_order_gradients(D, cfg):
     early = T.bwd(q, k, v, o, lse, do, None, True, D**-0.5, config=((*cfg, True), dq_cfg))
     for a, b in zip(late, early):
         assert rel_err(b, a.double()) <= 8e-3  # two bf16 ulps of the largest entry
+
+
+@pytest.mark.parametrize("D, cfg", [(64, (128, 64, 8, 3, True)), (128, (128, 64, 8, 3, True))],
+                         ids=["d64-tma", "d128-tma"])
+def test_gpu_pipelined_forward_is_the_plain_forward(D, cfg):
+    # PIPELINE (S_j issued with P_{j-1} V_{j-1}) adds the same products in the same order
+    from torchfn.kernels import _triton_ops as T
+
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("tensor descriptors (TMA) need sm_90 or newer")
+    q, k, v, _, _, _ = make(2, 4, 2, 300, 700, D, torch.bfloat16, None, seed=3)
+    for causal in (False, True):
+        plain = T.fwd(q, k, v, None, causal, D**-0.5, config=(*cfg, False))
+        piped = T.fwd(q, k, v, None, causal, D**-0.5, config=(*cfg, True))
+        assert rel_err(piped[0], plain[0].double()) <= 8e-3  # two bf16 ulps of the largest
+        assert ((piped[1] - plain[1]).abs() / (1 + plain[1].abs())).max().item() <= FP32_TOL

@@ -19,6 +19,13 @@ masked loads do.
 ``FOLD_SCALE`` (scale > 0, no additive mask) takes the row max over raw scores and
 applies the scale inside ``exp2``'s FMA: one multiply per score less.
 
+``PIPELINE`` (a variant the GPU tuner tries; used with FOLD_SCALE and no user mask)
+software-pipelines the unmasked stage: each step issues the next block's ``S = q K^T``
+together with the previous block's ``acc += P V``, then computes the next P while
+``P V`` is in flight, and rescales ``acc`` after. On sm_90 the SASS then issues the
+exp beside a wgmma, as FlashAttention-3's intra-warpgroup pipelining does, at the
+cost of P and S both live in registers. The sums are the same, in the same order.
+
 Import this module only through ``_triton_ops`` (Triton is optional; under
 ``TRITON_INTERPRET=1`` the kernels run on CPU).
 """
@@ -184,6 +191,69 @@ def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, m_base, offs_m, offs_d, lo, hi,
 
 
 @triton.jit
+def _load_block(base, desc, off_b, off_hk, start, offs_n0, offs_d, stride, Nk,
+                HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                USE_TMA: tl.constexpr):
+    """The (BLOCK_N, BLOCK_D) k or v tile of the full key block at ``start``."""
+    if USE_TMA:
+        t = _load_tile(desc, off_b, off_hk, start, BLOCK_N, BLOCK_D)
+    else:
+        t = _load_rows(base, start + offs_n0, offs_d, stride, Nk, HEAD_DIM, BLOCK_D, False)
+    return t
+
+
+@triton.jit
+def _softmax_block(acc, l_i, m_i, qk, qk_scale):
+    """One online-softmax step on raw scores ``qk`` (M, N) of an unmasked block (scale > 0):
+    rescales ``acc`` and ``l_i`` and returns P (float32) and the new row max."""
+    m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+    p = tl.math.exp2(qk * qk_scale - m_new[:, None])
+    alpha = tl.math.exp2(m_i - m_new)
+    return acc * alpha[:, None], l_i * alpha + tl.sum(p, 1), m_new, p
+
+
+@triton.jit
+def _fwd_inner_pipe(acc, l_i, m_i, q, k_base, v_base, desc_k, desc_v, off_b, off_hk, offs_d,
+                    lo, hi, skn, svn, Nk, qk_scale,
+                    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                    DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr):
+    """The unmasked key blocks [lo, hi) (hi > lo, no user mask, scale > 0), pipelined:
+    ``S_j = q K_j^T`` and ``acc += P_{j-1} V_{j-1}`` are issued together, and P_j's
+    softmax runs while the second is in flight (``acc`` is rescaled once it lands)."""
+    offs_n0 = tl.arange(0, BLOCK_N)
+    k = _load_block(k_base, desc_k, off_b, off_hk, lo, offs_n0, offs_d, skn, Nk, HEAD_DIM,
+                    BLOCK_N, BLOCK_D, USE_TMA)
+    p_dtype = k.dtype
+    if UPCAST:
+        k = k.to(tl.float32)
+    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)  # (M, N) raw scores of block lo
+    acc, l_i, m_i, p = _softmax_block(acc, l_i, m_i, qk, qk_scale)
+    for start_n in range(lo + BLOCK_N, hi, BLOCK_N):
+        start_n = tl.multiple_of(start_n, BLOCK_N)
+        k = _load_block(k_base, desc_k, off_b, off_hk, start_n, offs_n0, offs_d, skn, Nk,
+                        HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
+        v = _load_block(v_base, desc_v, off_b, off_hk, start_n - BLOCK_N, offs_n0, offs_d, svn,
+                        Nk, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
+        if UPCAST:  # interpreter: P stays fp32, as in the plain loop
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        else:
+            p = p.to(p_dtype)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)  # S_j
+        acc = tl.dot(p, v, acc, input_precision=DOT_PREC)  # + P_{j-1} V_{j-1}
+        acc, l_i, m_i, p = _softmax_block(acc, l_i, m_i, qk, qk_scale)
+    last = lo + ((hi - lo - 1) // BLOCK_N) * BLOCK_N
+    v = _load_block(v_base, desc_v, off_b, off_hk, last, offs_n0, offs_d, svn, Nk, HEAD_DIM,
+                    BLOCK_N, BLOCK_D, USE_TMA)
+    if UPCAST:
+        v = v.to(tl.float32)
+    else:
+        p = p.to(p_dtype)
+    acc = tl.dot(p, v, acc, input_precision=DOT_PREC)
+    return acc, l_i, m_i
+
+
+@triton.jit
 def _attn_fwd(
     Q, K, V, MASK, O, LSE,
     sqb, sqh, sqm, skb, skh, skn, svb, svh, svn,
@@ -194,7 +264,7 @@ def _attn_fwd(
     IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
     DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
     desc_q=None, desc_k=None, desc_v=None, USE_TMA: tl.constexpr = False,
-    FOLD_SCALE: tl.constexpr = True,
+    FOLD_SCALE: tl.constexpr = True, PIPELINE: tl.constexpr = False,
 ):
     if IS_CAUSAL:  # the longest query blocks (last rows) first: better tail balance
         start_m = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
@@ -223,10 +293,17 @@ def _attn_fwd(
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
     lo, hi = _causal_bounds(start_m, Nq, Nk, BLOCK_M, BLOCK_N, IS_CAUSAL)
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, m_base, offs_m, offs_d, 0, lo,
-                               skn, svn, smm, smn, Nq, Nk, qk_scale, desc_k, desc_v, off_b,
-                               off_hk, BLOCK_N, HEAD_DIM, BLOCK_D, False, IS_CAUSAL, MASK_KIND,
-                               DOT_PREC, UPCAST, USE_TMA, FOLD_SCALE)
+    if PIPELINE and FOLD_SCALE and MASK_KIND == 0:  # else the variant is the plain loop
+        if lo > 0:
+            acc, l_i, m_i = _fwd_inner_pipe(acc, l_i, m_i, q, k_base, v_base, desc_k, desc_v,
+                                            off_b, off_hk, offs_d, 0, lo, skn, svn, Nk,
+                                            qk_scale, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PREC,
+                                            UPCAST, USE_TMA)
+    else:
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, m_base, offs_m, offs_d, 0,
+                                   lo, skn, svn, smm, smn, Nq, Nk, qk_scale, desc_k, desc_v,
+                                   off_b, off_hk, BLOCK_N, HEAD_DIM, BLOCK_D, False, IS_CAUSAL,
+                                   MASK_KIND, DOT_PREC, UPCAST, USE_TMA, FOLD_SCALE)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, m_base, offs_m, offs_d, lo, hi,
                                skn, svn, smm, smn, Nq, Nk, qk_scale, desc_k, desc_v, off_b,
                                off_hk, BLOCK_N, HEAD_DIM, BLOCK_D, True, IS_CAUSAL, MASK_KIND,

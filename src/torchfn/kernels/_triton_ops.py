@@ -17,10 +17,10 @@ uses the first, hand-picked config). Under ``TRITON_INTERPRET=1`` (CPU) one smal
 fixed config is used. On sm_90+ the tuner also tries the kernels with their streamed
 tiles read through tensor descriptors (TMA), where the H200 sweep found that faster
 (``TORCHFN_TRITON_TMA``: "auto" default, "0" never, "1" always; the interpreter uses
-TMA only with "1"). The dK/dV kernel's ``EARLY_DP`` variant (``_triton_bwd``) is
-tried last, not yet timed. fp32 dots never use plain TF32: 3xTF32 ("tf32x3")
-on the GPU, overridable with ``TORCHFN_TRITON_FP32_PRECISION=ieee``; exact in the
-interpreter.
+TMA only with "1"). The overlap variants (the forward's ``PIPELINE``, dK/dV's
+``EARLY_DP``: see their modules) are tried last, not yet timed. fp32 dots never use
+plain TF32: 3xTF32 ("tf32x3") on the GPU, overridable with
+``TORCHFN_TRITON_FP32_PRECISION=ieee``; exact in the interpreter.
 
 Example (GPU)::
 
@@ -49,8 +49,9 @@ __all__ = ["fwd", "bwd", "jvp", "tuned_configs", "is_interpreted"]
 class Config(NamedTuple):
     """One launch of a kernel: block shape, warps, pipeline stages and variant flags.
 
-    ``tma``: streamed tiles through tensor descriptors (sm_90+). ``early_dp``: the dK/dV
-    kernel's ``EARLY_DP`` variant (``_triton_bwd``). Compares equal to the plain tuple.
+    ``tma``: streamed tiles through tensor descriptors (sm_90+). ``overlap``: the
+    kernel's variant that lets the softmax run beside a matmul in flight (``_OVERLAP``).
+    Compares equal to the plain tuple.
     """
 
     block_m: int
@@ -58,7 +59,11 @@ class Config(NamedTuple):
     warps: int
     stages: int
     tma: bool = False
-    early_dp: bool = False
+    overlap: bool = False
+
+
+# the constexpr flag that ``Config.overlap`` sets, per kernel
+_OVERLAP = {"fwd": "PIPELINE", "dkdv": "EARLY_DP", "dkdv_atomic": "EARLY_DP"}
 
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages). Forward / JVP: query block x key block.
@@ -134,12 +139,17 @@ _GPU_TMA_CONFIGS: dict[str, dict[str, list[tuple[int, int, int, int]]]] = {
         "d128": [(32, 128, 8, 3), (32, 64, 4, 3)],
     },
 }
-# dK/dV's EARLY_DP variant, as (BLOCK_M, BLOCK_N, warps, stages, tma): not timed yet (no
-# GPU since it was written), so the tuner tries these last and the untuned default stays
-# a measured config. Chosen from sm_90 AOT builds with Triton 3.6 (the H200's version)
-# and 3.9: no spills, and the SASS issues the exp while dP^T's wgmma is in flight
-# (`bench/aot_sm90.py --sass`, column `ovl`). Around the sweep's fastest dK/dV configs.
-_GPU_EARLY_DP_CONFIGS: dict[str, dict[str, list[tuple[int, int, int, int, bool]]]] = {
+# The overlap variants (forward: PIPELINE, dK/dV: EARLY_DP), as (BLOCK_M, BLOCK_N, warps,
+# stages, tma): not timed yet (no GPU since they were written), so the tuner tries them
+# last and the untuned default stays a measured config. Chosen around the sweep's
+# fastest configs from sm_90 AOT builds with Triton 3.6 (the H200's version) and 3.9:
+# no spills, and the SASS issues the exp while a wgmma is in flight
+# (`bench/aot_sm90.py --sass`, column `ovl`).
+_GPU_OVERLAP_CONFIGS: dict[str, dict[str, list[tuple[int, int, int, int, bool]]]] = {
+    "fwd": {
+        "d64": [(128, 128, 8, 3, True), (128, 64, 8, 3, True)],
+        "d128": [(128, 128, 8, 2, True), (128, 64, 8, 3, True), (128, 64, 8, 4, True)],
+    },
     "dkdv": {
         "d64": [(32, 64, 4, 3, False), (64, 64, 4, 3, False), (64, 128, 8, 3, False)],
         "d128": [(32, 64, 4, 3, False), (32, 128, 8, 3, True), (32, 64, 4, 3, True)],
@@ -159,7 +169,7 @@ _TUNED: dict[tuple, Config] = {}
 
 def tuned_configs() -> dict[tuple, Config]:
     """The configs the GPU autotuner picked so far: key -> ``Config``
-    (BLOCK_M, BLOCK_N, warps, stages, tma, early_dp)."""
+    (BLOCK_M, BLOCK_N, warps, stages, tma, overlap)."""
     return dict(_TUNED)
 
 
@@ -222,16 +232,16 @@ def _tma_candidates(kind: str, dtype: torch.dtype, block_d: int,
     return _GPU_TMA_CONFIGS.get(kind, {}).get(_class(dtype, block_d), [])
 
 
-def _early_dp_candidates(kind: str, dtype: torch.dtype, block_d: int, mode: str,
-                         ) -> list[Config]:
-    """The ``EARLY_DP`` variants to try under TMA ``mode`` (none without TMA's say-so
-    for the TMA ones; with mode "1" every one reads through descriptors)."""
-    listed = _GPU_EARLY_DP_CONFIGS.get(kind, {}).get(_class(dtype, block_d), [])
+def _overlap_candidates(kind: str, dtype: torch.dtype, block_d: int, mode: str,
+                        ) -> list[Config]:
+    """The overlap variants to try under TMA ``mode`` ("0": only the pointer-load ones;
+    "1": every one reads through descriptors)."""
+    listed = _GPU_OVERLAP_CONFIGS.get(kind, {}).get(_class(dtype, block_d), [])
     out: list[Config] = []
     for *blocks, tma in listed:
         if mode == "0" and tma:
             continue
-        cfg = Config(*blocks, tma=tma or mode == "1", early_dp=True)
+        cfg = Config(*blocks, tma=tma or mode == "1", overlap=True)
         if cfg not in out:
             out.append(cfg)
     return out
@@ -242,11 +252,12 @@ def _as_config(kind: str, config: tuple, mode: str) -> Config:
     under ``TORCHFN_TRITON_TMA=1``."""
     if not 4 <= len(config) <= 6:
         raise ValueError("config must be (BLOCK_M, BLOCK_N, num_warps, num_stages[, tma"
-                         f"[, early_dp]]), got {tuple(config)!r}")
+                         f"[, overlap]]), got {tuple(config)!r}")
     cfg = Config(*config[:4], tma=bool(config[4]) if len(config) > 4 else mode == "1",
-                 early_dp=bool(config[5]) if len(config) > 5 else False)
-    if cfg.early_dp and kind not in ("dkdv", "dkdv_atomic"):
-        raise ValueError(f"config: early_dp is a variant of the dK/dV kernel, not of {kind!r}")
+                 overlap=bool(config[5]) if len(config) > 5 else False)
+    if cfg.overlap and kind not in _OVERLAP:
+        raise ValueError(f"config: the {kind!r} kernel has no overlap variant (only "
+                         f"{', '.join(_OVERLAP)})")
     return cfg
 
 
@@ -270,7 +281,7 @@ def _launch(kind: str, kernel: Any, grid: Callable[[int, int], tuple[int, ...]],
             tma: Callable[[int, int], dict[str, Any]] | None = None) -> None:
     """Launch ``kernel`` with a block config: given, interpreter-fixed, tuned or default.
 
-    A config is (BLOCK_M, BLOCK_N, num_warps, num_stages[, tma[, early_dp]]) (see
+    A config is (BLOCK_M, BLOCK_N, num_warps, num_stages[, tma[, overlap]]) (see
     ``Config``); a given 4-tuple uses TMA only under ``TORCHFN_TRITON_TMA=1``. ``reset``
     runs before every launch, for kernels that accumulate into an output (atomics): the
     tuner launches a kernel many times. ``tma(BLOCK_M, BLOCK_N)`` gives the
@@ -281,10 +292,10 @@ def _launch(kind: str, kernel: Any, grid: Callable[[int, int], tuple[int, ...]],
     def run(cfg: Config) -> None:
         if reset is not None:
             reset()
-        bm, bn, warps, stages, use_tma, early_dp = cfg
+        bm, bn, warps, stages, use_tma, overlap = cfg
         kw = tma(bm, bn) if use_tma and tma is not None else {}
-        if early_dp:
-            kw = dict(kw, EARLY_DP=True)
+        if overlap:
+            kw = dict(kw, **{_OVERLAP[kind]: True})
         if is_interpreted():
             kernel[grid(bm, bn)](*args, **consts, **kw, BLOCK_M=bm, BLOCK_N=bn)
         else:
@@ -305,7 +316,7 @@ def _launch(kind: str, kernel: Any, grid: Callable[[int, int], tuple[int, ...]],
         cands = [Config(*c, tma=True) for c in (tmas or ptr)]
     else:
         cands = [Config(*c, tma=True) for c in tmas] + [Config(*c) for c in ptr]
-    cands += _early_dp_candidates(kind, dtype, bd, mode)  # untimed variants: last
+    cands += _overlap_candidates(kind, dtype, bd, mode)  # untimed variants: last
     full_key = (kind, *key, mode)
     cfg = _TUNED.get(full_key)
     if cfg is not None:
@@ -461,7 +472,8 @@ def fwd(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool, scal
     """Forward: ``o = softmax(scale q k^T + mask) v`` and its row logsumexp ``lse`` (float32).
 
     q: (B, H, Nq, D); k, v: (B, Hkv, Nk, D) -> o: (B, H, Nq, D), lse: (B, H, Nq).
-    ``config`` = (BLOCK_M, BLOCK_N, num_warps, num_stages[, tma]) overrides the tuned choice.
+    ``config`` = (BLOCK_M, BLOCK_N, num_warps, num_stages[, tma[, overlap]]) overrides the
+    tuned choice.
     """
     _ensure_mode(q.device)
     q, k, v = _c(q), _c(k), _c(v)
@@ -495,7 +507,7 @@ def bwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Tensor,
     the dK/dV launch (5 matmuls), at the cost of run-to-run rounding differences in dq
     (and, on an H200, of speed: the atomics cost more than the two matmuls).
     ``config`` = (dkdv config, dq config) overrides tuning (the dq one is unused when
-    ``deterministic=False``); the dK/dV one may have a sixth entry, ``early_dp``.
+    ``deterministic=False``); the dK/dV one may have a sixth entry, ``overlap``.
     """
     _ensure_mode(q.device)
     q, k, v, o, do = _c(q), _c(k), _c(v), _c(o), _c(do)
