@@ -385,6 +385,36 @@ def test_early_dp_gives_the_same_gradients(causal, mask, deterministic, tma, mon
     assert all(torch.equal(a, b) for a, b in zip(late, early))
 
 
+@given(
+    b_h_hkv=st.sampled_from([(1, 1, 1), (2, 2, 1), (1, 4, 2)]),
+    Nq=st.integers(1, 120),
+    Nk=st.integers(1, 120),
+    D=st.sampled_from([8, 20, 32, 48]),
+    causal=st.booleans(),
+    blocks=st.sampled_from([(16, 16), (16, 32), (32, 16)]),
+    dtype=st.sampled_from([torch.float32, torch.float16]),
+    seed=st.integers(0, 2**16),
+)
+def test_property_overlap_variants_are_the_plain_kernels(b_h_hkv, Nq, Nk, D, causal, blocks,
+                                                          dtype, seed):
+    # over drawn shapes and block sizes (so zero, one or many full key blocks before the
+    # diagonal): the forward's PIPELINE and dK/dV's EARLY_DP give the plain kernels' bits
+    B, H, Hkv = b_h_hkv
+    bm, bn = blocks
+    q, k, v, do, _, _ = make_inputs(B, H, Hkv, Nq, Nk, D, dtype, seed)
+    scale = D**-0.5
+    plain = T.fwd(q, k, v, None, causal, scale, config=(bm, bn, 4, 1, False, False))
+    piped = T.fwd(q, k, v, None, causal, scale, config=(bm, bn, 4, 1, False, True))
+    assert all(torch.equal(a, b) for a, b in zip(plain, piped))
+    o, lse = plain
+    dq_cfg = (bn, bm, 4, 1)
+    late = T.bwd(q, k, v, o, lse, do, None, causal, scale,
+                 config=((bm, bn, 4, 1, False, False), dq_cfg))
+    early = T.bwd(q, k, v, o, lse, do, None, causal, scale,
+                  config=((bm, bn, 4, 1, False, True), dq_cfg))
+    assert all(torch.equal(a, b) for a, b in zip(late, early))
+
+
 def test_tma_is_skipped_for_unaligned_strides(monkeypatch):
     monkeypatch.setenv("TORCHFN_TRITON_TMA", "1")
     x = torch.zeros(1, 2, 8, 18)  # fp32 rows of 72 bytes: not a multiple of 16
