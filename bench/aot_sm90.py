@@ -32,7 +32,10 @@ i.e. overlap tensor-core work::
 
     PYTHONPATH=src python bench/aot_sm90.py --sass --kinds fwd_tma --dims 128
 
-Results depend on the Triton version (3.9 here; the lent H200 ran 3.6).
+Results depend on the Triton version (3.9 here; the lent H200 ran 3.6). To check with
+3.6 on this machine: a second virtual environment with ``triton==3.6.0`` and a ``.pth``
+file naming this environment's site-packages (for torch), then
+``PYTHONPATH=src <its python> bench/aot_sm90.py``.
 """
 
 from __future__ import annotations

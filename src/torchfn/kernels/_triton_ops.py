@@ -73,6 +73,8 @@ _OVERLAP = {"fwd": "PIPELINE", "dkdv": "EARLY_DP", "dkdv_atomic": "EARLY_DP"}
 # specialisation, then cuobjdump): none spills registers or needs more than the 227 KiB
 # of shared memory an H100 / H200 block gets, except where a comment says otherwise
 # (fp32 "tf32x3" dots take three MMAs and more registers: some spill with every config).
+# That is with Triton 3.9; with 3.6, the H200's, four atomic / TMA dK/dV entries spill
+# 8-24 bytes (bench/RESULTS.md) and stay where the sweep, run with 3.6, put them.
 # The bf16/fp16 D=64 and D=128 fwd, dK/dV and dQ lists are ordered by the H200 sweep
 # (bench/RESULTS.md, `gpu_attention.py --sweep`, N=8192): fastest first. The GPU
 # autotuner times the candidates on first use and keeps the fastest; the first entry
