@@ -22,7 +22,7 @@ case "${1:-}" in
   check)
     nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv 2>&1 | tee "$OUT/gpu.txt"
     # correctness on the GPU first: deterministic, atomic-dQ and TMA kernels, transforms
-    timeout 300 python3 -m pytest -v --tb=short -p no:cacheprovider -m gpu \
+    timeout 300 python3 -m pytest -v --tb=short --durations=15 -p no:cacheprovider -m gpu \
       tests/kernels/test_triton_gpu.py tests/kernels/test_attention_gpu.py 2>&1 \
       | tee "$OUT/gpu_tests.txt"
     timeout 290 python3 bench/gpu_attention.py $DRY_FLAG --out "$WORK/gpu_attention.json" \

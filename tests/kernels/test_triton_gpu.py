@@ -183,9 +183,9 @@ def test_gpu_backward_is_deterministic():
     assert all(torch.equal(a, b) for a, b in zip(first, second))
 
 
-@pytest.mark.parametrize("D, cfg", [(64, (32, 64, 4, 3, False)), (128, (32, 64, 4, 3, False)),
-                                    (128, (32, 128, 8, 3, True))],
-                         ids=["d64-ptr", "d128-ptr", "d128-tma"])
+# few configs: each compiles two kernels, and the GPU session's pytest has 300 s in all
+@pytest.mark.parametrize("D, cfg", [(128, (32, 64, 4, 3, False)), (128, (32, 128, 8, 3, True))],
+                         ids=["d128-ptr", "d128-tma"])
 def test_gpu_early_dp_gives_the_plain_order_gradients(D, cfg):
     # EARLY_DP (dK/dV's dP^T matmul before the exp) runs the same operations in another
     # issue order: the gradients of the plain order with the same tiles, to rounding
@@ -211,8 +211,8 @@ def test_gpu_pipelined_forward_is_the_plain_forward(D, cfg):
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("tensor descriptors (TMA) need sm_90 or newer")
     q, k, v, _, _, _ = make(2, 4, 2, 300, 700, D, torch.bfloat16, None, seed=3)
-    for causal in (False, True):
-        plain = T.fwd(q, k, v, None, causal, D**-0.5, config=(*cfg, False))
-        piped = T.fwd(q, k, v, None, causal, D**-0.5, config=(*cfg, True))
-        assert rel_err(piped[0], plain[0].double()) <= 8e-3  # two bf16 ulps of the largest
-        assert ((piped[1] - plain[1]).abs() / (1 + plain[1].abs())).max().item() <= FP32_TOL
+    # causal with Nk > Nq: full blocks in the pipelined loop, then the masked diagonal
+    plain = T.fwd(q, k, v, None, True, D**-0.5, config=(*cfg, False))
+    piped = T.fwd(q, k, v, None, True, D**-0.5, config=(*cfg, True))
+    assert rel_err(piped[0], plain[0].double()) <= 8e-3  # two bf16 ulps of the largest
+    assert ((piped[1] - plain[1]).abs() / (1 + plain[1].abs())).max().item() <= FP32_TOL
