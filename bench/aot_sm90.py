@@ -3,7 +3,7 @@
 
 No GPU is needed: Triton's ahead-of-time compiler targets ``cuda:90`` with the
 ``ptxas`` and ``cuobjdump`` bundled in the triton wheel. Each candidate of
-``_triton_ops._GPU_CONFIGS`` (bf16 or ``--dtype fp32``, head dims 64 and 128 by default,
+``_triton_configs._GPU_CONFIGS`` (bf16 or ``--dtype fp32``, head dims 64 and 128 by default,
 ``--dims 256`` too, causal off) is compiled with
 the same specialisation the JIT gives a realistic launch (pointers and strides
 divisible by 16, GQA group 1), and the script prints, per config:
@@ -84,7 +84,7 @@ _TMA_DESCS = {
 def _compile(kind: str, head_dim: int, cfg: tuple[int, int, int, int], dtype: str,
              causal: bool = False):
     """The Triton-compiled sm_90 kernel of one (kind, head dim, config, dtype)."""
-    from torchfn.kernels._triton_ops import _OVERLAP
+    from torchfn.kernels._triton_configs import _OVERLAP
 
     tma = kind.endswith("_tma")
     kind = kind.removesuffix("_tma")
@@ -213,7 +213,7 @@ def compile_sm90(kind: str, head_dim: int, cfg: tuple[int, int, int, int],
 
 
 def main(argv: list[str] | None = None) -> int:
-    from torchfn.kernels._triton_ops import (
+    from torchfn.kernels._triton_configs import (
         _GPU_CONFIGS,
         _GPU_OVERLAP_CONFIGS,
         _GPU_TMA_CONFIGS,

@@ -36,7 +36,7 @@ function), SDPA's flash and cuDNN backends, and compiled FlexAttention.
 grid of block configs for every kernel, with and without TMA, in parallel, then times
 each kernel config at N = 8192 (checking that it gives the first config's result), and
 the best combination against SDPA cuDNN. Its table says which configs to put first in
-``_triton_ops._GPU_CONFIGS`` and ``_GPU_TMA_CONFIGS`` (TMA lists only where TMA won), and
+``_triton_configs._GPU_CONFIGS`` and ``_GPU_TMA_CONFIGS`` (TMA lists only where TMA won), and
 whether the overlap variants (``fwd_ovl`` / ``dkdv_ovl`` rows: the forward's
 ``PIPELINE``, dK/dV's ``EARLY_DP``; ``_GPU_OVERLAP_CONFIGS``) beat the plain kernels.
 """
@@ -344,7 +344,7 @@ def _bench_combos(dry: bool) -> list[tuple[str, int, bool]]:
 
 def warm_tasks(dry: bool) -> list[dict]:
     """Kernel configs the bench may pick (first configs first) + correctness cases."""
-    from torchfn.kernels import _triton_ops as T
+    from torchfn.kernels import _triton_configs as C
 
     first, rest = [], []
     for dname, D, causal in _bench_combos(dry):
@@ -352,9 +352,9 @@ def warm_tasks(dry: bool) -> list[dict]:
         dt = _dtype(dname)
 
         def cands(kind, dt=dt, bd=bd):  # (..., tma[, overlap]): in the tuner's order
-            return ([(*c, True) for c in T._tma_candidates(kind, dt, bd)]
-                    + [(*c, False) for c in T._candidates(kind, dt, bd)]
-                    + [tuple(c) for c in T._overlap_candidates(kind, dt, bd, "auto")])
+            return ([(*c, True) for c in C._tma_candidates(kind, dt, bd)]
+                    + [(*c, False) for c in C._candidates(kind, dt, bd)]
+                    + [tuple(c) for c in C._overlap_candidates(kind, dt, bd, "auto")])
 
         fc, kc, qc, ac = (cands(kind) for kind in ("fwd", "dkdv", "dq", "dkdv_atomic"))
         common = {"dtype": dname, "D": D, "causal": causal}
@@ -656,7 +656,7 @@ def phase_flex(args, time_it: bool) -> None:
 
 # ============================================================================ sweep
 # ``--sweep``: time every kernel over a wide grid of block configs, one kernel at a time,
-# to choose ``_triton_ops._GPU_CONFIGS`` / ``_GPU_TMA_CONFIGS`` from measurements. The
+# to choose ``_triton_configs._GPU_CONFIGS`` / ``_GPU_TMA_CONFIGS`` from measurements. The
 # grid holds bf16 configs that bench/aot_sm90.py compiles for sm_90 without spills and
 # within 227 KiB of shared memory (mostly one stage count per tile shape, more around
 # the previous sweep's winners), plus the tables' own entries.
@@ -741,14 +741,14 @@ _SWEEP_NEEDED = ("fwd", "fwd_tma", "dkdv", "dkdv_tma", "dq", "dq_tma", "dkdv_ato
 
 def _table(op: str, D: int) -> list[tuple[int, int, int, int]]:
     """The library's own bf16 candidates for sweep op ``op`` (4-tuples, tuner order)."""
-    from torchfn.kernels import _triton_ops as T
+    from torchfn.kernels import _triton_configs as C
 
     base, bf16 = op.removesuffix("_tma"), _dtype("bf16")
     if base.endswith("_ovl"):
-        listed = T._GPU_OVERLAP_CONFIGS[base.removesuffix("_ovl")].get(T._class(bf16, D), [])
+        listed = C._GPU_OVERLAP_CONFIGS[base.removesuffix("_ovl")].get(C._class(bf16, D), [])
         return [c[:4] for c in listed if c[4] == (op != base)]
-    table = T._candidates(base, bf16, D)
-    return T._tma_candidates(base, bf16, D) + table if op != base else table
+    table = C._candidates(base, bf16, D)
+    return C._tma_candidates(base, bf16, D) + table if op != base else table
 
 
 def _sweep_grid(op: str, D: int, dry: bool) -> list[tuple[int, int, int, int]]:
@@ -766,10 +766,10 @@ def _sweep_combos(dry: bool) -> list[tuple[int, bool]]:
 
 def _sweep_defaults(D: int) -> tuple[tuple, tuple, tuple]:
     """The table's first (untuned) fwd / dkdv / dq configs: the fixed partner of a sweep."""
-    from torchfn.kernels import _triton_ops as T
+    from torchfn.kernels import _triton_configs as C
 
     bf16 = _dtype("bf16")
-    return tuple(T._candidates(op, bf16, max(16, 1 << (D - 1).bit_length()))[0]
+    return tuple(C._candidates(op, bf16, max(16, 1 << (D - 1).bit_length()))[0]
                  for op in ("fwd", "dkdv", "dq"))
 
 

@@ -19,8 +19,9 @@ import pytest  # noqa: E402
 
 pytest.importorskip("triton", reason="triton is not installed")
 
+from torchfn.kernels import _triton_configs as C  # noqa: E402
 from torchfn.kernels import _triton_ops as T  # noqa: E402
-from torchfn.kernels._triton_ops import Config  # noqa: E402
+from torchfn.kernels._triton_configs import Config  # noqa: E402
 
 
 class _Recorder:
@@ -64,15 +65,15 @@ def _launch(kind, dtype, block_d, config=None, tma_usable=True):
 
 def _overlap(kind, dtype, block_d):
     return [Config(*c[:4], tma=c[4], overlap=True)
-            for c in T._GPU_OVERLAP_CONFIGS.get(kind, {}).get(T._class(dtype, block_d), [])]
+            for c in C._GPU_OVERLAP_CONFIGS.get(kind, {}).get(C._class(dtype, block_d), [])]
 
 
 @pytest.mark.parametrize("kind", ["fwd", "dkdv", "dkdv_atomic"])
 def test_auto_tries_tma_configs_first_then_pointer_configs(kind, gpu_branch, monkeypatch):
     monkeypatch.delenv("TORCHFN_TRITON_TMA", raising=False)
     launches = _launch(kind, torch.bfloat16, 128)
-    tma = [Config(*c, tma=True) for c in T._tma_candidates(kind, torch.bfloat16, 128)]
-    ptr = [Config(*c) for c in T._candidates(kind, torch.bfloat16, 128)]
+    tma = [Config(*c, tma=True) for c in C._tma_candidates(kind, torch.bfloat16, 128)]
+    ptr = [Config(*c) for c in C._candidates(kind, torch.bfloat16, 128)]
     assert tma, f"{kind} has TMA configs at D=128"
     # then the untimed overlap variants (forward and dK/dV; none for the atomic dK/dV)
     ovl = _overlap(kind, torch.bfloat16, 128)
@@ -105,10 +106,10 @@ def test_overlap_variants_follow_the_tma_mode(kind, dtype, block_d, gpu_branch, 
 def test_auto_without_tma_list_or_without_tma_support_uses_pointer_configs(gpu_branch,
                                                                           monkeypatch):
     monkeypatch.setenv("TORCHFN_TRITON_TMA", "auto")
-    ptr = [Config(*c) for c in T._candidates("dq", torch.bfloat16, 128)]
+    ptr = [Config(*c) for c in C._candidates("dq", torch.bfloat16, 128)]
     _launch("dq", torch.bfloat16, 128)  # dq: TMA was not faster, so no TMA list
     assert gpu_branch["cands"] == ptr
-    ptr_fwd = [Config(*c) for c in T._candidates("fwd", torch.float32, 64)]
+    ptr_fwd = [Config(*c) for c in C._candidates("fwd", torch.float32, 64)]
     _launch("fwd", torch.float32, 64, tma_usable=False)  # e.g. sm_80, unaligned strides
     assert gpu_branch["cands"] == ptr_fwd
 
@@ -117,15 +118,15 @@ def test_mode_one_forces_tma_and_mode_zero_forbids_it(gpu_branch, monkeypatch):
     monkeypatch.setenv("TORCHFN_TRITON_TMA", "1")
     _launch("dq", torch.bfloat16, 64)  # no TMA list: the pointer configs, with TMA loads
     assert gpu_branch["cands"] == [Config(*c, tma=True)
-                                   for c in T._candidates("dq", torch.bfloat16, 64)]
+                                   for c in C._candidates("dq", torch.bfloat16, 64)]
     _launch("fwd", torch.bfloat16, 64)
     ovl = _overlap("fwd", torch.bfloat16, 64)  # TMA variants only
     assert ovl and all(c.tma for c in ovl)
     assert gpu_branch["cands"] == [Config(*c, tma=True) for c in
-                                   T._tma_candidates("fwd", torch.bfloat16, 64)] + ovl
+                                   C._tma_candidates("fwd", torch.bfloat16, 64)] + ovl
     monkeypatch.setenv("TORCHFN_TRITON_TMA", "0")
     _launch("fwd", torch.bfloat16, 64)
-    assert gpu_branch["cands"] == [Config(*c) for c in T._candidates("fwd", torch.bfloat16, 64)]
+    assert gpu_branch["cands"] == [Config(*c) for c in C._candidates("fwd", torch.bfloat16, 64)]
 
 
 def test_tuned_choice_is_cached_per_mode(gpu_branch, monkeypatch):
@@ -164,7 +165,7 @@ def test_bad_explicit_config_is_a_clear_error(gpu_branch):
 def test_autotune_off_launches_the_first_candidate(gpu_branch, monkeypatch):
     monkeypatch.setenv("TORCHFN_TRITON_AUTOTUNE", "0")
     monkeypatch.setenv("TORCHFN_TRITON_TMA", "auto")
-    first = T._tma_candidates("fwd", torch.float16, 128)[0]
+    first = C._tma_candidates("fwd", torch.float16, 128)[0]
     assert _launch("fwd", torch.float16, 128) == [Config(*first, tma=True)]
     assert "cands" not in gpu_branch
 
@@ -172,7 +173,7 @@ def test_autotune_off_launches_the_first_candidate(gpu_branch, monkeypatch):
 def test_bad_tma_mode_is_a_clear_error(monkeypatch):
     monkeypatch.setenv("TORCHFN_TRITON_TMA", "yes")
     with pytest.raises(ValueError, match="TORCHFN_TRITON_TMA must be 'auto', '0' or '1'"):
-        T._tma_mode()
+        C._tma_mode()
 
 
 def test_interpreter_uses_tma_only_when_forced(monkeypatch):
@@ -186,10 +187,10 @@ def test_interpreter_uses_tma_only_when_forced(monkeypatch):
 def test_tma_and_overlap_lists_are_well_formed():
     # every TMA / overlap list shadows a pointer list of the same kernel and class, and
     # holds power-of-two blocks of at least 16 (tl.dot's minimum)
-    assert set(T._GPU_OVERLAP_CONFIGS) <= set(T._OVERLAP)
-    for kind, table in [*T._GPU_TMA_CONFIGS.items(), *T._GPU_OVERLAP_CONFIGS.items()]:
+    assert set(C._GPU_OVERLAP_CONFIGS) <= set(C._OVERLAP)
+    for kind, table in [*C._GPU_TMA_CONFIGS.items(), *C._GPU_OVERLAP_CONFIGS.items()]:
         for cls, cfgs in table.items():
-            assert cls in T._GPU_CONFIGS[kind], (kind, cls)
+            assert cls in C._GPU_CONFIGS[kind], (kind, cls)
             for bm, bn, warps, stages, *tma in cfgs:
                 assert tma in ([], [True], [False]), (kind, cls)
                 for b in (bm, bn):
@@ -248,7 +249,7 @@ def test_untuned_launch_falls_back_when_a_config_does_not_fit(monkeypatch):
     monkeypatch.setattr(T, "_TUNED", {})
     monkeypatch.setenv("TORCHFN_TRITON_AUTOTUNE", "0")
     monkeypatch.setenv("TORCHFN_TRITON_TMA", "0")
-    cands = T._candidates("fwd", torch.bfloat16, 128)
+    cands = C._candidates("fwd", torch.bfloat16, 128)
     launches = []
 
     class SmallGPU(_Recorder):

@@ -189,13 +189,14 @@ def test_gpu_backward_is_deterministic():
 def test_gpu_early_dp_gives_the_plain_order_gradients(D, cfg):
     # EARLY_DP (dK/dV's dP^T matmul before the exp) runs the same operations in another
     # issue order: the gradients of the plain order with the same tiles, to rounding
+    from torchfn.kernels import _triton_configs as C
     from torchfn.kernels import _triton_ops as T
 
     if cfg[4] and torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("tensor descriptors (TMA) need sm_90 or newer")
     q, k, v, do, _, _ = make(2, 4, 2, 300, 430, D, torch.bfloat16, None, seed=2)
     o, lse = T.fwd(q, k, v, None, True, D**-0.5)
-    dq_cfg = T._candidates("dq", torch.bfloat16, D)[0]
+    dq_cfg = C._candidates("dq", torch.bfloat16, D)[0]
     late = T.bwd(q, k, v, o, lse, do, None, True, D**-0.5, config=((*cfg, False), dq_cfg))
     early = T.bwd(q, k, v, o, lse, do, None, True, D**-0.5, config=((*cfg, True), dq_cfg))
     for a, b in zip(late, early):

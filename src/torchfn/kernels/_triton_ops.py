@@ -11,8 +11,9 @@ q: (B, H, Nq, D); k, v: (B, Hkv, Nk, D) with Hkv dividing H; mask None or alread
 expanded to (B, H, Nq, Nk) (bool: True = attend; float: additive); o: (B, H, Nq, D)
 in q's dtype; lse: (B, H, Nq) float32 (natural log, -inf on fully masked rows).
 
-Block sizes: on a GPU every kernel is tuned once per (kernel, N bucket, head dim,
-causal, mask kind, dtype) over a handful of configs (``TORCHFN_TRITON_AUTOTUNE=0``
+Block sizes (the tables and candidate lists are in ``_triton_configs``): on a GPU every
+kernel is tuned once per (kernel, N bucket, head dim, causal, mask kind, dtype) over a
+handful of configs (``TORCHFN_TRITON_AUTOTUNE=0``
 uses the first, hand-picked config). Under ``TRITON_INTERPRET=1`` (CPU) one small
 fixed config is used. On sm_90+ the tuner also tries the kernels with their streamed
 tiles read through tensor descriptors (TMA), where the H200 sweep found that faster
@@ -33,138 +34,28 @@ from __future__ import annotations
 import importlib
 import os
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 import triton
 
 from torchfn.kernels import _triton_bwd, _triton_fwd, _triton_jvp
+from torchfn.kernels._triton_configs import (
+    _INTERP_CONFIGS,
+    _OVERLAP,
+    Config,
+    _as_config,
+    _candidates,
+    _overlap_candidates,
+    _tma_candidates,
+    _tma_mode,
+)
 
 Tensor = torch.Tensor
 
 __all__ = ["fwd", "bwd", "jvp", "tuned_configs", "is_interpreted"]
 
 
-# --------------------------------------------------------------------------- configs
-class Config(NamedTuple):
-    """One launch of a kernel: block shape, warps, pipeline stages and variant flags.
-
-    ``tma``: streamed tiles through tensor descriptors (sm_90+). ``overlap``: the
-    kernel's variant that lets the softmax run beside a matmul in flight (``_OVERLAP``).
-    Compares equal to the plain tuple.
-    """
-
-    block_m: int
-    block_n: int
-    warps: int
-    stages: int
-    tma: bool = False
-    overlap: bool = False
-
-
-# the constexpr flag that ``Config.overlap`` sets, per kernel
-_OVERLAP = {"fwd": "PIPELINE", "dkdv": "EARLY_DP", "dkdv_atomic": "EARLY_DP"}
-
-
-# (BLOCK_M, BLOCK_N, num_warps, num_stages). Forward / JVP: query block x key block.
-# Backward follows the FA2 Triton tutorial: dK/dV with narrow query blocks and wide key
-# blocks, dQ the other way round. Every entry is compiled ahead of time for sm_90 by
-# bench/aot_sm90.py (Triton's AOT compiler with the JIT's divisibility-16
-# specialisation, then cuobjdump): none spills registers or needs more than the 227 KiB
-# of shared memory an H100 / H200 block gets, except where a comment says otherwise
-# (fp32 "tf32x3" dots take three MMAs and more registers: some spill with every config).
-# That is with Triton 3.9; with 3.6, the H200's, four atomic / TMA dK/dV entries spill
-# 8-24 bytes (bench/RESULTS.md) and stay where the sweep, run with 3.6, put them.
-# The bf16/fp16 D=64 and D=128 fwd, dK/dV and dQ lists are ordered by the H200 sweep
-# (bench/RESULTS.md, `gpu_attention.py --sweep`, N=8192): fastest first. The GPU
-# autotuner times the candidates on first use and keeps the fastest; the first entry
-# is the untuned default.
-_GPU_CONFIGS: dict[str, dict[str, list[tuple[int, int, int, int]]]] = {
-    "fwd": {
-        "d64": [(128, 64, 8, 3), (128, 64, 8, 4), (64, 64, 4, 3), (128, 64, 4, 3)],
-        # (128, 128, 8, 3) was the fastest pointer config in the sweep; since the scale
-        # moved into exp2's FMA (FOLD_SCALE) it spills 16 bytes on sm_90 (255 registers).
-        # Kept for the tuner to judge: on sm_90 the TMA configs usually win anyway.
-        "d128": [(128, 128, 8, 3), (128, 64, 8, 4), (64, 64, 4, 3), (128, 64, 8, 3)],
-        "d256": [(32, 32, 4, 2), (64, 32, 4, 2)],
-        "fp32": [(32, 32, 8, 2), (64, 32, 8, 2)],
-        "fp32_d128": [(32, 32, 8, 2), (16, 64, 8, 2), (16, 32, 4, 2)],
-        "fp32_d256": [(16, 16, 8, 2), (16, 16, 8, 1)],
-    },
-    "jvp": {
-        "d64": [(64, 64, 8, 2), (64, 32, 4, 2)],
-        "d128": [(64, 32, 4, 2), (32, 64, 8, 2), (128, 32, 8, 2)],
-        "d256": [(16, 32, 8, 2), (16, 16, 4, 2)],
-        "fp32": [(16, 32, 4, 2)],
-        "fp32_d128": [(16, 32, 4, 2)],  # spills (all tried do): three fp32 accumulators
-        "fp32_d256": [(16, 16, 4, 1)],  # spills, as every config tried
-    },
-    "dkdv": {
-        "d64": [(32, 64, 4, 3), (64, 64, 4, 3), (16, 128, 4, 3), (64, 128, 8, 3)],
-        "d128": [(32, 64, 4, 3), (32, 128, 8, 3), (16, 64, 4, 3)],
-        "d256": [(16, 32, 4, 2), (32, 32, 8, 2), (16, 64, 8, 2)],
-        "fp32": [(32, 32, 8, 2), (16, 32, 4, 2)],
-        "fp32_d128": [(32, 16, 8, 2), (16, 16, 8, 2)],
-        "fp32_d256": [(16, 16, 4, 1)],  # spills, as every config tried
-    },
-    # dK/dV with the atomic dQ (deterministic=False): one more dot, so other tiles fit.
-    "dkdv_atomic": {
-        "d64": [(64, 128, 8, 3), (32, 128, 4, 3), (64, 64, 4, 3)],
-        "d128": [(32, 128, 8, 3), (32, 64, 4, 3)],
-        "d256": [(16, 32, 8, 2), (32, 32, 8, 2)],
-        "fp32": [(32, 32, 8, 2), (16, 32, 4, 2)],
-        "fp32_d128": [(32, 16, 8, 2), (16, 16, 8, 2)],
-        "fp32_d256": [(16, 16, 4, 1)],  # spills, as every config tried
-    },
-    "dq": {
-        "d64": [(128, 64, 8, 3), (64, 64, 4, 3), (128, 64, 4, 4)],
-        "d128": [(128, 64, 8, 3), (64, 32, 4, 3), (64, 64, 4, 3)],
-        "d256": [(32, 32, 4, 2), (64, 16, 4, 2)],
-        "fp32": [(32, 32, 8, 2)],
-        "fp32_d128": [(16, 32, 8, 2), (16, 64, 8, 2), (16, 16, 8, 2)],
-        "fp32_d256": [(16, 16, 4, 1)],  # spills, as every config tried
-    },
-}
-# The same kernels with their streamed tiles read through tensor descriptors (TMA,
-# sm_90+). Listed only where the H200 sweep measured TMA faster than the best pointer
-# config: the forward (D=128: 1.99 ms against 2.23 at N=8192), dK/dV at D=128 (6.87
-# against 7.22 ms for the whole backward) and the atomic dK/dV. With TMA usable, these
-# come before the pointer configs, so the untuned default is the first TMA entry.
-_GPU_TMA_CONFIGS: dict[str, dict[str, list[tuple[int, int, int, int]]]] = {
-    "fwd": {
-        "d64": [(128, 128, 4, 3), (128, 64, 8, 4), (128, 64, 8, 3)],
-        "d128": [(128, 128, 8, 3), (128, 64, 8, 3), (64, 64, 4, 3), (128, 64, 8, 4)],
-    },
-    "dkdv": {"d128": [(64, 128, 8, 3), (64, 128, 8, 2), (32, 128, 8, 3)]},
-    "dkdv_atomic": {
-        "d64": [(64, 128, 8, 3), (32, 128, 4, 3)],
-        "d128": [(32, 128, 8, 3), (32, 64, 4, 3)],
-    },
-}
-# The overlap variants (forward: PIPELINE, dK/dV: EARLY_DP), as (BLOCK_M, BLOCK_N, warps,
-# stages, tma): not timed yet (no GPU since they were written), so the tuner tries them
-# last and the untuned default stays a measured config. Chosen around the sweep's
-# fastest configs from sm_90 AOT builds with Triton 3.6 (the H200's version) and 3.9:
-# no spills, and the SASS issues the exp while a wgmma is in flight
-# (`bench/aot_sm90.py --sass`, column `ovl`).
-_GPU_OVERLAP_CONFIGS: dict[str, dict[str, list[tuple[int, int, int, int, bool]]]] = {
-    "fwd": {
-        "d64": [(128, 128, 8, 3, True), (128, 64, 8, 3, True)],
-        "d128": [(128, 128, 8, 2, True), (128, 64, 8, 3, True), (128, 64, 8, 4, True)],
-    },
-    "dkdv": {
-        "d64": [(32, 64, 4, 3, False), (64, 64, 4, 3, False), (64, 128, 8, 3, False)],
-        "d128": [(32, 64, 4, 3, False), (32, 128, 8, 3, True), (32, 64, 4, 3, True)],
-    },
-}
-# Interpreter (CPU): few, wide-ish blocks keep the ~5 ms/step interpreter cost down.
-_INTERP_CONFIGS: dict[str, tuple[int, int, int, int]] = {
-    "fwd": (64, 64, 4, 1),
-    "jvp": (64, 64, 4, 1),
-    "dkdv": (32, 64, 4, 1),
-    "dkdv_atomic": (32, 64, 4, 1),
-    "dq": (64, 32, 4, 1),
-}
 _PRE_BLOCK_M = 64  # preprocess kernel (delta, lse2)
 _TUNED: dict[tuple, Config] = {}
 
@@ -215,61 +106,6 @@ def _block_d(d: int) -> int:
 
 def _bucket(n: int) -> int:
     return min(max(triton.next_power_of_2(max(n, 1)), 256), 16384)
-
-
-def _class(dtype: torch.dtype, block_d: int) -> str:
-    if dtype == torch.float32:
-        return "fp32" if block_d <= 64 else ("fp32_d128" if block_d <= 128 else "fp32_d256")
-    return "d64" if block_d <= 64 else ("d128" if block_d <= 128 else "d256")
-
-
-def _candidates(kind: str, dtype: torch.dtype, block_d: int) -> list[tuple[int, int, int, int]]:
-    """The pointer-load configs of ``kind`` for this dtype and padded head dim."""
-    return _GPU_CONFIGS[kind][_class(dtype, block_d)]
-
-
-def _tma_candidates(kind: str, dtype: torch.dtype, block_d: int,
-                    ) -> list[tuple[int, int, int, int]]:
-    """The TMA configs of ``kind`` (empty where TMA was not measured faster)."""
-    return _GPU_TMA_CONFIGS.get(kind, {}).get(_class(dtype, block_d), [])
-
-
-def _overlap_candidates(kind: str, dtype: torch.dtype, block_d: int, mode: str,
-                        ) -> list[Config]:
-    """The overlap variants to try under TMA ``mode`` ("0": only the pointer-load ones;
-    "1": every one reads through descriptors)."""
-    listed = _GPU_OVERLAP_CONFIGS.get(kind, {}).get(_class(dtype, block_d), [])
-    out: list[Config] = []
-    for *blocks, tma in listed:
-        if mode == "0" and tma:
-            continue
-        cfg = Config(*blocks, tma=tma or mode == "1", overlap=True)
-        if cfg not in out:
-            out.append(cfg)
-    return out
-
-
-def _as_config(kind: str, config: tuple, mode: str) -> Config:
-    """An explicit ``config=`` (4 to 6 entries) as a ``Config``; a 4-tuple uses TMA only
-    under ``TORCHFN_TRITON_TMA=1``."""
-    if not 4 <= len(config) <= 6:
-        raise ValueError("config must be (BLOCK_M, BLOCK_N, num_warps, num_stages[, tma"
-                         f"[, overlap]]), got {tuple(config)!r}")
-    cfg = Config(*config[:4], tma=bool(config[4]) if len(config) > 4 else mode == "1",
-                 overlap=bool(config[5]) if len(config) > 5 else False)
-    if cfg.overlap and kind not in _OVERLAP:
-        raise ValueError(f"config: the {kind!r} kernel has no overlap variant (only "
-                         f"{', '.join(_OVERLAP)})")
-    return cfg
-
-
-def _tma_mode() -> str:
-    """``TORCHFN_TRITON_TMA``: "auto" (default: tune over TMA and pointer configs), "1"
-    (TMA wherever usable, e.g. to test it) or "0" (pointer loads only)."""
-    mode = os.environ.get("TORCHFN_TRITON_TMA", "auto").strip().lower() or "auto"
-    if mode not in ("auto", "0", "1"):
-        raise ValueError(f"TORCHFN_TRITON_TMA must be 'auto', '0' or '1', got {mode!r}")
-    return mode
 
 
 def _autotune_enabled() -> bool:
