@@ -340,14 +340,15 @@ EARLY_CFG = ((32, 64, 4, 1, False, True), (64, 32, 4, 1))  # dK/dV with EARLY_DP
 
 
 @pytest.mark.parametrize("tma", [False, True], ids=["ptr", "tma"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("causal, mask, scale", [
     (False, None, 0.2), (True, None, 0.2),  # PIPELINE on: many full key blocks
     (True, "bool", 0.2), (False, None, -0.3),  # a user mask / scale <= 0: the plain loop
 ], ids=["full", "causal", "mask-falls-back", "negative-scale-falls-back"])
-def test_pipelined_forward_is_the_plain_forward(causal, mask, scale, dtype, tma, monkeypatch):
+def test_pipelined_forward_is_the_plain_forward(causal, mask, scale, tma, monkeypatch):
     # PIPELINE issues S_j with P_{j-1} V_{j-1} and rescales after: the same sums in the
     # same order, so the same bits as the plain loop, and the float64 reference's values
+    # (fp16 and more shapes: the property test below; bf16 on the GPU)
+    dtype = torch.float32
     monkeypatch.setenv("TORCHFN_TRITON_TMA", "1" if tma else "0")
     q, k, v, _, _, gen = make_inputs(2, 4, 2, 70, 150, 40, dtype, 13)
     mask_ = make_mask(mask, 2, 4, 70, 150, dtype, gen)
@@ -355,8 +356,7 @@ def test_pipelined_forward_is_the_plain_forward(causal, mask, scale, dtype, tma,
     piped = T.fwd(q, k, v, mask_, causal, scale, config=(32, 16, 4, 1, tma, True))
     assert all(torch.equal(a, b) for a, b in zip(plain, piped))
     ro, _ = reference(q.double(), k.double(), v.double(), mask_, causal, scale)
-    if dtype == torch.float32:
-        assert rel_err(piped[0], ro) <= FP32_TOL
+    assert rel_err(piped[0], ro) <= FP32_TOL
 
 
 @pytest.mark.parametrize("B, H, Hkv, Nq, Nk, D, dtype, causal, mask", [
