@@ -63,15 +63,19 @@ sys.path.insert(0, "bench")
 import aot_sm90 as a
 plain = a._sass("dkdv", 64, (32, 64, 4, 3))
 early = a._sass("dkdv_ovl", 64, (32, 64, 4, 3))
+fwd = a._sass("fwd_tma", 128, (128, 64, 8, 3))
+piped = a._sass("fwd_ovl_tma", 128, (128, 64, 8, 3))
 print(json.dumps({"plain": a.wgmma_overlap(plain)["MUFU"],
                   "early": a.wgmma_overlap(early)["MUFU"],
-                  "spill": a.compile_sm90("dkdv_ovl", 64, (32, 64, 4, 3))["spill"]}))
+                  "spill": a.compile_sm90("dkdv_ovl", 64, (32, 64, 4, 3))["spill"],
+                  "fwd": a.wgmma_overlap(fwd)["MUFU"], "piped": a.wgmma_overlap(piped)["MUFU"]}))
 """
 
 
-def test_early_dp_issues_the_exp_beside_a_wgmma_on_sm90():
-    # the sweep's fastest dK/dV config at D=64 (32, 64, 4 warps, 3 stages), compiled in
-    # a fresh process: ahead-of-time compiling needs the kernels jitted, not interpreted
+def test_overlap_variants_issue_the_exp_beside_a_wgmma_on_sm90():
+    # dK/dV at the sweep's fastest D=64 config (32, 64, 4 warps, 3 stages) and the TMA
+    # forward at D=128, (128, 64, 8, 3), compiled in a fresh process: ahead-of-time
+    # compiling needs the kernels jitted, not interpreted
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.path.join(ROOT, "src")
     proc = subprocess.run([sys.executable, "-c", _SM90_PROBE], cwd=ROOT, env=env,
@@ -84,3 +88,6 @@ def test_early_dp_issues_the_exp_beside_a_wgmma_on_sm90():
     assert total == total_early  # the same exps
     assert after >= total_early // 2 > before
     assert got["spill"] == 0
+    # the pipelined forward: at least one 128x64 tile's exps (32 per thread) overlapped
+    (before, _), (after, _) = got["fwd"], got["piped"]
+    assert after >= 32 > before
