@@ -135,16 +135,26 @@ def _load_tile(desc, off_b, off_h, start, ROWS: tl.constexpr, BLOCK_D: tl.conste
 
 
 @triton.jit
+def _load_block(base, desc, off_b, off_hk, start_n, offs_n, offs_d, stride, Nk,
+                HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                BOUNDARY: tl.constexpr, USE_TMA: tl.constexpr):
+    """The (BLOCK_N, BLOCK_D) k or v tile at key ``start_n`` (rows ``offs_n``), stored dtype."""
+    if USE_TMA:
+        t = _load_tile(desc, off_b, off_hk, start_n, BLOCK_N, BLOCK_D)
+    else:
+        t = _load_rows(base, offs_n, offs_d, stride, Nk, HEAD_DIM, BLOCK_D, BOUNDARY)
+    return t
+
+
+@triton.jit
 def _load_kv(k_base, v_base, desc_k, desc_v, off_b, off_hk, start_n, offs_n, offs_d, skn, svn,
              Nk, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
              BOUNDARY: tl.constexpr, USE_TMA: tl.constexpr):
     """The (BLOCK_N, BLOCK_D) k and v tiles at key ``start_n``, in their stored dtype."""
-    if USE_TMA:
-        k = _load_tile(desc_k, off_b, off_hk, start_n, BLOCK_N, BLOCK_D)
-        v = _load_tile(desc_v, off_b, off_hk, start_n, BLOCK_N, BLOCK_D)
-    else:
-        k = _load_rows(k_base, offs_n, offs_d, skn, Nk, HEAD_DIM, BLOCK_D, BOUNDARY)
-        v = _load_rows(v_base, offs_n, offs_d, svn, Nk, HEAD_DIM, BLOCK_D, BOUNDARY)
+    k = _load_block(k_base, desc_k, off_b, off_hk, start_n, offs_n, offs_d, skn, Nk, HEAD_DIM,
+                    BLOCK_N, BLOCK_D, BOUNDARY, USE_TMA)
+    v = _load_block(v_base, desc_v, off_b, off_hk, start_n, offs_n, offs_d, svn, Nk, HEAD_DIM,
+                    BLOCK_N, BLOCK_D, BOUNDARY, USE_TMA)
     return k, v
 
 
@@ -191,18 +201,6 @@ def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, m_base, offs_m, offs_d, lo, hi,
 
 
 @triton.jit
-def _load_block(base, desc, off_b, off_hk, start, offs_n0, offs_d, stride, Nk,
-                HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                USE_TMA: tl.constexpr):
-    """The (BLOCK_N, BLOCK_D) k or v tile of the full key block at ``start``."""
-    if USE_TMA:
-        t = _load_tile(desc, off_b, off_hk, start, BLOCK_N, BLOCK_D)
-    else:
-        t = _load_rows(base, start + offs_n0, offs_d, stride, Nk, HEAD_DIM, BLOCK_D, False)
-    return t
-
-
-@triton.jit
 def _softmax_block(acc, l_i, m_i, qk, qk_scale):
     """One online-softmax step on raw scores ``qk`` (M, N) of an unmasked block (scale > 0):
     rescales ``acc`` and ``l_i`` and returns P (float32) and the new row max."""
@@ -221,8 +219,8 @@ def _fwd_inner_pipe(acc, l_i, m_i, q, k_base, v_base, desc_k, desc_v, off_b, off
     ``S_j = q K_j^T`` and ``acc += P_{j-1} V_{j-1}`` are issued together, and P_j's
     softmax runs while the second is in flight (``acc`` is rescaled once it lands)."""
     offs_n0 = tl.arange(0, BLOCK_N)
-    k = _load_block(k_base, desc_k, off_b, off_hk, lo, offs_n0, offs_d, skn, Nk, HEAD_DIM,
-                    BLOCK_N, BLOCK_D, USE_TMA)
+    k = _load_block(k_base, desc_k, off_b, off_hk, lo, lo + offs_n0, offs_d, skn, Nk, HEAD_DIM,
+                    BLOCK_N, BLOCK_D, False, USE_TMA)
     p_dtype = k.dtype
     if UPCAST:
         k = k.to(tl.float32)
@@ -230,10 +228,11 @@ def _fwd_inner_pipe(acc, l_i, m_i, q, k_base, v_base, desc_k, desc_v, off_b, off
     acc, l_i, m_i, p = _softmax_block(acc, l_i, m_i, qk, qk_scale)
     for start_n in range(lo + BLOCK_N, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
-        k = _load_block(k_base, desc_k, off_b, off_hk, start_n, offs_n0, offs_d, skn, Nk,
-                        HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
-        v = _load_block(v_base, desc_v, off_b, off_hk, start_n - BLOCK_N, offs_n0, offs_d, svn,
-                        Nk, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
+        k = _load_block(k_base, desc_k, off_b, off_hk, start_n, start_n + offs_n0, offs_d, skn,
+                        Nk, HEAD_DIM, BLOCK_N, BLOCK_D, False, USE_TMA)
+        v = _load_block(v_base, desc_v, off_b, off_hk, start_n - BLOCK_N,
+                        start_n - BLOCK_N + offs_n0, offs_d, svn, Nk, HEAD_DIM, BLOCK_N, BLOCK_D,
+                        False, USE_TMA)
         if UPCAST:  # interpreter: P stays fp32, as in the plain loop
             k = k.to(tl.float32)
             v = v.to(tl.float32)
@@ -243,8 +242,8 @@ def _fwd_inner_pipe(acc, l_i, m_i, q, k_base, v_base, desc_k, desc_v, off_b, off
         acc = tl.dot(p, v, acc, input_precision=DOT_PREC)  # + P_{j-1} V_{j-1}
         acc, l_i, m_i, p = _softmax_block(acc, l_i, m_i, qk, qk_scale)
     last = lo + ((hi - lo - 1) // BLOCK_N) * BLOCK_N
-    v = _load_block(v_base, desc_v, off_b, off_hk, last, offs_n0, offs_d, svn, Nk, HEAD_DIM,
-                    BLOCK_N, BLOCK_D, USE_TMA)
+    v = _load_block(v_base, desc_v, off_b, off_hk, last, last + offs_n0, offs_d, svn, Nk,
+                    HEAD_DIM, BLOCK_N, BLOCK_D, False, USE_TMA)
     if UPCAST:
         v = v.to(tl.float32)
     else:
