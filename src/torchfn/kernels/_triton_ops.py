@@ -13,15 +13,14 @@ in q's dtype; lse: (B, H, Nq) float32 (natural log, -inf on fully masked rows).
 
 Block sizes (the tables and candidate lists are in ``_triton_configs``): on a GPU every
 kernel is tuned once per (kernel, N bucket, head dim, causal, mask kind, dtype) over a
-handful of configs (``TORCHFN_TRITON_AUTOTUNE=0``
-uses the first, hand-picked config). Under ``TRITON_INTERPRET=1`` (CPU) one small
-fixed config is used. On sm_90+ the tuner also tries the kernels with their streamed
-tiles read through tensor descriptors (TMA), where the H200 sweep found that faster
-(``TORCHFN_TRITON_TMA``: "auto" default, "0" never, "1" always; the interpreter uses
-TMA only with "1"). The overlap variants (the forward's ``PIPELINE``, dK/dV's
-``EARLY_DP``: see their modules) are tried last, not yet timed. fp32 dots never use
-plain TF32: 3xTF32 ("tf32x3") on the GPU, overridable with
-``TORCHFN_TRITON_FP32_PRECISION=ieee``; exact in the interpreter.
+handful of configs (``TORCHFN_TRITON_AUTOTUNE=0`` uses the first, measured config).
+Under ``TRITON_INTERPRET=1`` (CPU) one small fixed config is used. On sm_90+ the tuner
+also tries the kernels with their streamed tiles read through tensor descriptors (TMA),
+where the H200 sweep found that faster (``TORCHFN_TRITON_TMA``: "auto" default, "0"
+never, "1" always; the interpreter uses TMA only with "1"). The overlap variants (the
+forward's ``PIPELINE``, dK/dV's ``EARLY_DP``: see their modules) are tried last, not
+yet timed. fp32 dots never use plain TF32: 3xTF32 ("tf32x3") on the GPU, overridable
+with ``TORCHFN_TRITON_FP32_PRECISION=ieee``; exact in the interpreter.
 
 Example (GPU)::
 
