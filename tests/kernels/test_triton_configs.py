@@ -170,6 +170,19 @@ def test_autotune_off_launches_the_first_candidate(gpu_branch, monkeypatch):
     assert "cands" not in gpu_branch
 
 
+def test_overlap_off_leaves_the_variants_out_and_tunes_apart(gpu_branch, monkeypatch):
+    monkeypatch.setenv("TORCHFN_TRITON_TMA", "auto")
+    _launch("dkdv", torch.bfloat16, 128)
+    with_variants = gpu_branch["cands"]
+    monkeypatch.setenv("TORCHFN_TRITON_OVERLAP", "0")
+    _launch("dkdv", torch.bfloat16, 128)
+    assert gpu_branch["cands"] == [c for c in with_variants if not c.overlap] != with_variants
+    assert len(T.tuned_configs()) == 2  # one pick with the variants, one without
+    monkeypatch.setenv("TORCHFN_TRITON_OVERLAP", "yes")
+    with pytest.raises(ValueError, match="TORCHFN_TRITON_OVERLAP must be '0' or '1'"):
+        _launch("dkdv", torch.bfloat16, 128)
+
+
 def test_bad_tma_mode_is_a_clear_error(monkeypatch):
     monkeypatch.setenv("TORCHFN_TRITON_TMA", "yes")
     with pytest.raises(ValueError, match="TORCHFN_TRITON_TMA must be 'auto', '0' or '1'"):

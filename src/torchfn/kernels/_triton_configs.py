@@ -157,10 +157,21 @@ def _tma_candidates(kind: str, dtype: torch.dtype, block_d: int,
     return _GPU_TMA_CONFIGS.get(kind, {}).get(_class(dtype, block_d), [])
 
 
+def _overlap_on() -> bool:
+    """``TORCHFN_TRITON_OVERLAP``: "1" (default: the tuner also tries the overlap
+    variants) or "0" (never: e.g. to time the plain kernels, or to rule a variant out)."""
+    value = os.environ.get("TORCHFN_TRITON_OVERLAP", "1").strip() or "1"
+    if value not in ("0", "1"):
+        raise ValueError(f"TORCHFN_TRITON_OVERLAP must be '0' or '1', got {value!r}")
+    return value == "1"
+
+
 def _overlap_candidates(kind: str, dtype: torch.dtype, block_d: int, mode: str,
                         ) -> list[Config]:
     """The overlap variants to try under TMA ``mode`` ("0": only the pointer-load ones;
-    "1": every one reads through descriptors)."""
+    "1": every one reads through descriptors); none with ``TORCHFN_TRITON_OVERLAP=0``."""
+    if not _overlap_on():
+        return []
     listed = _GPU_OVERLAP_CONFIGS.get(kind, {}).get(_class(dtype, block_d), [])
     out: list[Config] = []
     for *blocks, tma in listed:

@@ -19,8 +19,9 @@ also tries the kernels with their streamed tiles read through tensor descriptors
 where the H200 sweep found that faster (``TORCHFN_TRITON_TMA``: "auto" default, "0"
 never, "1" always; the interpreter uses TMA only with "1"). The overlap variants (the
 forward's ``PIPELINE``, dK/dV's ``EARLY_DP``: see their modules) are tried last, not
-yet timed. fp32 dots never use plain TF32: 3xTF32 ("tf32x3") on the GPU, overridable
-with ``TORCHFN_TRITON_FP32_PRECISION=ieee``; exact in the interpreter.
+yet timed (``TORCHFN_TRITON_OVERLAP=0`` leaves them out). fp32 dots never use plain
+TF32: 3xTF32 ("tf32x3") on the GPU, overridable with
+``TORCHFN_TRITON_FP32_PRECISION=ieee``; exact in the interpreter.
 
 Example (GPU)::
 
@@ -46,6 +47,7 @@ from torchfn.kernels._triton_configs import (
     _as_config,
     _candidates,
     _overlap_candidates,
+    _overlap_on,
     _tma_candidates,
     _tma_mode,
 )
@@ -154,7 +156,7 @@ def _launch(kind: str, kernel: Any, grid: Callable[[int, int], tuple[int, ...]],
     else:
         cands = [Config(*c, tma=True) for c in tmas] + [Config(*c) for c in ptr]
     cands += _overlap_candidates(kind, dtype, bd, mode)  # untimed variants: last
-    full_key = (kind, *key, mode)
+    full_key = (kind, *key, _overlap_on(), mode)
     cfg = _TUNED.get(full_key)
     if cfg is not None:
         run(cfg)
