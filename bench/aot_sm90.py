@@ -16,7 +16,11 @@ A kind ending in ``_tma`` (``fwd_tma``, ``dkdv_tma``, ...) is that kernel with `
 and the configs of ``_GPU_TMA_CONFIGS``: its streamed tiles come through tensor
 descriptors, which the GPU autotuner tries on sm_90+. ``fwd_ovl`` and ``dkdv_ovl`` are
 the overlap variants (``PIPELINE``, ``EARLY_DP``) with the configs of
-``_GPU_OVERLAP_CONFIGS``, each with its own TMA flag.
+``_GPU_OVERLAP_CONFIGS``, each with its own TMA flag. ``fwd_ws``, ``dkdv_ws`` and
+``dq_ws`` are the warp-specialized variants (``WARP_SPEC``, ``_GPU_WS_CONFIGS``); for
+them ``warps`` is what Triton made of the 4 requested (12: a producer and two consumer
+warpgroups) and ``setmaxnreg`` counts the register hand-overs between them. A ``_ws``
+candidate that Triton did not specialize (12 warps, ``setmaxnreg`` > 0) fails the check.
 
 It exits 1 when a candidate spills or overflows shared memory, so it can guard edits
 to the config table. Without the divisibility hints the pipeliner cannot prove 16-byte
@@ -90,6 +94,8 @@ def _compile(kind: str, head_dim: int, cfg: tuple[int, int, int, int], dtype: st
     kind = kind.removesuffix("_tma")
     ovl = kind.endswith("_ovl")
     kind = kind.removesuffix("_ovl")
+    ws = kind.endswith("_ws")
+    kind = kind.removesuffix("_ws")
     fn = _kernel(kind)
     bm, bn, warps, stages = cfg[:4]
     block_d = max(16, 1 << (head_dim - 1).bit_length())
@@ -100,6 +106,8 @@ def _compile(kind: str, head_dim: int, cfg: tuple[int, int, int, int], dtype: st
         consts["DQ_ATOMIC"] = True
     if ovl:
         consts[_OVERLAP[kind]] = True
+    if ws:  # warp-specialized: descriptors made in the kernel, every block masked
+        consts["WARP_SPEC"] = True  # (WS_MASKED's default: the costlier case, always built)
     descs = {}
     if tma:
         consts["USE_TMA"] = True
@@ -199,17 +207,21 @@ def wgmma_overlap(sass: str, ops: tuple[str, ...] = ("MUFU",)) -> dict[str, tupl
 
 
 def compile_sm90(kind: str, head_dim: int, cfg: tuple[int, int, int, int],
-                 dtype: str = "bf16") -> dict:
-    """Compile one (kind, head dim, config) for sm_90: {'regs', 'spill', 'smem'}.
+                 dtype: str = "bf16", causal: bool = False) -> dict:
+    """Compile one (kind, head dim, config) for sm_90: {'regs', 'spill', 'smem', 'warps',
+    'setmaxnreg'}.
 
     ``dtype``: "bf16" or "fp32" (fp32 dots as 3xTF32, the GPU default). A kind ending
-    in ``_tma`` is that kernel with ``USE_TMA`` (tensor-descriptor loads).
+    in ``_tma`` is that kernel with ``USE_TMA`` (tensor-descriptor loads), one ending in
+    ``_ws`` the warp-specialized variant.
     """
-    compiled = _compile(kind, head_dim, cfg, dtype)
+    compiled = _compile(kind, head_dim, cfg, dtype, causal)
     usage = _cuobjdump(compiled.asm["cubin"], "-res-usage")
     regs, stack = re.search(r"REG:(\d+)", usage), re.search(r"STACK:(\d+)", usage)
+    sass = _cuobjdump(compiled.asm["cubin"], "-sass") if kind.endswith("_ws") else ""
     return {"regs": int(regs.group(1)), "spill": int(stack.group(1)) if stack else 0,
-            "smem": compiled.metadata.shared}
+            "smem": compiled.metadata.shared, "warps": compiled.metadata.num_warps,
+            "setmaxnreg": sass.count("SETMAXREG")}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -217,12 +229,16 @@ def main(argv: list[str] | None = None) -> int:
         _GPU_CONFIGS,
         _GPU_OVERLAP_CONFIGS,
         _GPU_TMA_CONFIGS,
+        _GPU_WS_CONFIGS,
     )
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--kinds", nargs="+",
                     default=[*_GPU_CONFIGS, *(f"{k}_tma" for k in _GPU_TMA_CONFIGS),
-                             *(f"{k}_ovl" for k in _GPU_OVERLAP_CONFIGS)])
+                             *(f"{k}_ovl" for k in _GPU_OVERLAP_CONFIGS),
+                             *(f"{k}_ws" for k in _GPU_WS_CONFIGS)])
+    ap.add_argument("--causal", action="store_true",
+                    help="build the causal kernels (the warp-specialized ones differ most)")
     ap.add_argument("--dims", nargs="+", type=int, default=[64, 128])
     ap.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16",
                     help="fp32 checks the table's fp32 lists (head dim <= 128 or 256)")
@@ -235,6 +251,8 @@ def main(argv: list[str] | None = None) -> int:
             base = kind.removesuffix("_tma")
             if base.endswith("_ovl"):  # entries carry their own TMA flag
                 table = _GPU_OVERLAP_CONFIGS[base.removesuffix("_ovl")]
+            elif base.endswith("_ws"):
+                table = _GPU_WS_CONFIGS[base.removesuffix("_ws")]
             else:
                 table = _GPU_TMA_CONFIGS.get(base, {}) if kind != base else _GPU_CONFIGS[base]
             if args.dtype == "fp32":
@@ -246,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
                 if base.endswith("_ovl"):
                     name, cfg = base + ("_tma" if cfg[4] else ""), cfg[:4]
                 if args.sass:
-                    sass = _sass(name, d, cfg, args.dtype)
+                    sass = _sass(name, d, cfg, args.dtype, args.causal)
                     c = _opcode_counts(sass)
                     ops = ("FMUL", "FFMA", "FADD", "FMNMX", "MUFU", "FSEL", "HGMMA", "HMMA")
                     ovl, mufu = wgmma_overlap(sass)["MUFU"]
@@ -255,13 +273,17 @@ def main(argv: list[str] | None = None) -> int:
                           + " ".join(f"{o}={c.get(o, 0)}" for o in ops)
                           + f" ovl={ovl}/{mufu}", flush=True)
                     continue
-                r = compile_sm90(name, d, cfg, args.dtype)
-                ok = r["spill"] == 0 and r["smem"] <= SMEM_LIMIT
+                r = compile_sm90(name, d, cfg, args.dtype, args.causal)
+                ws = name.endswith("_ws")
+                ok = r["spill"] == 0 and r["smem"] <= SMEM_LIMIT and (
+                    not ws or (r["warps"] == 12 and r["setmaxnreg"] > 0))
                 bad += not ok
+                extra = f" warps={r['warps']} setmaxnreg={r['setmaxnreg']}" if ws else ""
                 print(f"{name:>15} {args.dtype} D={d:<3} {str(cfg):<18} regs={r['regs']:<3} "
-                      f"spill={r['spill']:<5} smem={r['smem'] // 1024} KiB"
-                      f"{'' if ok else '  <-- spills or overflows'}", flush=True)
-    print(f"{bad} candidate(s) spill or overflow shared memory")
+                      f"spill={r['spill']:<5} smem={r['smem'] // 1024} KiB{extra}"
+                      f"{'' if ok else '  <-- spills, overflows or is not specialized'}",
+                      flush=True)
+    print(f"{bad} candidate(s) spill, overflow shared memory or are not specialized")
     return 1 if bad else 0
 
 

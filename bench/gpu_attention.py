@@ -38,7 +38,9 @@ each kernel config at N = 8192 (checking that it gives the first config's result
 the best combination against SDPA cuDNN. Its table says which configs to put first in
 ``_triton_configs._GPU_CONFIGS`` and ``_GPU_TMA_CONFIGS`` (TMA lists only where TMA won), and
 whether the overlap variants (``fwd_ovl`` / ``dkdv_ovl`` rows: the forward's
-``PIPELINE``, dK/dV's ``EARLY_DP``; ``_GPU_OVERLAP_CONFIGS``) beat the plain kernels.
+``PIPELINE``, dK/dV's ``EARLY_DP``; ``_GPU_OVERLAP_CONFIGS``) and the warp-specialized
+ones (``fwd_ws`` / ``dkdv_ws`` / ``dq_ws``; ``_GPU_WS_CONFIGS``) beat the plain kernels.
+``sweep_best_any`` runs, per kernel, the fastest config of any variant.
 """
 
 from __future__ import annotations
@@ -351,10 +353,11 @@ def warm_tasks(dry: bool) -> list[dict]:
         bd = max(16, 1 << (D - 1).bit_length())
         dt = _dtype(dname)
 
-        def cands(kind, dt=dt, bd=bd):  # (..., tma[, overlap]): in the tuner's order
+        def cands(kind, dt=dt, bd=bd):  # (..., tma[, overlap[, ws]]): the tuner's order
             return ([(*c, True) for c in C._tma_candidates(kind, dt, bd)]
                     + [(*c, False) for c in C._candidates(kind, dt, bd)]
-                    + [tuple(c) for c in C._overlap_candidates(kind, dt, bd, "auto")])
+                    + [tuple(c) for c in C._overlap_candidates(kind, dt, bd, "auto")]
+                    + [tuple(c) for c in C._ws_candidates(kind, dt, bd)])
 
         fc, kc, qc, ac = (cands(kind) for kind in ("fwd", "dkdv", "dq", "dkdv_atomic"))
         common = {"dtype": dname, "D": D, "causal": causal}
@@ -721,6 +724,11 @@ SWEEP_GRID: dict[str, dict[int, list[tuple[int, int, int, int]]]] = {
         64: [(32, 64, 4, 3), (64, 64, 4, 3), (64, 128, 8, 3)],
         128: [(32, 128, 8, 3), (32, 64, 4, 3), (16, 128, 8, 3), (32, 64, 8, 3)],
     },
+    # "<op>_ws": the warp-specialized variants; Triton specializes only these shapes
+    # (4 warps -> 12), so the grid is their table (`_table`)
+    "fwd_ws": {64: [], 128: []},
+    "dkdv_ws": {64: [], 128: []},
+    "dq_ws": {64: [], 128: []},
     "fwd_tma": {
         64: [(64, 64, 4, 3), (64, 128, 8, 3), (128, 32, 8, 3), (128, 64, 4, 3), (128, 64, 8, 3),
              (128, 64, 8, 4), (128, 128, 4, 3), (128, 128, 8, 3), (128, 128, 8, 4),
@@ -732,9 +740,11 @@ SWEEP_GRID: dict[str, dict[int, list[tuple[int, int, int, int]]]] = {
 }
 _SWEEP_GRID_DRY = {"fwd": [(16, 16, 4, 1), (32, 16, 4, 1)], "dkdv": [(16, 32, 4, 1)],
                    "dq": [(32, 16, 4, 1)], "dkdv_atomic": [(16, 32, 4, 1), (32, 32, 4, 1)],
-                   "fwd_ovl": [(16, 16, 4, 1)], "dkdv_ovl": [(16, 32, 4, 1)]}
-SWEEP_OPS = ("fwd", "fwd_tma", "fwd_ovl_tma", "dkdv", "dkdv_tma", "dq", "dq_tma", "dkdv_ovl",
-             "dkdv_ovl_tma", "dkdv_atomic", "dkdv_atomic_tma")
+                   "fwd_ovl": [(16, 16, 4, 1)], "dkdv_ovl": [(16, 32, 4, 1)],
+                   "fwd_ws": [(16, 16, 4, 1)], "dkdv_ws": [(16, 32, 4, 1)],
+                   "dq_ws": [(32, 16, 4, 1)]}
+SWEEP_OPS = ("fwd", "fwd_tma", "fwd_ovl_tma", "fwd_ws", "dkdv", "dkdv_tma", "dq", "dq_tma",
+             "dq_ws", "dkdv_ovl", "dkdv_ovl_tma", "dkdv_ws", "dkdv_atomic", "dkdv_atomic_tma")
 _SWEEP_NEEDED = ("fwd", "fwd_tma", "dkdv", "dkdv_tma", "dq", "dq_tma", "dkdv_atomic",
                  "dkdv_atomic_tma")  # for the best combinations; the others add to them
 
@@ -744,6 +754,8 @@ def _table(op: str, D: int) -> list[tuple[int, int, int, int]]:
     from torchfn.kernels import _triton_configs as C
 
     base, bf16 = op.removesuffix("_tma"), _dtype("bf16")
+    if base.endswith("_ws"):
+        return list(C._GPU_WS_CONFIGS[base.removesuffix("_ws")].get(C._class(bf16, D), []))
     if base.endswith("_ovl"):
         listed = C._GPU_OVERLAP_CONFIGS[base.removesuffix("_ovl")].get(C._class(bf16, D), [])
         return [c[:4] for c in listed if c[4] == (op != base)]
@@ -780,8 +792,11 @@ def _sweep_call(op: str, cfg, x, causal: bool, D: int):
     q, k, v, do, o, lse = x
     scale = D**-0.5
     _, k0, q0 = _sweep_defaults(D) if D >= 64 else (cfg, cfg, cfg)
-    if "_ovl" in op:  # the config carries the variant flags
-        ovl = (*cfg[:4], op.endswith("_tma"), True)
+    if "_ovl" in op or op.endswith("_ws"):  # the config carries the variant flags
+        ovl = _variant_config(op, cfg)
+        if op.startswith("dq"):
+            return lambda: T.bwd(q, k, v, o, lse, do, None, causal, scale, True,
+                                 config=(k0, ovl))
         if op.startswith("fwd"):
             call = lambda: T.fwd(q, k, v, None, causal, scale, config=ovl)  # noqa: E731
         else:
@@ -797,6 +812,12 @@ def _sweep_call(op: str, cfg, x, causal: bool, D: int):
     if op == "dq":
         return lambda: T.bwd(q, k, v, o, lse, do, None, causal, scale, True, config=(k0, cfg))
     return lambda: T.bwd(q, k, v, o, lse, do, None, causal, scale, False, config=(cfg, q0))
+
+
+def _variant_config(op: str, cfg) -> tuple:
+    """Sweep op ``op``'s config as an explicit 7-tuple (BLOCK_M, BLOCK_N, warps, stages,
+    tma, overlap, ws): "_tma" / "_ovl" / "_ws" in the name set the flags."""
+    return (*cfg[:4], op.endswith("_tma"), "_ovl" in op, op.endswith("_ws"))
 
 
 def _with_tma(fn, mode: str = "1"):
@@ -892,13 +913,17 @@ def phase_sweep(args) -> None:
                          else row.get("error", "skipped")), flush=True)
         if all(op in best for op in _SWEEP_NEEDED):
             _sweep_best(args, timer, provs, D, causal, N, B, H, x,
-                        {op: cfg for op, (_, cfg) in best.items()})
+                        {op: cfg for op, (_, cfg) in best.items()},
+                        {op: ms for op, (ms, _) in best.items()})
             _append(args.part, {"kind": "sweep_best_configs", "D": D, "causal": causal,
                                 "best": {op: {"ms": t, "cfg": c} for op, (t, c) in best.items()}})
 
 
-def _sweep_best(args, timer, provs, D, causal, N, B, H, x, cfgs: dict) -> None:
-    """Time fwd and fwd+bwd with the best config of each kernel, and SDPA cuDNN beside them."""
+def _sweep_best(args, timer, provs, D, causal, N, B, H, x, cfgs: dict,
+                cfgs_ms: dict) -> None:
+    """Time fwd and fwd+bwd with the best config of each kernel, and SDPA cuDNN beside them.
+
+    ``cfgs``: sweep op -> its fastest config; ``cfgs_ms``: op -> that config's time."""
     from torchfn.kernels import _triton_ops as T
 
     q, k, v, do, _, _ = x
@@ -935,6 +960,31 @@ def _sweep_best(args, timer, provs, D, causal, N, B, H, x, cfgs: dict) -> None:
     if "fwd_ovl_tma" in cfgs and "dkdv_ovl_tma" in cfgs:  # as sweep_best_tma, both overlaps
         runs[("sweep_best_ovl_tma", "fwd_bwd")] = fwd_bwd(True, "_tma", "dkdv_ovl_tma",
                                                            "fwd_ovl_tma")
+    # the fastest variant of each kernel, whichever it is (and all-warp-specialized)
+    pick = {kernel: min((op for op in cfgs if op.split("_")[0] == kernel
+                         and "atomic" not in op), key=lambda op: cfgs_ms[op])
+            for kernel in ("fwd", "dkdv", "dq")}
+    explicit = {kernel: _variant_config(op, cfgs[op]) for kernel, op in pick.items()}
+    runs[("sweep_best_any", "fwd")] = lambda: T.fwd(q, k, v, None, causal, scale,
+                                                    config=explicit["fwd"])
+
+    def any_fwd_bwd(chosen):
+        def run():
+            o, lse = T.fwd(q, k, v, None, causal, scale, config=chosen["fwd"])
+            return T.bwd(q, k, v, o, lse, do, None, causal, scale, True,
+                         config=(chosen["dkdv"], chosen["dq"]))
+
+        return run
+
+    runs[("sweep_best_any", "fwd_bwd")] = any_fwd_bwd(explicit)
+    _append(args.part, {"kind": "sweep_best_pick", "D": D, "causal": causal, "pick": pick,
+                        "configs": explicit})
+    if all(f"{kernel}_ws" in cfgs for kernel in ("fwd", "dkdv", "dq")):
+        ws = {kernel: _variant_config(f"{kernel}_ws", cfgs[f"{kernel}_ws"])
+              for kernel in ("fwd", "dkdv", "dq")}
+        runs[("sweep_best_ws", "fwd")] = lambda: T.fwd(q, k, v, None, causal, scale,
+                                                       config=ws["fwd"])
+        runs[("sweep_best_ws", "fwd_bwd")] = any_fwd_bwd(ws)
     for (name, mode), fn in runs.items():
         meta = {"provider": name, "mode": mode, "dtype": "bf16", "D": D, "N": N, "B": B, "H": H,
                 "causal": causal, "configs": cfgs}

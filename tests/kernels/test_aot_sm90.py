@@ -91,3 +91,34 @@ def test_overlap_variants_issue_the_exp_beside_a_wgmma_on_sm90():
     # the pipelined forward: at least one 128x64 tile's exps (32 per thread) overlapped
     (before, _), (after, _) = got["fwd"], got["piped"]
     assert after >= 32 > before
+
+
+_WS_PROBE = """
+import json, sys
+sys.path.insert(0, "bench")
+import aot_sm90 as a
+out = {}
+for kind, cfg in (("dkdv_ws", (32, 128, 4, 2)), ("dq_ws", (64, 64, 4, 3)),
+                  ("fwd_ws", (128, 64, 4, 3)), ("dkdv", (32, 128, 4, 2))):
+    out[kind] = a.compile_sm90(kind, 128, cfg, causal=True)
+print(json.dumps(out))
+"""
+
+
+def test_warp_specialized_variants_are_specialized_on_sm90():
+    # The WS variants exist because Triton's Hopper pass splits their one loop into a
+    # TMA producer and two consumer warpgroups (4 requested warps -> 12, registers handed
+    # over with setmaxnreg). It gives up silently on code it cannot split (a second loop,
+    # a pointer load beside the descriptors): this guards the kernels' shape against that.
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.path.join(ROOT, "src")
+    proc = subprocess.run([sys.executable, "-c", _WS_PROBE], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    if proc.returncode and ("ptxas" in proc.stderr or "cuobjdump" in proc.stderr):
+        pytest.skip("this Triton has no bundled ptxas / cuobjdump to compile for sm_90")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    for kind in ("dkdv_ws", "dq_ws", "fwd_ws"):
+        assert got[kind]["warps"] == 12 and got[kind]["setmaxnreg"] > 0, (kind, got[kind])
+        assert got[kind]["spill"] == 0, (kind, got[kind])
+    assert got["dkdv"]["warps"] == 4  # the plain kernel at the same config: not split

@@ -44,10 +44,12 @@ def test_sweep_dry_run_times_every_kernel(tmp_path):
     timed = {(r["op"], r["causal"]) for r in result["sweep"] if r.get("kind") == "sweep"
              and "ms" in r}
     ops = [f"{op}{tma}" for op in ("fwd", "dkdv", "dq", "dkdv_ovl", "dkdv_atomic")
-           for tma in ("", "_tma")] + ["fwd_ovl_tma"]
+           for tma in ("", "_tma")] + ["fwd_ovl_tma", "fwd_ws", "dkdv_ws", "dq_ws"]
     assert timed == {(op, c) for op in ops for c in (False, True)}
     # every config gives the first config's result, TMA or not
     assert all(r["same_result"] for r in result["sweep"] if "ms" in r and "op" in r)
     best = {r["provider"] for r in result["sweep"] if r.get("kind") == "bench" and "ms" in r}
     assert {"sweep_best", "sweep_best_tma", "sweep_best_atomic", "sweep_best_atomic_tma",
-            "sweep_best_ovl", "sweep_best_ovl_tma"} <= best
+            "sweep_best_ovl", "sweep_best_ovl_tma", "sweep_best_ws", "sweep_best_any"} <= best
+    picks = [r for r in result["sweep"] if r.get("kind") == "sweep_best_pick"]
+    assert len(picks) == 2 and all(set(r["pick"]) == {"fwd", "dkdv", "dq"} for r in picks)

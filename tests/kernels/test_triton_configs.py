@@ -2,10 +2,10 @@
 
 ``_launch`` is driven with a recording stand-in kernel and the GPU branch forced on
 (``is_interpreted`` patched to False), so the candidate lists, their order, the
-``TORCHFN_TRITON_TMA`` modes, the untimed overlap variants and explicit configs are
-checked on a CPU. That the kernels give the same result with either kind of load and
-with or without their overlap variant is the job of ``test_triton_kernels``
-(interpreter) and the gpu-marked tests.
+``TORCHFN_TRITON_TMA`` modes, the untimed overlap and warp-specialized variants and
+explicit configs are checked on a CPU. That the kernels give the same result with
+either kind of load and with or without their variants is the job of
+``test_triton_kernels`` (interpreter) and the gpu-marked tests.
 """
 
 import os
@@ -34,7 +34,8 @@ class _Recorder:
         def launch(*args, BLOCK_M, BLOCK_N, num_warps=None, num_stages=None, **kw):
             overlap = kw.get("PIPELINE", False) or kw.get("EARLY_DP", False)
             self.launches.append(Config(BLOCK_M, BLOCK_N, num_warps, num_stages,
-                                        kw.get("USE_TMA", False), overlap))
+                                        kw.get("USE_TMA", False), overlap,
+                                        kw.get("WARP_SPEC", False)))
 
         return launch
 
@@ -46,7 +47,7 @@ def gpu_branch(monkeypatch):
     monkeypatch.setattr(T, "_TUNED", {})
     seen = {}
 
-    def tune(run, cands):
+    def tune(run, cands, *rest):
         seen["cands"] = list(cands)
         return cands[0]
 
@@ -54,12 +55,13 @@ def gpu_branch(monkeypatch):
     return seen
 
 
-def _launch(kind, dtype, block_d, config=None, tma_usable=True):
+def _launch(kind, dtype, block_d, config=None, tma_usable=True, ws_usable=False):
     kernel = _Recorder()
     x = torch.zeros(1, dtype=dtype)
     tma = (lambda bm, bn: {"USE_TMA": True}) if tma_usable else None
+    ws = (lambda bm, bn: {"WARP_SPEC": True}) if ws_usable else None
     T._launch(kind, kernel, lambda bm, bn: (1,), (x,), {"BLOCK_D": block_d},
-              ("key", block_d, dtype), config, tma=tma)
+              ("key", block_d, dtype), config, tma=tma, ws=ws)
     return kernel.launches
 
 
@@ -99,7 +101,7 @@ def test_overlap_variants_follow_the_tma_mode(kind, dtype, block_d, gpu_branch, 
     # the tuner picked a variant: it is launched with its flag (and its TMA flag)
     monkeypatch.setenv("TORCHFN_TRITON_TMA", "auto")
     monkeypatch.setattr(T, "_TUNED", {})
-    monkeypatch.setattr(T, "_tune", lambda run, cands: cands[-1])
+    monkeypatch.setattr(T, "_tune", lambda run, cands, *rest: cands[-1])
     assert _launch(kind, dtype, block_d) == [ovl[-1]]
 
 
@@ -141,17 +143,22 @@ def test_tuned_choice_is_cached_per_mode(gpu_branch, monkeypatch):
 def test_explicit_config(gpu_branch, monkeypatch):
     monkeypatch.setenv("TORCHFN_TRITON_TMA", "auto")
     assert _launch("fwd", torch.bfloat16, 64, config=(64, 32, 4, 2)) == \
-        [(64, 32, 4, 2, False, False)]
+        [(64, 32, 4, 2, False, False, False)]
     assert _launch("fwd", torch.bfloat16, 64, config=(64, 32, 4, 2, True)) == \
-        [(64, 32, 4, 2, True, False)]
+        [(64, 32, 4, 2, True, False, False)]
     # a forced TMA config falls back to pointer loads where TMA is unusable
     assert _launch("fwd", torch.bfloat16, 64, config=(64, 32, 4, 2, True),
-                   tma_usable=False) == [(64, 32, 4, 2, False, False)]
+                   tma_usable=False) == [(64, 32, 4, 2, False, False, False)]
     assert _launch("dkdv", torch.bfloat16, 64, config=(32, 64, 4, 3, False, True)) == \
-        [(32, 64, 4, 3, False, True)]
+        [(32, 64, 4, 3, False, True, False)]
+    assert _launch("dq", torch.bfloat16, 64, config=(64, 64, 4, 3, False, False, True),
+                   ws_usable=True) == [(64, 64, 4, 3, False, False, True)]
     monkeypatch.setenv("TORCHFN_TRITON_TMA", "1")
     assert _launch("fwd", torch.bfloat16, 64, config=(64, 32, 4, 2)) == \
-        [(64, 32, 4, 2, True, False)]
+        [(64, 32, 4, 2, True, False, False)]
+    # under TMA=1 a 7-tuple with ws still reads through the kernel's own descriptors
+    assert _launch("fwd", torch.bfloat16, 64, config=(128, 64, 4, 3, False, False, True),
+                   ws_usable=True) == [(128, 64, 4, 3, False, False, True)]
     assert "cands" not in gpu_branch  # nothing was tuned
 
 
@@ -160,6 +167,16 @@ def test_bad_explicit_config_is_a_clear_error(gpu_branch):
         _launch("fwd", torch.bfloat16, 64, config=(64, 32, 4))
     with pytest.raises(ValueError, match="the 'dq' kernel has no overlap variant"):
         _launch("dq", torch.bfloat16, 64, config=(64, 32, 4, 2, False, True))
+    with pytest.raises(ValueError, match="the 'jvp' kernel has no warp-specialized variant"):
+        _launch("jvp", torch.bfloat16, 64, config=(64, 32, 4, 2, False, False, True))
+    with pytest.raises(ValueError, match="ws .* excludes tma and overlap"):
+        _launch("fwd", torch.bfloat16, 64, config=(64, 32, 4, 2, True, False, True),
+                ws_usable=True)
+    # inputs the variant cannot take (a mask, GQA in dK/dV, fp32 on a GPU, ...)
+    with pytest.raises(ValueError, match="warp-specialized dkdv kernel needs .* no GQA"):
+        _launch("dkdv", torch.bfloat16, 64, config=(64, 128, 4, 2, False, False, True))
+    with pytest.raises(ValueError, match=r"config must be .*\[, ws\]"):
+        _launch("fwd", torch.bfloat16, 64, config=(64, 32, 4, 2, False, False, True, 1))
 
 
 def test_autotune_off_launches_the_first_candidate(gpu_branch, monkeypatch):
@@ -183,6 +200,28 @@ def test_overlap_off_leaves_the_variants_out_and_tunes_apart(gpu_branch, monkeyp
         _launch("dkdv", torch.bfloat16, 128)
 
 
+@pytest.mark.parametrize("kind, block_d", [("fwd", 128), ("dkdv", 64), ("dq", 128)])
+def test_warp_specialized_variants_come_last_where_usable(kind, block_d, gpu_branch,
+                                                          monkeypatch):
+    monkeypatch.setenv("TORCHFN_TRITON_TMA", "auto")
+    _launch(kind, torch.bfloat16, block_d)
+    without = gpu_branch["cands"]
+    assert not any(c.ws for c in without)  # inputs the variant cannot take: not tried
+    _launch(kind, torch.bfloat16, block_d, ws_usable=True)
+    ws = [Config(*c, ws=True) for c in C._GPU_WS_CONFIGS[kind][C._class(torch.bfloat16,
+                                                                        block_d)]]
+    assert ws and gpu_branch["cands"] == without + ws
+    assert len(T.tuned_configs()) == 2  # tuned apart: with and without the variant
+    # the tuner picked one: launched with WARP_SPEC and without host descriptors
+    monkeypatch.setattr(T, "_TUNED", {})
+    monkeypatch.setattr(T, "_tune", lambda run, cands, *rest: cands[-1])
+    assert _launch(kind, torch.bfloat16, block_d, ws_usable=True) == [ws[-1]]
+    # never for fp32 (3xTF32 dots), nor with TORCHFN_TRITON_OVERLAP=0
+    assert C._ws_candidates(kind, torch.float32, block_d) == []
+    monkeypatch.setenv("TORCHFN_TRITON_OVERLAP", "0")
+    assert C._ws_candidates(kind, torch.bfloat16, block_d) == []
+
+
 def test_bad_tma_mode_is_a_clear_error(monkeypatch):
     monkeypatch.setenv("TORCHFN_TRITON_TMA", "yes")
     with pytest.raises(ValueError, match="TORCHFN_TRITON_TMA must be 'auto', '0' or '1'"):
@@ -198,10 +237,14 @@ def test_interpreter_uses_tma_only_when_forced(monkeypatch):
 
 
 def test_tma_and_overlap_lists_are_well_formed():
-    # every TMA / overlap list shadows a pointer list of the same kernel and class, and
-    # holds power-of-two blocks of at least 16 (tl.dot's minimum)
+    # every TMA / overlap / warp-specialized list shadows a pointer list of the same
+    # kernel and class, and holds power-of-two blocks of at least 16 (tl.dot's minimum);
+    # Triton specializes only 4-warp launches (into 12 warps)
     assert set(C._GPU_OVERLAP_CONFIGS) <= set(C._OVERLAP)
-    for kind, table in [*C._GPU_TMA_CONFIGS.items(), *C._GPU_OVERLAP_CONFIGS.items()]:
+    assert set(C._GPU_WS_CONFIGS) <= set(C._WARP_SPEC)
+    assert all(c[2] == 4 for t in C._GPU_WS_CONFIGS.values() for cs in t.values() for c in cs)
+    for kind, table in [*C._GPU_TMA_CONFIGS.items(), *C._GPU_OVERLAP_CONFIGS.items(),
+                        *C._GPU_WS_CONFIGS.items()]:
         for cls, cfgs in table.items():
             assert cls in C._GPU_CONFIGS[kind], (kind, cls)
             for bm, bn, warps, stages, *tma in cfgs:
@@ -247,6 +290,39 @@ def test_tuner_finds_the_fastest_config_through_a_clock_ramp(ramp, monkeypatch):
     assert T._tune(gpu.run, [Config(32, 32, 4, 2), fastest]) == fastest and gpu.calls == 0
 
 
+@pytest.mark.parametrize("dtype, err, kept", [(torch.bfloat16, 1e-3, True),
+                                               (torch.bfloat16, 5e-2, False),
+                                               (torch.float32, 1e-3, False)])
+def test_tuner_skips_a_config_whose_results_are_off(dtype, err, kept, monkeypatch):
+    # an untimed variant (e.g. a miscompiled warp-specialized kernel) must never win on
+    # speed with wrong results: each config's outputs are checked against the first's
+    import triton.testing
+
+    first, fast = Config(128, 64, 8, 3, True), Config(128, 128, 4, 2, ws=True)
+    true_ms = {first: 1.0, fast: 0.8}
+    gpu = _FakeGPU(true_ms, 0)
+    monkeypatch.setattr(triton.testing, "do_bench", gpu.do_bench)
+    ref = torch.linspace(-1, 1, 64).to(dtype)
+    out = torch.empty_like(ref)
+
+    def run(cfg):
+        gpu.run(cfg)
+        out.copy_(ref * (1 + err) if cfg == fast else ref)  # a relative error of `err`
+
+    if kept:
+        assert T._tune(run, [first, fast], (out,), "fwd") == fast
+    else:
+        with pytest.warns(RuntimeWarning, match=r"fwd config \(128, 128, 4, 2, .*off.*skipped"):
+            assert T._tune(run, [first, fast], (out,), "fwd") == first
+    # non-finite results where the first config's are finite: always skipped
+    out_nan = torch.empty(4)
+    with pytest.warns(RuntimeWarning, match="inf off"):
+        picked = T._tune(lambda c: (gpu.run(c), out_nan.fill_(1.0 if c == first else
+                                                               float("nan"))),
+                         [first, fast], (out_nan,), "fwd")
+    assert picked == first
+
+
 def test_tuner_error_when_no_config_runs(monkeypatch):
     gpu = _FakeGPU({}, 0)
     with pytest.raises(RuntimeError, match="no Triton attention config could run"):
@@ -280,3 +356,28 @@ def test_untuned_launch_falls_back_when_a_config_does_not_fit(monkeypatch):
                   None, tma=None)
     assert launches == [cands[0][:2], cands[1][:2], cands[1][:2]]
     assert list(T.tuned_configs().values()) == [Config(*cands[1])]
+
+
+def test_scratch_allocator_is_lent_for_the_launch_only():
+    # descriptors made in a kernel (WARP_SPEC) need Triton's scratch allocator: lent
+    # from torch while launching when the caller set none, a caller's own left alone
+    from triton.runtime import _allocation
+
+    var = _allocation._allocator
+    assert isinstance(var.get(), _allocation.NullAllocator)
+    with T._scratch_allocator(torch.device("cuda")):
+        lent = var.get()
+        assert not isinstance(lent, _allocation.NullAllocator) and callable(lent)
+    assert isinstance(var.get(), _allocation.NullAllocator)
+    with T._scratch_allocator(torch.device("cpu")):  # the interpreter needs none
+        assert isinstance(var.get(), _allocation.NullAllocator)
+
+    def mine(size, alignment, stream):
+        return torch.empty(size, dtype=torch.int8)
+
+    token = var.set(mine)
+    try:
+        with T._scratch_allocator(torch.device("cuda")):
+            assert var.get() is mine
+    finally:
+        var.reset(token)

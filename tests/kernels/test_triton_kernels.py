@@ -398,7 +398,8 @@ def test_early_dp_gives_the_same_gradients(causal, mask, deterministic, tma, mon
 def test_property_overlap_variants_are_the_plain_kernels(b_h_hkv, Nq, Nk, D, causal, blocks,
                                                           dtype, seed):
     # over drawn shapes and block sizes (so zero, one or many full key blocks before the
-    # diagonal): the forward's PIPELINE and dK/dV's EARLY_DP give the plain kernels' bits
+    # diagonal): the forward's PIPELINE, dK/dV's EARLY_DP and the warp-specialized
+    # forward, dK/dV and dQ give the plain kernels' bits
     B, H, Hkv = b_h_hkv
     bm, bn = blocks
     q, k, v, do, _, _ = make_inputs(B, H, Hkv, Nq, Nk, D, dtype, seed)
@@ -413,6 +414,86 @@ def test_property_overlap_variants_are_the_plain_kernels(b_h_hkv, Nq, Nk, D, cau
     early = T.bwd(q, k, v, o, lse, do, None, causal, scale,
                   config=((bm, bn, 4, 1, False, True), dq_cfg))
     assert all(torch.equal(a, b) for a, b in zip(late, early))
+    # and the warp-specialized variants (one masked loop, in-kernel descriptors), where
+    # descriptors can read the rows (16-byte multiples: not fp16 with D = 20)
+    if not T._descriptors_usable([q]) or (D * q.element_size()) % 16:
+        return
+    ws = T.fwd(q, k, v, None, causal, scale, config=(bm, bn, 4, 1, False, False, True))
+    assert all(torch.equal(a, b) for a, b in zip(plain, ws))
+    kv_cfg = (bm, bn, 4, 1, False, False, H == Hkv)  # no GQA in dK/dV's variant
+    gws = T.bwd(q, k, v, o, lse, do, None, causal, scale, config=(kv_cfg, (*dq_cfg, False,
+                                                                          False, True)))
+    assert all(torch.equal(a, b) for a, b in zip(late, gws))
+
+
+def _ws(cfg):
+    """``cfg`` (4 entries) as the warp-specialized variant."""
+    return (*cfg, False, False, True)
+
+
+WS_CASES = [
+    # B, H, Hkv, Nq, Nk, D, dtype, causal
+    pytest.param(1, 2, 2, 100, 77, 24, torch.float32, False, id="fp32-ragged-D24"),
+    pytest.param(1, 2, 2, 160, 96, 40, torch.float32, True, id="fp32-causal-Nq>Nk"),
+    pytest.param(1, 2, 2, 96, 160, 64, torch.float16, True, id="fp16-causal-Nq<Nk"),
+    pytest.param(2, 4, 2, 70, 90, 32, torch.bfloat16, True, id="bf16-gqa"),
+]
+
+
+@pytest.mark.parametrize("B, H, Hkv, Nq, Nk, D, dtype, causal", WS_CASES)
+def test_warp_specialized_kernels_are_the_plain_kernels(B, H, Hkv, Nq, Nk, D, dtype, causal):
+    # WARP_SPEC: one loop over every block with the bounds / causal mask on each, tiles
+    # through descriptors the kernel makes per head. The interpreter ignores the warp
+    # split, so it checks the rest: the same sums in the same order as the two-stage
+    # loops, hence the same bits, and the float64 reference's values. (GQA: the forward
+    # and dQ take the variant, dK/dV cannot.)
+    q, k, v, do, _, _ = make_inputs(B, H, Hkv, Nq, Nk, D, dtype, 3)
+    scale = D**-0.5
+    fcfg, kvcfg, qcfg = (32, 16, 4, 1), (16, 32, 4, 1), (32, 16, 4, 1)
+    plain = T.fwd(q, k, v, None, causal, scale, config=fcfg)
+    ws = T.fwd(q, k, v, None, causal, scale, config=_ws(fcfg))
+    assert all(torch.equal(a, b) for a, b in zip(plain, ws))
+    o, lse = plain
+    gplain = T.bwd(q, k, v, o, lse, do, None, causal, scale, config=(kvcfg, qcfg))
+    gws = T.bwd(q, k, v, o, lse, do, None, causal, scale,
+                config=(_ws(kvcfg) if H == Hkv else kvcfg, _ws(qcfg)))
+    assert all(torch.equal(a, b) for a, b in zip(gplain, gws))
+    if dtype == torch.float32:
+        leaves = [x.double().requires_grad_() for x in (q, k, v)]
+        ro, _ = reference(*leaves, None, causal, scale)
+        rgrads = torch.autograd.grad(ro, leaves, do.double())
+        assert rel_err(ws[0], ro) <= FP32_TOL
+        assert all(rel_err(g, rg) <= FP32_TOL for g, rg in zip(gws, rgrads))
+
+
+def test_warp_specialized_kernels_read_strided_heads():
+    # (B, N, H, D) memory viewed as (B, H, N, D): the per-head descriptors take the head
+    # and row strides as they are
+    gen = torch.Generator().manual_seed(6)
+    q, k, v, do = (torch.randn(2, 45, 2, 32, generator=gen).transpose(1, 2) for _ in range(4))
+    o, lse = T.fwd(q, k, v, None, True, 0.2, config=_ws((32, 16, 4, 1)))
+    dq, dk, dv = T.bwd(q, k, v, o, lse, do, None, True, 0.2,
+                       config=(_ws((16, 32, 4, 1)), _ws((32, 16, 4, 1))))
+    leaves = [x.double().requires_grad_() for x in (q, k, v)]
+    ro, _ = reference(*leaves, None, True, 0.2)
+    rgrads = torch.autograd.grad(ro, leaves, do.double())
+    assert rel_err(o, ro) <= FP32_TOL
+    assert all(rel_err(g, rg) <= FP32_TOL for g, rg in zip((dq, dk, dv), rgrads))
+
+
+@pytest.mark.parametrize("what", ["mask", "gqa-dkdv", "atomic-dkdv", "negative-scale"])
+def test_warp_specialized_config_on_inputs_it_cannot_take(what):
+    q, k, v, do, _, gen = make_inputs(1, 2, 1 if what == "gqa-dkdv" else 2, 40, 50, 16,
+                                      torch.float32, 2)
+    mask = make_mask("bool", 1, 2, 40, 50, torch.float32, gen) if what == "mask" else None
+    scale = -0.2 if what == "negative-scale" else 0.2
+    o, lse = T.fwd(q, k, v, mask, False, scale)
+    with pytest.raises(ValueError, match="warp-specialized (fwd kernel|dkdv kernel|variant)"):
+        if what in ("mask", "negative-scale"):
+            T.fwd(q, k, v, mask, False, scale, config=_ws((32, 16, 4, 1)))
+        else:
+            T.bwd(q, k, v, o, lse, do, None, False, scale, what != "atomic-dkdv",
+                  config=(_ws((16, 32, 4, 1)), (32, 16, 4, 1)))
 
 
 def test_tma_is_skipped_for_unaligned_strides(monkeypatch):

@@ -28,13 +28,21 @@ tensor cores compute it while the same warps exponentiate ``P^T`` (FlashAttentio
 intra-warpgroup overlap, without warp specialisation). The sm_90 SASS shows the exp
 and the softmax arithmetic issued while that wgmma is in flight; the cost is one more
 (N, M) float32 tile live in registers. The same operations on the same values.
+
+``WARP_SPEC`` (dK/dV and dQ variants the GPU tuner tries; no user mask) is the
+forward's: one ``warp_specialize`` loop, every tile through descriptors made in the
+kernel, the causal / bounds mask on every block, split by Triton on sm_90 into a TMA
+producer and two consumer warpgroups. dK/dV takes it without GQA (its group loop would
+be a second loop) and without atomic dQ; dQ splits only with BLOCK_M = 64.
 """
 
 import triton
 import triton.language as tl
 
 from torchfn.kernels._triton_fwd import (
+    _bounds_mask,
     _causal_bounds,
+    _head_desc,
     _load_kv,
     _load_rows,
     _load_tile,
@@ -121,6 +129,40 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, m_base, lse2_base, delta_base, dq
 
 
 @triton.jit
+def _dkdv_inner_ws(dk, dv, k, v, desc_q, desc_do, lse2_base, delta_base, offs_n, lo, Nq, Nk,
+                   qk_scale, BLOCK_M: tl.constexpr, IS_CAUSAL: tl.constexpr,
+                   DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, ELEM: tl.constexpr):
+    """Query blocks [lo, Nq) of one head in one warp-specialized loop (no user mask):
+    a TMA producer warpgroup and two consumer warpgroups of BLOCK_N / 2 keys each.
+    Causal: the diagonal mask is applied to every block (a second loop stops the pass)."""
+    offs_m0 = tl.arange(0, BLOCK_M)
+    for start_m in tl.range(lo, Nq, BLOCK_M, warp_specialize=True):
+        offs_m = start_m + offs_m0
+        q = desc_q.load([start_m, 0])  # (M, D); rows past Nq read 0
+        do = desc_do.load([start_m, 0])
+        if UPCAST:
+            q = q.to(tl.float32)
+            do = do.to(tl.float32)
+        lse2 = tl.load(lse2_base + offs_m, mask=offs_m < Nq, other=float("inf"))
+        delta = tl.load(delta_base + offs_m, mask=offs_m < Nq, other=0.0)
+        qkT = tl.dot(k, tl.trans(q), input_precision=DOT_PREC) * qk_scale  # (N, M)
+        if IS_CAUSAL:  # (the transposed tile: rows are keys)
+            qkT = tl.trans(_bounds_mask(tl.trans(qkT), offs_m, offs_n, Nq, Nk, True))
+        pT = tl.math.exp2(qkT - lse2[None, :])  # rows past Nq: lse2 = +inf -> 0
+        if UPCAST:
+            pT_lo = pT
+        else:
+            pT_lo = pT.to(ELEM)
+        dv = tl.dot(pT_lo, do, dv, input_precision=DOT_PREC)
+        dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)  # (N, M)
+        dsT = pT * (dpT - delta[None, :])
+        if not UPCAST:
+            dsT = dsT.to(ELEM)
+        dk = tl.dot(dsT, q, dk, input_precision=DOT_PREC)
+    return dk, dv
+
+
+@triton.jit
 def _attn_bwd_dkdv(
     Q, K, V, MASK, DO, LSE2, DELTA, DK, DV, DQACC,
     sqb, sqh, sqm, skb, skh, skn, svb, svh, svn,
@@ -132,6 +174,7 @@ def _attn_bwd_dkdv(
     IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
     DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, DQ_ATOMIC: tl.constexpr = False,
     desc_q=None, desc_do=None, USE_TMA: tl.constexpr = False, EARLY_DP: tl.constexpr = False,
+    WARP_SPEC: tl.constexpr = False,
 ):
     start_n = tl.program_id(0) * BLOCK_N
     off_bhk = tl.program_id(1)
@@ -141,8 +184,14 @@ def _attn_bwd_dkdv(
 
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    k = _load_rows(K + off_b * skb + off_hk * skh, offs_n, offs_d, skn, Nk, HEAD_DIM, BLOCK_D, True)
-    v = _load_rows(V + off_b * svb + off_hk * svh, offs_n, offs_d, svn, Nk, HEAD_DIM, BLOCK_D, True)
+    k_base = K + off_b * skb + off_hk * skh
+    v_base = V + off_b * svb + off_hk * svh
+    if WARP_SPEC:  # through descriptors too: pointer loads here stop the pass
+        k = _head_desc(k_base, Nk, skn, BLOCK_N, HEAD_DIM, BLOCK_D).load([start_n, 0])
+        v = _head_desc(v_base, Nk, svn, BLOCK_N, HEAD_DIM, BLOCK_D).load([start_n, 0])
+    else:
+        k = _load_rows(k_base, offs_n, offs_d, skn, Nk, HEAD_DIM, BLOCK_D, True)
+        v = _load_rows(v_base, offs_n, offs_d, svn, Nk, HEAD_DIM, BLOCK_D, True)
     if UPCAST:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
@@ -159,24 +208,34 @@ def _attn_bwd_dkdv(
         m_lo = 0
         m_mid = 0
 
-    for g in range(0, GROUP):
-        off_h = off_hk * GROUP + g
-        row0 = (off_b * H + off_h) * Nq
-        q_base = Q + off_b * sqb + off_h * sqh
-        do_base = DO + off_b * sdb + off_h * sdh
-        m_base = MASK + off_b * smb + off_h * smh
-        dq_base = DQACC + row0 * HEAD_DIM
-        if IS_CAUSAL:
-            dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, m_base, LSE2 + row0,
-                                 DELTA + row0, dq_base, offs_n, offs_d, m_lo, m_mid, sqm, sdm,
-                                 smm, smn, Nq, Nk, qk_scale, desc_q, desc_do, off_b, off_h,
-                                 BLOCK_M, HEAD_DIM, BLOCK_D, True, MASK_KIND, DOT_PREC, UPCAST,
-                                 ELEM, DQ_ATOMIC, USE_TMA, EARLY_DP)
-        dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, m_base, LSE2 + row0, DELTA + row0,
-                             dq_base, offs_n, offs_d, m_mid, Nq, sqm, sdm, smm, smn, Nq, Nk,
-                             qk_scale, desc_q, desc_do, off_b, off_h, BLOCK_M, HEAD_DIM, BLOCK_D,
-                             False, MASK_KIND, DOT_PREC, UPCAST, ELEM, DQ_ATOMIC, USE_TMA,
-                             EARLY_DP)
+    if WARP_SPEC:  # the launcher sets it only with GROUP == 1, no user mask, no atomics
+        tl.static_assert(MASK_KIND == 0 and not DQ_ATOMIC, "WARP_SPEC: no mask, no atomics")
+        row0 = (off_b * H + off_hk) * Nq
+        dk, dv = _dkdv_inner_ws(
+            dk, dv, k, v,
+            _head_desc(Q + off_b * sqb + off_hk * sqh, Nq, sqm, BLOCK_M, HEAD_DIM, BLOCK_D),
+            _head_desc(DO + off_b * sdb + off_hk * sdh, Nq, sdm, BLOCK_M, HEAD_DIM, BLOCK_D),
+            LSE2 + row0, DELTA + row0, offs_n, m_lo, Nq, Nk, qk_scale, BLOCK_M, IS_CAUSAL,
+            DOT_PREC, UPCAST, ELEM)
+    else:
+        for g in range(0, GROUP):
+            off_h = off_hk * GROUP + g
+            row0 = (off_b * H + off_h) * Nq
+            q_base = Q + off_b * sqb + off_h * sqh
+            do_base = DO + off_b * sdb + off_h * sdh
+            m_base = MASK + off_b * smb + off_h * smh
+            dq_base = DQACC + row0 * HEAD_DIM
+            if IS_CAUSAL:
+                dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, m_base, LSE2 + row0,
+                                     DELTA + row0, dq_base, offs_n, offs_d, m_lo, m_mid, sqm, sdm,
+                                     smm, smn, Nq, Nk, qk_scale, desc_q, desc_do, off_b, off_h,
+                                     BLOCK_M, HEAD_DIM, BLOCK_D, True, MASK_KIND, DOT_PREC, UPCAST,
+                                     ELEM, DQ_ATOMIC, USE_TMA, EARLY_DP)
+            dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, m_base, LSE2 + row0, DELTA + row0,
+                                 dq_base, offs_n, offs_d, m_mid, Nq, sqm, sdm, smm, smn, Nq, Nk,
+                                 qk_scale, desc_q, desc_do, off_b, off_h, BLOCK_M, HEAD_DIM,
+                                 BLOCK_D, False, MASK_KIND, DOT_PREC, UPCAST, ELEM, DQ_ATOMIC,
+                                 USE_TMA, EARLY_DP)
 
     dk = dk * sm_scale
     _store_rows(DK + off_b * sdkb + off_hk * sdkh, dk.to(DK.dtype.element_ty), offs_n, offs_d,
@@ -214,6 +273,33 @@ def _dq_inner(dq, q, do, lse2, delta, k_base, v_base, m_base, offs_m, offs_d, lo
 
 
 @triton.jit
+def _dq_inner_ws(dq, q, do, lse2, delta, desc_k, desc_v, offs_m, hi, Nq, Nk, qk_scale,
+                 BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr, MASKED: tl.constexpr,
+                 DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, ELEM: tl.constexpr):
+    """Key blocks [0, hi) of one query block in one warp-specialized loop (no user mask):
+    a TMA producer warpgroup and two consumer warpgroups of BLOCK_M / 2 queries each.
+    ``MASKED``: the bounds / causal mask on every block (a second loop stops the pass)."""
+    offs_n0 = tl.arange(0, BLOCK_N)
+    for start_n in tl.range(0, hi, BLOCK_N, warp_specialize=True):
+        start_n = tl.multiple_of(start_n, BLOCK_N)
+        k = desc_k.load([start_n, 0])  # (N, D); rows past Nk read 0
+        v = desc_v.load([start_n, 0])
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale  # (M, N)
+        if MASKED:
+            qk = _bounds_mask(qk, offs_m, start_n + offs_n0, Nq, Nk, IS_CAUSAL)
+        p = tl.math.exp2(qk - lse2[:, None])
+        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)  # (M, N)
+        ds = p * (dp - delta[:, None])
+        if not UPCAST:
+            ds = ds.to(ELEM)
+        dq = tl.dot(ds, k, dq, input_precision=DOT_PREC)
+    return dq
+
+
+@triton.jit
 def _attn_bwd_dq(
     Q, K, V, MASK, DO, LSE2, DELTA, DQ,
     sqb, sqh, sqm, skb, skh, skn, svb, svh, svn,
@@ -224,6 +310,7 @@ def _attn_bwd_dq(
     IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
     DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
     desc_k=None, desc_v=None, USE_TMA: tl.constexpr = False,
+    WARP_SPEC: tl.constexpr = False, WS_MASKED: tl.constexpr = True,
 ):
     if IS_CAUSAL:  # the longest query blocks (last rows) first: better tail balance
         start_m = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
@@ -237,9 +324,14 @@ def _attn_bwd_dq(
 
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    q = _load_rows(Q + off_b * sqb + off_h * sqh, offs_m, offs_d, sqm, Nq, HEAD_DIM, BLOCK_D, True)
-    do = _load_rows(DO + off_b * sdb + off_h * sdh, offs_m, offs_d, sdm, Nq, HEAD_DIM, BLOCK_D,
-                    True)
+    q_base = Q + off_b * sqb + off_h * sqh
+    do_base = DO + off_b * sdb + off_h * sdh
+    if WARP_SPEC:  # through descriptors too: pointer loads here stop the pass
+        q = _head_desc(q_base, Nq, sqm, BLOCK_M, HEAD_DIM, BLOCK_D).load([start_m, 0])
+        do = _head_desc(do_base, Nq, sdm, BLOCK_M, HEAD_DIM, BLOCK_D).load([start_m, 0])
+    else:
+        q = _load_rows(q_base, offs_m, offs_d, sqm, Nq, HEAD_DIM, BLOCK_D, True)
+        do = _load_rows(do_base, offs_m, offs_d, sdm, Nq, HEAD_DIM, BLOCK_D, True)
     if UPCAST:
         q = q.to(tl.float32)
         do = do.to(tl.float32)
@@ -252,14 +344,22 @@ def _attn_bwd_dq(
     v_base = V + off_b * svb + off_hk * svh
     m_base = MASK + off_b * smb + off_h * smh
     lo, hi = _causal_bounds(start_m, Nq, Nk, BLOCK_M, BLOCK_N, IS_CAUSAL)
-    dq = _dq_inner(dq, q, do, lse2, delta, k_base, v_base, m_base, offs_m, offs_d, 0, lo,
-                   skn, svn, smm, smn, Nq, Nk, qk_scale, desc_k, desc_v, off_b, off_hk,
-                   BLOCK_N, HEAD_DIM, BLOCK_D, False, IS_CAUSAL, MASK_KIND, DOT_PREC, UPCAST, ELEM,
-                   USE_TMA)
-    dq = _dq_inner(dq, q, do, lse2, delta, k_base, v_base, m_base, offs_m, offs_d, lo, hi,
-                   skn, svn, smm, smn, Nq, Nk, qk_scale, desc_k, desc_v, off_b, off_hk,
-                   BLOCK_N, HEAD_DIM, BLOCK_D, True, IS_CAUSAL, MASK_KIND, DOT_PREC, UPCAST, ELEM,
-                   USE_TMA)
+    if WARP_SPEC:  # the launcher sets it only with no user mask
+        tl.static_assert(MASK_KIND == 0, "WARP_SPEC: no mask")
+        dq = _dq_inner_ws(dq, q, do, lse2, delta,
+                          _head_desc(k_base, Nk, skn, BLOCK_N, HEAD_DIM, BLOCK_D),
+                          _head_desc(v_base, Nk, svn, BLOCK_N, HEAD_DIM, BLOCK_D),
+                          offs_m, hi, Nq, Nk, qk_scale, BLOCK_N, IS_CAUSAL, WS_MASKED, DOT_PREC,
+                          UPCAST, ELEM)
+    else:
+        dq = _dq_inner(dq, q, do, lse2, delta, k_base, v_base, m_base, offs_m, offs_d, 0, lo,
+                       skn, svn, smm, smn, Nq, Nk, qk_scale, desc_k, desc_v, off_b, off_hk,
+                       BLOCK_N, HEAD_DIM, BLOCK_D, False, IS_CAUSAL, MASK_KIND, DOT_PREC, UPCAST,
+                       ELEM, USE_TMA)
+        dq = _dq_inner(dq, q, do, lse2, delta, k_base, v_base, m_base, offs_m, offs_d, lo, hi,
+                       skn, svn, smm, smn, Nq, Nk, qk_scale, desc_k, desc_v, off_b, off_hk,
+                       BLOCK_N, HEAD_DIM, BLOCK_D, True, IS_CAUSAL, MASK_KIND, DOT_PREC, UPCAST,
+                       ELEM, USE_TMA)
     dq = dq * sm_scale
     _store_rows(DQ + off_b * sdqb + off_h * sdqh, dq.to(DQ.dtype.element_ty), offs_m, offs_d,
                 sdqm, Nq, HEAD_DIM, BLOCK_D)

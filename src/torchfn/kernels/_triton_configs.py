@@ -1,10 +1,11 @@
 """Launch configs of the Triton attention kernels: the measured tables and the candidate
 lists the GPU autotuner tries, in order (no Triton import; ``_triton_ops`` launches them).
 
-A config is ``Config(BLOCK_M, BLOCK_N, warps, stages, tma, overlap)``. Per kernel and
-class (dtype and padded head dim, ``_class``), the tuner tries, on sm_90+ with TMA
-usable: the TMA list, then the pointer-load list, then the untimed overlap variants.
-The first candidate is the untuned default (``TORCHFN_TRITON_AUTOTUNE=0``).
+A config is ``Config(BLOCK_M, BLOCK_N, warps, stages, tma, overlap, ws)``. Per kernel
+and class (dtype and padded head dim, ``_class``), the tuner tries, on sm_90+ with TMA
+usable: the TMA list, then the pointer-load list, then the untimed overlap and
+warp-specialized variants. The first candidate is the untuned default
+(``TORCHFN_TRITON_AUTOTUNE=0``).
 
 Example::
 
@@ -24,8 +25,11 @@ import torch
 class Config(NamedTuple):
     """One launch of a kernel: block shape, warps, pipeline stages and variant flags.
 
-    ``tma``: streamed tiles through tensor descriptors (sm_90+). ``overlap``: the
+    ``tma``: streamed tiles through host tensor descriptors (sm_90+). ``overlap``: the
     kernel's variant that lets the softmax run beside a matmul in flight (``_OVERLAP``).
+    ``ws``: the warp-specialized variant (``WARP_SPEC``, kernels in ``_WARP_SPEC``): one
+    loop that Triton splits into a TMA producer warpgroup and two consumer warpgroups,
+    reading through descriptors it makes itself (so ``tma`` and ``overlap`` are off).
     Compares equal to the plain tuple.
     """
 
@@ -35,10 +39,13 @@ class Config(NamedTuple):
     stages: int
     tma: bool = False
     overlap: bool = False
+    ws: bool = False
 
 
 # the constexpr flag that ``Config.overlap`` sets, per kernel
 _OVERLAP = {"fwd": "PIPELINE", "dkdv": "EARLY_DP", "dkdv_atomic": "EARLY_DP"}
+# the kernels with a warp-specialized variant (``Config.ws`` sets ``WARP_SPEC``)
+_WARP_SPEC = ("fwd", "dkdv", "dq")
 
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages). Forward / JVP: query block x key block.
@@ -132,6 +139,27 @@ _GPU_OVERLAP_CONFIGS: dict[str, dict[str, list[tuple[int, int, int, int, bool]]]
         "d128": [(32, 64, 4, 3, False), (32, 128, 8, 3, True), (32, 64, 4, 3, True)],
     },
 }
+# The warp-specialized variants (WARP_SPEC), bf16/fp16, as (BLOCK_M, BLOCK_N, warps,
+# stages): not timed yet, tried after everything else. Triton's Hopper pass turns the
+# 4 warps into 12 (a producer and two consumer warpgroups, `setmaxnreg`); it does so
+# only for these block shapes (e.g. dQ with BLOCK_M = 128 fails to compile). Each
+# entry compiles for sm_90 with Triton 3.6 and 3.9 without spills, causal or not
+# (`bench/aot_sm90.py --kinds fwd_ws dkdv_ws dq_ws`); the dK/dV (64, 128) and (64, 64)
+# tiles spill 16-88 bytes at D=128 and are left out there.
+_GPU_WS_CONFIGS: dict[str, dict[str, list[tuple[int, int, int, int]]]] = {
+    "fwd": {
+        "d64": [(128, 128, 4, 2), (128, 64, 4, 3)],
+        "d128": [(128, 128, 4, 2), (128, 64, 4, 3), (128, 64, 4, 2)],
+    },
+    "dkdv": {
+        "d64": [(64, 128, 4, 2), (64, 128, 4, 3), (32, 128, 4, 3)],
+        "d128": [(32, 128, 4, 2), (32, 128, 4, 3)],
+    },
+    "dq": {
+        "d64": [(64, 64, 4, 3), (64, 128, 4, 2)],
+        "d128": [(64, 64, 4, 3), (64, 128, 4, 2)],
+    },
+}
 # Interpreter (CPU): few, wide-ish blocks keep the ~5 ms/step interpreter cost down.
 _INTERP_CONFIGS: dict[str, tuple[int, int, int, int]] = {
     "fwd": (64, 64, 4, 1),
@@ -158,8 +186,9 @@ def _tma_candidates(kind: str, dtype: torch.dtype, block_d: int,
 
 
 def _overlap_on() -> bool:
-    """``TORCHFN_TRITON_OVERLAP``: "1" (default: the tuner also tries the overlap
-    variants) or "0" (never: e.g. to time the plain kernels, or to rule a variant out)."""
+    """``TORCHFN_TRITON_OVERLAP``: "1" (default: the tuner also tries the overlap and
+    warp-specialized variants) or "0" (never: e.g. to time the plain kernels, or to rule
+    the variants out)."""
     value = os.environ.get("TORCHFN_TRITON_OVERLAP", "1").strip() or "1"
     if value not in ("0", "1"):
         raise ValueError(f"TORCHFN_TRITON_OVERLAP must be '0' or '1', got {value!r}")
@@ -183,17 +212,33 @@ def _overlap_candidates(kind: str, dtype: torch.dtype, block_d: int, mode: str,
     return out
 
 
+def _ws_candidates(kind: str, dtype: torch.dtype, block_d: int) -> list[Config]:
+    """The warp-specialized variants to try (bf16/fp16 at D <= 128; none with
+    ``TORCHFN_TRITON_OVERLAP=0``)."""
+    if not _overlap_on() or dtype == torch.float32:
+        return []
+    listed = _GPU_WS_CONFIGS.get(kind, {}).get(_class(dtype, block_d), [])
+    return [Config(*c, ws=True) for c in listed]
+
+
 def _as_config(kind: str, config: tuple, mode: str) -> Config:
-    """An explicit ``config=`` (4 to 6 entries) as a ``Config``; a 4-tuple uses TMA only
+    """An explicit ``config=`` (4 to 7 entries) as a ``Config``; a 4-tuple uses TMA only
     under ``TORCHFN_TRITON_TMA=1``."""
-    if not 4 <= len(config) <= 6:
+    if not 4 <= len(config) <= 7:
         raise ValueError("config must be (BLOCK_M, BLOCK_N, num_warps, num_stages[, tma"
-                         f"[, overlap]]), got {tuple(config)!r}")
-    cfg = Config(*config[:4], tma=bool(config[4]) if len(config) > 4 else mode == "1",
-                 overlap=bool(config[5]) if len(config) > 5 else False)
+                         f"[, overlap[, ws]]]), got {tuple(config)!r}")
+    ws = bool(config[6]) if len(config) > 6 else False
+    cfg = Config(*config[:4], tma=bool(config[4]) if len(config) > 4 else mode == "1" and not ws,
+                 overlap=bool(config[5]) if len(config) > 5 else False, ws=ws)
     if cfg.overlap and kind not in _OVERLAP:
         raise ValueError(f"config: the {kind!r} kernel has no overlap variant (only "
                          f"{', '.join(_OVERLAP)})")
+    if cfg.ws and kind not in _WARP_SPEC:
+        raise ValueError(f"config: the {kind!r} kernel has no warp-specialized variant "
+                         f"(only {', '.join(_WARP_SPEC)})")
+    if cfg.ws and (cfg.tma or cfg.overlap):
+        raise ValueError("config: ws (warp specialization) makes its own descriptors and "
+                         f"excludes tma and overlap, got {tuple(config)!r}")
     return cfg
 
 

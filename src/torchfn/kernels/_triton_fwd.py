@@ -26,6 +26,15 @@ together with the previous block's ``acc += P V``, then computes the next P whil
 exp beside a wgmma, as FlashAttention-3's intra-warpgroup pipelining does, at the
 cost of P and S both live in registers. The sums are the same, in the same order.
 
+``WARP_SPEC`` (a variant the GPU tuner tries; scale > 0, no user mask) runs every key
+block in one ``tl.range(..., warp_specialize=True)`` loop, reading q, k and v through
+2-D descriptors made in the kernel for its (batch, head). On sm_90 Triton then splits
+the program into a TMA producer warpgroup and two consumer warpgroups of BLOCK_M / 2
+rows (FlashAttention-3's structure): one consumer's softmax runs beside the other's
+matmuls. The pass accepts only this shape of code (README, traps), so the causal /
+bounds mask is applied to every block (``WS_MASKED``) instead of in a second loop. The
+same sums in the same order as the plain kernel.
+
 Import this module only through ``_triton_ops`` (Triton is optional; under
 ``TRITON_INTERPRET=1`` the kernels run on CPU).
 """
@@ -90,11 +99,18 @@ def _mask_tile(s, m_base, offs_m, offs_n, smm, smn, Nq, Nk, BOUNDARY: tl.constex
         s = _mask_scores(s, m_base, offs_m[:, None], offs_n[None, :], smm, smn, Nq, Nk,
                          MASK_KIND)
     if BOUNDARY:
-        ok = offs_n[None, :] < Nk
-        if IS_CAUSAL:
-            ok = ok & (offs_n[None, :] <= offs_m[:, None] + (Nk - Nq))
-        s = tl.where(ok, s, float("-inf"))
+        s = _bounds_mask(s, offs_m, offs_n, Nq, Nk, IS_CAUSAL)
     return s
+
+
+@triton.jit
+def _bounds_mask(s, offs_m, offs_n, Nq, Nk, IS_CAUSAL: tl.constexpr):
+    """(M, N) scores with keys past ``Nk`` (and, causal, past the bottom-right diagonal)
+    at -inf."""
+    ok = offs_n[None, :] < Nk
+    if IS_CAUSAL:
+        ok = ok & (offs_n[None, :] <= offs_m[:, None] + (Nk - Nq))
+    return tl.where(ok, s, float("-inf"))
 
 
 @triton.jit
@@ -253,6 +269,47 @@ def _fwd_inner_pipe(acc, l_i, m_i, q, k_base, v_base, desc_k, desc_v, off_b, off
 
 
 @triton.jit
+def _head_desc(base, n_rows, stride, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr,
+               BLOCK_D: tl.constexpr):
+    """A 2-D (n_rows, HEAD_DIM) tensor descriptor over one head, made in the kernel
+    (``WARP_SPEC``): rows past ``n_rows`` and dims past ``HEAD_DIM`` read 0."""
+    return tl.make_tensor_descriptor(base, shape=[n_rows, HEAD_DIM], strides=[stride, 1],
+                                     block_shape=[ROWS, BLOCK_D])
+
+
+@triton.jit
+def _fwd_inner_ws(acc, l_i, m_i, q, desc_k, desc_v, offs_m, hi, Nq, Nk, qk_scale,
+                  BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr, MASKED: tl.constexpr,
+                  DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
+    """Every key block [0, hi) in one warp-specialized loop (scale > 0, no user mask):
+    Triton splits it into a TMA producer warpgroup and two consumer warpgroups of
+    BLOCK_M / 2 rows each. ``MASKED``: apply the bounds / causal mask to every block
+    (a second loop for the few masked blocks stops the pass from specializing)."""
+    offs_n0 = tl.arange(0, BLOCK_N)
+    for start_n in tl.range(0, hi, BLOCK_N, warp_specialize=True):
+        start_n = tl.multiple_of(start_n, BLOCK_N)
+        k = desc_k.load([start_n, 0])  # (N, D)
+        v = desc_v.load([start_n, 0])
+        p_dtype = v.dtype
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)  # (M, N) raw scores
+        if MASKED:
+            qk = _bounds_mask(qk, offs_m, start_n + offs_n0, Nq, Nk, IS_CAUSAL)
+        m_new, m_safe = _row_max(m_i, tl.max(qk, 1) * qk_scale, MASKED)
+        p = tl.math.exp2(qk * qk_scale - m_safe[:, None])
+        alpha = tl.math.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        if not UPCAST:
+            p = p.to(p_dtype)
+        acc = tl.dot(p, v, acc, input_precision=DOT_PREC)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
 def _attn_fwd(
     Q, K, V, MASK, O, LSE,
     sqb, sqh, sqm, skb, skh, skn, svb, svh, svn,
@@ -264,6 +321,7 @@ def _attn_fwd(
     DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
     desc_q=None, desc_k=None, desc_v=None, USE_TMA: tl.constexpr = False,
     FOLD_SCALE: tl.constexpr = True, PIPELINE: tl.constexpr = False,
+    WARP_SPEC: tl.constexpr = False, WS_MASKED: tl.constexpr = True,
 ):
     if IS_CAUSAL:  # the longest query blocks (last rows) first: better tail balance
         start_m = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
@@ -280,7 +338,9 @@ def _attn_fwd(
 
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    if USE_TMA:
+    if WARP_SPEC:
+        q = _head_desc(q_base, Nq, sqm, BLOCK_M, HEAD_DIM, BLOCK_D).load([start_m, 0])
+    elif USE_TMA:
         q = _load_tile(desc_q, off_b, off_h, start_m, BLOCK_M, BLOCK_D)  # (M, D)
     else:
         q = _load_rows(q_base, offs_m, offs_d, sqm, Nq, HEAD_DIM, BLOCK_D, True)  # (M, D)
@@ -292,7 +352,14 @@ def _attn_fwd(
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
     lo, hi = _causal_bounds(start_m, Nq, Nk, BLOCK_M, BLOCK_N, IS_CAUSAL)
-    if PIPELINE and FOLD_SCALE and MASK_KIND == 0:  # else the variant is the plain loop
+    if WARP_SPEC:  # the launcher sets it only with FOLD_SCALE and no user mask
+        tl.static_assert(FOLD_SCALE and MASK_KIND == 0, "WARP_SPEC: scale > 0, no mask")
+        acc, l_i, m_i = _fwd_inner_ws(acc, l_i, m_i, q,
+                                      _head_desc(k_base, Nk, skn, BLOCK_N, HEAD_DIM, BLOCK_D),
+                                      _head_desc(v_base, Nk, svn, BLOCK_N, HEAD_DIM, BLOCK_D),
+                                      offs_m, hi, Nq, Nk, qk_scale, BLOCK_N, IS_CAUSAL,
+                                      WS_MASKED, DOT_PREC, UPCAST)
+    elif PIPELINE and FOLD_SCALE and MASK_KIND == 0:  # else the variant is the plain loop
         if lo > 0:
             acc, l_i, m_i = _fwd_inner_pipe(acc, l_i, m_i, q, k_base, v_base, desc_k, desc_v,
                                             off_b, off_hk, offs_d, 0, lo, skn, svn, Nk,
@@ -303,10 +370,11 @@ def _attn_fwd(
                                    lo, skn, svn, smm, smn, Nq, Nk, qk_scale, desc_k, desc_v,
                                    off_b, off_hk, BLOCK_N, HEAD_DIM, BLOCK_D, False, IS_CAUSAL,
                                    MASK_KIND, DOT_PREC, UPCAST, USE_TMA, FOLD_SCALE)
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, m_base, offs_m, offs_d, lo, hi,
-                               skn, svn, smm, smn, Nq, Nk, qk_scale, desc_k, desc_v, off_b,
-                               off_hk, BLOCK_N, HEAD_DIM, BLOCK_D, True, IS_CAUSAL, MASK_KIND,
-                               DOT_PREC, UPCAST, USE_TMA, FOLD_SCALE)
+    if not WARP_SPEC:
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, m_base, offs_m, offs_d,
+                                   lo, hi, skn, svn, smm, smn, Nq, Nk, qk_scale, desc_k, desc_v,
+                                   off_b, off_hk, BLOCK_N, HEAD_DIM, BLOCK_D, True, IS_CAUSAL,
+                                   MASK_KIND, DOT_PREC, UPCAST, USE_TMA, FOLD_SCALE)
 
     # fully masked rows: l = 0 -> o = 0, lse = -inf
     empty = l_i == 0.0

@@ -18,8 +18,10 @@ Under ``TRITON_INTERPRET=1`` (CPU) one small fixed config is used. On sm_90+ the
 also tries the kernels with their streamed tiles read through tensor descriptors (TMA),
 where the H200 sweep found that faster (``TORCHFN_TRITON_TMA``: "auto" default, "0"
 never, "1" always; the interpreter uses TMA only with "1"). The overlap variants (the
-forward's ``PIPELINE``, dK/dV's ``EARLY_DP``: see their modules) are tried last, not
-yet timed (``TORCHFN_TRITON_OVERLAP=0`` leaves them out). fp32 dots never use plain
+forward's ``PIPELINE``, dK/dV's ``EARLY_DP``) and the warp-specialized ones
+(``WARP_SPEC``: forward, dK/dV, dQ; see their modules) are tried last, not yet timed
+(``TORCHFN_TRITON_OVERLAP=0`` leaves them out); the tuner skips any candidate whose
+results differ from the first config's by more than rounding. fp32 dots never use plain
 TF32: 3xTF32 ("tf32x3") on the GPU, overridable with
 ``TORCHFN_TRITON_FP32_PRECISION=ieee``; exact in the interpreter.
 
@@ -31,8 +33,11 @@ Example (GPU)::
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import math
 import os
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -50,6 +55,7 @@ from torchfn.kernels._triton_configs import (
     _overlap_on,
     _tma_candidates,
     _tma_mode,
+    _ws_candidates,
 )
 
 Tensor = torch.Tensor
@@ -63,7 +69,7 @@ _TUNED: dict[tuple, Config] = {}
 
 def tuned_configs() -> dict[tuple, Config]:
     """The configs the GPU autotuner picked so far: key -> ``Config``
-    (BLOCK_M, BLOCK_N, warps, stages, tma, overlap)."""
+    (BLOCK_M, BLOCK_N, warps, stages, tma, overlap, ws)."""
     return dict(_TUNED)
 
 
@@ -117,29 +123,44 @@ def _launch(kind: str, kernel: Any, grid: Callable[[int, int], tuple[int, ...]],
             args: tuple, consts: dict[str, Any], key: tuple,
             config: tuple[int, ...] | None,
             reset: Callable[[], None] | None = None,
-            tma: Callable[[int, int], dict[str, Any]] | None = None) -> None:
+            tma: Callable[[int, int], dict[str, Any]] | None = None,
+            ws: Callable[[int, int], dict[str, Any]] | None = None,
+            outputs: tuple[Tensor, ...] = ()) -> None:
     """Launch ``kernel`` with a block config: given, interpreter-fixed, tuned or default.
 
-    A config is (BLOCK_M, BLOCK_N, num_warps, num_stages[, tma[, overlap]]) (see
+    A config is (BLOCK_M, BLOCK_N, num_warps, num_stages[, tma[, overlap[, ws]]]) (see
     ``Config``); a given 4-tuple uses TMA only under ``TORCHFN_TRITON_TMA=1``. ``reset``
     runs before every launch, for kernels that accumulate into an output (atomics): the
     tuner launches a kernel many times. ``tma(BLOCK_M, BLOCK_N)`` gives the
-    tensor-descriptor keyword arguments (None: TMA off or unusable for these tensors).
+    tensor-descriptor keyword arguments (None: TMA off or unusable for these tensors);
+    ``ws(BLOCK_M, BLOCK_N)`` those of the warp-specialized variant (None: unusable).
+    ``outputs``: what the kernel writes, which the tuner checks each candidate's
+    results on (``_tune``).
     """
     mode = _tma_mode() if tma is not None else "0"
 
     def run(cfg: Config) -> None:
         if reset is not None:
             reset()
-        bm, bn, warps, stages, use_tma, overlap = cfg
+        bm, bn, warps, stages, use_tma, overlap, use_ws = cfg
         kw = tma(bm, bn) if use_tma and tma is not None else {}
         if overlap:
             kw = dict(kw, **{_OVERLAP[kind]: True})
-        if is_interpreted():
-            kernel[grid(bm, bn)](*args, **consts, **kw, BLOCK_M=bm, BLOCK_N=bn)
-        else:
-            kernel[grid(bm, bn)](*args, **consts, **kw, BLOCK_M=bm, BLOCK_N=bn,
-                                 num_warps=warps, num_stages=stages)
+        if use_ws:
+            if ws is None:
+                raise ValueError(
+                    f"config: the warp-specialized {kind} kernel needs fp16/bf16 on sm_90+ "
+                    "(or the interpreter), no mask, 16-byte aligned heads and rows"
+                    + (", scale > 0" if kind == "fwd" else "")
+                    + (", no GQA and deterministic=True" if kind == "dkdv" else "")
+                    + f"; got {cfg!r} for inputs that do not qualify")
+            kw = dict(kw, **ws(bm, bn))
+        with _scratch_allocator(args[0].device) if use_ws else contextlib.nullcontext():
+            if is_interpreted():
+                kernel[grid(bm, bn)](*args, **consts, **kw, BLOCK_M=bm, BLOCK_N=bn)
+            else:
+                kernel[grid(bm, bn)](*args, **consts, **kw, BLOCK_M=bm, BLOCK_N=bn,
+                                     num_warps=warps, num_stages=stages)
 
     if config is not None:
         run(_as_config(kind, config, mode))
@@ -156,12 +177,14 @@ def _launch(kind: str, kernel: Any, grid: Callable[[int, int], tuple[int, ...]],
     else:
         cands = [Config(*c, tma=True) for c in tmas] + [Config(*c) for c in ptr]
     cands += _overlap_candidates(kind, dtype, bd, mode)  # untimed variants: last
-    full_key = (kind, *key, _overlap_on(), mode)
+    if ws is not None:
+        cands += _ws_candidates(kind, dtype, bd)
+    full_key = (kind, *key, ws is not None, _overlap_on(), mode)
     cfg = _TUNED.get(full_key)
     if cfg is not None:
         run(cfg)
     elif _autotune_enabled() and len(cands) > 1:
-        _TUNED[full_key] = cfg = _tune(run, cands)
+        _TUNED[full_key] = cfg = _tune(run, cands, outputs, kind)
         run(cfg)
     else:  # untuned: the first config this GPU can hold (less shared memory than an H100's)
         from triton.runtime.errors import OutOfResources
@@ -177,8 +200,47 @@ def _launch(kind: str, kernel: Any, grid: Callable[[int, int], tuple[int, ...]],
             break
 
 
-def _tune(run: Callable, cands: list[Config]) -> Config:
+@contextlib.contextmanager
+def _scratch_allocator(device: torch.device):
+    """Descriptors made inside a kernel (the warp-specialized variants) live in a small
+    global scratch buffer that Triton asks ``triton.set_allocator``'s allocator for.
+    When the caller set none, lend torch's caching allocator for this launch only."""
+    try:
+        from triton.runtime import _allocation
+
+        var = _allocation._allocator
+        unset = isinstance(var.get(), _allocation.NullAllocator)
+    except (ImportError, AttributeError):  # another Triton: its own error if it needs one
+        unset = False
+    if not unset or device.type != "cuda":
+        yield
+        return
+    token = var.set(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8,
+                                                                device=device))
+    try:
+        yield
+    finally:
+        var.reset(token)
+
+
+def _rel_err(got: Tensor, ref: Tensor) -> float:
+    """``|got - ref| / |ref|`` in float64 (inf when ``got`` is non-finite where ``ref`` is not)."""
+    got, ref = got.double(), ref.double()
+    if not torch.isfinite(got[torch.isfinite(ref)]).all():
+        return math.inf
+    fin = torch.isfinite(ref)
+    return float((got - ref)[fin].norm() / ref[fin].norm().clamp_min(1e-30))
+
+
+def _tune(run: Callable, cands: list[Config], outputs: tuple[Tensor, ...] = (),
+          kind: str = "") -> Config:
     """Time each config (compiling it first); configs that fail to compile/launch are skipped.
+
+    Configs whose results differ from the first config's (the measured default) by more
+    than rounding (``|d| / |ref|`` > 2e-2 for fp16/bf16, 1e-4 for fp32, in any of
+    ``outputs``) are skipped with a warning: the untimed variants rely on Triton passes
+    (warp specialization on Hopper) that are young, and a miscompiled kernel must never
+    win on speed.
 
     An idle GPU starts at a low clock (the H200 idled at 345 MHz) and ramps up under
     load, which can favour the configs timed last; on the H200 the tuner kept configs up
@@ -194,13 +256,24 @@ def _tune(run: Callable, cands: list[Config]) -> Config:
     def timed(cfg) -> float:
         return do_bench(lambda: run(cfg), warmup=10, rep=25, return_mode="median")
 
-    ok, last_err = [], None
+    ok, last_err, ref = [], None, None
     for cfg in cands:
         try:
             run(cfg)  # compiles it
-            ok.append(cfg)
         except Exception as err:  # noqa: BLE001 - out of shared memory / registers, ...
             last_err = err
+            continue
+        if ref is None:
+            ref = (cfg, [t.clone() for t in outputs])
+        else:
+            tol = 1e-4 if outputs and outputs[0].dtype == torch.float32 else 2e-2
+            err = max((_rel_err(t, r) for t, r in zip(outputs, ref[1])), default=0.0)
+            if err > tol:
+                warnings.warn(f"torchfn: Triton attention {kind} config {tuple(cfg)} gave "
+                              f"results {err:.1e} off those of {tuple(ref[0])} (relative); "
+                              "skipped", RuntimeWarning, stacklevel=2)
+                continue
+        ok.append(cfg)
     if not ok:
         raise RuntimeError(f"no Triton attention config could run: {last_err}") from last_err
     if len(ok) == 1:
@@ -229,22 +302,56 @@ def _tma_descriptors(names_tensors: dict[str, Tensor], rows: dict[str, str], blo
         from triton.tools.tensor_descriptor import TensorDescriptor
     except ImportError:
         return None
-    tensors = list(names_tensors.values())
-    dev = tensors[0].device
-    if not is_interpreted() and (dev.type != "cuda"
-                                 or torch.cuda.get_device_capability(dev)[0] < 9):
+    if not _descriptors_usable(list(names_tensors.values())):
         return None
-    for t in tensors:
-        step = 16 // t.element_size()
-        if t.stride(-1) != 1 or t.data_ptr() % 16 or any(
-                st % step or st == 0 for st, n in zip(t.stride()[:-1], t.shape[:-1]) if n > 1):
-            return None
 
     def make(bm: int, bn: int) -> dict[str, Any]:
         kw: dict[str, Any] = {"USE_TMA": True}
         for name, t in names_tensors.items():
             r = bm if rows[name] == "m" else bn
             kw[name] = TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, r, block_d])
+        return kw
+
+    return make
+
+
+def _descriptors_usable(tensors: list[Tensor]) -> bool:
+    """Tensor descriptors (TMA) can read these: sm_90+ (or the interpreter), 16-byte
+    aligned base pointers and strides, and a contiguous last dim."""
+    dev = tensors[0].device
+    if not is_interpreted() and (dev.type != "cuda"
+                                 or torch.cuda.get_device_capability(dev)[0] < 9):
+        return False
+    for t in tensors:
+        step = 16 // t.element_size()
+        if t.stride(-1) != 1 or t.data_ptr() % 16 or any(
+                st % step or st == 0 for st, n in zip(t.stride()[:-1], t.shape[:-1]) if n > 1):
+            return False
+    return True
+
+
+def _ws_variant(tensors: list[Tensor], consts: dict[str, Any], ok: bool = True,
+                ragged: Callable[[int, int], bool] | None = None,
+                ) -> Callable[[int, int], dict[str, Any]] | None:
+    """The warp-specialized variant's kwargs per block shape, or None where it does not
+    apply: ``TORCHFN_TRITON_OVERLAP=0``, a user mask, ``ok`` False (kernel-specific
+    conditions), tensors descriptors cannot read, fp32 on a GPU (its 3xTF32 dots), or a
+    Triton without in-kernel descriptors. ``ragged(BLOCK_M, BLOCK_N)``: whether a
+    non-causal launch still needs the bounds mask on every block (``WS_MASKED``)."""
+    import triton.language as tl
+
+    if not (ok and _overlap_on() and consts["MASK_KIND"] == 0
+            and hasattr(tl, "make_tensor_descriptor") and _descriptors_usable(tensors)):
+        return None
+    if any(t.stride(2) % (16 // t.element_size()) for t in tensors):  # even with one row:
+        return None  # the per-head descriptor's row stride
+    if tensors[0].dtype == torch.float32 and not is_interpreted():
+        return None
+
+    def make(bm: int, bn: int) -> dict[str, Any]:
+        kw: dict[str, Any] = {"WARP_SPEC": True}
+        if ragged is not None:
+            kw["WS_MASKED"] = consts["IS_CAUSAL"] or ragged(bm, bn)
         return kw
 
     return make
@@ -311,8 +418,8 @@ def fwd(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool, scal
     """Forward: ``o = softmax(scale q k^T + mask) v`` and its row logsumexp ``lse`` (float32).
 
     q: (B, H, Nq, D); k, v: (B, Hkv, Nk, D) -> o: (B, H, Nq, D), lse: (B, H, Nq).
-    ``config`` = (BLOCK_M, BLOCK_N, num_warps, num_stages[, tma[, overlap]]) overrides the
-    tuned choice.
+    ``config`` = (BLOCK_M, BLOCK_N, num_warps, num_stages[, tma[, overlap[, ws]]]) overrides
+    the tuned choice.
     """
     _ensure_mode(q.device)
     q, k, v = _c(q), _c(k), _c(v)
@@ -330,8 +437,10 @@ def fwd(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool, scal
     grid = lambda bm, bn: (triton.cdiv(Nq, bm), B * H)
     tma = _tma_descriptors({"desc_q": q, "desc_k": k, "desc_v": v},
                            {"desc_q": "m", "desc_k": "n", "desc_v": "n"}, consts["BLOCK_D"])
+    ws = _ws_variant([q, k, v], consts, ok=consts["FOLD_SCALE"],
+                     ragged=lambda bm, bn: Nk % bn != 0)
     _launch("fwd", _triton_fwd._attn_fwd, grid, args, consts, (*key, tma is not None), config,
-            tma=tma)
+            tma=tma, ws=ws, outputs=(o, lse))
     return o.to(q.dtype), lse
 
 
@@ -346,7 +455,8 @@ def bwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Tensor,
     the dK/dV launch (5 matmuls), at the cost of run-to-run rounding differences in dq
     (and, on an H200, of speed: the atomics cost more than the two matmuls).
     ``config`` = (dkdv config, dq config) overrides tuning (the dq one is unused when
-    ``deterministic=False``); the dK/dV one may have a sixth entry, ``overlap``.
+    ``deterministic=False``); each may have the flags ``tma``, ``overlap`` (dK/dV) and
+    ``ws`` (dK/dV without GQA, deterministic; dQ).
     """
     _ensure_mode(q.device)
     q, k, v, o, do = _c(q), _c(k), _c(v), _c(o), _c(do)
@@ -379,10 +489,12 @@ def bwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Tensor,
     grid_kv = lambda bm, bn: (triton.cdiv(Nk, bn), B * Hkv)
     bd = consts["BLOCK_D"]
     tma_kv = _tma_descriptors({"desc_q": q, "desc_do": do}, {"desc_q": "m", "desc_do": "m"}, bd)
+    ws_kv = _ws_variant([q, k, v, do], consts, ok=H == Hkv and not atomic)
     _launch("dkdv_atomic" if atomic else "dkdv", _triton_bwd._attn_bwd_dkdv, grid_kv, args_kv,
             dict(consts, DQ_ATOMIC=atomic), (*key, tma_kv is not None),
             None if config is None else config[0],
-            reset=dq_acc.zero_ if atomic else None, tma=tma_kv)
+            reset=dq_acc.zero_ if atomic else None, tma=tma_kv, ws=ws_kv,
+            outputs=(dk, dv, dq_acc) if atomic else (dk, dv))
     if atomic:
         return (dq_acc * scale).to(q.dtype), dk.to(q.dtype), dv.to(q.dtype)
     args_q = (q, k, v, mptr, do, lse2, delta, dq, *common,
@@ -390,8 +502,9 @@ def bwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Tensor,
               H, H // Hkv, Nq, Nk, qk_scale, float(scale))
     grid_q = lambda bm, bn: (triton.cdiv(Nq, bm), B * H)
     tma_q = _tma_descriptors({"desc_k": k, "desc_v": v}, {"desc_k": "n", "desc_v": "n"}, bd)
+    ws_q = _ws_variant([q, k, v, do], consts, ragged=lambda bm, bn: Nk % bn != 0)
     _launch("dq", _triton_bwd._attn_bwd_dq, grid_q, args_q, consts, (*key, tma_q is not None),
-            None if config is None else config[1], tma=tma_q)
+            None if config is None else config[1], tma=tma_q, ws=ws_q, outputs=(dq,))
     return dq.to(q.dtype), dk.to(q.dtype), dv.to(q.dtype)
 
 
