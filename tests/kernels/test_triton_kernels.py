@@ -434,6 +434,7 @@ def _ws(cfg):
 WS_CASES = [
     # B, H, Hkv, Nq, Nk, D, dtype, causal
     pytest.param(1, 2, 2, 100, 77, 24, torch.float32, False, id="fp32-ragged-D24"),
+    pytest.param(2, 2, 2, 50, 96, 32, torch.float32, False, id="fp32-unmasked"),  # WS_MASKED off
     pytest.param(1, 2, 2, 160, 96, 40, torch.float32, True, id="fp32-causal-Nq>Nk"),
     pytest.param(1, 2, 2, 96, 160, 64, torch.float16, True, id="fp16-causal-Nq<Nk"),
     pytest.param(2, 4, 2, 70, 90, 32, torch.bfloat16, True, id="bf16-gqa"),
