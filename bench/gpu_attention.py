@@ -747,6 +747,9 @@ SWEEP_OPS = ("fwd", "fwd_tma", "fwd_ovl_tma", "fwd_ws", "dkdv", "dkdv_tma", "dq"
              "dq_ws", "dkdv_ovl", "dkdv_ovl_tma", "dkdv_ws", "dkdv_atomic", "dkdv_atomic_tma")
 _SWEEP_NEEDED = ("fwd", "fwd_tma", "dkdv", "dkdv_tma", "dq", "dq_tma", "dkdv_atomic",
                  "dkdv_atomic_tma")  # for the best combinations; the others add to them
+# timed last, in a child of their own (`sweepws`): a young compiler pass may miscompile
+# a barrier and hang the GPU, which must not cost the rest of the sweep
+_WS_OPS = ("fwd_ws", "dkdv_ws", "dq_ws")
 
 
 def _table(op: str, D: int) -> list[tuple[int, int, int, int]]:
@@ -834,8 +837,12 @@ def _with_tma(fn, mode: str = "1"):
 
 
 def _sweep_tasks(dry: bool) -> list[tuple[int, bool, str, tuple]]:
-    return [(D, causal, op, cfg) for D, causal in _sweep_combos(dry)
-            for op in SWEEP_OPS for cfg in _sweep_grid(op, D, dry)]
+    """Every (D, causal, op, config) of the sweep; the warp-specialized ones last, so a
+    warm worker that hangs on one loses nothing else."""
+    tasks = [(D, causal, op, cfg) for D, causal in _sweep_combos(dry)
+             for op in SWEEP_OPS for cfg in _sweep_grid(op, D, dry)]
+    return ([t for t in tasks if t[2] not in _WS_OPS]
+            + [t for t in tasks if t[2] in _WS_OPS])
 
 
 def _sweep_inputs(D: int, N: int, dry: bool, causal: bool, seed: int = 0):
@@ -873,21 +880,28 @@ def phase_sweepwarm(args) -> None:
         _append(args.part, row)
 
 
-def phase_sweep(args) -> None:
-    """Time each (op, config) at N = SWEEP_N, then the best fwd + bwd against SDPA cuDNN."""
+def phase_sweep(args, ws: bool = False) -> None:
+    """Time each (op, config) at N = SWEEP_N, then the best fwd + bwd against SDPA cuDNN.
+
+    ``ws``: the warp-specialized ops only (phase ``sweepws``, after the others): their
+    best combinations take the other ops' bests from the first child's rows."""
     os.environ["TORCHFN_TRITON_AUTOTUNE"] = "0"
     timer = _timer(args.dry_run)
     provs = _providers(args.dry_run)
     N = 64 if args.dry_run else SWEEP_N
+    ops = _WS_OPS if ws else tuple(op for op in SWEEP_OPS if op not in _WS_OPS)
+    earlier = {(r["D"], r["causal"]): r["best"] for r in _read_rows(args.main_part or "")
+               if r.get("kind") == "sweep_best_configs"} if ws else {}
     for D, causal in _sweep_combos(args.dry_run):
         if time.time() > args.deadline:
             break
         B, H, x = _sweep_inputs(D, N, args.dry_run, causal)
-        best: dict[str, tuple[float, tuple]] = {}
+        best: dict[str, tuple[float, tuple]] = {
+            op: (b["ms"], tuple(b["cfg"])) for op, b in earlier.get((D, causal), {}).items()}
         first = _sweep_grid("fwd", D, args.dry_run)[0], _sweep_grid("dkdv", D, args.dry_run)[0]
         ref = {"fwd": _sweep_call("fwd", first[0], x, causal, D)(),
                "bwd": _sweep_call("dkdv", first[1], x, causal, D)()}
-        for op in SWEEP_OPS:
+        for op in ops:
             for cfg in _sweep_grid(op, D, args.dry_run):
                 row = {"kind": "sweep", "D": D, "causal": causal, "N": N, "op": op, "cfg": cfg}
                 if time.time() > args.deadline:
@@ -914,16 +928,19 @@ def phase_sweep(args) -> None:
         if all(op in best for op in _SWEEP_NEEDED):
             _sweep_best(args, timer, provs, D, causal, N, B, H, x,
                         {op: cfg for op, (_, cfg) in best.items()},
-                        {op: ms for op, (ms, _) in best.items()})
+                        {op: ms for op, (ms, _) in best.items()}, ws_only=ws)
             _append(args.part, {"kind": "sweep_best_configs", "D": D, "causal": causal,
+                                "ws": ws,
                                 "best": {op: {"ms": t, "cfg": c} for op, (t, c) in best.items()}})
 
 
 def _sweep_best(args, timer, provs, D, causal, N, B, H, x, cfgs: dict,
-                cfgs_ms: dict) -> None:
+                cfgs_ms: dict, ws_only: bool = False) -> None:
     """Time fwd and fwd+bwd with the best config of each kernel, and SDPA cuDNN beside them.
 
-    ``cfgs``: sweep op -> its fastest config; ``cfgs_ms``: op -> that config's time."""
+    ``cfgs``: sweep op -> its fastest config; ``cfgs_ms``: op -> that config's time.
+    ``ws_only`` (the ``sweepws`` child): only the combinations with a warp-specialized
+    kernel (``sweep_best_ws``, and ``sweep_best_any`` again if one of them wins)."""
     from torchfn.kernels import _triton_ops as T
 
     q, k, v, do, _, _ = x
@@ -985,10 +1002,16 @@ def _sweep_best(args, timer, provs, D, causal, N, B, H, x, cfgs: dict,
         runs[("sweep_best_ws", "fwd")] = lambda: T.fwd(q, k, v, None, causal, scale,
                                                        config=ws["fwd"])
         runs[("sweep_best_ws", "fwd_bwd")] = any_fwd_bwd(ws)
+    if ws_only:
+        runs = {key: fn for key, fn in runs.items() if key[0] == "sweep_best_ws"
+                or (key[0] == "sweep_best_any" and any(op.endswith("_ws")
+                                                       for op in pick.values()))}
     for (name, mode), fn in runs.items():
         meta = {"provider": name, "mode": mode, "dtype": "bf16", "D": D, "N": N, "B": B, "H": H,
                 "causal": causal, "configs": cfgs}
         _measure(args, args.part, meta, lambda fn=fn: (fn, None, _null), timer)
+    if ws_only:
+        return
     for mode in ("fwd", "fwd_bwd"):
         meta = {"provider": "sdpa_cudnn", "mode": mode, "dtype": "bf16", "D": D, "N": N,
                 "B": B, "H": H, "causal": causal}
@@ -1063,10 +1086,17 @@ def orchestrate_sweep(args) -> int:
     warm = [r for p in parts for r in _read_rows(p)]
     print(f"   compiled {sum(1 for r in warm if r.get('ok'))}/{len(warm)}; "
           f"worker exits {codes}", flush=True)
-    part = os.path.join(tmp, "sweep.jsonl")
-    print(f"== sweep timing (deadline +{end - t0:.0f}s)", flush=True)
-    _wait([_spawn(args, "sweep", part, end, None)], end + 60)
-    rows = _read_rows(part)
+    part, part_ws = os.path.join(tmp, "sweep.jsonl"), os.path.join(tmp, "sweepws.jsonl")
+    # the warp-specialized ops get the last share of the time, in a child of their own
+    main_end = time.time() + 0.8 * (end - time.time())
+    print(f"== sweep timing (deadline +{main_end - t0:.0f}s), then the warp-specialized "
+          f"kernels (+{end - t0:.0f}s)", flush=True)
+    _wait([_spawn(args, "sweep", part, main_end, None)], main_end + 60)
+    codes = _wait([_spawn(args, "sweepws", part_ws, end, None, main_part=part)], end + 30)
+    if codes != [0]:
+        print(f"   warp-specialized sweep child exited {codes} (None: killed, e.g. a hang)",
+              flush=True)
+    rows = _read_rows(part) + _read_rows(part_ws)
     md = sweep_markdown(rows)
     result = {"env": info, "args": {"budget_s": args.budget_s, "sweep": True, "workers": nw},
               "warm": warm, "sweep": rows, "markdown": md,
@@ -1083,9 +1113,12 @@ def orchestrate_sweep(args) -> int:
 
 # ============================================================================ orchestration
 def _spawn(args, phase: str, part: str, deadline: float, log: str | None,
-           worker_id: int = 0, nworkers: int = 1) -> subprocess.Popen:
+           worker_id: int = 0, nworkers: int = 1, main_part: str | None = None,
+           ) -> subprocess.Popen:
     cmd = [sys.executable, HERE, "--phase", phase, "--part", part, "--deadline", repr(deadline),
            "--worker-id", str(worker_id), "--nworkers", str(nworkers)]
+    if main_part:
+        cmd += ["--main-part", main_part]
     if args.dry_run:
         cmd.append("--dry-run")
     out = open(log, "w") if log else None  # noqa: SIM115
@@ -1342,6 +1375,7 @@ def main(argv=None) -> int:
     ap.add_argument("--deadline", type=float, help=argparse.SUPPRESS)
     ap.add_argument("--worker-id", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--nworkers", type=int, default=1, help=argparse.SUPPRESS)
+    ap.add_argument("--main-part", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     os.environ["TORCHFN_TRITON_TMA"] = "auto"  # the library default; providers switch it
     if args.dry_run:
@@ -1362,8 +1396,8 @@ def main(argv=None) -> int:
             phase_flex(args, time_it=False)
         elif args.phase == "sweepwarm":
             phase_sweepwarm(args)
-        elif args.phase == "sweep":
-            phase_sweep(args)
+        elif args.phase in ("sweep", "sweepws"):
+            phase_sweep(args, ws=args.phase == "sweepws")
     except Exception as e:  # noqa: BLE001
         _append(args.part, {"kind": "phase_error", "phase": args.phase, "error": _err_str(e),
                             "trace": traceback.format_exc()[-2000:]})

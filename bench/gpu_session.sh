@@ -21,9 +21,10 @@ DRY_FLAG=${DRY:+--dry-run}
 case "${1:-}" in
   check)
     nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv 2>&1 | tee "$OUT/gpu.txt"
-    # correctness on the GPU first: deterministic, atomic-dQ and TMA kernels, transforms
+    # correctness on the GPU first: transforms, deterministic, atomic-dQ and TMA kernels;
+    # the warp-specialized kernels' test last (a hang there must cost nothing else)
     timeout 300 python3 -m pytest -v --tb=short --durations=15 -p no:cacheprovider -m gpu \
-      tests/kernels/test_triton_gpu.py tests/kernels/test_attention_gpu.py 2>&1 \
+      tests/kernels/test_attention_gpu.py tests/kernels/test_triton_gpu.py 2>&1 \
       | tee "$OUT/gpu_tests.txt"
     timeout 290 python3 bench/gpu_attention.py $DRY_FLAG --out "$WORK/gpu_attention.json" \
       --budget-s "${BUDGET_S:-190}" 2>&1 | tail -120 > "$OUT/bench.log"

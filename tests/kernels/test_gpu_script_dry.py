@@ -52,4 +52,8 @@ def test_sweep_dry_run_times_every_kernel(tmp_path):
     assert {"sweep_best", "sweep_best_tma", "sweep_best_atomic", "sweep_best_atomic_tma",
             "sweep_best_ovl", "sweep_best_ovl_tma", "sweep_best_ws", "sweep_best_any"} <= best
     picks = [r for r in result["sweep"] if r.get("kind") == "sweep_best_pick"]
-    assert len(picks) == 2 and all(set(r["pick"]) == {"fwd", "dkdv", "dq"} for r in picks)
+    assert len({(r["D"], r["causal"]) for r in picks}) == 2
+    assert all(set(r["pick"]) == {"fwd", "dkdv", "dq"} for r in picks)
+    # the warp-specialized ops were timed by a child of their own, after the others
+    ws_best = [r for r in result["sweep"] if r.get("kind") == "sweep_best_configs" and r["ws"]]
+    assert len(ws_best) == 2 and all("dkdv_ws" in r["best"] for r in ws_best)

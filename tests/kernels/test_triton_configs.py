@@ -204,6 +204,10 @@ def test_overlap_off_leaves_the_variants_out_and_tunes_apart(gpu_branch, monkeyp
 def test_warp_specialized_variants_come_last_where_usable(kind, block_d, gpu_branch,
                                                           monkeypatch):
     monkeypatch.setenv("TORCHFN_TRITON_TMA", "auto")
+    monkeypatch.delenv("TORCHFN_TRITON_WS", raising=False)
+    _launch(kind, torch.bfloat16, block_d, ws_usable=True)
+    assert not any(c.ws for c in gpu_branch["cands"])  # opt-in: not tried by default
+    monkeypatch.setenv("TORCHFN_TRITON_WS", "1")
     _launch(kind, torch.bfloat16, block_d)
     without = gpu_branch["cands"]
     assert not any(c.ws for c in without)  # inputs the variant cannot take: not tried
@@ -212,14 +216,16 @@ def test_warp_specialized_variants_come_last_where_usable(kind, block_d, gpu_bra
                                                                         block_d)]]
     assert ws and gpu_branch["cands"] == without + ws
     assert len(T.tuned_configs()) == 2  # tuned apart: with and without the variant
+    assert len({k[:-2] for k in T.tuned_configs()}) == 2
     # the tuner picked one: launched with WARP_SPEC and without host descriptors
     monkeypatch.setattr(T, "_TUNED", {})
     monkeypatch.setattr(T, "_tune", lambda run, cands, *rest: cands[-1])
     assert _launch(kind, torch.bfloat16, block_d, ws_usable=True) == [ws[-1]]
-    # never for fp32 (3xTF32 dots), nor with TORCHFN_TRITON_OVERLAP=0
+    # never for fp32 (3xTF32 dots); a bad value is a clear error
     assert C._ws_candidates(kind, torch.float32, block_d) == []
-    monkeypatch.setenv("TORCHFN_TRITON_OVERLAP", "0")
-    assert C._ws_candidates(kind, torch.bfloat16, block_d) == []
+    monkeypatch.setenv("TORCHFN_TRITON_WS", "on")
+    with pytest.raises(ValueError, match="TORCHFN_TRITON_WS must be '0' or '1'"):
+        C._ws_candidates(kind, torch.bfloat16, block_d)
 
 
 def test_bad_tma_mode_is_a_clear_error(monkeypatch):

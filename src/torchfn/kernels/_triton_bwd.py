@@ -29,7 +29,8 @@ intra-warpgroup overlap, without warp specialisation). The sm_90 SASS shows the 
 and the softmax arithmetic issued while that wgmma is in flight; the cost is one more
 (N, M) float32 tile live in registers. The same operations on the same values.
 
-``WARP_SPEC`` (dK/dV and dQ variants the GPU tuner tries; no user mask) is the
+``WARP_SPEC`` (dK/dV and dQ variants the GPU tuner tries with ``TORCHFN_TRITON_WS=1``;
+no user mask) is the
 forward's: one ``warp_specialize`` loop, every tile through descriptors made in the
 kernel, the causal / bounds mask on every block, split by Triton on sm_90 into a TMA
 producer and two consumer warpgroups. dK/dV takes it without GQA (its group loop would

@@ -3,9 +3,9 @@ lists the GPU autotuner tries, in order (no Triton import; ``_triton_ops`` launc
 
 A config is ``Config(BLOCK_M, BLOCK_N, warps, stages, tma, overlap, ws)``. Per kernel
 and class (dtype and padded head dim, ``_class``), the tuner tries, on sm_90+ with TMA
-usable: the TMA list, then the pointer-load list, then the untimed overlap and
-warp-specialized variants. The first candidate is the untuned default
-(``TORCHFN_TRITON_AUTOTUNE=0``).
+usable: the TMA list, then the pointer-load list, then the untimed overlap variants
+and (opt-in, ``TORCHFN_TRITON_WS=1``) the warp-specialized ones. The first candidate
+is the untuned default (``TORCHFN_TRITON_AUTOTUNE=0``).
 
 Example::
 
@@ -140,12 +140,12 @@ _GPU_OVERLAP_CONFIGS: dict[str, dict[str, list[tuple[int, int, int, int, bool]]]
     },
 }
 # The warp-specialized variants (WARP_SPEC), bf16/fp16, as (BLOCK_M, BLOCK_N, warps,
-# stages): not timed yet, tried after everything else. Triton's Hopper pass turns the
-# 4 warps into 12 (a producer and two consumer warpgroups, `setmaxnreg`); it does so
-# only for these block shapes (e.g. dQ with BLOCK_M = 128 fails to compile). Each
-# entry compiles for sm_90 with Triton 3.6 and 3.9 without spills, causal or not
-# (`bench/aot_sm90.py --kinds fwd_ws dkdv_ws dq_ws`); the dK/dV (64, 128) and (64, 64)
-# tiles spill 16-88 bytes at D=128 and are left out there.
+# stages): not timed yet; tried after everything else, with TORCHFN_TRITON_WS=1 only.
+# Triton's Hopper pass turns the 4 warps into 12 (a producer and two consumer
+# warpgroups, `setmaxnreg`), and only for these block shapes (e.g. dQ with
+# BLOCK_M = 128 fails to compile). Each entry compiles for sm_90 with Triton 3.6 and
+# 3.9 without spills, causal or not (`bench/aot_sm90.py --kinds fwd_ws dkdv_ws dq_ws`);
+# the dK/dV (64, 128) and (64, 64) tiles spill 16-88 bytes at D=128: left out there.
 _GPU_WS_CONFIGS: dict[str, dict[str, list[tuple[int, int, int, int]]]] = {
     "fwd": {
         "d64": [(128, 128, 4, 2), (128, 64, 4, 3)],
@@ -186,9 +186,8 @@ def _tma_candidates(kind: str, dtype: torch.dtype, block_d: int,
 
 
 def _overlap_on() -> bool:
-    """``TORCHFN_TRITON_OVERLAP``: "1" (default: the tuner also tries the overlap and
-    warp-specialized variants) or "0" (never: e.g. to time the plain kernels, or to rule
-    the variants out)."""
+    """``TORCHFN_TRITON_OVERLAP``: "1" (default: the tuner also tries the overlap
+    variants) or "0" (never: e.g. to time the plain kernels, or to rule a variant out)."""
     value = os.environ.get("TORCHFN_TRITON_OVERLAP", "1").strip() or "1"
     if value not in ("0", "1"):
         raise ValueError(f"TORCHFN_TRITON_OVERLAP must be '0' or '1', got {value!r}")
@@ -212,10 +211,21 @@ def _overlap_candidates(kind: str, dtype: torch.dtype, block_d: int, mode: str,
     return out
 
 
+def _ws_on() -> bool:
+    """``TORCHFN_TRITON_WS``: "0" (default) or "1" (the tuner also tries the
+    warp-specialized variants). Opt-in until a GPU run has timed them: they rest on a
+    young Triton pass, and where the tuner can catch a wrong result (it checks each
+    candidate's), it cannot catch a hang."""
+    value = os.environ.get("TORCHFN_TRITON_WS", "0").strip() or "0"
+    if value not in ("0", "1"):
+        raise ValueError(f"TORCHFN_TRITON_WS must be '0' or '1', got {value!r}")
+    return value == "1"
+
+
 def _ws_candidates(kind: str, dtype: torch.dtype, block_d: int) -> list[Config]:
-    """The warp-specialized variants to try (bf16/fp16 at D <= 128; none with
-    ``TORCHFN_TRITON_OVERLAP=0``)."""
-    if not _overlap_on() or dtype == torch.float32:
+    """The warp-specialized variants to try: bf16/fp16 at D <= 128, and only with
+    ``TORCHFN_TRITON_WS=1``."""
+    if not _ws_on() or dtype == torch.float32:
         return []
     listed = _GPU_WS_CONFIGS.get(kind, {}).get(_class(dtype, block_d), [])
     return [Config(*c, ws=True) for c in listed]

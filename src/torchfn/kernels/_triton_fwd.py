@@ -26,7 +26,8 @@ together with the previous block's ``acc += P V``, then computes the next P whil
 exp beside a wgmma, as FlashAttention-3's intra-warpgroup pipelining does, at the
 cost of P and S both live in registers. The sums are the same, in the same order.
 
-``WARP_SPEC`` (a variant the GPU tuner tries; scale > 0, no user mask) runs every key
+``WARP_SPEC`` (a variant the GPU tuner tries with ``TORCHFN_TRITON_WS=1``; scale > 0, no
+user mask) runs every key
 block in one ``tl.range(..., warp_specialize=True)`` loop, reading q, k and v through
 2-D descriptors made in the kernel for its (batch, head). On sm_90 Triton then splits
 the program into a TMA producer warpgroup and two consumer warpgroups of BLOCK_M / 2

@@ -18,10 +18,11 @@ Under ``TRITON_INTERPRET=1`` (CPU) one small fixed config is used. On sm_90+ the
 also tries the kernels with their streamed tiles read through tensor descriptors (TMA),
 where the H200 sweep found that faster (``TORCHFN_TRITON_TMA``: "auto" default, "0"
 never, "1" always; the interpreter uses TMA only with "1"). The overlap variants (the
-forward's ``PIPELINE``, dK/dV's ``EARLY_DP``) and the warp-specialized ones
-(``WARP_SPEC``: forward, dK/dV, dQ; see their modules) are tried last, not yet timed
-(``TORCHFN_TRITON_OVERLAP=0`` leaves them out); the tuner skips any candidate whose
-results differ from the first config's by more than rounding. fp32 dots never use plain
+forward's ``PIPELINE``, dK/dV's ``EARLY_DP``) are tried last, not yet timed
+(``TORCHFN_TRITON_OVERLAP=0`` leaves them out), and after them, opt-in with
+``TORCHFN_TRITON_WS=1``, the warp-specialized ones (``WARP_SPEC``: forward, dK/dV, dQ;
+see their modules). The tuner skips any candidate whose results differ from the first
+config's by more than rounding. fp32 dots never use plain
 TF32: 3xTF32 ("tf32x3") on the GPU, overridable with
 ``TORCHFN_TRITON_FP32_PRECISION=ieee``; exact in the interpreter.
 
@@ -177,9 +178,9 @@ def _launch(kind: str, kernel: Any, grid: Callable[[int, int], tuple[int, ...]],
     else:
         cands = [Config(*c, tma=True) for c in tmas] + [Config(*c) for c in ptr]
     cands += _overlap_candidates(kind, dtype, bd, mode)  # untimed variants: last
-    if ws is not None:
-        cands += _ws_candidates(kind, dtype, bd)
-    full_key = (kind, *key, ws is not None, _overlap_on(), mode)
+    ws_cands = _ws_candidates(kind, dtype, bd) if ws is not None else []
+    cands += ws_cands
+    full_key = (kind, *key, bool(ws_cands), _overlap_on(), mode)
     cfg = _TUNED.get(full_key)
     if cfg is not None:
         run(cfg)
@@ -334,13 +335,14 @@ def _ws_variant(tensors: list[Tensor], consts: dict[str, Any], ok: bool = True,
                 ragged: Callable[[int, int], bool] | None = None,
                 ) -> Callable[[int, int], dict[str, Any]] | None:
     """The warp-specialized variant's kwargs per block shape, or None where it does not
-    apply: ``TORCHFN_TRITON_OVERLAP=0``, a user mask, ``ok`` False (kernel-specific
-    conditions), tensors descriptors cannot read, fp32 on a GPU (its 3xTF32 dots), or a
-    Triton without in-kernel descriptors. ``ragged(BLOCK_M, BLOCK_N)``: whether a
-    non-causal launch still needs the bounds mask on every block (``WS_MASKED``)."""
+    apply: a user mask, ``ok`` False (kernel-specific conditions), tensors descriptors
+    cannot read, fp32 on a GPU (its 3xTF32 dots), or a Triton without in-kernel
+    descriptors. Whether the tuner tries it is ``TORCHFN_TRITON_WS``'s call.
+    ``ragged(BLOCK_M, BLOCK_N)``: whether a non-causal launch still needs the bounds
+    mask on every block (``WS_MASKED``)."""
     import triton.language as tl
 
-    if not (ok and _overlap_on() and consts["MASK_KIND"] == 0
+    if not (ok and consts["MASK_KIND"] == 0
             and hasattr(tl, "make_tensor_descriptor") and _descriptors_usable(tensors)):
         return None
     if any(t.stride(2) % (16 // t.element_size()) for t in tensors):  # even with one row:
