@@ -222,9 +222,11 @@ def test_gpu_pipelined_forward_is_the_plain_forward(D, cfg):
 
 # causal: every block masked; D=64 with Nk a multiple of every BLOCK_N: no mask at all
 # (WS_MASKED off), ragged query rows only
-@pytest.mark.parametrize("D, causal, Nq, Nk", [(128, True, 300, 430), (64, False, 257, 768)],
-                         ids=["d128-causal", "d64-unmasked"])
-def test_gpu_warp_specialized_kernels_are_the_plain_kernels(D, causal, Nq, Nk):
+# (GQA in the second: dK/dV's loop runs over both query heads of a group)
+@pytest.mark.parametrize("D, causal, Nq, Nk, Hkv", [(128, True, 300, 430, 4),
+                                                    (64, False, 257, 768, 2)],
+                         ids=["d128-causal", "d64-unmasked-gqa"])
+def test_gpu_warp_specialized_kernels_are_the_plain_kernels(D, causal, Nq, Nk, Hkv):
     # WARP_SPEC: a TMA producer warpgroup and two consumers (Triton's Hopper pass), one
     # masked loop, descriptors made in the kernel (the launcher lends Triton a scratch
     # allocator). The same sums as the plain kernels, to rounding: a guard against the
@@ -234,7 +236,7 @@ def test_gpu_warp_specialized_kernels_are_the_plain_kernels(D, causal, Nq, Nk):
 
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("warp specialization with tensor descriptors needs sm_90 or newer")
-    q, k, v, do, _, _ = make(2, 4, 4, Nq, Nk, D, torch.bfloat16, None, seed=4)
+    q, k, v, do, _, _ = make(2, 4, Hkv, Nq, Nk, D, torch.bfloat16, None, seed=4)
     scale = D**-0.5
     ws = {kind: (*C._GPU_WS_CONFIGS[kind][f"d{D}"][0], False, False, True)
           for kind in ("fwd", "dkdv", "dq")}

@@ -420,7 +420,7 @@ def test_property_overlap_variants_are_the_plain_kernels(b_h_hkv, Nq, Nk, D, cau
         return
     ws = T.fwd(q, k, v, None, causal, scale, config=(bm, bn, 4, 1, False, False, True))
     assert all(torch.equal(a, b) for a, b in zip(plain, ws))
-    kv_cfg = (bm, bn, 4, 1, False, False, H == Hkv)  # no GQA in dK/dV's variant
+    kv_cfg = (bm, bn, 4, 1, False, False, True)
     gws = T.bwd(q, k, v, o, lse, do, None, causal, scale, config=(kv_cfg, (*dq_cfg, False,
                                                                           False, True)))
     assert all(torch.equal(a, b) for a, b in zip(late, gws))
@@ -446,8 +446,8 @@ def test_warp_specialized_kernels_are_the_plain_kernels(B, H, Hkv, Nq, Nk, D, dt
     # WARP_SPEC: one loop over every block with the bounds / causal mask on each, tiles
     # through descriptors the kernel makes per head. The interpreter ignores the warp
     # split, so it checks the rest: the same sums in the same order as the two-stage
-    # loops, hence the same bits, and the float64 reference's values. (GQA: the forward
-    # and dQ take the variant, dK/dV cannot.)
+    # loops, hence the same bits, and the float64 reference's values. (GQA: dK/dV runs
+    # the group's heads as one stretch of rows, in the plain kernel's order.)
     q, k, v, do, _, _ = make_inputs(B, H, Hkv, Nq, Nk, D, dtype, 3)
     scale = D**-0.5
     fcfg, kvcfg, qcfg = (32, 16, 4, 1), (16, 32, 4, 1), (32, 16, 4, 1)
@@ -456,8 +456,7 @@ def test_warp_specialized_kernels_are_the_plain_kernels(B, H, Hkv, Nq, Nk, D, dt
     assert all(torch.equal(a, b) for a, b in zip(plain, ws))
     o, lse = plain
     gplain = T.bwd(q, k, v, o, lse, do, None, causal, scale, config=(kvcfg, qcfg))
-    gws = T.bwd(q, k, v, o, lse, do, None, causal, scale,
-                config=(_ws(kvcfg) if H == Hkv else kvcfg, _ws(qcfg)))
+    gws = T.bwd(q, k, v, o, lse, do, None, causal, scale, config=(_ws(kvcfg), _ws(qcfg)))
     assert all(torch.equal(a, b) for a, b in zip(gplain, gws))
     if dtype == torch.float32:
         leaves = [x.double().requires_grad_() for x in (q, k, v)]
@@ -482,10 +481,12 @@ def test_warp_specialized_kernels_read_strided_heads():
     assert all(rel_err(g, rg) <= FP32_TOL for g, rg in zip((dq, dk, dv), rgrads))
 
 
-@pytest.mark.parametrize("what", ["mask", "gqa-dkdv", "atomic-dkdv", "negative-scale"])
+@pytest.mark.parametrize("what", ["mask", "gqa-strided-dkdv", "atomic-dkdv", "negative-scale"])
 def test_warp_specialized_config_on_inputs_it_cannot_take(what):
-    q, k, v, do, _, gen = make_inputs(1, 2, 1 if what == "gqa-dkdv" else 2, 40, 50, 16,
+    q, k, v, do, _, gen = make_inputs(1, 2, 1 if what.startswith("gqa") else 2, 40, 50, 16,
                                       torch.float32, 2)
+    if what.startswith("gqa"):  # (B, N, H, D) memory: a group's heads are not row after row
+        q = q.transpose(1, 2).contiguous().transpose(1, 2)
     mask = make_mask("bool", 1, 2, 40, 50, torch.float32, gen) if what == "mask" else None
     scale = -0.2 if what == "negative-scale" else 0.2
     o, lse = T.fwd(q, k, v, mask, False, scale)

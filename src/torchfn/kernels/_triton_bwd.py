@@ -33,8 +33,9 @@ and the softmax arithmetic issued while that wgmma is in flight; the cost is one
 no user mask) is the
 forward's: one ``warp_specialize`` loop, every tile through descriptors made in the
 kernel, the causal / bounds mask on every block, split by Triton on sm_90 into a TMA
-producer and two consumer warpgroups. dK/dV takes it without GQA (its group loop would
-be a second loop) and without atomic dQ; dQ splits only with BLOCK_M = 64.
+producer and two consumer warpgroups. dK/dV flattens its GQA group loop into the one
+loop (so with GQA it needs each group's heads as consecutive rows: head stride = Nq row
+strides) and takes no atomic dQ; dQ splits only with BLOCK_M = 64.
 """
 
 import triton
@@ -131,21 +132,27 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, m_base, lse2_base, delta_base, dq
 
 @triton.jit
 def _dkdv_inner_ws(dk, dv, k, v, desc_q, desc_do, lse2_base, delta_base, offs_n, lo, Nq, Nk,
-                   qk_scale, BLOCK_M: tl.constexpr, IS_CAUSAL: tl.constexpr,
+                   GROUP, qk_scale, BLOCK_M: tl.constexpr, IS_CAUSAL: tl.constexpr,
                    DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, ELEM: tl.constexpr):
-    """Query blocks [lo, Nq) of one head in one warp-specialized loop (no user mask):
-    a TMA producer warpgroup and two consumer warpgroups of BLOCK_N / 2 keys each.
-    Causal: the diagonal mask is applied to every block (a second loop stops the pass)."""
+    """Query blocks [lo, Nq) of the GROUP query heads of one kv head, in one
+    warp-specialized loop (no user mask): a TMA producer warpgroup and two consumer
+    warpgroups of BLOCK_N / 2 keys each. ``desc_q`` / ``desc_do``: the group's rows,
+    head after head (GROUP Nq rows; a block past a head's Nq rows reads the next head's
+    rows, which its +inf ``lse2`` zeroes out). Causal: the diagonal mask is applied to
+    every block (a second loop stops the pass)."""
     offs_m0 = tl.arange(0, BLOCK_M)
-    for start_m in tl.range(lo, Nq, BLOCK_M, warp_specialize=True):
+    n_m = tl.cdiv(Nq - lo, BLOCK_M)  # query blocks per head
+    for it in tl.range(0, GROUP * n_m, warp_specialize=True):
+        g = it // n_m
+        start_m = lo + (it - g * n_m) * BLOCK_M
         offs_m = start_m + offs_m0
-        q = desc_q.load([start_m, 0])  # (M, D); rows past Nq read 0
-        do = desc_do.load([start_m, 0])
+        q = desc_q.load([g * Nq + start_m, 0])  # (M, D)
+        do = desc_do.load([g * Nq + start_m, 0])
         if UPCAST:
             q = q.to(tl.float32)
             do = do.to(tl.float32)
-        lse2 = tl.load(lse2_base + offs_m, mask=offs_m < Nq, other=float("inf"))
-        delta = tl.load(delta_base + offs_m, mask=offs_m < Nq, other=0.0)
+        lse2 = tl.load(lse2_base + g * Nq + offs_m, mask=offs_m < Nq, other=float("inf"))
+        delta = tl.load(delta_base + g * Nq + offs_m, mask=offs_m < Nq, other=0.0)
         qkT = tl.dot(k, tl.trans(q), input_precision=DOT_PREC) * qk_scale  # (N, M)
         if IS_CAUSAL:  # (the transposed tile: rows are keys)
             qkT = tl.trans(_bounds_mask(tl.trans(qkT), offs_m, offs_n, Nq, Nk, True))
@@ -209,15 +216,18 @@ def _attn_bwd_dkdv(
         m_lo = 0
         m_mid = 0
 
-    if WARP_SPEC:  # the launcher sets it only with GROUP == 1, no user mask, no atomics
+    if WARP_SPEC:  # the launcher sets it only with no user mask, no atomics, and with GQA
+        # only where a group's heads are consecutive rows (head stride = Nq row strides)
         tl.static_assert(MASK_KIND == 0 and not DQ_ATOMIC, "WARP_SPEC: no mask, no atomics")
-        row0 = (off_b * H + off_hk) * Nq
+        h0 = off_hk * GROUP  # the group's first query head
+        row0 = (off_b * H + h0) * Nq
         dk, dv = _dkdv_inner_ws(
             dk, dv, k, v,
-            _head_desc(Q + off_b * sqb + off_hk * sqh, Nq, sqm, BLOCK_M, HEAD_DIM, BLOCK_D),
-            _head_desc(DO + off_b * sdb + off_hk * sdh, Nq, sdm, BLOCK_M, HEAD_DIM, BLOCK_D),
-            LSE2 + row0, DELTA + row0, offs_n, m_lo, Nq, Nk, qk_scale, BLOCK_M, IS_CAUSAL,
-            DOT_PREC, UPCAST, ELEM)
+            _head_desc(Q + off_b * sqb + h0 * sqh, GROUP * Nq, sqm, BLOCK_M, HEAD_DIM, BLOCK_D),
+            _head_desc(DO + off_b * sdb + h0 * sdh, GROUP * Nq, sdm, BLOCK_M, HEAD_DIM,
+                       BLOCK_D),
+            LSE2 + row0, DELTA + row0, offs_n, m_lo, Nq, Nk, GROUP, qk_scale, BLOCK_M,
+            IS_CAUSAL, DOT_PREC, UPCAST, ELEM)
     else:
         for g in range(0, GROUP):
             off_h = off_hk * GROUP + g

@@ -153,7 +153,8 @@ def _launch(kind: str, kernel: Any, grid: Callable[[int, int], tuple[int, ...]],
                     f"config: the warp-specialized {kind} kernel needs fp16/bf16 on sm_90+ "
                     "(or the interpreter), no mask, 16-byte aligned heads and rows"
                     + (", scale > 0" if kind == "fwd" else "")
-                    + (", no GQA and deterministic=True" if kind == "dkdv" else "")
+                    + (", deterministic=True and, with GQA, each head's rows right after "
+                       "the previous head's" if kind == "dkdv" else "")
                     + f"; got {cfg!r} for inputs that do not qualify")
             kw = dict(kw, **ws(bm, bn))
         with _scratch_allocator(args[0].device) if use_ws else contextlib.nullcontext():
@@ -458,7 +459,8 @@ def bwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Tensor,
     (and, on an H200, of speed: the atomics cost more than the two matmuls).
     ``config`` = (dkdv config, dq config) overrides tuning (the dq one is unused when
     ``deterministic=False``); each may have the flags ``tma``, ``overlap`` (dK/dV) and
-    ``ws`` (dK/dV without GQA, deterministic; dQ).
+    ``ws`` (dQ; dK/dV when deterministic, and with GQA only for heads stored one after
+    another).
     """
     _ensure_mode(q.device)
     q, k, v, o, do = _c(q), _c(k), _c(v), _c(o), _c(do)
@@ -491,7 +493,9 @@ def bwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Tensor,
     grid_kv = lambda bm, bn: (triton.cdiv(Nk, bn), B * Hkv)
     bd = consts["BLOCK_D"]
     tma_kv = _tma_descriptors({"desc_q": q, "desc_do": do}, {"desc_q": "m", "desc_do": "m"}, bd)
-    ws_kv = _ws_variant([q, k, v, do], consts, ok=H == Hkv and not atomic)
+    # GQA: the group's heads are read as consecutive rows (one loop for the pass)
+    flat = all(t.shape[1] == 1 or t.stride(1) == Nq * t.stride(2) for t in (q, do))
+    ws_kv = _ws_variant([q, k, v, do], consts, ok=(H == Hkv or flat) and not atomic)
     _launch("dkdv_atomic" if atomic else "dkdv", _triton_bwd._attn_bwd_dkdv, grid_kv, args_kv,
             dict(consts, DQ_ATOMIC=atomic), (*key, tma_kv is not None),
             None if config is None else config[0],
