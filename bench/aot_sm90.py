@@ -86,8 +86,10 @@ _TMA_DESCS = {
 
 
 def _compile(kind: str, head_dim: int, cfg: tuple[int, int, int, int], dtype: str,
-             causal: bool = False):
-    """The Triton-compiled sm_90 kernel of one (kind, head dim, config, dtype)."""
+             causal: bool = False, gqa: bool = False):
+    """The Triton-compiled sm_90 kernel of one (kind, head dim, config, dtype); ``gqa``:
+    the GQA group size is a runtime integer (the JIT makes it a constant when it is 1)."""
+    int_one = set() if gqa else _INT_ONE
     from torchfn.kernels._triton_configs import _OVERLAP
 
     tma = kind.endswith("_tma")
@@ -124,7 +126,7 @@ def _compile(kind: str, head_dim: int, cfg: tuple[int, int, int, int], dtype: st
         elif name.startswith("desc_"):  # unused descriptor: the launch passes None
             consts[name] = None
             sig[name] = "constexpr"
-        elif name in consts or name in _INT_ONE:
+        elif name in consts or name in int_one:
             sig[name] = "constexpr"
         elif name in _PTRS:
             sig[name] = f"*{dtype}"
@@ -134,7 +136,7 @@ def _compile(kind: str, head_dim: int, cfg: tuple[int, int, int, int], dtype: st
             sig[name] = "fp32"
         else:
             sig[name] = "i32"
-    consts.update({n: 1 for n in _INT_ONE if n in fn.arg_names})
+    consts.update({n: 1 for n in int_one if n in fn.arg_names})
     sig.update({n: "constexpr" for n in consts if n in sig})
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
              if sig[n] == "i32" or sig[n].startswith("*")}
@@ -207,7 +209,7 @@ def wgmma_overlap(sass: str, ops: tuple[str, ...] = ("MUFU",)) -> dict[str, tupl
 
 
 def compile_sm90(kind: str, head_dim: int, cfg: tuple[int, int, int, int],
-                 dtype: str = "bf16", causal: bool = False) -> dict:
+                 dtype: str = "bf16", causal: bool = False, gqa: bool = False) -> dict:
     """Compile one (kind, head dim, config) for sm_90: {'regs', 'spill', 'smem', 'warps',
     'setmaxnreg'}.
 
@@ -215,7 +217,7 @@ def compile_sm90(kind: str, head_dim: int, cfg: tuple[int, int, int, int],
     in ``_tma`` is that kernel with ``USE_TMA`` (tensor-descriptor loads), one ending in
     ``_ws`` the warp-specialized variant.
     """
-    compiled = _compile(kind, head_dim, cfg, dtype, causal)
+    compiled = _compile(kind, head_dim, cfg, dtype, causal, gqa)
     usage = _cuobjdump(compiled.asm["cubin"], "-res-usage")
     regs, stack = re.search(r"REG:(\d+)", usage), re.search(r"STACK:(\d+)", usage)
     sass = _cuobjdump(compiled.asm["cubin"], "-sass") if kind.endswith("_ws") else ""
@@ -239,6 +241,8 @@ def main(argv: list[str] | None = None) -> int:
                              *(f"{k}_ws" for k in _GPU_WS_CONFIGS)])
     ap.add_argument("--causal", action="store_true",
                     help="build the causal kernels (the warp-specialized ones differ most)")
+    ap.add_argument("--gqa", action="store_true",
+                    help="build for a GQA group > 1 (a runtime integer, not the constant 1)")
     ap.add_argument("--dims", nargs="+", type=int, default=[64, 128])
     ap.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16",
                     help="fp32 checks the table's fp32 lists (head dim <= 128 or 256)")
@@ -273,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
                           + " ".join(f"{o}={c.get(o, 0)}" for o in ops)
                           + f" ovl={ovl}/{mufu}", flush=True)
                     continue
-                r = compile_sm90(name, d, cfg, args.dtype, args.causal)
+                r = compile_sm90(name, d, cfg, args.dtype, args.causal, args.gqa)
                 ws = name.endswith("_ws")
                 ok = r["spill"] == 0 and r["smem"] <= SMEM_LIMIT and (
                     not ws or (r["warps"] == 12 and r["setmaxnreg"] > 0))

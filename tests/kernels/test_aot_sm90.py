@@ -101,6 +101,7 @@ out = {}
 for kind, cfg in (("dkdv_ws", (32, 128, 4, 2)), ("dq_ws", (64, 64, 4, 3)),
                   ("fwd_ws", (128, 64, 4, 3)), ("dkdv", (32, 128, 4, 2))):
     out[kind] = a.compile_sm90(kind, 128, cfg, causal=True)
+out["dkdv_ws_gqa"] = a.compile_sm90("dkdv_ws", 64, (64, 128, 4, 2), gqa=True)
 print(json.dumps(out))
 """
 
@@ -118,7 +119,7 @@ def test_warp_specialized_variants_are_specialized_on_sm90():
         pytest.skip("this Triton has no bundled ptxas / cuobjdump to compile for sm_90")
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
-    for kind in ("dkdv_ws", "dq_ws", "fwd_ws"):
+    for kind in ("dkdv_ws", "dq_ws", "fwd_ws", "dkdv_ws_gqa"):
         assert got[kind]["warps"] == 12 and got[kind]["setmaxnreg"] > 0, (kind, got[kind])
         assert got[kind]["spill"] == 0, (kind, got[kind])
     assert got["dkdv"]["warps"] == 4  # the plain kernel at the same config: not split
