@@ -173,7 +173,7 @@ def test_bad_explicit_config_is_a_clear_error(gpu_branch):
         _launch("fwd", torch.bfloat16, 64, config=(64, 32, 4, 2, True, False, True),
                 ws_usable=True)
     # inputs the variant cannot take (a mask, GQA in dK/dV, fp32 on a GPU, ...)
-    with pytest.raises(ValueError, match="warp-specialized dkdv kernel needs .* no GQA"):
+    with pytest.raises(ValueError, match="warp-specialized dkdv kernel needs .* with GQA"):
         _launch("dkdv", torch.bfloat16, 64, config=(64, 128, 4, 2, False, False, True))
     with pytest.raises(ValueError, match=r"config must be .*\[, ws\]"):
         _launch("fwd", torch.bfloat16, 64, config=(64, 32, 4, 2, False, False, True, 1))

@@ -30,12 +30,11 @@ and the softmax arithmetic issued while that wgmma is in flight; the cost is one
 (N, M) float32 tile live in registers. The same operations on the same values.
 
 ``WARP_SPEC`` (dK/dV and dQ variants the GPU tuner tries with ``TORCHFN_TRITON_WS=1``;
-no user mask) is the
-forward's: one ``warp_specialize`` loop, every tile through descriptors made in the
-kernel, the causal / bounds mask on every block, split by Triton on sm_90 into a TMA
-producer and two consumer warpgroups. dK/dV flattens its GQA group loop into the one
-loop (so with GQA it needs each group's heads as consecutive rows: head stride = Nq row
-strides) and takes no atomic dQ; dQ splits only with BLOCK_M = 64.
+no user mask) is the forward's: one ``warp_specialize`` loop, every tile through
+descriptors made in the kernel, the causal / bounds mask on every block, split by Triton
+on sm_90 into a TMA producer and two consumer warpgroups. dK/dV flattens its GQA group
+loop into the one loop (so with GQA it needs each group's heads as consecutive rows:
+head stride = Nq row strides) and takes no atomic dQ; dQ splits only with BLOCK_M = 64.
 """
 
 import triton
@@ -288,7 +287,8 @@ def _dq_inner_ws(dq, q, do, lse2, delta, desc_k, desc_v, offs_m, hi, Nq, Nk, qk_
                  BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr, MASKED: tl.constexpr,
                  DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, ELEM: tl.constexpr):
     """Key blocks [0, hi) of one query block in one warp-specialized loop (no user mask):
-    a TMA producer warpgroup and two consumer warpgroups of BLOCK_M / 2 queries each.
+    a TMA producer warpgroup and two consumer warpgroups, each with all three matmuls
+    (sm_90 TTGIR; with BLOCK_M = 64, the only size the pass splits here).
     ``MASKED``: the bounds / causal mask on every block (a second loop stops the pass)."""
     offs_n0 = tl.arange(0, BLOCK_N)
     for start_n in tl.range(0, hi, BLOCK_N, warp_specialize=True):

@@ -27,14 +27,13 @@ exp beside a wgmma, as FlashAttention-3's intra-warpgroup pipelining does, at th
 cost of P and S both live in registers. The sums are the same, in the same order.
 
 ``WARP_SPEC`` (a variant the GPU tuner tries with ``TORCHFN_TRITON_WS=1``; scale > 0, no
-user mask) runs every key
-block in one ``tl.range(..., warp_specialize=True)`` loop, reading q, k and v through
-2-D descriptors made in the kernel for its (batch, head). On sm_90 Triton then splits
-the program into a TMA producer warpgroup and two consumer warpgroups of BLOCK_M / 2
-rows (FlashAttention-3's structure): one consumer's softmax runs beside the other's
-matmuls. The pass accepts only this shape of code (README, traps), so the causal /
-bounds mask is applied to every block (``WS_MASKED``) instead of in a second loop. The
-same sums in the same order as the plain kernel.
+user mask) runs every key block in one ``tl.range(..., warp_specialize=True)`` loop,
+reading q, k and v through 2-D descriptors made in the kernel for its (batch, head). On
+sm_90 Triton then splits the program into a TMA producer warpgroup and two consumer
+warpgroups of BLOCK_M / 2 rows (FlashAttention-3's structure): one consumer's softmax
+runs beside the other's matmuls. The pass accepts only this shape of code (README,
+traps), so the causal / bounds mask is applied to every block (``WS_MASKED``) instead of
+in a second loop. The same sums in the same order as the plain kernel.
 
 Import this module only through ``_triton_ops`` (Triton is optional; under
 ``TRITON_INTERPRET=1`` the kernels run on CPU).

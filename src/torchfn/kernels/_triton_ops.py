@@ -22,9 +22,9 @@ forward's ``PIPELINE``, dK/dV's ``EARLY_DP``) are tried last, not yet timed
 (``TORCHFN_TRITON_OVERLAP=0`` leaves them out), and after them, opt-in with
 ``TORCHFN_TRITON_WS=1``, the warp-specialized ones (``WARP_SPEC``: forward, dK/dV, dQ;
 see their modules). The tuner skips any candidate whose results differ from the first
-config's by more than rounding. fp32 dots never use plain
-TF32: 3xTF32 ("tf32x3") on the GPU, overridable with
-``TORCHFN_TRITON_FP32_PRECISION=ieee``; exact in the interpreter.
+config's by more than rounding. fp32 dots never use plain TF32: 3xTF32 ("tf32x3") on
+the GPU, overridable with ``TORCHFN_TRITON_FP32_PRECISION=ieee``; exact in the
+interpreter.
 
 Example (GPU)::
 
@@ -44,6 +44,7 @@ from typing import Any
 
 import torch
 import triton
+import triton.language as tl
 
 from torchfn.kernels import _triton_bwd, _triton_fwd, _triton_jvp
 from torchfn.kernels._triton_configs import (
@@ -153,8 +154,8 @@ def _launch(kind: str, kernel: Any, grid: Callable[[int, int], tuple[int, ...]],
                     f"config: the warp-specialized {kind} kernel needs fp16/bf16 on sm_90+ "
                     "(or the interpreter), no mask, 16-byte aligned heads and rows"
                     + (", scale > 0" if kind == "fwd" else "")
-                    + (", deterministic=True and, with GQA, each head's rows right after "
-                       "the previous head's" if kind == "dkdv" else "")
+                    + (", and with GQA each head's rows right after the previous head's"
+                       if kind == "dkdv" else "")
                     + f"; got {cfg!r} for inputs that do not qualify")
             kw = dict(kw, **ws(bm, bn))
         with _scratch_allocator(args[0].device) if use_ws else contextlib.nullcontext():
@@ -228,9 +229,9 @@ def _scratch_allocator(device: torch.device):
 def _rel_err(got: Tensor, ref: Tensor) -> float:
     """``|got - ref| / |ref|`` in float64 (inf when ``got`` is non-finite where ``ref`` is not)."""
     got, ref = got.double(), ref.double()
-    if not torch.isfinite(got[torch.isfinite(ref)]).all():
-        return math.inf
     fin = torch.isfinite(ref)
+    if not torch.isfinite(got[fin]).all():
+        return math.inf
     return float((got - ref)[fin].norm() / ref[fin].norm().clamp_min(1e-30))
 
 
@@ -341,8 +342,6 @@ def _ws_variant(tensors: list[Tensor], consts: dict[str, Any], ok: bool = True,
     descriptors. Whether the tuner tries it is ``TORCHFN_TRITON_WS``'s call.
     ``ragged(BLOCK_M, BLOCK_N)``: whether a non-causal launch still needs the bounds
     mask on every block (``WS_MASKED``)."""
-    import triton.language as tl
-
     if not (ok and consts["MASK_KIND"] == 0
             and hasattr(tl, "make_tensor_descriptor") and _descriptors_usable(tensors)):
         return None
