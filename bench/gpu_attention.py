@@ -724,11 +724,11 @@ SWEEP_GRID: dict[str, dict[int, list[tuple[int, int, int, int]]]] = {
         64: [(32, 64, 4, 3), (64, 64, 4, 3), (64, 128, 8, 3)],
         128: [(32, 128, 8, 3), (32, 64, 4, 3), (16, 128, 8, 3), (32, 64, 8, 3)],
     },
-    # "<op>_ws": the warp-specialized variants; Triton specializes only these shapes
-    # (4 warps -> 12), so the grid is their table (`_table`)
-    "fwd_ws": {64: [], 128: []},
-    "dkdv_ws": {64: [], 128: []},
-    "dq_ws": {64: [], 128: []},
+    # "<op>_ws": the warp-specialized variants, beside their table (`_table`): deeper
+    # pipelines that Triton also splits (4 warps -> 12) without spills, 3.6 and 3.9
+    "fwd_ws": {64: [(128, 128, 4, 3), (128, 64, 4, 4)], 128: [(128, 64, 4, 4)]},
+    "dkdv_ws": {64: [], 128: [(32, 128, 4, 4), (16, 128, 4, 3)]},
+    "dq_ws": {64: [(64, 64, 4, 4), (64, 128, 4, 3)], 128: [(64, 64, 4, 4)]},
     "fwd_tma": {
         64: [(64, 64, 4, 3), (64, 128, 8, 3), (128, 32, 8, 3), (128, 64, 4, 3), (128, 64, 8, 3),
              (128, 64, 8, 4), (128, 128, 4, 3), (128, 128, 8, 3), (128, 128, 8, 4),
