@@ -57,6 +57,19 @@ def test_wgmma_overlap_counts_what_is_issued_while_a_wgmma_is_in_flight(aot):
     assert aot.wgmma_overlap(sass) == {"MUFU": (1, 2)}
 
 
+def _probe(source: str) -> dict:
+    """Run ``source`` (prints one JSON line) in a fresh process: ahead-of-time compiling
+    needs the kernels jitted, not interpreted."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.path.join(ROOT, "src")
+    proc = subprocess.run([sys.executable, "-c", source], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    if proc.returncode and ("ptxas" in proc.stderr or "cuobjdump" in proc.stderr):
+        pytest.skip("this Triton has no bundled ptxas / cuobjdump to compile for sm_90")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 _SM90_PROBE = """
 import json, sys
 sys.path.insert(0, "bench")
@@ -74,16 +87,8 @@ print(json.dumps({"plain": a.wgmma_overlap(plain)["MUFU"],
 
 def test_overlap_variants_issue_the_exp_beside_a_wgmma_on_sm90():
     # dK/dV at the sweep's fastest D=64 config (32, 64, 4 warps, 3 stages) and the TMA
-    # forward at D=128, (128, 64, 8, 3), compiled in a fresh process: ahead-of-time
-    # compiling needs the kernels jitted, not interpreted
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.path.join(ROOT, "src")
-    proc = subprocess.run([sys.executable, "-c", _SM90_PROBE], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
-    if proc.returncode and ("ptxas" in proc.stderr or "cuobjdump" in proc.stderr):
-        pytest.skip("this Triton has no bundled ptxas / cuobjdump to compile for sm_90")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    # forward at D=128, (128, 64, 8, 3)
+    got = _probe(_SM90_PROBE)
     (before, total), (after, total_early) = got["plain"], got["early"]
     assert total == total_early  # the same exps
     assert after >= total_early // 2 > before
@@ -111,14 +116,7 @@ def test_warp_specialized_variants_are_specialized_on_sm90():
     # TMA producer and two consumer warpgroups (4 requested warps -> 12, registers handed
     # over with setmaxnreg). It gives up silently on code it cannot split (a second loop,
     # a pointer load beside the descriptors): this guards the kernels' shape against that.
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.path.join(ROOT, "src")
-    proc = subprocess.run([sys.executable, "-c", _WS_PROBE], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
-    if proc.returncode and ("ptxas" in proc.stderr or "cuobjdump" in proc.stderr):
-        pytest.skip("this Triton has no bundled ptxas / cuobjdump to compile for sm_90")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    got = _probe(_WS_PROBE)
     for kind in ("dkdv_ws", "dq_ws", "fwd_ws", "dkdv_ws_gqa"):
         assert got[kind]["warps"] == 12 and got[kind]["setmaxnreg"] > 0, (kind, got[kind])
         assert got[kind]["spill"] == 0, (kind, got[kind])
