@@ -30,7 +30,10 @@ Providers: ``torchfn`` (raw ops with the library's defaults: deterministic backw
 autotuner choosing between tensor-descriptor (TMA) and pointer-load configs),
 ``torchfn_atomic`` (``deterministic=False``: dQ by atomics), ``torchfn_ptr`` (pointer
 loads only, ``TORCHFN_TRITON_TMA=0``: what TMA adds), ``torchfn_api`` (the public
-function), SDPA's flash and cuDNN backends, and compiled FlexAttention.
+function), SDPA's flash and cuDNN backends, and compiled FlexAttention. ``--ws`` swaps
+``torchfn_ptr`` for ``torchfn_ws``: the tuner with the opt-in warp-specialized variants
+(``TORCHFN_TRITON_WS=1``), timed last at each shape; ``gpu_session.sh`` passes it only
+once the GPU test of those kernels has passed.
 
 ``--sweep`` is a separate run (about 5 minutes with ``--budget-s 280``): it compiles a
 grid of block configs for every kernel, with and without TMA, in parallel, then times
@@ -344,20 +347,20 @@ def _bench_combos(dry: bool) -> list[tuple[str, int, bool]]:
     return combos
 
 
-def warm_tasks(dry: bool) -> list[dict]:
-    """Kernel configs the bench may pick (first configs first) + correctness cases."""
+def warm_tasks(dry: bool, ws: bool = False) -> list[dict]:
+    """Kernel configs the bench may pick (first configs first) + correctness cases; with
+    ``ws``, the warp-specialized ones too, at the very end."""
     from torchfn.kernels import _triton_configs as C
 
-    first, rest = [], []
+    first, rest, last = [], [], []
     for dname, D, causal in _bench_combos(dry):
         bd = max(16, 1 << (D - 1).bit_length())
         dt = _dtype(dname)
 
-        def cands(kind, dt=dt, bd=bd):  # (..., tma[, overlap[, ws]]): the tuner's order
+        def cands(kind, dt=dt, bd=bd):  # (..., tma[, overlap]): in the tuner's order
             return ([(*c, True) for c in C._tma_candidates(kind, dt, bd)]
                     + [(*c, False) for c in C._candidates(kind, dt, bd)]
-                    + [tuple(c) for c in C._overlap_candidates(kind, dt, bd, "auto")]
-                    + [tuple(c) for c in C._ws_candidates(kind, dt, bd)])
+                    + [tuple(c) for c in C._overlap_candidates(kind, dt, bd, "auto")])
 
         fc, kc, qc, ac = (cands(kind) for kind in ("fwd", "dkdv", "dq", "dkdv_atomic"))
         common = {"dtype": dname, "D": D, "causal": causal}
@@ -367,9 +370,17 @@ def warm_tasks(dry: bool) -> list[dict]:
         atomic = [dict(common, type="bwd_atomic", cfg=(c, qc[0]), fwd_cfg=fc[0]) for c in ac]
         first += [fwd[0], bwd[0], atomic[0]]
         rest += fwd[1:] + bwd[1:] + atomic[1:]
+        if ws and dt != _dtype("fp32"):
+            wc = {kind: [(*c, False, False, True) for c in
+                         C._GPU_WS_CONFIGS[kind].get(C._class(dt, bd), [])]
+                  for kind in ("fwd", "dkdv", "dq")}
+            last += [dict(common, type="fwd", cfg=c) for c in wc["fwd"]]
+            last += [dict(common, type="bwd", cfg=(kv, q), fwd_cfg=fc[0])
+                     for kv, q in zip(wc["dkdv"], wc["dq"] * len(wc["dkdv"]))]
     cases = [{"type": "case", "case": c} for c in (CASES_DRY if dry else CASES_GPU)]
-    # the default configs of every combo, then the correctness cases, then the other configs
-    return first + cases + rest
+    # the default configs of every combo, then the correctness cases, then the other
+    # configs, the warp-specialized ones last (a worker that hangs on one loses nothing else)
+    return first + cases + rest + last
 
 
 def warm_kernel(task: dict, dry: bool) -> None:
@@ -392,7 +403,7 @@ def warm_kernel(task: dict, dry: bool) -> None:
 
 def phase_warm(args) -> None:
     os.environ["TORCHFN_TRITON_AUTOTUNE"] = "0"  # nothing is timed here: default configs
-    tasks = warm_tasks(args.dry_run)[args.worker_id::args.nworkers]
+    tasks = warm_tasks(args.dry_run, args.ws)[args.worker_id::args.nworkers]
     for task in tasks:
         if time.time() > args.deadline:
             _append(args.part, {"kind": "warm", "task": task, "skipped": "deadline"})
@@ -469,8 +480,9 @@ class _null:
         return False
 
 
-def _providers(dry: bool):
-    """name -> builder(q, k, v, do, causal, mode) -> (fn, grad_to_none, context factory)."""
+def _providers(dry: bool, ws: bool = False):
+    """name -> builder(q, k, v, do, causal, mode) -> (fn, grad_to_none, context factory);
+    ``ws``: ``torchfn_ws`` (last) in place of ``torchfn_ptr``."""
     import torch.nn.functional as F
 
     from torchfn.kernels import _triton_ops as T
@@ -524,9 +536,18 @@ def _providers(dry: bool):
                                                          backend="triton"))(
             q, k, v, do, causal, mode)
 
-    return {"torchfn": raw_with(True), "torchfn_atomic": raw_with(False), "torchfn_ptr": raw_ptr,
-            "torchfn_api": api,
-            "sdpa_flash": sdpa_with("FLASH_ATTENTION"), "sdpa_cudnn": sdpa_with("CUDNN_ATTENTION")}
+    def raw_ws(q, k, v, do, causal, mode):
+        fn, grads, ctx = raw_with(True)(q, k, v, do, causal, mode)
+        return _with_env(fn, "TORCHFN_TRITON_WS", "1", "0"), grads, ctx
+
+    provs = {"torchfn": raw_with(True), "torchfn_atomic": raw_with(False)}
+    if not ws:
+        provs["torchfn_ptr"] = raw_ptr
+    provs.update({"torchfn_api": api, "sdpa_flash": sdpa_with("FLASH_ATTENTION"),
+                  "sdpa_cudnn": sdpa_with("CUDNN_ATTENTION")})
+    if ws:
+        provs["torchfn_ws"] = raw_ws
+    return provs
 
 
 def phase_bench(args) -> None:
@@ -536,7 +557,7 @@ def phase_bench(args) -> None:
 
     dry, dev = args.dry_run, _device(args.dry_run)
     timer = _timer(dry)
-    provs = _providers(dry)
+    provs = _providers(dry, args.ws)
     n_list = [64, 128] if dry else N_LIST
     api_n = set(n_list[:2])
     gen = torch.Generator(device=dev).manual_seed(0)
@@ -826,12 +847,17 @@ def _variant_config(op: str, cfg) -> tuple:
 def _with_tma(fn, mode: str = "1"):
     """``fn`` run with ``TORCHFN_TRITON_TMA=mode`` ("1": TMA loads forced on, "0": off);
     the variable is read at each launch, and "auto" (the default) is restored after."""
+    return _with_env(fn, "TORCHFN_TRITON_TMA", mode, "auto")
+
+
+def _with_env(fn, name: str, value: str, default: str):
+    """``fn`` run with environment variable ``name`` set to ``value``, then ``default``."""
     def run():
-        os.environ["TORCHFN_TRITON_TMA"] = mode
+        os.environ[name] = value
         try:
             return fn()
         finally:
-            os.environ["TORCHFN_TRITON_TMA"] = "auto"
+            os.environ[name] = default
 
     return run
 
@@ -1119,6 +1145,8 @@ def _spawn(args, phase: str, part: str, deadline: float, log: str | None,
            "--worker-id", str(worker_id), "--nworkers", str(nworkers)]
     if main_part:
         cmd += ["--main-part", main_part]
+    if args.ws:
+        cmd.append("--ws")
     if args.dry_run:
         cmd.append("--dry-run")
     out = open(log, "w") if log else None  # noqa: SIM115
@@ -1175,14 +1203,16 @@ def summarize(bench: list[dict], dry: bool) -> dict:
                 atomic = fb_a - f if fb_a > f else None
             if atomic and sd:
                 entry[f"{mode}_atomic_vs_best_sdpa"] = min(sd) / atomic
-            ptr = t("torchfn_ptr")
-            if ptr and sd:
-                entry[f"{mode}_ptr_vs_best_sdpa"] = min(sd) / ptr
+            for variant in ("ptr", "ws"):
+                x = t(f"torchfn_{variant}")
+                if x and sd:
+                    entry[f"{mode}_{variant}_vs_best_sdpa"] = min(sd) / x
             if ours and t("flex"):
                 entry[f"{mode}_vs_flex"] = t("flex") / ours
         out.append(entry)
     agg = {}
-    for mode in ("fwd", "fwd_bwd", "bwd", "fwd_ptr", "fwd_bwd_ptr", "bwd_ptr", "fwd_bwd_atomic",
+    for mode in ("fwd", "fwd_bwd", "bwd", "fwd_ptr", "fwd_bwd_ptr", "bwd_ptr", "fwd_ws",
+                 "fwd_bwd_ws", "bwd_ws", "fwd_bwd_atomic",
                  "bwd_atomic"):
         vals = [e[f"{mode}_vs_best_sdpa"] for e in out if f"{mode}_vs_best_sdpa" in e]
         vals = [x for x in vals if x > 0]
@@ -1214,9 +1244,9 @@ def markdown(result: dict) -> str:
                      f"{'yes' if r['pass'] else 'NO: ' + ','.join(r['fails'])} |")
     lines += ["", "### TFLOP/s (FlashAttention convention; fwd+bwd = 3.5x fwd flops)", "",
               "| dtype | D | causal | N | mode | torchfn | torchfn atomic-dQ | torchfn no TMA "
-              "| torchfn api | SDPA flash | SDPA cuDNN | flex | torchfn / best SDPA "
-              "| atomic-dQ / best SDPA |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "| torchfn api | SDPA flash | SDPA cuDNN | flex | torchfn +WS | torchfn / best SDPA "
+              "| atomic-dQ / best SDPA | +WS / best SDPA |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     rows = [r for r in result["bench"] if "N" in r]
     idx = {(r["provider"], r["mode"], r["dtype"], r["D"], r["causal"], r["N"]): r for r in rows}
     keys = sorted({(r["dtype"], r["D"], r["causal"], r["N"], r["mode"]) for r in rows})
@@ -1231,13 +1261,14 @@ def markdown(result: dict) -> str:
             return None, "skip" if "skipped" in r else "err"
 
         vals = {p: val(p) for p in ("torchfn", "torchfn_atomic", "torchfn_ptr", "torchfn_api",
-                                    "sdpa_flash", "sdpa_cudnn", "flex")}
+                                    "sdpa_flash", "sdpa_cudnn", "flex", "torchfn_ws")}
         best = max([v[0] for p, v in vals.items() if p.startswith("sdpa") and v[0]], default=None)
         ratio = f"{vals['torchfn'][0] / best:.2f}" if best and vals["torchfn"][0] else "-"
-        variant = vals["torchfn_atomic"][0]
-        ratio_a = f"{variant / best:.2f}" if best and variant else "-"
+        ratios = [f"{vals[p][0] / best:.2f}" if best and vals[p][0] else "-"
+                  for p in ("torchfn_atomic", "torchfn_ws")]
         lines.append(f"| {dt} | {D} | {'yes' if c else 'no'} | {N} | {mode} | "
-                     + " | ".join(v[1] for v in vals.values()) + f" | {ratio} | {ratio_a} |")
+                     + " | ".join(v[1] for v in vals.values()) + f" | {ratio} | "
+                     + " | ".join(ratios) + " |")
     agg = result["summary"].get("overall_torchfn_over_best_sdpa", {})
     if agg:
         lines += ["", "torchfn / best SDPA backend at N >= 4k (speed ratio, bwd = fwd_bwd - fwd): "
@@ -1370,6 +1401,8 @@ def main(argv=None) -> int:
     ap.add_argument("--workers", type=int, default=0, help="parallel compile workers (0: auto)")
     ap.add_argument("--sweep", action="store_true",
                     help="time every kernel over a grid of block configs instead (own run)")
+    ap.add_argument("--ws", action="store_true",
+                    help="bench the opt-in warp-specialized variants (torchfn_ws), not torchfn_ptr")
     ap.add_argument("--phase", help=argparse.SUPPRESS)
     ap.add_argument("--part", help=argparse.SUPPRESS)
     ap.add_argument("--deadline", type=float, help=argparse.SUPPRESS)

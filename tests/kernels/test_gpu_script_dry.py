@@ -30,12 +30,19 @@ def _run(tmp_path, *extra):
 
 
 @pytest.mark.slow
-def test_bench_dry_run_is_complete(tmp_path):
-    result = _run(tmp_path)
+@pytest.mark.parametrize("ws", [False, True], ids=["defaults", "ws"])
+def test_bench_dry_run_is_complete(tmp_path, ws):
+    result = _run(tmp_path, *(["--ws"] if ws else []))
     assert result["correctness"] and result["correctness_all_pass"]
     assert not result["phase_errors"]
     providers = {r["provider"] for r in result["bench"] if "ms" in r}
-    assert {"torchfn", "torchfn_atomic", "torchfn_ptr", "torchfn_api", "sdpa_flash"} <= providers
+    # --ws: the tuner with the warp-specialized variants in place of the pointer-load run
+    variant = "torchfn_ws" if ws else "torchfn_ptr"
+    assert {"torchfn", "torchfn_atomic", variant, "torchfn_api", "sdpa_flash"} <= providers
+    assert ("torchfn_ptr" if ws else "torchfn_ws") not in providers
+    assert result["warm"]["compiled"] == result["warm"]["tasks"]  # the WS configs too
+    if ws:
+        assert "+WS / best SDPA" in result["markdown"]
 
 
 @pytest.mark.slow
