@@ -273,13 +273,20 @@ def _dq_inner(dq, q, do, lse2, delta, k_base, v_base, m_base, offs_m, offs_d, lo
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale  # (M, N)
         qk = _mask_tile(qk, m_base, offs_m, offs_n, smm, smn, Nq, Nk, BOUNDARY, IS_CAUSAL,
                         MASK_KIND)
-        p = tl.math.exp2(qk - lse2[:, None])
-        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)  # (M, N)
-        ds = p * (dp - delta[:, None])
-        if not UPCAST:
-            ds = ds.to(ELEM)
-        dq = tl.dot(ds, k, dq, input_precision=DOT_PREC)
+        dq = _dq_step(dq, qk, do, k, v, lse2, delta, DOT_PREC, UPCAST, ELEM)
     return dq
+
+
+@triton.jit
+def _dq_step(dq, qk, do, k, v, lse2, delta, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
+             ELEM: tl.constexpr):
+    """``dq += dS K`` for one key block, from its masked log2-unit scores ``qk`` (M, N)."""
+    p = tl.math.exp2(qk - lse2[:, None])
+    dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)  # (M, N)
+    ds = p * (dp - delta[:, None])
+    if not UPCAST:
+        ds = ds.to(ELEM)
+    return tl.dot(ds, k, dq, input_precision=DOT_PREC)
 
 
 @triton.jit
@@ -301,12 +308,7 @@ def _dq_inner_ws(dq, q, do, lse2, delta, desc_k, desc_v, offs_m, hi, Nq, Nk, qk_
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale  # (M, N)
         if MASKED:
             qk = _bounds_mask(qk, offs_m, start_n + offs_n0, Nq, Nk, IS_CAUSAL)
-        p = tl.math.exp2(qk - lse2[:, None])
-        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)  # (M, N)
-        ds = p * (dp - delta[:, None])
-        if not UPCAST:
-            ds = ds.to(ELEM)
-        dq = tl.dot(ds, k, dq, input_precision=DOT_PREC)
+        dq = _dq_step(dq, qk, do, k, v, lse2, delta, DOT_PREC, UPCAST, ELEM)
     return dq
 
 
