@@ -56,3 +56,9 @@ def rel_err():
 def data():
     """``data(seed)`` -> a :class:`Data` source."""
     return Data
+
+
+@pytest.fixture(autouse=True)
+def _private_tuning_cache(tmp_path_factory, monkeypatch):
+    """The GPU autotuner's on-disk picks go to a per-test directory, never the user's."""
+    monkeypatch.setenv("TORCHFN_TRITON_TUNE_CACHE", str(tmp_path_factory.mktemp("tuning")))

@@ -45,6 +45,7 @@ def gpu_branch(monkeypatch):
     """Run ``_launch``'s GPU branch with a recorded tuner (first-is-fastest by default)."""
     monkeypatch.setattr(T, "is_interpreted", lambda: False)
     monkeypatch.setattr(T, "_TUNED", {})
+    monkeypatch.setenv("TORCHFN_TRITON_TUNE_CACHE", "0")  # (test_tune_cache covers it)
     seen = {}
 
     def tune(run, cands, *rest):

@@ -13,7 +13,9 @@ in q's dtype; lse: (B, H, Nq) float32 (natural log, -inf on fully masked rows).
 
 Block sizes (the tables and candidate lists are in ``_triton_configs``): on a GPU every
 kernel is tuned once per (kernel, N bucket, head dim, causal, mask kind, dtype) over a
-handful of configs (``TORCHFN_TRITON_AUTOTUNE=0`` uses the first, measured config).
+handful of configs (``TORCHFN_TRITON_AUTOTUNE=0`` uses the first, measured config),
+and the pick is kept on disk for later processes (``_tune_cache``:
+``TORCHFN_TRITON_TUNE_CACHE``, a directory, default ``~/.cache/torchfn/tuning``; ``0``: off).
 Under ``TRITON_INTERPRET=1`` (CPU) one small fixed config is used. On sm_90+ the tuner
 also tries the kernels with their streamed tiles read through tensor descriptors (TMA),
 where the H200 sweep found that faster (``TORCHFN_TRITON_TMA``: "auto" default, "0"
@@ -46,7 +48,7 @@ import torch
 import triton
 import triton.language as tl
 
-from torchfn.kernels import _triton_bwd, _triton_fwd, _triton_jvp
+from torchfn.kernels import _triton_bwd, _triton_fwd, _triton_jvp, _tune_cache
 from torchfn.kernels._triton_configs import (
     _INTERP_CONFIGS,
     _OVERLAP,
@@ -184,10 +186,16 @@ def _launch(kind: str, kernel: Any, grid: Callable[[int, int], tuple[int, ...]],
     cands += ws_cands
     full_key = (kind, *key, bool(ws_cands), _overlap_on(), mode)
     cfg = _TUNED.get(full_key)
+    tune = _autotune_enabled() and len(cands) > 1
+    if cfg is None and tune:  # picked by an earlier process on this GPU and software
+        cfg = _tune_cache.lookup(args[0].device, full_key, cands)
+        if cfg is not None:
+            _TUNED[full_key] = cfg
     if cfg is not None:
         run(cfg)
-    elif _autotune_enabled() and len(cands) > 1:
+    elif tune:
         _TUNED[full_key] = cfg = _tune(run, cands, outputs, kind)
+        _tune_cache.record(args[0].device, full_key, cfg)
         run(cfg)
     else:  # untuned: the first config this GPU can hold (less shared memory than an H100's)
         from triton.runtime.errors import OutOfResources
