@@ -86,9 +86,10 @@ _TMA_DESCS = {
 
 
 def _compile(kind: str, head_dim: int, cfg: tuple[int, int, int, int], dtype: str,
-             causal: bool = False, gqa: bool = False):
+             causal: bool = False, gqa: bool = False, window: bool = False):
     """The Triton-compiled sm_90 kernel of one (kind, head dim, config, dtype); ``gqa``:
-    the GQA group size is a runtime integer (the JIT makes it a constant when it is 1)."""
+    the GQA group size is a runtime integer (the JIT makes it a constant when it is 1);
+    ``window``: the sliding-window (band) kernel, which the launcher never warp-specializes."""
     int_one = set() if gqa else _INT_ONE
     from torchfn.kernels._triton_configs import _OVERLAP
 
@@ -110,6 +111,10 @@ def _compile(kind: str, head_dim: int, cfg: tuple[int, int, int, int], dtype: st
         consts[_OVERLAP[kind]] = True
     if ws:  # warp-specialized: descriptors made in the kernel, every block masked
         consts["WARP_SPEC"] = True  # (WS_MASKED's default: the costlier case, always built)
+    if window:
+        if ws:
+            raise ValueError("the launcher never warp-specializes a windowed kernel")
+        consts.update(WINDOW=True, IS_CAUSAL=False)  # (causal is folded into the band)
     descs = {}
     if tma:
         consts["USE_TMA"] = True
@@ -209,7 +214,8 @@ def wgmma_overlap(sass: str, ops: tuple[str, ...] = ("MUFU",)) -> dict[str, tupl
 
 
 def compile_sm90(kind: str, head_dim: int, cfg: tuple[int, int, int, int],
-                 dtype: str = "bf16", causal: bool = False, gqa: bool = False) -> dict:
+                 dtype: str = "bf16", causal: bool = False, gqa: bool = False,
+                 window: bool = False) -> dict:
     """Compile one (kind, head dim, config) for sm_90: {'regs', 'spill', 'smem', 'warps',
     'setmaxnreg'}.
 
@@ -217,7 +223,7 @@ def compile_sm90(kind: str, head_dim: int, cfg: tuple[int, int, int, int],
     in ``_tma`` is that kernel with ``USE_TMA`` (tensor-descriptor loads), one ending in
     ``_ws`` the warp-specialized variant.
     """
-    compiled = _compile(kind, head_dim, cfg, dtype, causal, gqa)
+    compiled = _compile(kind, head_dim, cfg, dtype, causal, gqa, window)
     usage = _cuobjdump(compiled.asm["cubin"], "-res-usage")
     regs, stack = re.search(r"REG:(\d+)", usage), re.search(r"STACK:(\d+)", usage)
     sass = _cuobjdump(compiled.asm["cubin"], "-sass") if kind.endswith("_ws") else ""
@@ -241,6 +247,8 @@ def main(argv: list[str] | None = None) -> int:
                              *(f"{k}_ws" for k in _GPU_WS_CONFIGS)])
     ap.add_argument("--causal", action="store_true",
                     help="build the causal kernels (the warp-specialized ones differ most)")
+    ap.add_argument("--window", action="store_true",
+                    help="build the sliding-window (band) kernels (not for the _ws kinds)")
     ap.add_argument("--gqa", action="store_true",
                     help="build for a GQA group > 1 (a runtime integer, not the constant 1)")
     ap.add_argument("--dims", nargs="+", type=int, default=[64, 128])
@@ -277,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
                           + " ".join(f"{o}={c.get(o, 0)}" for o in ops)
                           + f" ovl={ovl}/{mufu}", flush=True)
                     continue
-                r = compile_sm90(name, d, cfg, args.dtype, args.causal, args.gqa)
+                r = compile_sm90(name, d, cfg, args.dtype, args.causal, args.gqa, args.window)
                 ws = name.endswith("_ws")
                 ok = r["spill"] == 0 and r["smem"] <= SMEM_LIMIT and (
                     not ws or (r["warps"] == 12 and r["setmaxnreg"] > 0))

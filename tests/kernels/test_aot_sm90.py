@@ -121,3 +121,21 @@ def test_warp_specialized_variants_are_specialized_on_sm90():
         assert got[kind]["warps"] == 12 and got[kind]["setmaxnreg"] > 0, (kind, got[kind])
         assert got[kind]["spill"] == 0, (kind, got[kind])
     assert got["dkdv"]["warps"] == 4  # the plain kernel at the same config: not split
+
+
+_WINDOW_PROBE = """
+import json, sys
+sys.path.insert(0, "bench")
+import aot_sm90 as a
+out = {kind: a.compile_sm90(kind, 128, cfg, window=True)
+       for kind, cfg in (("fwd_tma", (128, 128, 8, 3)), ("jvp", (64, 32, 4, 2)),
+                         ("dkdv_tma", (64, 128, 8, 3)), ("dq", (128, 64, 8, 3)))}
+print(json.dumps(out))
+"""
+
+
+def test_window_kernels_compile_on_sm90_without_spills():
+    # the band kernels (WINDOW) at each kernel's first D=128 table config
+    got = _probe(_WINDOW_PROBE)
+    for kind, r in got.items():
+        assert r["spill"] == 0 and r["smem"] <= 227 * 1024, (kind, r)

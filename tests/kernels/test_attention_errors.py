@@ -177,3 +177,30 @@ def test_triton_on_cpu_needs_interpreter_before_triton_language(qkv, monkeypatch
     monkeypatch.delitem(sys.modules, "triton.language")
     assert _dispatch._resolve_backend("triton", qkv[0]) == "triton"
     assert os.environ["TRITON_INTERPRET"] == "1"
+
+
+@pytest.mark.parametrize(
+    "window, error, match",
+    [
+        (-1, ValueError, r"window's left side must be >= 0 \(None: unbounded\), got -1"),
+        ((3, -2), ValueError, r"window's right side must be >= 0 .*got -2"),
+        (1.5, TypeError, r"window must be None, an int w >= 0 .* got 1.5"),
+        ((1, 2, 3), TypeError, r"window must be None, an int .*pair .* got \(1, 2, 3\)"),
+        (True, TypeError, r"window must be None, an int .* got True"),
+        ((2, 0.5), TypeError, r"window's right side must be an int >= 0 or None, got 0.5"),
+        (("a", None), TypeError, r"window's left side must be an int >= 0 or None, got 'a'"),
+    ],
+)
+@pytest.mark.parametrize("fn", [attention, reference_attention], ids=["attention", "reference"])
+def test_bad_window(qkv, window, error, match, fn):
+    with pytest.raises(error, match=match):
+        fn(*qkv, window=window)
+
+
+def test_window_that_excludes_nothing_is_no_window(qkv):
+    # a side at least as wide as the sequence drops out (the fast paths stay in use)
+    q, k, _ = qkv  # Nq = 5, Nk = 6
+    norm = lambda w, causal=False: _dispatch._normalize_window(w, causal, 5, 6)  # noqa: E731
+    assert norm(None) == norm(5) == norm((None, None)) == norm((7, 4)) == (-1, -1)
+    assert norm((4, 3)) == (4, 3) and norm(0) == (0, 0)
+    assert norm((2, 0), causal=True) == (2, -1)  # causal is the tighter right side

@@ -17,6 +17,8 @@ from torchfn.kernels import _dispatch, _torch_ops, attention, reference_attentio
 
 TOL = {torch.float64: 1e-12, torch.float32: 1e-5}
 MASKS = ["none", "bool", "additive", "padding", "dead", "bool+padding"]
+# sliding windows (None: none); (left, right), None = unbounded side
+WINDOWS = [None, None, 0, 2, (3, None), (None, 1), (0, 5), (20, 0)]
 # broadcast shapes of a mask, as a function of (B, H, Nq, Nk)
 BROADCASTS = {
     "full": lambda B, H, Nq, Nk: (B, H, Nq, Nk),
@@ -54,6 +56,7 @@ def cases(draw, dtypes=(torch.float32, torch.float64), masks=MASKS, max_n=33):
         dtype=draw(st.sampled_from(dtypes)),
         seed=draw(st.integers(0, 2**16)),
         path=draw(st.sampled_from(["sdpa", "blockwise", "blocks of 40"])),
+        window=draw(st.sampled_from(WINDOWS)),
     )
 
 
@@ -78,7 +81,8 @@ def make(case, data):
 
 def reference(q, k, v, causal, kw, **extra):
     """The float64 reference on the same (upcast) inputs."""
-    kw = {n: m.double() if m.is_floating_point() else m for n, m in kw.items()}
+    kw = {n: m.double() if isinstance(m, torch.Tensor) and m.is_floating_point() else m
+          for n, m in kw.items()}
     return reference_attention(q.double(), k.double(), v.double(), causal=causal, **kw, **extra)
 
 
@@ -87,6 +91,7 @@ def test_torch_backend_matches_float64_reference(case, data, rel_err):
     """Forward, lse, vjp and jvp of the torch backend == float64 reference (fp32: 1e-5)."""
     q, k, v, kw = make(case, data)
     causal, tol = case["causal"], TOL[case["dtype"]]
+    kw["window"] = case["window"]
     d = data(case["seed"] + 1)
     do = d.normal(*q.shape, dtype=q.dtype)
     tangents = tuple(d.normal(*x.shape, dtype=q.dtype) for x in (q, k, v))
@@ -103,8 +108,9 @@ def test_torch_backend_matches_float64_reference(case, data, rel_err):
         grads = vjp_fn(do)
         _, tangent = torch.func.jvp(ours, (q, k, v), tangents)
         args = _dispatch._prepare(q, k, v, kw.get("mask"), kw.get("key_padding_mask"),
-                                  causal, None, "torch")
-        _, lse = torch.ops.torchfn.attention_fwd(q, k, v, args.mask, causal, args.scale, "torch")
+                                  causal, None, "torch", kw["window"])
+        _, lse = torch.ops.torchfn.attention_fwd(q, k, v, args.mask, causal, args.scale, "torch",
+                                                 *args.window)
     up = lambda xs: tuple(x.double() for x in xs)  # noqa: E731
     o_ref, vjp_ref = torch.func.vjp(ref, *up((q, k, v)))
     _, lse_ref = reference(q, k, v, causal, kw, return_lse=True)
@@ -285,7 +291,7 @@ def test_sdpa_kernels_serve_the_torch_backend_where_they_apply(data, monkeypatch
 def test_default_backend_on_cpu_is_torch(data, monkeypatch):
     calls = []
     fwd = _torch_ops.fwd
-    monkeypatch.setattr(_torch_ops, "fwd", lambda *a: calls.append(1) or fwd(*a))
+    monkeypatch.setattr(_torch_ops, "fwd", lambda *a, **kw: calls.append(1) or fwd(*a, **kw))
     q, k, v = data(14).qkv(1, 2, 2, 3, 3, 4, torch.float32)
     attention(q, k, v)
     assert calls == [1]
@@ -298,3 +304,49 @@ def test_reference_lse(data, rel_err):
     s = 0.3 * q @ k.repeat_interleave(2, 1).transpose(-1, -2)
     assert rel_err(lse, torch.logsumexp(s, -1)) <= 1e-14
     assert rel_err(o, torch.softmax(s, -1) @ v.repeat_interleave(2, 1)) <= 1e-14
+
+
+def band_mask(Nq, Nk, causal, window):
+    """The allowed (query, key) pairs of ``causal`` and ``window``, built independently of
+    the library: query i sits at position i + Nk - Nq."""
+    left, right = (window, window) if isinstance(window, int) else window
+    allowed = torch.ones(Nq, Nk, dtype=torch.bool)
+    for i in range(Nq):
+        pos = i + Nk - Nq
+        for j in range(Nk):
+            if (causal and j > pos) or (left is not None and j < pos - left) or (
+                    right is not None and j > pos + right):
+                allowed[i, j] = False
+    return allowed
+
+
+@given(Nq=st.integers(1, 40), Nk=st.integers(1, 40), causal=st.booleans(),
+       window=st.sampled_from(WINDOWS[2:] + [(0, 0), (None, None), 39, (1, 100)]),
+       seed=st.integers(0, 2**16))
+def test_window_is_the_band_mask(Nq, Nk, causal, window, seed, data, rel_err):
+    """window=(left, right) == the explicit (Nq, Nk) band as a bool mask, in the reference
+    and in the torch path (values and gradients), including rows the band leaves empty."""
+    q, k, v = data(seed).qkv(1, 2, 1, Nq, Nk, 8)
+    mask = band_mask(Nq, Nk, causal, window)
+    ref = lambda q, k, v: reference_attention(q, k, v, mask=mask)  # noqa: E731
+    for fn in (lambda q, k, v: reference_attention(q, k, v, causal=causal, window=window),
+               lambda q, k, v: attention(q, k, v, causal=causal, window=window,
+                                         backend="torch")):
+        with torch_path(50):  # several query blocks
+            o, vjp_fn = torch.func.vjp(fn, q, k, v)
+            grads = vjp_fn(torch.ones_like(o))
+        o_ref, vjp_ref = torch.func.vjp(ref, q, k, v)
+        assert not o.isnan().any() and rel_err(o, o_ref) <= 1e-12
+        for g, g_ref in zip(grads, vjp_ref(torch.ones_like(o))):
+            assert rel_err(g, g_ref) <= 1e-12
+
+
+def test_window_skips_the_keys_outside_the_band():
+    """The blockwise path visits only key ranges the band reaches: O(Nq * width) scores."""
+    q, k = torch.zeros(1, 1, 4096, 8), torch.zeros(1, 1, 4096, 8)
+    for causal, window, width in [(True, (63, -1), 64), (False, (10, 20), 31)]:
+        layout = _torch_ops._Layout(q, k, None, causal, 1.0, window)
+        spans = [(i1 - i0, k1 - k0) for i0, i1, k0, k1 in layout.blocks()]
+        assert sum(n for n, _ in spans) == 4096
+        assert all(nk <= n + width - 1 for n, nk in spans)
+        assert sum(n * nk for n, nk in spans) < 4096 * 4096 // 16

@@ -15,28 +15,25 @@ from torch.func import grad, hessian, jacfwd, jacrev, jvp, vmap
 from torchfn.kernels import attention, reference_attention
 
 # B=1, H=2 query heads on Hkv=1 kv head (GQA), Nq <= Nk=7, odd D, causal + bool mask
+# (and, in the window variants, a sliding window of 2 keys left of the diagonal)
 B, H, HKV, NK, D = 1, 2, 1, 7, 6
 HAS_TRITON = all(importlib.util.find_spec(m) for m in ("triton", "torchfn.kernels._triton_ops"))
+NEEDS_TRITON = pytest.mark.skipif(not HAS_TRITON, reason="triton or _triton_ops is missing")
 VARIANTS = [
-    pytest.param(("torch", 5, True), id="torch-blockwise"),  # causal, Nq != Nk: blockwise
-    pytest.param(("torch", NK, True), id="torch-sdpa"),  # Nq == Nk: SDPA's fused CPU kernels
-    pytest.param(
-        ("triton", 5, True),
-        id="triton",
-        marks=pytest.mark.skipif(not HAS_TRITON, reason="triton or _triton_ops is missing"),
-    ),
-    pytest.param(  # dQ added with atomics inside the dK/dV kernel
-        ("triton", 5, False),
-        id="triton-atomic-dq",
-        marks=pytest.mark.skipif(not HAS_TRITON, reason="triton or _triton_ops is missing"),
-    ),
+    pytest.param(("torch", 5, True, None), id="torch-blockwise"),  # causal, Nq != Nk
+    pytest.param(("torch", NK, True, None), id="torch-sdpa"),  # Nq == Nk: SDPA's CPU kernels
+    pytest.param(("torch", 5, True, (2, None)), id="torch-window"),
+    pytest.param(("triton", 5, True, None), id="triton", marks=NEEDS_TRITON),
+    # dQ added with atomics inside the dK/dV kernel
+    pytest.param(("triton", 5, False, None), id="triton-atomic-dq", marks=NEEDS_TRITON),
+    pytest.param(("triton", 5, True, (2, None)), id="triton-window", marks=NEEDS_TRITON),
 ]
 
 
 @pytest.fixture(scope="module", params=VARIANTS)
 def case(request):
     """Inputs, mask (one fully masked row), and the attention of each backend + reference."""
-    attn_backend, nq, deterministic = request.param
+    attn_backend, nq, deterministic, window = request.param
     g = torch.Generator().manual_seed(11)
     dtype = torch.float64 if attn_backend == "torch" else torch.float32
 
@@ -48,11 +45,12 @@ def case(request):
     mask[..., 2, :4] = True  # query 2 keeps its causally visible keys
 
     def ours(q, k, v):
-        return attention(q, k, v, mask=mask, causal=True, backend=attn_backend,
+        return attention(q, k, v, mask=mask, causal=True, window=window, backend=attn_backend,
                          deterministic=deterministic)
 
     def ref(q, k, v):
-        return reference_attention(q.double(), k.double(), v.double(), mask=mask, causal=True)
+        return reference_attention(q.double(), k.double(), v.double(), mask=mask, causal=True,
+                                   window=window)
 
     tol = 1e-10 if attn_backend == "torch" else 1e-5
     return dict(
@@ -66,6 +64,9 @@ def case(request):
         backend=attn_backend,
         deterministic=deterministic,
         nq=nq,
+        window=window,
+        # the raw ops' normalised (left, right) (see _dispatch._normalize_window)
+        window_args=(-1, -1) if window is None else (window[0], -1),
     )
 
 
@@ -204,15 +205,17 @@ def test_opcheck(case):
     q, k, v = case["qkv"]
     normal, be = case["normal"], case["backend"]
     mask = torch.rand(B, 1, case["nq"], NK, generator=torch.Generator().manual_seed(1)) < 0.7
-    o, lse = torch.ops.torchfn.attention_fwd(q, k, v, mask, True, 0.4, be)
+    win = case["window_args"]
+    o, lse = torch.ops.torchfn.attention_fwd(q, k, v, mask, True, 0.4, be, *win)
     ops = torch.ops.torchfn
-    torch.library.opcheck(ops.attention_fwd.default, (q, k, v, mask, True, 0.4, be))
+    torch.library.opcheck(ops.attention_fwd.default, (q, k, v, mask, True, 0.4, be, *win))
     torch.library.opcheck(
         ops.attention_bwd.default,
-        (q, k, v, o, lse, normal(*q.shape), mask, True, 0.4, be, case["deterministic"]),
+        (q, k, v, o, lse, normal(*q.shape), mask, True, 0.4, be, case["deterministic"], *win),
     )
     tq, tv = normal(*q.shape), normal(*v.shape)
-    torch.library.opcheck(ops.attention_jvp.default, (q, k, v, tq, None, tv, None, False, 0.4, be))
+    torch.library.opcheck(ops.attention_jvp.default,
+                          (q, k, v, tq, None, tv, None, False, 0.4, be, *win))
 
 
 def test_torch_compile_forward_backward(case, rel_err):
@@ -248,7 +251,7 @@ def test_gradcheck_and_gradgradcheck_float64(case):
     mask = torch.tensor([[True, False, True, True]] * 3 + [[False] * 4])  # last row fully masked
 
     def fn(q, k, v):
-        return attention(q, k, v, mask=mask, scale=0.7, backend="torch")
+        return attention(q, k, v, mask=mask, scale=0.7, window=case["window"], backend="torch")
 
     assert torch.autograd.gradcheck(fn, (q, k, v))
     assert torch.autograd.gradgradcheck(fn, (q, k, v))

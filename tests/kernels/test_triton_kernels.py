@@ -38,8 +38,9 @@ def _interpreter_on(monkeypatch):
 
 
 # --------------------------------------------------------------------------- reference
-def reference(q, k, v, mask=None, causal=False, scale=None):
-    """Materialised float64 attention -> (o, lse); fully masked rows give o = 0, lse = -inf."""
+def reference(q, k, v, mask=None, causal=False, scale=None, window=(-1, -1)):
+    """Materialised float64 attention -> (o, lse); fully masked rows give o = 0, lse = -inf.
+    ``window``: (left, right) keys each side of the (bottom-right) diagonal, -1 unbounded."""
     q, k, v = q.double(), k.double(), v.double()
     B, H, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
@@ -56,6 +57,7 @@ def reference(q, k, v, mask=None, causal=False, scale=None):
             allowed = allowed & (mask > float("-inf"))
     if causal:
         allowed = allowed & _causal(Nq, Nk)
+    allowed = allowed & _band(Nq, Nk, window)
     row_ok = allowed.any(-1, keepdim=True)
     s = torch.where(row_ok, torch.where(allowed, s, float("-inf")), 0.0)
     o = (torch.softmax(s, -1) * row_ok) @ v
@@ -68,7 +70,14 @@ def _causal(Nq, Nk):
     return torch.arange(Nk)[None, :] <= torch.arange(Nq)[:, None] + (Nk - Nq)
 
 
-def sdpa(q, k, v, mask, causal, scale):
+def _band(Nq, Nk, window):
+    """Query i (at position i + Nk - Nq) sees key j iff pos - left <= j <= pos + right."""
+    left, right = window
+    d = torch.arange(Nk)[None, :] - (torch.arange(Nq)[:, None] + (Nk - Nq))  # j - pos
+    return ((d >= -left) | (left < 0)) & ((d <= right) | (right < 0))
+
+
+def sdpa(q, k, v, mask, causal, scale, window=(-1, -1)):
     """SDPA in the inputs' dtype (dense mask, repeated kv heads); fully masked rows -> 0."""
     H, Hkv = q.shape[1], k.shape[1]
     k = k.repeat_interleave(H // Hkv, 1)
@@ -76,8 +85,10 @@ def sdpa(q, k, v, mask, causal, scale):
     attn = None
     if mask is not None:
         attn = mask
-    if causal:
-        c = _causal(q.shape[2], k.shape[2])
+    if causal or max(window) >= 0:
+        c = _band(q.shape[2], k.shape[2], window)
+        if causal:
+            c = c & _causal(q.shape[2], k.shape[2])
         if attn is None:
             attn = c
         elif attn.dtype == torch.bool:
@@ -127,25 +138,28 @@ def make_inputs(B, H, Hkv, Nq, Nk, D, dtype, seed):
 
 # --------------------------------------------------------------------------- the check
 def check(B, H, Hkv, Nq, Nk, D, dtype, causal, mask_kind, *, seed=0, fwd_cfg=None, bwd_cfg=None,
-          deterministic=True):
-    """Triton fwd/bwd/jvp vs the float64 reference; raises AssertionError with the errors."""
+          deterministic=True, window=(-1, -1)):
+    """Triton fwd/bwd/jvp vs the float64 reference; raises AssertionError with the errors.
+    ``window``: the raw ops' normalised (left, right), -1 = unbounded."""
     q, k, v, do, (tq, tk, tv), gen = make_inputs(B, H, Hkv, Nq, Nk, D, dtype, seed)
     mask = make_mask(mask_kind, B, H, Nq, Nk, dtype, gen)
     scale = D**-0.5
 
-    o, lse = T.fwd(q, k, v, mask, causal, scale, config=fwd_cfg)
-    dq, dk, dv = T.bwd(q, k, v, o, lse, do, mask, causal, scale, deterministic, config=bwd_cfg)
-    o2, lse2, to = T.jvp(q, k, v, tq, tk, tv, mask, causal, scale, config=fwd_cfg)
+    o, lse = T.fwd(q, k, v, mask, causal, scale, window=window, config=fwd_cfg)
+    dq, dk, dv = T.bwd(q, k, v, o, lse, do, mask, causal, scale, deterministic, window=window,
+                       config=bwd_cfg)
+    o2, lse2, to = T.jvp(q, k, v, tq, tk, tv, mask, causal, scale, window=window,
+                         config=fwd_cfg)
     assert o.shape == (B, H, Nq, D) and o.dtype == dtype and lse.dtype == torch.float32
     assert dk.shape == (B, Hkv, Nk, D) and dq.dtype == dtype
     for t in (o, lse, dq, dk, dv, to):
         assert not t.isnan().any()
 
     leaves = [x.double().requires_grad_() for x in (q, k, v)]
-    ro, rlse = reference(*leaves, mask, causal, scale)
+    ro, rlse = reference(*leaves, mask, causal, scale, window)
     rgrads = torch.autograd.grad(ro, leaves, do.double())
     _, rto = torch.func.jvp(
-        lambda a, b, c: reference(a, b, c, mask, causal, scale)[0],
+        lambda a, b, c: reference(a, b, c, mask, causal, scale, window)[0],
         tuple(x.double() for x in (q, k, v)), tuple(x.double() for x in (tq, tk, tv)),
     )
 
@@ -179,7 +193,7 @@ def check(B, H, Hkv, Nq, Nk, D, dtype, causal, mask_kind, *, seed=0, fwd_cfg=Non
     # fp16 / bf16: within 2x SDPA's error (SDPA has no forward AD: `to` is held to the
     # forward's bound, scaled by how large the tangent is compared with the output)
     lp = [x.detach().clone().requires_grad_() for x in (q, k, v)]
-    so = sdpa(*lp, mask, causal, scale)
+    so = sdpa(*lp, mask, causal, scale, window)
     sgrads = torch.autograd.grad(so, lp, do)
     base = {"o": rel_err(so, ro), "dq": rel_err(sgrads[0], rgrads[0]),
             "dk": rel_err(sgrads[1], rgrads[1]), "dv": rel_err(sgrads[2], rgrads[2])}
@@ -267,6 +281,76 @@ def test_atomic_dq_equals_deterministic_dq():
 def test_property_fp32_matches_reference(b_h_hkv, Nq, Nk, D, causal, mask, seed):
     B, H, Hkv = b_h_hkv
     check(B, H, Hkv, Nq, Nk, D, torch.float32, causal, mask, seed=seed)
+
+
+# --------------------------------------------------------------------------- windows
+WINDOW_CASES = [
+    # B, H, Hkv, Nq, Nk, D, dtype, causal, mask, (left, right)
+    pytest.param(1, 2, 2, 130, 130, 32, torch.float32, False, None, (5, 9), id="fp32-band"),
+    pytest.param(1, 2, 1, 96, 160, 24, torch.float32, True, None, (20, -1),
+                 id="fp32-causal-sliding-gqa"),
+    pytest.param(1, 2, 2, 160, 60, 16, torch.float32, False, None, (0, 3),
+                 id="fp32-Nq>Nk-empty-rows"),
+    pytest.param(2, 2, 2, 70, 100, 40, torch.float32, False, "bool", (-1, 30),
+                 id="fp32-right-only-bool"),
+    pytest.param(2, 4, 2, 64, 90, 32, torch.float32, True, "additive", (40, -1),
+                 id="fp32-causal-additive"),
+    pytest.param(1, 2, 1, 100, 140, 64, torch.float16, True, None, (33, -1), id="fp16-causal"),
+    pytest.param(2, 2, 2, 90, 90, 40, torch.bfloat16, False, "keypad", (12, 12),
+                 id="bf16-keypad"),
+]
+
+
+@pytest.mark.parametrize("B, H, Hkv, Nq, Nk, D, dtype, causal, mask, window", WINDOW_CASES)
+def test_window_matches_reference(B, H, Hkv, Nq, Nk, D, dtype, causal, mask, window):
+    check(B, H, Hkv, Nq, Nk, D, dtype, causal, mask, window=window)
+
+
+@pytest.mark.parametrize("deterministic", [True, False], ids=["det", "atomic-dq"])
+@pytest.mark.parametrize("tma", ["0", "1"], ids=["ptr", "tma"])
+def test_window_with_tma_and_atomic_dq(deterministic, tma, monkeypatch):
+    monkeypatch.setenv("TORCHFN_TRITON_TMA", tma)
+    check(1, 4, 2, 83, 120, 32, torch.float32, True, "keypad", window=(17, -1),
+          deterministic=deterministic)
+
+
+@pytest.mark.parametrize(
+    "fwd_cfg, bwd_cfg",
+    [((16, 32, 4, 1), ((16, 32, 4, 1), (32, 16, 4, 1))),
+     ((32, 16, 4, 1), ((32, 16, 4, 1), (16, 32, 4, 1)))],
+    ids=["BM<BN", "BM>BN"],
+)
+def test_window_block_shapes(fwd_cfg, bwd_cfg):
+    # the band's first and last key blocks cut through blocks of either shape
+    check(1, 2, 1, 75, 61, 24, torch.float32, False, None, fwd_cfg=fwd_cfg, bwd_cfg=bwd_cfg,
+          window=(7, 2))
+
+
+def test_window_overlap_variants_are_the_plain_kernels():
+    # a windowed PIPELINE forward runs the plain band loop; EARLY_DP reorders no sum
+    q, k, v, do, _, _ = make_inputs(1, 2, 2, 70, 90, 16, torch.float32, 3)
+    plain, ovl = (32, 32, 4, 1, False, False), (32, 32, 4, 1, False, True)
+    win = dict(window=(10, -1))
+    o, lse = T.fwd(q, k, v, None, True, 0.25, config=plain, **win)
+    o2, lse2 = T.fwd(q, k, v, None, True, 0.25, config=ovl, **win)
+    assert torch.equal(o, o2) and torch.equal(lse, lse2)
+    grads = T.bwd(q, k, v, o, lse, do, None, True, 0.25, config=(plain, plain[:4]), **win)
+    grads2 = T.bwd(q, k, v, o, lse, do, None, True, 0.25, config=(ovl, plain[:4]), **win)
+    assert all(torch.equal(a, b) for a, b in zip(grads, grads2))
+
+
+@given(
+    Nq=st.integers(1, 140),
+    Nk=st.integers(1, 140),
+    causal=st.booleans(),
+    left=st.sampled_from([-1, 0, 1, 9, 40]),
+    right=st.sampled_from([-1, 0, 2, 33]),
+    mask=st.sampled_from([None, "bool", "keypad"]),
+    seed=st.integers(0, 2**16),
+)
+def test_property_window_fp32_matches_reference(Nq, Nk, causal, left, right, mask, seed):
+    check(1, 2, 1, Nq, Nk, 16, torch.float32, causal, mask, seed=seed,
+          window=(left, -1 if causal else right))
 
 
 # --------------------------------------------------------------------------- edge cases

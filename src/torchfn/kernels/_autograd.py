@@ -60,14 +60,18 @@ def attention_fwd(
     causal: bool,
     scale: float,
     backend: str,
+    window_left: int = -1,
+    window_right: int = -1,
 ) -> tuple[Tensor, Tensor]:
-    """(o, lse): o (B, H, Nq, D), lse (B, H, Nq) fp32 (fp64 for fp64 inputs)."""
+    """(o, lse): o (B, H, Nq, D), lse (B, H, Nq) fp32 (fp64 for fp64 inputs).
+    ``window_left`` / ``window_right``: the normalised window (-1: unbounded)."""
     q, k, v = (_last_contiguous(x) for x in (q, k, v))
-    return _backend(backend).fwd(q, k, v, _expand(mask, q, k), causal, scale)
+    return _backend(backend).fwd(q, k, v, _expand(mask, q, k), causal, scale,
+                                 window=(window_left, window_right))
 
 
 @attention_fwd.register_fake
-def _(q, k, v, mask, causal, scale, backend):
+def _(q, k, v, mask, causal, scale, backend, window_left=-1, window_right=-1):
     B, H, Nq, D = q.shape
     return q.new_empty(B, H, Nq, D), q.new_empty(B, H, Nq, dtype=_lse_dtype(q.dtype))
 
@@ -85,15 +89,18 @@ def attention_bwd(
     scale: float,
     backend: str,
     deterministic: bool = True,
+    window_left: int = -1,
+    window_right: int = -1,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) for the cotangent ``do``; dk / dv summed over GQA query heads."""
     q, k, v, o, do = (_last_contiguous(x) for x in (q, k, v, o, do))
     return _backend(backend).bwd(q, k, v, o, lse, do, _expand(mask, q, k), causal, scale,
-                                 deterministic)
+                                 deterministic, window=(window_left, window_right))
 
 
 @attention_bwd.register_fake
-def _(q, k, v, o, lse, do, mask, causal, scale, backend, deterministic=True):
+def _(q, k, v, o, lse, do, mask, causal, scale, backend, deterministic=True, window_left=-1,
+      window_right=-1):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
@@ -109,14 +116,17 @@ def attention_jvp(
     causal: bool,
     scale: float,
     backend: str,
+    window_left: int = -1,
+    window_right: int = -1,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(o, lse, to): forward-mode tangent ``to`` (B, H, Nq, D); a None tangent is zero."""
     q, k, v, tq, tk, tv = (_last_contiguous(x) for x in (q, k, v, tq, tk, tv))
-    return _backend(backend).jvp(q, k, v, tq, tk, tv, _expand(mask, q, k), causal, scale)
+    return _backend(backend).jvp(q, k, v, tq, tk, tv, _expand(mask, q, k), causal, scale,
+                                 window=(window_left, window_right))
 
 
 @attention_jvp.register_fake
-def _(q, k, v, tq, tk, tv, mask, causal, scale, backend):
+def _(q, k, v, tq, tk, tv, mask, causal, scale, backend, window_left=-1, window_right=-1):
     B, H, Nq, D = q.shape
     lse = q.new_empty(B, H, Nq, dtype=_lse_dtype(q.dtype))
     return q.new_empty(B, H, Nq, D), lse, q.new_empty(B, H, Nq, D)
@@ -152,30 +162,34 @@ def _unfold(x: Tensor, size: int) -> Tensor:
 
 
 @torch.library.register_vmap(f"{_LIB}::attention_fwd")
-def _(info, in_dims, q, k, v, mask, causal, scale, backend):
+def _(info, in_dims, q, k, v, mask, causal, scale, backend, window_left=-1, window_right=-1):
     n = info.batch_size
     qd, kd, vd, md = in_dims[:4]
     q, k, v = _fold(q, qd, n), _fold(k, kd, n), _fold(v, vd, n)
     mask = _fold_mask(mask, md, n, q.shape[0] // n)
-    o, lse = attention_fwd(q, k, v, mask, causal, scale, backend)
+    o, lse = attention_fwd(q, k, v, mask, causal, scale, backend, window_left, window_right)
     return (_unfold(o, n), _unfold(lse, n)), (0, 0)
 
 
 @torch.library.register_vmap(f"{_LIB}::attention_bwd")
-def _(info, in_dims, q, k, v, o, lse, do, mask, causal, scale, backend, deterministic=True):
+def _(info, in_dims, q, k, v, o, lse, do, mask, causal, scale, backend, deterministic=True,
+      window_left=-1, window_right=-1):
     n = info.batch_size
     q, k, v, o, lse, do = (_fold(x, d, n) for x, d in zip((q, k, v, o, lse, do), in_dims))
     mask = _fold_mask(mask, in_dims[6], n, q.shape[0] // n)
-    grads = attention_bwd(q, k, v, o, lse, do, mask, causal, scale, backend, deterministic)
+    grads = attention_bwd(q, k, v, o, lse, do, mask, causal, scale, backend, deterministic,
+                          window_left, window_right)
     return tuple(_unfold(g, n) for g in grads), (0, 0, 0)
 
 
 @torch.library.register_vmap(f"{_LIB}::attention_jvp")
-def _(info, in_dims, q, k, v, tq, tk, tv, mask, causal, scale, backend):
+def _(info, in_dims, q, k, v, tq, tk, tv, mask, causal, scale, backend, window_left=-1,
+      window_right=-1):
     n = info.batch_size
     q, k, v, tq, tk, tv = (_fold(x, d, n) for x, d in zip((q, k, v, tq, tk, tv), in_dims))
     mask = _fold_mask(mask, in_dims[6], n, q.shape[0] // n)
-    outs = attention_jvp(q, k, v, tq, tk, tv, mask, causal, scale, backend)
+    outs = attention_jvp(q, k, v, tq, tk, tv, mask, causal, scale, backend, window_left,
+                         window_right)
     return tuple(_unfold(x, n) for x in outs), (0, 0, 0)
 
 
@@ -183,20 +197,20 @@ def _(info, in_dims, q, k, v, tq, tk, tv, mask, causal, scale, backend):
 
 
 def _save(ctx, inputs, output) -> None:
-    q, k, v, mask, causal, scale, backend, deterministic = inputs
+    q, k, v, mask, causal, scale, backend, deterministic, win_l, win_r = inputs
     o, lse = output
     ctx.mark_non_differentiable(lse)
     ctx.save_for_backward(q, k, v, o, lse, mask)
     ctx.causal, ctx.scale, ctx.backend = causal, scale, backend
-    ctx.deterministic = deterministic
+    ctx.deterministic, ctx.window = deterministic, (win_l, win_r)
 
 
 class _Attention(torch.autograd.Function):
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(q, k, v, mask, causal, scale, backend, deterministic):
-        return attention_fwd(q, k, v, mask, causal, scale, backend)
+    def forward(q, k, v, mask, causal, scale, backend, deterministic, win_l, win_r):
+        return attention_fwd(q, k, v, mask, causal, scale, backend, win_l, win_r)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -207,14 +221,16 @@ class _Attention(torch.autograd.Function):
     def backward(ctx, do, _dlse):
         q, k, v, o, lse, mask = ctx.saved_tensors
         dq, dk, dv = _AttentionBackward.apply(
-            q, k, v, o, lse, do, mask, ctx.causal, ctx.scale, ctx.backend, ctx.deterministic
+            q, k, v, o, lse, do, mask, ctx.causal, ctx.scale, ctx.backend, ctx.deterministic,
+            *ctx.window,
         )
-        return dq, dk, dv, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None, None
 
     @staticmethod
     def jvp(ctx, tq, tk, tv, *_):
         q, k, v, mask = ctx.saved_tensors
-        to = attention_jvp(q, k, v, tq, tk, tv, mask, ctx.causal, ctx.scale, ctx.backend)[2]
+        to = attention_jvp(q, k, v, tq, tk, tv, mask, ctx.causal, ctx.scale, ctx.backend,
+                           *ctx.window)[2]
         return to, None
 
 
@@ -224,8 +240,8 @@ class _AttentionCompiled(torch.autograd.Function):
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(q, k, v, mask, causal, scale, backend, deterministic):
-        return attention_fwd(q, k, v, mask, causal, scale, backend)
+    def forward(q, k, v, mask, causal, scale, backend, deterministic, win_l, win_r):
+        return attention_fwd(q, k, v, mask, causal, scale, backend, win_l, win_r)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -235,17 +251,17 @@ class _AttentionCompiled(torch.autograd.Function):
     def backward(ctx, do, _dlse):
         q, k, v, o, lse, mask = ctx.saved_tensors
         dq, dk, dv = attention_bwd(q, k, v, o, lse, do, mask, ctx.causal, ctx.scale, ctx.backend,
-                                   ctx.deterministic)
-        return dq, dk, dv, None, None, None, None, None
+                                   ctx.deterministic, *ctx.window)
+        return dq, dk, dv, None, None, None, None, None, None, None
 
 
 def _vjp_formula(ctx):
     """The materialised (q, k, v, do) -> (dq, dk, dv) and its saved primals."""
     q, k, v, do, mask = ctx.saved_tensors
-    causal, scale = ctx.causal, ctx.scale
+    causal, scale, window = ctx.causal, ctx.scale, ctx.window
 
     def vjp(q, k, v, do):
-        return _reference.attention_vjp(q, k, v, do, mask, causal, scale)
+        return _reference.attention_vjp(q, k, v, do, mask, causal, scale, window)
 
     return vjp, (q, k, v, do)
 
@@ -260,22 +276,23 @@ class _AttentionBackward(torch.autograd.Function):
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(q, k, v, o, lse, do, mask, causal, scale, backend, deterministic):
-        return attention_bwd(q, k, v, o, lse, do, mask, causal, scale, backend, deterministic)
+    def forward(q, k, v, o, lse, do, mask, causal, scale, backend, deterministic, win_l, win_r):
+        return attention_bwd(q, k, v, o, lse, do, mask, causal, scale, backend, deterministic,
+                             win_l, win_r)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        q, k, v, _o, _lse, do, mask, causal, scale, _backend, _deterministic = inputs
+        q, k, v, _o, _lse, do, mask, causal, scale, _backend, _det, win_l, win_r = inputs
         ctx.save_for_backward(q, k, v, do, mask)
         ctx.save_for_forward(q, k, v, do, mask)
-        ctx.causal, ctx.scale = causal, scale
+        ctx.causal, ctx.scale, ctx.window = causal, scale, (win_l, win_r)
 
     @staticmethod
     def backward(ctx, gq, gk, gv):
         fn, primals = _vjp_formula(ctx)
         _, pullback = torch.func.vjp(fn, *primals)
         rq, rk, rv, rdo = pullback((gq, gk, gv))
-        return rq, rk, rv, None, None, rdo, None, None, None, None, None
+        return rq, rk, rv, None, None, rdo, None, None, None, None, None, None, None
 
     @staticmethod
     def jvp(ctx, tq, tk, tv, _to, _tlse, tdo, *_):
@@ -295,21 +312,25 @@ def attention(
     scale: float,
     backend: str,
     deterministic: bool = True,
+    window: tuple[int, int] = _reference.NO_WINDOW,
 ) -> Tensor:
-    """Differentiable attention on validated inputs (mask: compact 4-D)."""
+    """Differentiable attention on validated inputs (mask: compact 4-D; window: normalised
+    (left, right), -1 = unbounded)."""
     fn = _Attention
+    win_l, win_r = window  # (two ints: a tuple would be a pytree input to the Functions)
     if torch.compiler.is_compiling():
         if torch._C._functorch.maybe_current_level() is not None:
             # dynamo cannot trace an autograd.Function inside a torch.func transform
             # (grad, vmap, ...) with custom ops in it: run this call eagerly
-            return _eager()(q, k, v, mask, causal, scale, backend, deterministic)
+            return _eager()(q, k, v, mask, causal, scale, backend, deterministic, win_l, win_r)
         fn = _AttentionCompiled
-    o, _ = fn.apply(q, k, v, mask, causal, scale, backend, deterministic)
+    o, _ = fn.apply(q, k, v, mask, causal, scale, backend, deterministic, win_l, win_r)
     return o
 
 
-def _eager_attention(q, k, v, mask, causal, scale, backend, deterministic):
-    return _Attention.apply(q, k, v, mask, causal, scale, backend, deterministic)[0]
+def _eager_attention(q, k, v, mask, causal, scale, backend, deterministic, win_l, win_r):
+    return _Attention.apply(q, k, v, mask, causal, scale, backend, deterministic, win_l,
+                            win_r)[0]
 
 
 _EAGER: list = []

@@ -27,6 +27,7 @@ class _Args(NamedTuple):
     causal: bool
     scale: float
     backend: str
+    window: tuple[int, int]  # (left, right); -1: unbounded (or bounded by causal)
 
 
 def _triton_available() -> bool:
@@ -123,6 +124,33 @@ def _normalize_mask(
     return mask
 
 
+def _normalize_window(window, causal: bool, nq: int, nk: int) -> tuple[int, int]:
+    """``window`` (None, an int ``w`` = (w, w), or (left, right) with None = unbounded) as
+    (left, right) ints, -1 for a side that excludes no key here: a right side under
+    ``causal`` (which is tighter), ``left >= Nk - 1`` or ``right >= Nq - 1``."""
+    if window is None:
+        return (-1, -1)
+    if isinstance(window, (int, torch.SymInt)) and not isinstance(window, bool):
+        sides = (window, window)
+    elif isinstance(window, (tuple, list)) and len(window) == 2:
+        sides = tuple(window)
+    else:
+        raise TypeError(
+            "window must be None, an int w >= 0 (w keys each side) or a pair (left, right) "
+            f"of ints >= 0 or None (unbounded), got {window!r}"
+        )
+    for name, w in zip(("left", "right"), sides):
+        if w is None:
+            continue
+        if isinstance(w, bool) or not isinstance(w, (int, torch.SymInt)):
+            raise TypeError(f"window's {name} side must be an int >= 0 or None, got {w!r}")
+        if w < 0:
+            raise ValueError(f"window's {name} side must be >= 0 (None: unbounded), got {w}")
+    left = -1 if sides[0] is None or sides[0] >= nk - 1 else int(sides[0])
+    right = -1 if causal or sides[1] is None or sides[1] >= nq - 1 else int(sides[1])
+    return (left, right)
+
+
 def _ensure_interpreter() -> None:
     """Triton on CPU runs under ``TRITON_INTERPRET=1``, which must be set before
     ``triton.language`` is imported (its ``@triton.jit`` helpers are made then)."""
@@ -175,11 +203,14 @@ def _prepare(
     causal: bool,
     scale: float | None,
     backend: str | None,
+    window=None,
 ) -> _Args:
-    """Validate the arguments and normalise the mask; ``backend="reference"`` skips the choice."""
+    """Validate the arguments and normalise the mask and window; ``backend="reference"``
+    skips the choice of backend."""
     _check_qkv(q, k, v)
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    window = _normalize_window(window, causal, q.shape[2], k.shape[2])
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     elif isinstance(scale, bool) or not isinstance(scale, (int, float)):
@@ -189,7 +220,7 @@ def _prepare(
     mask = _normalize_mask(mask, key_padding_mask, q, k)
     if backend != "reference":
         backend = _resolve_backend(backend, q)
-    return _Args(mask, causal, float(scale), backend)
+    return _Args(mask, causal, float(scale), backend, window)
 
 
 def attention(
@@ -200,6 +231,7 @@ def attention(
     mask: Tensor | None = None,
     key_padding_mask: Tensor | None = None,
     causal: bool = False,
+    window: int | tuple[int | None, int | None] | None = None,
     scale: float | None = None,
     backend: str | None = None,
     deterministic: bool = True,
@@ -221,6 +253,13 @@ def attention(
         causal: query ``i`` attends key ``j`` iff ``j <= i + Nk - Nq``: aligned
             bottom-right as FlashAttention-2 (the queries are the *last* Nq
             positions). SDPA's ``is_causal`` aligns top-left; they agree iff Nq == Nk.
+        window: local (sliding-window) attention. ``(left, right)``: query ``i``, at
+            position ``p = i + Nk - Nq`` (aligned as ``causal``), sees keys
+            ``p - left ..= p + right``; ``None`` on a side leaves it unbounded, an int
+            ``w`` means ``(w, w)``. With ``causal=True`` only ``left`` matters: a
+            Mistral-style window of W keys is ``causal=True, window=(W - 1, None)``.
+            Key blocks outside the band are skipped, so the cost is O(Nq * width), and
+            it combines with ``mask`` (FlashAttention's ``window_size``, with None for -1).
         scale: score scale, default ``1 / sqrt(D)``.
         backend: ``None`` picks Triton for CUDA tensors when triton is installed
             (else the PyTorch path) and the PyTorch path on CPU; ``"torch"`` forces
@@ -254,8 +293,8 @@ def attention(
     >>> attention(q, k, v, causal=True).shape
     torch.Size([2, 4, 8, 16])
     """
-    args = _prepare(q, k, v, mask, key_padding_mask, causal, scale, backend)
+    args = _prepare(q, k, v, mask, key_padding_mask, causal, scale, backend, window)
     if not isinstance(deterministic, bool):
         raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
     return _autograd.attention(q, k, v, args.mask, args.causal, args.scale, args.backend,
-                               deterministic)
+                               deterministic, args.window)

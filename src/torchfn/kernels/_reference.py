@@ -9,9 +9,40 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+NO_WINDOW = (-1, -1)
+
+
+def band(nq: int, nk: int, causal: bool, window: tuple[int, int], device=None) -> Tensor | None:
+    """The (Nq, Nk) bool matrix of allowed (query, key) pairs set by ``causal`` and
+    ``window``, or None when they allow every pair.
+
+    Query ``i`` sits at position ``i + Nk - Nq`` (bottom-right aligned); it sees key
+    ``j`` iff ``j <= pos`` (causal), ``j >= pos - left`` and ``j <= pos + right``
+    (``window = (left, right)``, -1 = unbounded).
+
+    >>> band(3, 3, False, (1, 0)).int()
+    tensor([[1, 0, 0],
+            [1, 1, 0],
+            [0, 1, 1]], dtype=torch.int32)
+    """
+    left, right = window
+    if causal:  # (a window's right side is >= 0: causal is the tighter bound)
+        right = 0
+    if left < 0 and right < 0:
+        return None
+    pos = torch.arange(nq, device=device)[:, None] + (nk - nq)  # (Nq, 1)
+    j = torch.arange(nk, device=device)  # (Nk,)
+    ok = torch.ones(nq, nk, dtype=torch.bool, device=device)
+    if left >= 0:
+        ok &= j >= pos - left
+    if right >= 0:
+        ok &= j <= pos + right
+    return ok
+
 
 def _probs(
-    q: Tensor, k: Tensor, mask: Tensor | None, causal: bool, scale: float
+    q: Tensor, k: Tensor, mask: Tensor | None, causal: bool, scale: float,
+    window: tuple[int, int] = NO_WINDOW,
 ) -> tuple[Tensor, Tensor]:
     """Softmax probabilities (B, H, Nq, Nk) and logsumexp (B, H, Nq); k: (B, H, Nk, D).
 
@@ -21,10 +52,9 @@ def _probs(
     s = scale * (q @ k.transpose(-1, -2))  # (B, H, Nq, Nk)
     if mask is not None:
         s = s.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else s + mask
-    if causal:
-        nq, nk = s.shape[-2:]
-        i = torch.arange(nq, device=s.device)[:, None] + (nk - nq)
-        s = s.masked_fill(torch.arange(nk, device=s.device) > i, float("-inf"))
+    allowed = band(s.shape[-2], s.shape[-1], causal, window, s.device)
+    if allowed is not None:
+        s = s.masked_fill(~allowed, float("-inf"))
     dead = (s == float("-inf")).all(-1, keepdim=True)  # (B, H, Nq, 1): no key allowed
     s = s.masked_fill(dead, 0.0)
     lse = torch.logsumexp(s, -1, keepdim=True)
@@ -39,11 +69,12 @@ def _repeat_kv(x: Tensor, groups: int) -> Tensor:
 
 
 def _attention(
-    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool, scale: float
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool, scale: float,
+    window: tuple[int, int] = NO_WINDOW,
 ) -> tuple[Tensor, Tensor]:
     """Unchecked materialised attention: (o, lse)."""
     g = q.shape[1] // k.shape[1]
-    p, lse = _probs(q, _repeat_kv(k, g), mask, causal, scale)
+    p, lse = _probs(q, _repeat_kv(k, g), mask, causal, scale, window)
     return p.to(v.dtype) @ _repeat_kv(v, g), lse
 
 
@@ -55,6 +86,7 @@ def attention_vjp(
     mask: Tensor | None,
     causal: bool,
     scale: float,
+    window: tuple[int, int] = NO_WINDOW,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) = vjp of attention at (q, k, v) with cotangent ``do``, in plain torch ops.
 
@@ -68,7 +100,7 @@ def attention_vjp(
     hkv = k.shape[1]
     g = q.shape[1] // hkv
     kr, vr = _repeat_kv(k, g), _repeat_kv(v, g)
-    p, _ = _probs(q, kr, mask, causal, scale)  # (B, H, Nq, Nk)
+    p, _ = _probs(q, kr, mask, causal, scale, window)  # (B, H, Nq, Nk)
     dv = p.transpose(-1, -2) @ do  # (B, H, Nk, D)
     dp = do @ vr.transpose(-1, -2)
     ds = p * (dp - (dp * p).sum(-1, keepdim=True))
@@ -90,6 +122,7 @@ def reference_attention(
     return_lse: bool = False,
     *,
     key_padding_mask: Tensor | None = None,
+    window: int | tuple[int | None, int | None] | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Materialised attention with exactly the semantics of :func:`attention`.
 
@@ -105,6 +138,7 @@ def reference_attention(
     """
     from ._dispatch import _prepare  # local: _dispatch imports the autograd wiring
 
-    args = _prepare(q, k, v, mask, key_padding_mask, causal, scale, backend="reference")
-    o, lse = _attention(q, k, v, args.mask, args.causal, args.scale)
+    args = _prepare(q, k, v, mask, key_padding_mask, causal, scale, backend="reference",
+                    window=window)
+    o, lse = _attention(q, k, v, args.mask, args.causal, args.scale, args.window)
     return (o, lse) if return_lse else o

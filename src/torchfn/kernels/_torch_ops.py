@@ -11,8 +11,9 @@ set to -inf. Everything else (CUDA without Triton, causal with Nq != Nk, an fp32
 mask on fp16 / bf16 inputs, and every ``jvp``) runs the blockwise path below.
 
 Blockwise path: the queries are processed in row blocks; each block materialises
-its scores against every (causally reachable) key, so the softmax of a block is
-exact and memory is bounded by ``_SCORE_BUDGET`` scores per block. Short
+its scores against every key its band reaches (causal, sliding window), so the
+softmax of a block is exact and memory is bounded by ``_SCORE_BUDGET`` scores per
+block. A window always takes this path (SDPA would score every key). Short
 sequences run as one block. fp16 / bf16 are computed in fp32, fp64 in fp64.
 GQA: the ``G = H // Hkv`` query heads of one kv head are stacked along the rows,
 ``(B, Hkv, G * rows, D)``, so k / v are never repeated.
@@ -44,15 +45,24 @@ def _compact(mask: Tensor) -> Tensor:
 
 
 class _Layout:
-    """Shapes, the compact mask and the query blocks shared by fwd / bwd / jvp."""
+    """Shapes, the compact mask and the query blocks shared by fwd / bwd / jvp.
 
-    def __init__(self, q: Tensor, k: Tensor, mask: Tensor | None, causal: bool, scale: float):
+    The band of ``causal`` and ``window``: query ``i`` (at position ``i + offset``) sees
+    keys ``i + offset - left ..= i + offset + right`` (a side < 0: unbounded; causal sets
+    ``right = 0``); each query block visits only the key range its band reaches.
+    """
+
+    def __init__(self, q: Tensor, k: Tensor, mask: Tensor | None, causal: bool, scale: float,
+                 window: tuple[int, int] = (-1, -1)):
         self.B, self.H, self.Nq, self.D = q.shape
         self.Hkv, self.Nk = k.shape[1], k.shape[2]
         self.G = self.H // self.Hkv
         self.acc = _acc_dtype(q.dtype)
-        self.causal = causal
         self.offset = self.Nk - self.Nq  # bottom-right causal: key j <= i + offset
+        self.left, self.right = window
+        if causal:
+            self.right = 0
+        banded = self.left >= 0 or self.right >= 0
         self.mask = None
         if mask is not None:
             m = _compact(mask)  # (b, h, nq, nk), each 1 or full
@@ -60,39 +70,50 @@ class _Layout:
             self.is_bool = m.dtype == torch.bool
             self.mask = m.logical_not() if self.is_bool else m  # bool: True = blocked
         rows = max(1, _SCORE_BUDGET // max(1, self.B * self.H * self.Nk))
-        if causal and self.Nq >= 128:  # >= 4 blocks, so the keys past the diagonal are skipped
-            rows = min(rows, -(-self.Nq // 4))
+        if banded and self.Nq >= 128:  # several blocks, so keys outside the band are skipped
+            if self.left < 0:  # causal or right-bounded: 4 blocks
+                rows = min(rows, -(-self.Nq // 4))
+            else:  # blocks about as tall as the band is wide
+                rows = min(rows, max(64, min(self.left + max(self.right, 0) + 1, 1024)))
         self.rows = min(self.Nq, rows)
 
     def blocks(self):
-        """Yield ``(i0, i1, kend)``: query rows ``[i0, i1)`` see keys ``[0, kend)``."""
+        """Yield ``(i0, i1, k0, k1)``: query rows ``[i0, i1)`` see keys in ``[k0, k1)``
+        (an empty range: none)."""
         for i0 in range(0, self.Nq, self.rows):
             i1 = min(self.Nq, i0 + self.rows)
-            kend = min(self.Nk, i1 + self.offset) if self.causal else self.Nk
-            yield i0, i1, kend
+            k1 = self.Nk if self.right < 0 else min(self.Nk, i1 + self.offset + self.right)
+            k0 = 0 if self.left < 0 else max(0, i0 + self.offset - self.left)
+            yield i0, i1, k0, max(k0, k1)
 
     def rows_of(self, x: Tensor, i0: int, i1: int) -> Tensor:
         """(B, H, Nq, *) -> rows [i0, i1) stacked per kv head: (B, Hkv, G * n, *)."""
         x = x[:, :, i0:i1].unflatten(1, (self.Hkv, self.G))
         return x.reshape(self.B, self.Hkv, self.G * (i1 - i0), *x.shape[4:])
 
-    def scores(self, qs: Tensor, k: Tensor, i0: int, i1: int, kend: int) -> Tensor:
-        """Masked scores of rows [i0, i1): (B, Hkv, G * n, kend); ``qs`` is pre-scaled."""
-        s = qs @ k[:, :, :kend].transpose(-1, -2)
-        s5 = s.view(self.B, self.Hkv, self.G, i1 - i0, kend)
+    def scores(self, qs: Tensor, k: Tensor, i0: int, i1: int, k0: int, k1: int) -> Tensor:
+        """Masked scores of rows [i0, i1) against keys [k0, k1): (B, Hkv, G * n, k1 - k0);
+        ``qs`` is pre-scaled."""
+        s = qs @ k[:, :, k0:k1].transpose(-1, -2)
+        s5 = s.view(self.B, self.Hkv, self.G, i1 - i0, k1 - k0)
         if self.mask is not None:
             m = self.mask
             m = m[..., i0:i1, :] if m.size(3) > 1 else m
-            m = m[..., :kend] if m.size(4) > 1 else m
+            m = m[..., k0:k1] if m.size(4) > 1 else m
             if self.is_bool:
                 s5.masked_fill_(m, float("-inf"))
             else:
                 s5.add_(m)
-        kb = max(0, i0 + self.offset + 1)  # keys before kb are visible to every row
-        if self.causal and kb < kend:
-            rows = torch.arange(i0, i1, device=s.device) + self.offset
-            blocked = torch.arange(kb, kend, device=s.device) > rows[:, None]  # (n, kend - kb)
-            s5[..., kb:].masked_fill_(blocked, float("-inf"))
+        pos = torch.arange(i0, i1, device=s.device)[:, None] + self.offset  # (n, 1)
+        # keys in [kb, k1) may be right of some row's band, keys in [k0, ka) left of it
+        kb = max(k0, i0 + self.offset + self.right + 1)
+        if self.right >= 0 and kb < k1:
+            blocked = torch.arange(kb, k1, device=s.device) > pos + self.right
+            s5[..., kb - k0:].masked_fill_(blocked, float("-inf"))
+        ka = min(k1, i1 - 1 + self.offset - self.left)
+        if self.left >= 0 and k0 < ka:
+            blocked = torch.arange(k0, ka, device=s.device) < pos - self.left
+            s5[..., :ka - k0].masked_fill_(blocked, float("-inf"))
         return s
 
     def unrows(self, x: Tensor, n: int) -> Tensor:
@@ -119,9 +140,11 @@ def _exp_scores(s: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     return p, l.masked_fill_(l == 0, 1.0).reciprocal_(), lse
 
 
-def _sdpa_args(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool):
-    """(k, v, additive mask) for SDPA's fused CPU kernels, or None where they do not apply."""
-    if not _USE_SDPA or _SDPA_BWD is None or q.device.type != "cpu":
+def _sdpa_args(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool,
+               window: tuple[int, int]):
+    """(k, v, additive mask) for SDPA's fused CPU kernels, or None where they do not apply
+    (a window: the blockwise path skips the keys outside it)."""
+    if not _USE_SDPA or _SDPA_BWD is None or q.device.type != "cpu" or max(window) >= 0:
         return None
     if causal and q.shape[2] != k.shape[2]:  # SDPA's is_causal aligns top-left
         return None
@@ -144,24 +167,25 @@ def _sum_groups(x: Tensor, hkv: int) -> Tensor:
     return x.unflatten(1, (hkv, x.shape[1] // hkv)).sum(2, dtype=_acc_dtype(x.dtype)).to(x.dtype)
 
 
-def fwd(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool, scale: float):
+def fwd(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool, scale: float,
+        window: tuple[int, int] = (-1, -1)):
     """o: (B, H, Nq, D) in q's dtype, lse: (B, H, Nq) fp32 (fp64 for fp64 inputs)."""
-    sdpa = _sdpa_args(q, k, v, mask, causal)
+    sdpa = _sdpa_args(q, k, v, mask, causal, window)
     if sdpa is not None:
         kr, vr, bias = sdpa
         o, lse = _SDPA_FWD(q, kr, vr, 0.0, causal, attn_mask=bias, scale=scale)
         if bias is not None:  # SDPA: o = 0 and lse = 0 on a row without keys; ours: -inf
             lse = lse.masked_fill(lse.eq(0) & o.eq(0).all(-1), float("-inf"))
         return o.contiguous(), lse.contiguous()
-    L = _Layout(q, k, mask, causal, scale)
+    L = _Layout(q, k, mask, causal, scale, window)
     kf, vf = k.to(L.acc), v.to(L.acc)
     o = lse = None
-    for i0, i1, kend in L.blocks():
+    for i0, i1, k0, k1 in L.blocks():
         n = i1 - i0
-        if kend > 0:
-            s = L.scores(L.rows_of(q, i0, i1).to(L.acc) * scale, kf, i0, i1, kend)
+        if k1 > k0:
+            s = L.scores(L.rows_of(q, i0, i1).to(L.acc) * scale, kf, i0, i1, k0, k1)
             p, inv, lsec = _exp_scores(s)
-            oc = (p @ vf[:, :, :kend]).mul_(inv)
+            oc = (p @ vf[:, :, k0:k1]).mul_(inv)
         else:  # every row of the block is fully masked
             oc = vf.new_zeros(L.B, L.Hkv, L.G * n, L.D)
             lsec = vf.new_full((L.B, L.Hkv, L.G * n, 1), float("-inf"))
@@ -186,36 +210,37 @@ def bwd(
     causal: bool,
     scale: float,
     deterministic: bool = True,
+    window: tuple[int, int] = (-1, -1),
 ):
     """dq: (B, H, Nq, D); dk, dv: (B, Hkv, Nk, D) summed over each kv head's query heads.
 
     Always deterministic; ``deterministic`` is accepted for the shared backend contract.
     """
-    sdpa = _sdpa_args(q, k, v, mask, causal)
+    sdpa = _sdpa_args(q, k, v, mask, causal, window)
     if sdpa is not None:
         kr, vr, bias = sdpa
         lse = lse.masked_fill(lse == float("-inf"), 0.0)  # back to SDPA's convention
         dq, dk, dv = _SDPA_BWD(do, q, kr, vr, o, lse, 0.0, causal, attn_mask=bias, scale=scale)
         hkv = k.shape[1]
         return dq.contiguous(), _sum_groups(dk, hkv).contiguous(), _sum_groups(dv, hkv).contiguous()
-    L = _Layout(q, k, mask, causal, scale)
+    L = _Layout(q, k, mask, causal, scale, window)
     kf, vf = k.to(L.acc), v.to(L.acc)
     delta = (do.to(L.acc) * o.to(L.acc)).sum(-1, keepdim=True)  # (B, H, Nq, 1)
     lse = _safe(lse.to(L.acc)).unsqueeze(-1)  # (B, H, Nq, 1)
     dq = torch.zeros(L.B, L.H, L.Nq, L.D, dtype=L.acc, device=q.device)
     dk = torch.zeros(L.B, L.Hkv, L.Nk, L.D, dtype=L.acc, device=q.device)
     dv = torch.zeros_like(dk)
-    for i0, i1, kend in L.blocks():
-        if kend <= 0:
+    for i0, i1, k0, k1 in L.blocks():
+        if k1 <= k0:
             continue
         n = i1 - i0
         qs = L.rows_of(q, i0, i1).to(L.acc) * scale
-        p = L.scores(qs, kf, i0, i1, kend).sub_(L.rows_of(lse, i0, i1)).exp_()
+        p = L.scores(qs, kf, i0, i1, k0, k1).sub_(L.rows_of(lse, i0, i1)).exp_()
         doc = L.rows_of(do, i0, i1).to(L.acc)  # (B, Hkv, G*n, D)
-        dv[:, :, :kend] += p.transpose(-1, -2) @ doc
-        ds = (doc @ vf[:, :, :kend].transpose(-1, -2)).sub_(L.rows_of(delta, i0, i1)).mul_(p)
-        dq[:, :, i0:i1] = L.unrows((ds @ kf[:, :, :kend]).mul_(scale), n)
-        dk[:, :, :kend] += ds.transpose(-1, -2) @ qs  # qs carries the scale
+        dv[:, :, k0:k1] += p.transpose(-1, -2) @ doc
+        ds = (doc @ vf[:, :, k0:k1].transpose(-1, -2)).sub_(L.rows_of(delta, i0, i1)).mul_(p)
+        dq[:, :, i0:i1] = L.unrows((ds @ kf[:, :, k0:k1]).mul_(scale), n)
+        dk[:, :, k0:k1] += ds.transpose(-1, -2) @ qs  # qs carries the scale
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
@@ -229,39 +254,40 @@ def jvp(
     mask: Tensor | None,
     causal: bool,
     scale: float,
+    window: tuple[int, int] = (-1, -1),
 ):
     """Forward-mode: (o, lse, to); a ``None`` tangent means zero.
 
     With ``S = scale q k^T + mask``, ``tS = scale (tq k^T + q tk^T)``, ``P = softmax(S)``
     and ``*`` elementwise: ``to = (P * tS) v + P tv - o * rowsum(P * tS)``.
     """
-    L = _Layout(q, k, mask, causal, scale)
+    L = _Layout(q, k, mask, causal, scale, window)
     kf, vf = k.to(L.acc), v.to(L.acc)
     tkf = tk.to(L.acc) if tk is not None else None
     tvf = tv.to(L.acc) if tv is not None else None
     o = torch.zeros(L.B, L.H, L.Nq, L.D, dtype=L.acc, device=q.device)
     to = torch.zeros_like(o)
     lse = torch.full((L.B, L.H, L.Nq), float("-inf"), dtype=L.acc, device=q.device)
-    for i0, i1, kend in L.blocks():
-        if kend <= 0:
+    for i0, i1, k0, k1 in L.blocks():
+        if k1 <= k0:
             continue
         n = i1 - i0
         qs = L.rows_of(q, i0, i1).to(L.acc) * scale
-        p, inv, lsec = _exp_scores(L.scores(qs, kf, i0, i1, kend))
-        oc = (p @ vf[:, :, :kend]).mul_(inv)
+        p, inv, lsec = _exp_scores(L.scores(qs, kf, i0, i1, k0, k1))
+        oc = (p @ vf[:, :, k0:k1]).mul_(inv)
         toc = torch.zeros_like(oc)
         ts = None
         if tq is not None:
-            ts = (L.rows_of(tq, i0, i1).to(L.acc) * scale) @ kf[:, :, :kend].transpose(-1, -2)
+            ts = (L.rows_of(tq, i0, i1).to(L.acc) * scale) @ kf[:, :, k0:k1].transpose(-1, -2)
         if tkf is not None:
-            tsk = qs @ tkf[:, :, :kend].transpose(-1, -2)
+            tsk = qs @ tkf[:, :, k0:k1].transpose(-1, -2)
             ts = tsk if ts is None else ts.add_(tsk)
         if ts is not None:
             pts = ts.mul_(p)  # P * tS (unnormalised)
-            toc += (pts @ vf[:, :, :kend]).mul_(inv)
+            toc += (pts @ vf[:, :, k0:k1]).mul_(inv)
             toc -= oc * (pts.sum(-1, keepdim=True) * inv)
         if tvf is not None:
-            toc += (p @ tvf[:, :, :kend]).mul_(inv)
+            toc += (p @ tvf[:, :, k0:k1]).mul_(inv)
         o[:, :, i0:i1] = L.unrows(oc, n)
         to[:, :, i0:i1] = L.unrows(toc, n)
         lse[:, :, i0:i1] = L.unrows(lsec.squeeze(-1), n)

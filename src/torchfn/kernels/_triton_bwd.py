@@ -35,6 +35,9 @@ descriptors made in the kernel, the causal / bounds mask on every block, split b
 on sm_90 into a TMA producer and two consumer warpgroups. dK/dV flattens its GQA group
 loop into the one loop (so with GQA it needs each group's heads as consecutive rows:
 head stride = Nq row strides) and takes no atomic dQ; dQ splits only with BLOCK_M = 64.
+
+``WINDOW`` (sliding window, see ``_triton_fwd``): dK/dV visits only the query rows whose
+band reaches its key block, dQ only the key blocks in its rows' band, all masked.
 """
 
 import triton
@@ -44,12 +47,14 @@ from torchfn.kernels._triton_fwd import (
     _bounds_mask,
     _causal_bounds,
     _head_desc,
+    _in_band,
     _load_kv,
     _load_rows,
     _load_tile,
     _mask_scores,
     _mask_tile,
     _store_rows,
+    _window_bounds,
 )
 
 
@@ -83,7 +88,8 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, m_base, lse2_base, delta_base, dq
                 BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                 CAUSAL_STAGE: tl.constexpr, MASK_KIND: tl.constexpr,
                 DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, ELEM: tl.constexpr,
-                DQ_ATOMIC: tl.constexpr, USE_TMA: tl.constexpr, EARLY_DP: tl.constexpr):
+                DQ_ATOMIC: tl.constexpr, USE_TMA: tl.constexpr, EARLY_DP: tl.constexpr,
+                win_l=0, win_r=0, WINDOW: tl.constexpr = False):
     offs_m0 = tl.arange(0, BLOCK_M)
     for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + offs_m0
@@ -106,6 +112,9 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, m_base, lse2_base, delta_base, dq
                                MASK_KIND)
         if CAUSAL_STAGE:
             qkT = tl.where(offs_n[:, None] <= offs_m[None, :] + (Nk - Nq), qkT, float("-inf"))
+        if WINDOW:
+            qkT = tl.where(_in_band(offs_m[None, :], offs_n[:, None], Nq, Nk, win_l, win_r), qkT,
+                           float("-inf"))
         pT = tl.math.exp2(qkT - lse2[None, :])  # rows past Nq / empty rows: lse2 = +inf -> 0
         if UPCAST:
             pT_lo = pT
@@ -182,6 +191,7 @@ def _attn_bwd_dkdv(
     DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, DQ_ATOMIC: tl.constexpr = False,
     desc_q=None, desc_do=None, USE_TMA: tl.constexpr = False, EARLY_DP: tl.constexpr = False,
     WARP_SPEC: tl.constexpr = False,
+    win_l=0, win_r=0, WINDOW: tl.constexpr = False,
 ):
     start_n = tl.program_id(0) * BLOCK_N
     off_bhk = tl.program_id(1)
@@ -205,7 +215,12 @@ def _attn_bwd_dkdv(
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
 
-    if IS_CAUSAL:
+    if WINDOW:  # (the launcher folds causal into win_r = 0): the queries whose band
+        # reaches this key block, all masked
+        shift = Nk - Nq
+        m_lo = tl.maximum(start_n - shift - win_r, 0)
+        m_mid = tl.minimum(start_n + BLOCK_N - shift + win_l, Nq)
+    elif IS_CAUSAL:
         shift = Nk - Nq
         m_lo = tl.maximum(start_n - shift, 0)  # first query that sees a key of this block
         # queries from m_full on see every key of the block: no mask needed
@@ -235,17 +250,25 @@ def _attn_bwd_dkdv(
             do_base = DO + off_b * sdb + off_h * sdh
             m_base = MASK + off_b * smb + off_h * smh
             dq_base = DQACC + row0 * HEAD_DIM
-            if IS_CAUSAL:
+            if WINDOW:
+                dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, m_base, LSE2 + row0,
+                                     DELTA + row0, dq_base, offs_n, offs_d, m_lo, m_mid, sqm, sdm,
+                                     smm, smn, Nq, Nk, qk_scale, desc_q, desc_do, off_b, off_h,
+                                     BLOCK_M, HEAD_DIM, BLOCK_D, False, MASK_KIND, DOT_PREC,
+                                     UPCAST, ELEM, DQ_ATOMIC, USE_TMA, EARLY_DP, win_l, win_r,
+                                     True)
+            elif IS_CAUSAL:
                 dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, m_base, LSE2 + row0,
                                      DELTA + row0, dq_base, offs_n, offs_d, m_lo, m_mid, sqm, sdm,
                                      smm, smn, Nq, Nk, qk_scale, desc_q, desc_do, off_b, off_h,
                                      BLOCK_M, HEAD_DIM, BLOCK_D, True, MASK_KIND, DOT_PREC, UPCAST,
                                      ELEM, DQ_ATOMIC, USE_TMA, EARLY_DP)
-            dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, m_base, LSE2 + row0, DELTA + row0,
-                                 dq_base, offs_n, offs_d, m_mid, Nq, sqm, sdm, smm, smn, Nq, Nk,
-                                 qk_scale, desc_q, desc_do, off_b, off_h, BLOCK_M, HEAD_DIM,
-                                 BLOCK_D, False, MASK_KIND, DOT_PREC, UPCAST, ELEM, DQ_ATOMIC,
-                                 USE_TMA, EARLY_DP)
+            if not WINDOW:
+                dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, m_base, LSE2 + row0,
+                                     DELTA + row0, dq_base, offs_n, offs_d, m_mid, Nq, sqm, sdm,
+                                     smm, smn, Nq, Nk, qk_scale, desc_q, desc_do, off_b, off_h,
+                                     BLOCK_M, HEAD_DIM, BLOCK_D, False, MASK_KIND, DOT_PREC,
+                                     UPCAST, ELEM, DQ_ATOMIC, USE_TMA, EARLY_DP)
 
     dk = dk * sm_scale
     _store_rows(DK + off_b * sdkb + off_hk * sdkh, dk.to(DK.dtype.element_ty), offs_n, offs_d,
@@ -260,7 +283,7 @@ def _dq_inner(dq, q, do, lse2, delta, k_base, v_base, m_base, offs_m, offs_d, lo
               BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
               BOUNDARY: tl.constexpr, IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
               DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, ELEM: tl.constexpr,
-              USE_TMA: tl.constexpr):
+              USE_TMA: tl.constexpr, win_l=0, win_r=0, WINDOW: tl.constexpr = False):
     offs_n0 = tl.arange(0, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
@@ -272,7 +295,7 @@ def _dq_inner(dq, q, do, lse2, delta, k_base, v_base, m_base, offs_m, offs_d, lo
             v = v.to(tl.float32)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale  # (M, N)
         qk = _mask_tile(qk, m_base, offs_m, offs_n, smm, smn, Nq, Nk, BOUNDARY, IS_CAUSAL,
-                        MASK_KIND)
+                        MASK_KIND, win_l, win_r, WINDOW)
         dq = _dq_step(dq, qk, do, k, v, lse2, delta, DOT_PREC, UPCAST, ELEM)
     return dq
 
@@ -324,6 +347,7 @@ def _attn_bwd_dq(
     DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
     desc_k=None, desc_v=None, USE_TMA: tl.constexpr = False,
     WARP_SPEC: tl.constexpr = False, WS_MASKED: tl.constexpr = True,
+    win_l=0, win_r=0, WINDOW: tl.constexpr = False,
 ):
     if IS_CAUSAL:  # the longest query blocks (last rows) first: better tail balance
         start_m = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
@@ -356,8 +380,11 @@ def _attn_bwd_dq(
     k_base = K + off_b * skb + off_hk * skh
     v_base = V + off_b * svb + off_hk * svh
     m_base = MASK + off_b * smb + off_h * smh
-    lo, hi = _causal_bounds(start_m, Nq, Nk, BLOCK_M, BLOCK_N, IS_CAUSAL)
-    if WARP_SPEC:  # the launcher sets it only with no user mask
+    if WINDOW:  # only the band's key blocks, all masked
+        lo, hi = _window_bounds(start_m, Nq, Nk, win_l, win_r, BLOCK_M, BLOCK_N)
+    else:
+        lo, hi = _causal_bounds(start_m, Nq, Nk, BLOCK_M, BLOCK_N, IS_CAUSAL)
+    if WARP_SPEC:  # the launcher sets it only with no user mask and no window
         tl.static_assert(MASK_KIND == 0, "WARP_SPEC: no mask")
         dq = _dq_inner_ws(dq, q, do, lse2, delta,
                           _head_desc(k_base, Nk, skn, BLOCK_N, HEAD_DIM, BLOCK_D),
@@ -365,14 +392,15 @@ def _attn_bwd_dq(
                           offs_m, hi, Nq, Nk, qk_scale, BLOCK_N, IS_CAUSAL, WS_MASKED, DOT_PREC,
                           UPCAST, ELEM)
     else:
-        dq = _dq_inner(dq, q, do, lse2, delta, k_base, v_base, m_base, offs_m, offs_d, 0, lo,
-                       skn, svn, smm, smn, Nq, Nk, qk_scale, desc_k, desc_v, off_b, off_hk,
-                       BLOCK_N, HEAD_DIM, BLOCK_D, False, IS_CAUSAL, MASK_KIND, DOT_PREC, UPCAST,
-                       ELEM, USE_TMA)
+        if not WINDOW:
+            dq = _dq_inner(dq, q, do, lse2, delta, k_base, v_base, m_base, offs_m, offs_d, 0,
+                           lo, skn, svn, smm, smn, Nq, Nk, qk_scale, desc_k, desc_v, off_b,
+                           off_hk, BLOCK_N, HEAD_DIM, BLOCK_D, False, IS_CAUSAL, MASK_KIND,
+                           DOT_PREC, UPCAST, ELEM, USE_TMA)
         dq = _dq_inner(dq, q, do, lse2, delta, k_base, v_base, m_base, offs_m, offs_d, lo, hi,
                        skn, svn, smm, smn, Nq, Nk, qk_scale, desc_k, desc_v, off_b, off_hk,
                        BLOCK_N, HEAD_DIM, BLOCK_D, True, IS_CAUSAL, MASK_KIND, DOT_PREC, UPCAST,
-                       ELEM, USE_TMA)
+                       ELEM, USE_TMA, win_l, win_r, WINDOW)
     dq = dq * sm_scale
     _store_rows(DQ + off_b * sdqb + off_h * sdqh, dq.to(DQ.dtype.element_ty), offs_m, offs_d,
                 sdqm, Nq, HEAD_DIM, BLOCK_D)

@@ -35,6 +35,12 @@ runs beside the other's matmuls. The pass accepts only this shape of code (READM
 traps), so the causal / bounds mask is applied to every block (``WS_MASKED``) instead of
 in a second loop. The same sums in the same order as the plain kernel.
 
+``WINDOW`` (sliding-window / local attention; the launcher folds ``causal`` into
+``win_r = 0``): query ``i`` at position ``p = i + Nk - Nq`` sees keys
+``p - win_l ..= p + win_r``. The key loop visits only the blocks the band of its query
+block reaches (``_window_bounds``), all masked (``_in_band``), so the work is
+O(Nq * band width). No warp-specialized or pipelined variant takes a window.
+
 Import this module only through ``_triton_ops`` (Triton is optional; under
 ``TRITON_INTERPRET=1`` the kernels run on CPU).
 """
@@ -92,15 +98,40 @@ def _mask_scores(s, m_base, rows, cols, smm, smn, Nq, Nk, MASK_KIND: tl.constexp
 
 @triton.jit
 def _mask_tile(s, m_base, offs_m, offs_n, smm, smn, Nq, Nk, BOUNDARY: tl.constexpr,
-               IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr):
+               IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
+               win_l=0, win_r=0, WINDOW: tl.constexpr = False):
     """(M, N) log2-unit scores with the user mask applied and, on a boundary tile, keys
-    past ``Nk`` (and, causal, past the bottom-right diagonal) at -inf."""
+    past ``Nk`` (and, causal, past the bottom-right diagonal; ``WINDOW``, outside the
+    band) at -inf."""
     if MASK_KIND != 0:
         s = _mask_scores(s, m_base, offs_m[:, None], offs_n[None, :], smm, smn, Nq, Nk,
                          MASK_KIND)
     if BOUNDARY:
         s = _bounds_mask(s, offs_m, offs_n, Nq, Nk, IS_CAUSAL)
+        if WINDOW:
+            s = tl.where(_in_band(offs_m[:, None], offs_n[None, :], Nq, Nk, win_l, win_r), s,
+                         float("-inf"))
     return s
+
+
+@triton.jit
+def _in_band(rows, cols, Nq, Nk, win_l, win_r):
+    """Whether query ``rows`` (at positions ``rows + Nk - Nq``) see key ``cols`` through the
+    window: ``pos - win_l <= col <= pos + win_r`` (broadcast; both sides >= 0 here)."""
+    pos = rows + (Nk - Nq)
+    return (cols >= pos - win_l) & (cols <= pos + win_r)
+
+
+@triton.jit
+def _window_bounds(start_m, Nq, Nk, win_l, win_r, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr):
+    """Key range [lo, hi) of a query block through the window (lo a multiple of
+    BLOCK_N); every block of it is masked."""
+    shift = Nk - Nq
+    lo = tl.maximum(start_m + shift - win_l, 0)
+    lo = (lo // BLOCK_N) * BLOCK_N
+    hi = tl.minimum(start_m + BLOCK_M + shift + win_r, Nk)
+    return lo, tl.maximum(hi, lo)
 
 
 @triton.jit
@@ -180,7 +211,7 @@ def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, m_base, offs_m, offs_d, lo, hi,
                BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                BOUNDARY: tl.constexpr, IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
                DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr,
-               FOLD_SCALE: tl.constexpr):
+               FOLD_SCALE: tl.constexpr, win_l=0, win_r=0, WINDOW: tl.constexpr = False):
     offs_n0 = tl.arange(0, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
@@ -196,14 +227,14 @@ def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, m_base, offs_m, offs_d, lo, hi,
             # mask and reduce the raw scores and scale inside exp2's FMA (one FMUL less per
             # score on sm_90)
             qk = _mask_tile(qk, m_base, offs_m, offs_n, smm, smn, Nq, Nk, BOUNDARY,
-                            IS_CAUSAL, MASK_KIND)
+                            IS_CAUSAL, MASK_KIND, win_l, win_r, WINDOW)
             m_new, m_new_safe = _row_max(m_i, tl.max(qk, 1) * qk_scale,
                                          BOUNDARY or MASK_KIND != 0)
             p = tl.math.exp2(qk * qk_scale - m_new_safe[:, None])
         else:
             qk = qk * qk_scale  # log2 units
             qk = _mask_tile(qk, m_base, offs_m, offs_n, smm, smn, Nq, Nk, BOUNDARY,
-                            IS_CAUSAL, MASK_KIND)
+                            IS_CAUSAL, MASK_KIND, win_l, win_r, WINDOW)
             m_new, m_new_safe = _row_max(m_i, tl.max(qk, 1), BOUNDARY or MASK_KIND != 0)
             p = tl.math.exp2(qk - m_new_safe[:, None])
         alpha = tl.math.exp2(m_i - m_new_safe)
@@ -322,6 +353,7 @@ def _attn_fwd(
     desc_q=None, desc_k=None, desc_v=None, USE_TMA: tl.constexpr = False,
     FOLD_SCALE: tl.constexpr = True, PIPELINE: tl.constexpr = False,
     WARP_SPEC: tl.constexpr = False, WS_MASKED: tl.constexpr = True,
+    win_l=0, win_r=0, WINDOW: tl.constexpr = False,
 ):
     if IS_CAUSAL:  # the longest query blocks (last rows) first: better tail balance
         start_m = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
@@ -351,14 +383,19 @@ def _attn_fwd(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
-    lo, hi = _causal_bounds(start_m, Nq, Nk, BLOCK_M, BLOCK_N, IS_CAUSAL)
-    if WARP_SPEC:  # the launcher sets it only with FOLD_SCALE and no user mask
+    if WINDOW:  # (the launcher folds causal into win_r = 0): only the band, all masked
+        lo, hi = _window_bounds(start_m, Nq, Nk, win_l, win_r, BLOCK_M, BLOCK_N)
+    else:
+        lo, hi = _causal_bounds(start_m, Nq, Nk, BLOCK_M, BLOCK_N, IS_CAUSAL)
+    if WARP_SPEC:  # the launcher sets it only with FOLD_SCALE, no user mask and no window
         tl.static_assert(FOLD_SCALE and MASK_KIND == 0, "WARP_SPEC: scale > 0, no mask")
         acc, l_i, m_i = _fwd_inner_ws(acc, l_i, m_i, q,
                                       _head_desc(k_base, Nk, skn, BLOCK_N, HEAD_DIM, BLOCK_D),
                                       _head_desc(v_base, Nk, svn, BLOCK_N, HEAD_DIM, BLOCK_D),
                                       offs_m, hi, Nq, Nk, qk_scale, BLOCK_N, IS_CAUSAL,
                                       WS_MASKED, DOT_PREC, UPCAST)
+    elif WINDOW:
+        pass  # nothing unmasked: the band's blocks come below
     elif PIPELINE and FOLD_SCALE and MASK_KIND == 0:  # else the variant is the plain loop
         if lo > 0:
             acc, l_i, m_i = _fwd_inner_pipe(acc, l_i, m_i, q, k_base, v_base, desc_k, desc_v,
@@ -374,7 +411,8 @@ def _attn_fwd(
         acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, m_base, offs_m, offs_d,
                                    lo, hi, skn, svn, smm, smn, Nq, Nk, qk_scale, desc_k, desc_v,
                                    off_b, off_hk, BLOCK_N, HEAD_DIM, BLOCK_D, True, IS_CAUSAL,
-                                   MASK_KIND, DOT_PREC, UPCAST, USE_TMA, FOLD_SCALE)
+                                   MASK_KIND, DOT_PREC, UPCAST, USE_TMA, FOLD_SCALE, win_l,
+                                   win_r, WINDOW)
 
     # fully masked rows: l = 0 -> o = 0, lse = -inf
     empty = l_i == 0.0

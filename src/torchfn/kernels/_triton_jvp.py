@@ -20,6 +20,7 @@ from torchfn.kernels._triton_fwd import (
     _mask_tile,
     _row_max,
     _store_rows,
+    _window_bounds,
 )
 
 
@@ -30,7 +31,8 @@ def _jvp_inner(acc_o, acc_t, acc_s, l_i, m_i, q, tq,
                BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                BOUNDARY: tl.constexpr, IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
                HAS_TQ: tl.constexpr, HAS_TK: tl.constexpr, HAS_TV: tl.constexpr,
-               DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
+               DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
+               win_l=0, win_r=0, WINDOW: tl.constexpr = False):
     offs_n0 = tl.arange(0, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
@@ -52,7 +54,7 @@ def _jvp_inner(acc_o, acc_t, acc_s, l_i, m_i, q, tq,
             ts = tl.dot(q, tl.trans(tk), ts, input_precision=DOT_PREC)
         ts = ts * sm_scale
         qk = _mask_tile(qk, m_base, offs_m, offs_n, smm, smn, Nq, Nk, BOUNDARY, IS_CAUSAL,
-                        MASK_KIND)
+                        MASK_KIND, win_l, win_r, WINDOW)
         m_new, m_new_safe = _row_max(m_i, tl.max(qk, 1), BOUNDARY or MASK_KIND != 0)
         p = tl.math.exp2(qk - m_new_safe[:, None])
         alpha = tl.math.exp2(m_i - m_new_safe)
@@ -90,6 +92,7 @@ def _attn_jvp(
     IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
     HAS_TQ: tl.constexpr, HAS_TK: tl.constexpr, HAS_TV: tl.constexpr,
     DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
+    win_l=0, win_r=0, WINDOW: tl.constexpr = False,
 ):
     if IS_CAUSAL:  # the longest query blocks (last rows) first: better tail balance
         start_m = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
@@ -123,17 +126,20 @@ def _attn_jvp(
     tk_base = TK + off_b * stkb + off_hk * stkh
     tv_base = TV + off_b * stvb + off_hk * stvh
     m_base = MASK + off_b * smb + off_h * smh
-    lo, hi = _causal_bounds(start_m, Nq, Nk, BLOCK_M, BLOCK_N, IS_CAUSAL)
-    acc_o, acc_t, acc_s, l_i, m_i = _jvp_inner(
-        acc_o, acc_t, acc_s, l_i, m_i, q, tq, k_base, v_base, tk_base, tv_base, m_base,
-        offs_m, offs_d, 0, lo, skn, svn, stkn, stvn, smm, smn, Nq, Nk, qk_scale, sm_scale,
-        BLOCK_N, HEAD_DIM, BLOCK_D, False, IS_CAUSAL, MASK_KIND, HAS_TQ, HAS_TK, HAS_TV,
-        DOT_PREC, UPCAST)
+    if WINDOW:  # only the band's key blocks, all masked
+        lo, hi = _window_bounds(start_m, Nq, Nk, win_l, win_r, BLOCK_M, BLOCK_N)
+    else:
+        lo, hi = _causal_bounds(start_m, Nq, Nk, BLOCK_M, BLOCK_N, IS_CAUSAL)
+        acc_o, acc_t, acc_s, l_i, m_i = _jvp_inner(
+            acc_o, acc_t, acc_s, l_i, m_i, q, tq, k_base, v_base, tk_base, tv_base, m_base,
+            offs_m, offs_d, 0, lo, skn, svn, stkn, stvn, smm, smn, Nq, Nk, qk_scale, sm_scale,
+            BLOCK_N, HEAD_DIM, BLOCK_D, False, IS_CAUSAL, MASK_KIND, HAS_TQ, HAS_TK, HAS_TV,
+            DOT_PREC, UPCAST)
     acc_o, acc_t, acc_s, l_i, m_i = _jvp_inner(
         acc_o, acc_t, acc_s, l_i, m_i, q, tq, k_base, v_base, tk_base, tv_base, m_base,
         offs_m, offs_d, lo, hi, skn, svn, stkn, stvn, smm, smn, Nq, Nk, qk_scale, sm_scale,
         BLOCK_N, HEAD_DIM, BLOCK_D, True, IS_CAUSAL, MASK_KIND, HAS_TQ, HAS_TK, HAS_TV,
-        DOT_PREC, UPCAST)
+        DOT_PREC, UPCAST, win_l, win_r, WINDOW)
 
     empty = l_i == 0.0
     inv_l = 1.0 / tl.where(empty, 1.0, l_i)

@@ -10,6 +10,8 @@ PyTorch half)::
 q: (B, H, Nq, D); k, v: (B, Hkv, Nk, D) with Hkv dividing H; mask None or already
 expanded to (B, H, Nq, Nk) (bool: True = attend; float: additive); o: (B, H, Nq, D)
 in q's dtype; lse: (B, H, Nq) float32 (natural log, -inf on fully masked rows).
+Each also takes ``window=(left, right)``, normalised by ``_dispatch`` (-1: unbounded),
+which selects the band kernels (``WINDOW``).
 
 Block sizes (the tables and candidate lists are in ``_triton_configs``): on a GPU every
 kernel is tuned once per (kernel, N bucket, head dim, causal, mask kind, dtype) over a
@@ -154,7 +156,7 @@ def _launch(kind: str, kernel: Any, grid: Callable[[int, int], tuple[int, ...]],
             if ws is None:
                 raise ValueError(
                     f"config: the warp-specialized {kind} kernel needs fp16/bf16 on sm_90+ "
-                    "(or the interpreter), no mask, 16-byte aligned heads and rows"
+                    "(or the interpreter), no mask or window, 16-byte aligned heads and rows"
                     + (", scale > 0" if kind == "fwd" else "")
                     + (", and with GQA each head's rows right after the previous head's"
                        if kind == "dkdv" else "")
@@ -345,12 +347,12 @@ def _ws_variant(tensors: list[Tensor], consts: dict[str, Any], ok: bool = True,
                 ragged: Callable[[int, int], bool] | None = None,
                 ) -> Callable[[int, int], dict[str, Any]] | None:
     """The warp-specialized variant's kwargs per block shape, or None where it does not
-    apply: a user mask, ``ok`` False (kernel-specific conditions), tensors descriptors
+    apply: a user mask, a window, ``ok`` False (kernel-specific conditions), tensors descriptors
     cannot read, fp32 on a GPU (its 3xTF32 dots), or a Triton without in-kernel
     descriptors. Whether the tuner tries it is ``TORCHFN_TRITON_WS``'s call.
     ``ragged(BLOCK_M, BLOCK_N)``: whether a non-causal launch still needs the bounds
     mask on every block (``WS_MASKED``)."""
-    if not (ok and consts["MASK_KIND"] == 0
+    if not (ok and consts["MASK_KIND"] == 0 and not consts.get("WINDOW")
             and hasattr(tl, "make_tensor_descriptor") and _descriptors_usable(tensors)):
         return None
     if any(t.stride(2) % (16 // t.element_size()) for t in tensors):  # even with one row:
@@ -403,7 +405,8 @@ def _mask_args(mask: Tensor | None, q: Tensor) -> tuple[Tensor, int, tuple[int, 
     return m, kind, tuple(m.stride())
 
 
-def _common(q: Tensor, k: Tensor, mask: Tensor | None, causal: bool, scale: float):
+def _common(q: Tensor, k: Tensor, mask: Tensor | None, causal: bool, scale: float,
+            window: tuple[int, int] = (-1, -1)):
     B, H, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
     mptr, mkind, ms = _mask_args(mask, q)
@@ -411,7 +414,11 @@ def _common(q: Tensor, k: Tensor, mask: Tensor | None, causal: bool, scale: floa
         HEAD_DIM=D, BLOCK_D=_block_d(D), IS_CAUSAL=bool(causal), MASK_KIND=mkind,
         DOT_PREC=_dot_prec(q.dtype), UPCAST=_upcast(q.dtype),
     )
-    key = (_bucket(max(Nq, Nk)), D, bool(causal), mkind, q.dtype)
+    if max(window) >= 0:  # the band kernels: causal folded into the right side
+        left, right = window
+        consts.update(IS_CAUSAL=False, WINDOW=True, win_l=left if left >= 0 else Nq + Nk,
+                      win_r=0 if causal else (right if right >= 0 else Nq + Nk))
+    key = (_bucket(max(Nq, Nk)), D, bool(causal), mkind, q.dtype, max(window) >= 0)
     return B, H, Hkv, Nq, Nk, D, mptr, ms, consts, key
 
 
@@ -424,7 +431,8 @@ def _empty_fwd(q: Tensor) -> tuple[Tensor, Tensor]:
 
 # --------------------------------------------------------------------------- raw ops
 def fwd(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool, scale: float,
-        *, config: tuple[int, ...] | None = None) -> tuple[Tensor, Tensor]:
+        *, window: tuple[int, int] = (-1, -1), config: tuple[int, ...] | None = None,
+        ) -> tuple[Tensor, Tensor]:
     """Forward: ``o = softmax(scale q k^T + mask) v`` and its row logsumexp ``lse`` (float32).
 
     q: (B, H, Nq, D); k, v: (B, Hkv, Nk, D) -> o: (B, H, Nq, D), lse: (B, H, Nq).
@@ -433,7 +441,7 @@ def fwd(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool, scal
     """
     _ensure_mode(q.device)
     q, k, v = _c(q), _c(k), _c(v)
-    B, H, Hkv, Nq, Nk, D, mptr, ms, consts, key = _common(q, k, mask, causal, scale)
+    B, H, Hkv, Nq, Nk, D, mptr, ms, consts, key = _common(q, k, mask, causal, scale, window)
     if B * H * Nq == 0 or Nk == 0:
         return _empty_fwd(q)
     o = torch.empty((B, H, Nq, D), dtype=_buf_dtype(q.dtype), device=q.device)
@@ -456,7 +464,8 @@ def fwd(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool, scal
 
 def bwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Tensor,
         mask: Tensor | None, causal: bool, scale: float, deterministic: bool = True,
-        *, config: tuple[tuple[int, ...], tuple[int, ...]] | None = None,
+        *, window: tuple[int, int] = (-1, -1),
+        config: tuple[tuple[int, ...], tuple[int, ...]] | None = None,
         ) -> tuple[Tensor, Tensor, Tensor]:
     """Backward from ``do``: (dq, dk, dv) in the input dtype; dk/dv summed over GQA groups.
 
@@ -471,7 +480,7 @@ def bwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Tensor,
     """
     _ensure_mode(q.device)
     q, k, v, o, do = _c(q), _c(k), _c(v), _c(o), _c(do)
-    B, H, Hkv, Nq, Nk, D, mptr, ms, consts, key = _common(q, k, mask, causal, scale)
+    B, H, Hkv, Nq, Nk, D, mptr, ms, consts, key = _common(q, k, mask, causal, scale, window)
     buf = _buf_dtype(q.dtype)
     dq = torch.zeros((B, H, Nq, D), dtype=buf, device=q.device)
     dk = torch.zeros((B, Hkv, Nk, D), dtype=buf, device=q.device)
@@ -523,7 +532,8 @@ def bwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Tensor,
 
 def jvp(q: Tensor, k: Tensor, v: Tensor, tq: Tensor | None, tk: Tensor | None,
         tv: Tensor | None, mask: Tensor | None, causal: bool, scale: float,
-        *, config: tuple[int, ...] | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        *, window: tuple[int, int] = (-1, -1), config: tuple[int, ...] | None = None,
+        ) -> tuple[Tensor, Tensor, Tensor]:
     """Fused forward-mode: (o, lse, to) with ``to`` the tangent of ``o``; None tangents are 0.
 
     tq: (B, H, Nq, D) or None; tk, tv: (B, Hkv, Nk, D) or None -> to: (B, H, Nq, D).
@@ -531,7 +541,7 @@ def jvp(q: Tensor, k: Tensor, v: Tensor, tq: Tensor | None, tk: Tensor | None,
     _ensure_mode(q.device)
     q, k, v = _c(q), _c(k), _c(v)
     tq, tk, tv = (None if t is None else _c(t) for t in (tq, tk, tv))
-    B, H, Hkv, Nq, Nk, D, mptr, ms, consts, key = _common(q, k, mask, causal, scale)
+    B, H, Hkv, Nq, Nk, D, mptr, ms, consts, key = _common(q, k, mask, causal, scale, window)
     if B * H * Nq == 0 or Nk == 0:
         o, lse = _empty_fwd(q)
         return o, lse, torch.zeros_like(o)
