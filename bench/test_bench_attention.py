@@ -9,6 +9,10 @@ Groups, each torchfn next to its peer:
   ``torchfn`` is the default CPU path (SDPA's fused CPU kernels behind torchfn's custom
   ops); at N=256 ``torchfn-blockwise`` is its own blockwise path (CUDA without Triton,
   causal with Nq != Nk, fp32 bias on fp16 inputs, and every jvp run it).
+- ``sliding window``: B=1, H=8, D=64, N=4096, causal with a window of 256 keys
+  (Mistral-style): torchfn's ``window=(255, None)``, which skips the key blocks outside
+  the band, vs SDPA with the band as a dense bool mask (it scores every key), and SDPA
+  plain causal for scale.
 - ``per-sample grads``: ``vmap(grad)`` of a 2-layer pre-LN Transformer (d=64, 4 heads,
   N=64, causal, batch 32) with its attention from torchfn vs from SDPA. SDPA's CPU
   kernels have no batching rule, so functorch runs them in a per-sample loop (it warns
@@ -83,6 +87,47 @@ def test_forward_backward(benchmark, impl, n, causal):
     )
     ref = torch.autograd.grad(sdpa_attention(q, k, v, causal), (q, k, v), do)
     assert all(torch.allclose(a, b, atol=1e-4) for a, b in zip(grads, ref))
+
+
+# ---------------------------------------------------------------- sliding window
+
+WN, WW = 4096, 256  # sequence length, window (keys per query, itself included)
+
+
+def _band():
+    i = torch.arange(WN)
+    return (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - WW)  # (N, N)
+
+
+WINDOW_IMPLS = {
+    "torchfn window": lambda q, k, v: attention(q, k, v, causal=True, window=(WW - 1, None),
+                                                backend="torch"),
+    "sdpa band mask": lambda q, k, v: F.scaled_dot_product_attention(q, k, v,
+                                                                     attn_mask=_band()),
+    "sdpa causal (no window)": lambda q, k, v: F.scaled_dot_product_attention(q, k, v,
+                                                                              is_causal=True),
+}
+
+
+@pytest.mark.parametrize("mode", ["forward", "forward+backward"])
+@pytest.mark.parametrize("impl", list(WINDOW_IMPLS))
+def test_sliding_window(benchmark, impl, mode):
+    benchmark.group = f"sliding window N={WN} W={WW} {mode}"
+    g = torch.Generator().manual_seed(3)
+    q, k, v, do = (torch.randn(1, H, WN, D, generator=g) for _ in range(4))
+    fn = WINDOW_IMPLS[impl]
+    if mode == "forward":
+        with torch.no_grad():
+            out = benchmark.pedantic(fn, args=(q, k, v), rounds=3, warmup_rounds=1)
+        ref = WINDOW_IMPLS["sdpa band mask"](q, k, v)
+        assert impl.endswith("(no window)") or torch.allclose(out, ref, atol=1e-5)
+        return
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    grads = benchmark.pedantic(lambda: torch.autograd.grad(fn(q, k, v), (q, k, v), do),
+                               rounds=2, warmup_rounds=1)
+    ref = torch.autograd.grad(WINDOW_IMPLS["sdpa band mask"](q, k, v), (q, k, v), do)
+    assert impl.endswith("(no window)") or all(
+        torch.allclose(a, b, atol=1e-4) for a, b in zip(grads, ref))
 
 
 # ---------------------------------------------------------------- per-sample gradients
