@@ -61,6 +61,7 @@ SMEM_LIMIT = 227 * 1024
 _BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 _PTRS = {"Q", "K", "V", "TQ", "TK", "TV", "MASK", "O", "TO", "DO", "DQ", "DK", "DV"}
 _FP32_PTRS = {"LSE", "LSE2", "DELTA", "DQACC"}
+_SEG_PTRS = {"QSEG": "*i32", "KSEG": "*i32", "RLO": "*i32", "RHI": "*i32"}  # segment labels
 _INT_ONE = {"GROUP"}  # the JIT turns an int argument equal to 1 into a constant
 
 
@@ -86,10 +87,12 @@ _TMA_DESCS = {
 
 
 def _compile(kind: str, head_dim: int, cfg: tuple[int, int, int, int], dtype: str,
-             causal: bool = False, gqa: bool = False, window: bool = False):
+             causal: bool = False, gqa: bool = False, window: bool = False,
+             segments: bool = False):
     """The Triton-compiled sm_90 kernel of one (kind, head dim, config, dtype); ``gqa``:
     the GQA group size is a runtime integer (the JIT makes it a constant when it is 1);
-    ``window``: the sliding-window (band) kernel, which the launcher never warp-specializes."""
+    ``window``: the sliding-window (band) kernel, which the launcher never warp-specializes;
+    ``segments``: the band kernel with segment ids (document masking)."""
     int_one = set() if gqa else _INT_ONE
     from torchfn.kernels._triton_configs import _OVERLAP
 
@@ -111,10 +114,11 @@ def _compile(kind: str, head_dim: int, cfg: tuple[int, int, int, int], dtype: st
         consts[_OVERLAP[kind]] = True
     if ws:  # warp-specialized: descriptors made in the kernel, every block masked
         consts["WARP_SPEC"] = True  # (WS_MASKED's default: the costlier case, always built)
-    if window:
+    if window or segments:
         if ws:
             raise ValueError("the launcher never warp-specializes a windowed kernel")
         consts.update(WINDOW=True, IS_CAUSAL=False)  # (causal is folded into the band)
+    consts["SEGMENTS"] = segments
     descs = {}
     if tma:
         consts["USE_TMA"] = True
@@ -128,6 +132,10 @@ def _compile(kind: str, head_dim: int, cfg: tuple[int, int, int, int], dtype: st
     for name in fn.arg_names:
         if name in descs:
             sig[name] = f"tensordesc<{dtype}[1, 1, {descs[name]}, {block_d}]>"
+        elif name in _SEG_PTRS:
+            if not segments:  # left at its default, None
+                consts[name] = None
+            sig[name] = _SEG_PTRS[name] if segments else "constexpr"
         elif name.startswith("desc_"):  # unused descriptor: the launch passes None
             consts[name] = None
             sig[name] = "constexpr"
@@ -215,7 +223,7 @@ def wgmma_overlap(sass: str, ops: tuple[str, ...] = ("MUFU",)) -> dict[str, tupl
 
 def compile_sm90(kind: str, head_dim: int, cfg: tuple[int, int, int, int],
                  dtype: str = "bf16", causal: bool = False, gqa: bool = False,
-                 window: bool = False) -> dict:
+                 window: bool = False, segments: bool = False) -> dict:
     """Compile one (kind, head dim, config) for sm_90: {'regs', 'spill', 'smem', 'warps',
     'setmaxnreg'}.
 
@@ -223,7 +231,7 @@ def compile_sm90(kind: str, head_dim: int, cfg: tuple[int, int, int, int],
     in ``_tma`` is that kernel with ``USE_TMA`` (tensor-descriptor loads), one ending in
     ``_ws`` the warp-specialized variant.
     """
-    compiled = _compile(kind, head_dim, cfg, dtype, causal, gqa, window)
+    compiled = _compile(kind, head_dim, cfg, dtype, causal, gqa, window, segments)
     usage = _cuobjdump(compiled.asm["cubin"], "-res-usage")
     regs, stack = re.search(r"REG:(\d+)", usage), re.search(r"STACK:(\d+)", usage)
     sass = _cuobjdump(compiled.asm["cubin"], "-sass") if kind.endswith("_ws") else ""
@@ -249,6 +257,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="build the causal kernels (the warp-specialized ones differ most)")
     ap.add_argument("--window", action="store_true",
                     help="build the sliding-window (band) kernels (not for the _ws kinds)")
+    ap.add_argument("--segments", action="store_true",
+                    help="build the band kernels with segment ids (document masking)")
     ap.add_argument("--gqa", action="store_true",
                     help="build for a GQA group > 1 (a runtime integer, not the constant 1)")
     ap.add_argument("--dims", nargs="+", type=int, default=[64, 128])
@@ -285,7 +295,8 @@ def main(argv: list[str] | None = None) -> int:
                           + " ".join(f"{o}={c.get(o, 0)}" for o in ops)
                           + f" ovl={ovl}/{mufu}", flush=True)
                     continue
-                r = compile_sm90(name, d, cfg, args.dtype, args.causal, args.gqa, args.window)
+                r = compile_sm90(name, d, cfg, args.dtype, args.causal, args.gqa, args.window,
+                                 args.segments)
                 ws = name.endswith("_ws")
                 ok = r["spill"] == 0 and r["smem"] <= SMEM_LIMIT and (
                     not ws or (r["warps"] == 12 and r["setmaxnreg"] > 0))

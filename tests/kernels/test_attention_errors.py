@@ -204,3 +204,29 @@ def test_window_that_excludes_nothing_is_no_window(qkv):
     assert norm(None) == norm(5) == norm((None, None)) == norm((7, 4)) == (-1, -1)
     assert norm((4, 3)) == (4, 3) and norm(0) == (0, 0)
     assert norm((2, 0), causal=True) == (2, -1)  # causal is the tighter right side
+
+
+@pytest.mark.parametrize(
+    "ids, error, match",
+    [
+        (lambda B, Nq, Nk: torch.zeros(B, Nq, dtype=torch.long), ValueError,
+         r"segment_ids as one \(B, N\) tensor needs Nq == Nk .*Nq = 5 and Nk = 6"),
+        (lambda B, Nq, Nk: (torch.zeros(B, Nq), torch.zeros(B, Nk, dtype=torch.long)),
+         TypeError, r"segment_ids' q_ids must be an integer tensor, got torch.float32"),
+        (lambda B, Nq, Nk: (torch.zeros(B, Nq, dtype=torch.long),
+                            torch.zeros(B, Nk + 1, dtype=torch.long)),
+         ValueError, r"segment_ids' kv_ids must have shape \(B, Nk\) = \(2, 6\), got \(2, 7\)"),
+        (lambda B, Nq, Nk: [0, 1], TypeError,
+         r"segment_ids' q_ids must be an integer tensor, got int"),
+        (lambda B, Nq, Nk: "doc", TypeError,
+         r"segment_ids must be None, a \(B, N\) integer tensor"),
+        (lambda B, Nq, Nk: (torch.zeros(B, Nq, dtype=torch.long),
+                            torch.zeros(B, Nk, dtype=torch.long, device="meta")),
+         ValueError, r"segment_ids' kv_ids must be on q's device \(cpu\), got meta"),
+    ],
+)
+@pytest.mark.parametrize("fn", [attention, reference_attention], ids=["attention", "reference"])
+def test_bad_segment_ids(qkv, ids, error, match, fn):
+    q, k, _ = qkv
+    with pytest.raises(error, match=match):
+        fn(*qkv, segment_ids=ids(q.shape[0], q.shape[2], k.shape[2]))

@@ -350,3 +350,73 @@ def test_window_skips_the_keys_outside_the_band():
         assert sum(n for n, _ in spans) == 4096
         assert all(nk <= n + width - 1 for n, nk in spans)
         assert sum(n * nk for n, nk in spans) < 4096 * 4096 // 16
+
+
+def _ids(kind, B, N, g):
+    """(B, N) segment ids: "packed" contiguous documents, or "random" ids in {0, 1, 2}."""
+    if kind == "packed":
+        cuts = torch.sort(torch.randint(0, N + 1, (B, 3), generator=g), -1).values
+        return (torch.arange(N)[None, :, None] >= cuts[:, None, :]).sum(-1)
+    return torch.randint(0, 3, (B, N), generator=g)
+
+
+@given(Nq=st.integers(1, 40), Nk=st.integers(1, 40), causal=st.booleans(),
+       kind=st.sampled_from(["packed", "random"]), window=st.sampled_from([None, 3, (5, None)]),
+       seed=st.integers(0, 2**16))
+def test_segment_ids_are_the_mask_of_equal_ids(Nq, Nk, causal, kind, window, seed, data,
+                                                rel_err):
+    """segment_ids == the (B, 1, Nq, Nk) mask ``q_ids[i] == kv_ids[j]``, in the reference and
+    in the torch path (values, vjp and jvp), combined with causal and a window."""
+    q, k, v = data(seed).qkv(2, 2, 1, Nq, Nk, 8)
+    g = torch.Generator().manual_seed(seed)
+    q_ids = _ids(kind, 2, Nq, g)
+    kv_ids = q_ids if Nq == Nk and kind == "packed" else _ids(kind, 2, Nk, g)
+    ids = q_ids if kv_ids is q_ids else (q_ids, kv_ids)
+    same = (q_ids[:, :, None] == kv_ids[:, None, :])[:, None]
+    ref = lambda q, k, v: reference_attention(q, k, v, mask=same, causal=causal,  # noqa: E731
+                                              window=window)
+    tangents = tuple(torch.ones_like(x) for x in (q, k, v))
+    o_ref, vjp_ref = torch.func.vjp(ref, q, k, v)
+    _, t_ref = torch.func.jvp(ref, (q, k, v), tangents)
+    for fn in (lambda q, k, v: reference_attention(q, k, v, causal=causal, window=window,
+                                                   segment_ids=ids),
+               lambda q, k, v: attention(q, k, v, causal=causal, window=window, segment_ids=ids,
+                                         backend="torch")):
+        with torch_path(50):  # several query blocks
+            o, vjp_fn = torch.func.vjp(fn, q, k, v)
+            grads = vjp_fn(torch.ones_like(o))
+            _, t = torch.func.jvp(fn, (q, k, v), tangents)
+        assert not o.isnan().any() and rel_err(o, o_ref) <= 1e-12
+        assert rel_err(t, t_ref) <= 1e-12
+        for a, b in zip(grads, vjp_ref(torch.ones_like(o))):
+            assert rel_err(a, b) <= 1e-12
+
+
+def test_vmap_over_per_sample_segment_ids_equals_loop(data, rel_err):
+    """Per-example packings (ids batched under vmap) == a loop over the examples."""
+    q, k, v = data(5).qkv(3, 2, 2, 24, 24, 8)  # dim 0: the vmapped examples
+    g = torch.Generator().manual_seed(5)
+    ids = _ids("packed", 3, 24, g)  # (3, 24): one packing per example
+
+    def per_example(q, k, v, ids):  # one example: (1, H, N, D), ids (1, N)
+        return attention(q[None], k[None], v[None], causal=True, segment_ids=ids[None],
+                         backend="torch")[0]
+
+    out = torch.func.vmap(per_example)(q, k, v, ids)
+    grads = torch.func.vmap(torch.func.grad(lambda *a: per_example(*a).sum(), argnums=(0, 1, 2)))(
+        q, k, v, ids)
+    for i in range(3):
+        assert rel_err(out[i], per_example(q[i], k[i], v[i], ids[i])) <= 1e-12
+        single = torch.func.grad(lambda *a: per_example(*a).sum(), argnums=(0, 1, 2))(
+            q[i], k[i], v[i], ids[i])
+        for a, b in zip(grads, single):
+            assert rel_err(a[i], b) <= 1e-12
+
+
+def test_segments_skip_the_other_documents():
+    """Packed documents of 256: the blockwise path visits about one document per block."""
+    ids = (torch.arange(4096) // 256)[None]  # (1, 4096), 16 documents
+    q = torch.zeros(1, 1, 4096, 8)
+    layout = _torch_ops._Layout(q, q, None, True, 1.0, (-1, -1), (ids, ids))
+    scores = sum((i1 - i0) * (k1 - k0) for i0, i1, k0, k1 in layout.blocks())
+    assert scores <= 4096 * 512  # vs 4096 * 4096 / 2 causal without segments

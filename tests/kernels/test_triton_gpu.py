@@ -175,18 +175,27 @@ def check_gpu(B, H, Hkv, Nq, Nk, D, dtype, causal, mask_kind, deterministic):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("causal, window", [(True, (200, None)), (False, (64, 31))],
-                         ids=["causal-sliding", "band"])
-def test_gpu_window_matches_reference(dtype, causal, window):
-    # the band kernels (WINDOW) through the public API: values and gradients
+@pytest.mark.parametrize("causal, window, packed",
+                         [(True, (200, None), False), (False, (64, 31), False),
+                          (True, None, True)],
+                         ids=["causal-sliding", "band", "causal-packed"])
+def test_gpu_window_matches_reference(dtype, causal, window, packed):
+    # the band kernels (WINDOW, SEGMENTS) through the public API: values and gradients
     from torchfn.kernels import _dispatch, _reference, attention
 
     q, k, v, do, _, _ = make(2, 4, 2, 700, 900, 64, dtype, None)
     left, right = _dispatch._normalize_window(window, causal, 700, 900)
-    band = _reference.band(700, 900, causal, (left, right), "cuda").expand(2, 4, 700, 900)
+    band = _reference.band(700, 900, causal, (left, right), "cuda")
+    band = torch.ones(700, 900, dtype=torch.bool, device="cuda") if band is None else band
+    ids = None
+    if packed:  # documents of 300 keys, the queries being the last 700 positions
+        kv_ids = (torch.arange(900, device="cuda") // 300).expand(2, 900)
+        ids = (kv_ids[:, 200:], kv_ids)
+        band = band & _reference.segment_mask(ids)
+    band = band.expand(2, 4, 700, 900)
     scale = 64 ** -0.5
     f = lambda q, k, v: attention(q, k, v, causal=causal, window=window,  # noqa: E731
-                                  backend="triton")
+                                  segment_ids=ids, backend="triton")
     o, vjp = torch.func.vjp(f, q, k, v)
     grads = vjp(do)
     leaves = [x.double().requires_grad_() for x in (q, k, v)]

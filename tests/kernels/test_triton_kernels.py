@@ -38,9 +38,10 @@ def _interpreter_on(monkeypatch):
 
 
 # --------------------------------------------------------------------------- reference
-def reference(q, k, v, mask=None, causal=False, scale=None, window=(-1, -1)):
+def reference(q, k, v, mask=None, causal=False, scale=None, window=(-1, -1), segments=None):
     """Materialised float64 attention -> (o, lse); fully masked rows give o = 0, lse = -inf.
-    ``window``: (left, right) keys each side of the (bottom-right) diagonal, -1 unbounded."""
+    ``window``: (left, right) keys each side of the (bottom-right) diagonal, -1 unbounded;
+    ``segments``: (q ids (B, Nq), kv ids (B, Nk)), equal ids attend."""
     q, k, v = q.double(), k.double(), v.double()
     B, H, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
@@ -58,6 +59,8 @@ def reference(q, k, v, mask=None, causal=False, scale=None, window=(-1, -1)):
     if causal:
         allowed = allowed & _causal(Nq, Nk)
     allowed = allowed & _band(Nq, Nk, window)
+    if segments is not None:
+        allowed = allowed & (segments[0][:, None, :, None] == segments[1][:, None, None, :])
     row_ok = allowed.any(-1, keepdim=True)
     s = torch.where(row_ok, torch.where(allowed, s, float("-inf")), 0.0)
     o = (torch.softmax(s, -1) * row_ok) @ v
@@ -77,7 +80,7 @@ def _band(Nq, Nk, window):
     return ((d >= -left) | (left < 0)) & ((d <= right) | (right < 0))
 
 
-def sdpa(q, k, v, mask, causal, scale, window=(-1, -1)):
+def sdpa(q, k, v, mask, causal, scale, window=(-1, -1), segments=None):
     """SDPA in the inputs' dtype (dense mask, repeated kv heads); fully masked rows -> 0."""
     H, Hkv = q.shape[1], k.shape[1]
     k = k.repeat_interleave(H // Hkv, 1)
@@ -95,6 +98,10 @@ def sdpa(q, k, v, mask, causal, scale, window=(-1, -1)):
             attn = attn & c
         else:
             attn = attn.masked_fill(~c, float("-inf"))
+    if segments is not None:
+        same = segments[0][:, None, :, None] == segments[1][:, None, None, :]
+        attn = same if attn is None else (attn & same if attn.dtype == torch.bool
+                                          else attn.masked_fill(~same, float("-inf")))
     if attn is not None and attn.dtype != torch.bool:
         attn = attn.to(q.dtype)
     o = F.scaled_dot_product_attention(q, k, v, attn_mask=attn, scale=scale)
@@ -126,6 +133,22 @@ def make_mask(kind, B, H, Nq, Nk, dtype, gen):
     raise ValueError(kind)
 
 
+def make_segments(kind, B, Nq, Nk, gen):
+    """(q ids (B, Nq), kv ids (B, Nk)): "packed" = 3-4 contiguous documents over the
+    (bottom-right aligned) positions, as in packed training; "random" = ids in {0, 1, 2}
+    anywhere; None = no segments."""
+    if kind is None:
+        return None
+    if kind == "packed":
+        cuts = torch.sort(torch.randint(0, Nk + 1, (B, 3), generator=gen), -1).values
+        kv = (torch.arange(Nk)[None, :, None] >= cuts[:, None, :]).sum(-1)
+        return kv[:, Nk - Nq:] if Nq <= Nk else torch.randint(0, 4, (B, Nq), generator=gen), kv
+    if kind == "random":
+        return (torch.randint(0, 3, (B, Nq), generator=gen),
+                torch.randint(0, 3, (B, Nk), generator=gen))
+    raise ValueError(kind)
+
+
 def make_inputs(B, H, Hkv, Nq, Nk, D, dtype, seed):
     gen = torch.Generator().manual_seed(seed)
     q = torch.randn(B, H, Nq, D, generator=gen).to(dtype)
@@ -138,28 +161,30 @@ def make_inputs(B, H, Hkv, Nq, Nk, D, dtype, seed):
 
 # --------------------------------------------------------------------------- the check
 def check(B, H, Hkv, Nq, Nk, D, dtype, causal, mask_kind, *, seed=0, fwd_cfg=None, bwd_cfg=None,
-          deterministic=True, window=(-1, -1)):
+          deterministic=True, window=(-1, -1), segments=None):
     """Triton fwd/bwd/jvp vs the float64 reference; raises AssertionError with the errors.
-    ``window``: the raw ops' normalised (left, right), -1 = unbounded."""
+    ``window``: the raw ops' normalised (left, right), -1 = unbounded; ``segments``:
+    "packed" (contiguous documents) or "random" ids (``make_segments``)."""
     q, k, v, do, (tq, tk, tv), gen = make_inputs(B, H, Hkv, Nq, Nk, D, dtype, seed)
     mask = make_mask(mask_kind, B, H, Nq, Nk, dtype, gen)
+    segs = make_segments(segments, B, Nq, Nk, gen)
     scale = D**-0.5
+    extra = dict(window=window, segments=segs)
 
-    o, lse = T.fwd(q, k, v, mask, causal, scale, window=window, config=fwd_cfg)
-    dq, dk, dv = T.bwd(q, k, v, o, lse, do, mask, causal, scale, deterministic, window=window,
-                       config=bwd_cfg)
-    o2, lse2, to = T.jvp(q, k, v, tq, tk, tv, mask, causal, scale, window=window,
-                         config=fwd_cfg)
+    o, lse = T.fwd(q, k, v, mask, causal, scale, config=fwd_cfg, **extra)
+    dq, dk, dv = T.bwd(q, k, v, o, lse, do, mask, causal, scale, deterministic, config=bwd_cfg,
+                       **extra)
+    o2, lse2, to = T.jvp(q, k, v, tq, tk, tv, mask, causal, scale, config=fwd_cfg, **extra)
     assert o.shape == (B, H, Nq, D) and o.dtype == dtype and lse.dtype == torch.float32
     assert dk.shape == (B, Hkv, Nk, D) and dq.dtype == dtype
     for t in (o, lse, dq, dk, dv, to):
         assert not t.isnan().any()
 
     leaves = [x.double().requires_grad_() for x in (q, k, v)]
-    ro, rlse = reference(*leaves, mask, causal, scale, window)
+    ro, rlse = reference(*leaves, mask, causal, scale, window, segs)
     rgrads = torch.autograd.grad(ro, leaves, do.double())
     _, rto = torch.func.jvp(
-        lambda a, b, c: reference(a, b, c, mask, causal, scale, window)[0],
+        lambda a, b, c: reference(a, b, c, mask, causal, scale, window, segs)[0],
         tuple(x.double() for x in (q, k, v)), tuple(x.double() for x in (tq, tk, tv)),
     )
 
@@ -193,7 +218,7 @@ def check(B, H, Hkv, Nq, Nk, D, dtype, causal, mask_kind, *, seed=0, fwd_cfg=Non
     # fp16 / bf16: within 2x SDPA's error (SDPA has no forward AD: `to` is held to the
     # forward's bound, scaled by how large the tangent is compared with the output)
     lp = [x.detach().clone().requires_grad_() for x in (q, k, v)]
-    so = sdpa(*lp, mask, causal, scale, window)
+    so = sdpa(*lp, mask, causal, scale, window, segs)
     sgrads = torch.autograd.grad(so, lp, do)
     base = {"o": rel_err(so, ro), "dq": rel_err(sgrads[0], rgrads[0]),
             "dk": rel_err(sgrads[1], rgrads[1]), "dv": rel_err(sgrads[2], rgrads[2])}
@@ -351,6 +376,47 @@ def test_window_overlap_variants_are_the_plain_kernels():
 def test_property_window_fp32_matches_reference(Nq, Nk, causal, left, right, mask, seed):
     check(1, 2, 1, Nq, Nk, 16, torch.float32, causal, mask, seed=seed,
           window=(left, -1 if causal else right))
+
+
+# --------------------------------------------------------------------------- segments
+SEGMENT_CASES = [
+    # B, H, Hkv, Nq, Nk, D, dtype, causal, mask, window, segments
+    pytest.param(2, 2, 1, 150, 150, 32, torch.float32, True, None, (-1, -1), "packed",
+                 id="fp32-causal-packed-gqa"),
+    pytest.param(2, 2, 2, 90, 130, 24, torch.float32, False, "keypad", (-1, -1), "packed",
+                 id="fp32-cross-packed-keypad"),
+    pytest.param(1, 2, 2, 100, 70, 16, torch.float32, False, "bool", (-1, -1), "random",
+                 id="fp32-random-ids-bool"),
+    pytest.param(2, 2, 1, 120, 120, 32, torch.float32, True, None, (30, -1), "packed",
+                 id="fp32-causal-window-packed"),
+    pytest.param(2, 2, 1, 130, 130, 64, torch.bfloat16, True, None, (-1, -1), "packed",
+                 id="bf16-causal-packed"),
+]
+
+
+@pytest.mark.parametrize("B, H, Hkv, Nq, Nk, D, dtype, causal, mask, window, segments",
+                         SEGMENT_CASES)
+def test_segments_match_reference(B, H, Hkv, Nq, Nk, D, dtype, causal, mask, window, segments):
+    check(B, H, Hkv, Nq, Nk, D, dtype, causal, mask, window=window, segments=segments)
+
+
+@pytest.mark.parametrize("deterministic", [True, False], ids=["det", "atomic-dq"])
+@pytest.mark.parametrize("tma", ["0", "1"], ids=["ptr", "tma"])
+def test_segments_with_tma_and_atomic_dq(deterministic, tma, monkeypatch):
+    monkeypatch.setenv("TORCHFN_TRITON_TMA", tma)
+    check(2, 4, 2, 100, 140, 32, torch.float32, True, None, segments="packed",
+          deterministic=deterministic)
+
+
+@given(
+    Nq=st.integers(1, 110),
+    Nk=st.integers(1, 110),
+    causal=st.booleans(),
+    segments=st.sampled_from(["packed", "random"]),
+    seed=st.integers(0, 2**16),
+)
+def test_property_segments_fp32_matches_reference(Nq, Nk, causal, segments, seed):
+    check(2, 2, 1, Nq, Nk, 16, torch.float32, causal, None, seed=seed, segments=segments)
 
 
 # --------------------------------------------------------------------------- edge cases

@@ -62,16 +62,21 @@ def attention_fwd(
     backend: str,
     window_left: int = -1,
     window_right: int = -1,
+    q_ids: Tensor | None = None,
+    kv_ids: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """(o, lse): o (B, H, Nq, D), lse (B, H, Nq) fp32 (fp64 for fp64 inputs).
-    ``window_left`` / ``window_right``: the normalised window (-1: unbounded)."""
+    ``window_left`` / ``window_right``: the normalised window (-1: unbounded);
+    ``q_ids`` (B, Nq) / ``kv_ids`` (B, Nk): int64 segment ids, or None."""
     q, k, v = (_last_contiguous(x) for x in (q, k, v))
     return _backend(backend).fwd(q, k, v, _expand(mask, q, k), causal, scale,
-                                 window=(window_left, window_right))
+                                 window=(window_left, window_right),
+                                 segments=_segments(q_ids, kv_ids))
 
 
 @attention_fwd.register_fake
-def _(q, k, v, mask, causal, scale, backend, window_left=-1, window_right=-1):
+def _(q, k, v, mask, causal, scale, backend, window_left=-1, window_right=-1, q_ids=None,
+      kv_ids=None):
     B, H, Nq, D = q.shape
     return q.new_empty(B, H, Nq, D), q.new_empty(B, H, Nq, dtype=_lse_dtype(q.dtype))
 
@@ -91,16 +96,19 @@ def attention_bwd(
     deterministic: bool = True,
     window_left: int = -1,
     window_right: int = -1,
+    q_ids: Tensor | None = None,
+    kv_ids: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) for the cotangent ``do``; dk / dv summed over GQA query heads."""
     q, k, v, o, do = (_last_contiguous(x) for x in (q, k, v, o, do))
     return _backend(backend).bwd(q, k, v, o, lse, do, _expand(mask, q, k), causal, scale,
-                                 deterministic, window=(window_left, window_right))
+                                 deterministic, window=(window_left, window_right),
+                                 segments=_segments(q_ids, kv_ids))
 
 
 @attention_bwd.register_fake
 def _(q, k, v, o, lse, do, mask, causal, scale, backend, deterministic=True, window_left=-1,
-      window_right=-1):
+      window_right=-1, q_ids=None, kv_ids=None):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
@@ -118,15 +126,19 @@ def attention_jvp(
     backend: str,
     window_left: int = -1,
     window_right: int = -1,
+    q_ids: Tensor | None = None,
+    kv_ids: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(o, lse, to): forward-mode tangent ``to`` (B, H, Nq, D); a None tangent is zero."""
     q, k, v, tq, tk, tv = (_last_contiguous(x) for x in (q, k, v, tq, tk, tv))
     return _backend(backend).jvp(q, k, v, tq, tk, tv, _expand(mask, q, k), causal, scale,
-                                 window=(window_left, window_right))
+                                 window=(window_left, window_right),
+                                 segments=_segments(q_ids, kv_ids))
 
 
 @attention_jvp.register_fake
-def _(q, k, v, tq, tk, tv, mask, causal, scale, backend, window_left=-1, window_right=-1):
+def _(q, k, v, tq, tk, tv, mask, causal, scale, backend, window_left=-1, window_right=-1,
+      q_ids=None, kv_ids=None):
     B, H, Nq, D = q.shape
     lse = q.new_empty(B, H, Nq, dtype=_lse_dtype(q.dtype))
     return q.new_empty(B, H, Nq, D), lse, q.new_empty(B, H, Nq, D)
@@ -157,39 +169,53 @@ def _fold_mask(mask: Tensor | None, bdim: int | None, size: int, batch: int):
     return mask.reshape(size * batch, *mask.shape[2:])
 
 
+def _dim(in_dims, i: int) -> int | None:
+    """The vmapped dim of argument ``i`` (None when it was left at its default)."""
+    return in_dims[i] if i < len(in_dims) else None
+
+
+def _segments(q_ids: Tensor | None, kv_ids: Tensor | None):
+    return None if q_ids is None else (q_ids.contiguous(), kv_ids.contiguous())
+
+
 def _unfold(x: Tensor, size: int) -> Tensor:
     return x.reshape(size, x.shape[0] // size, *x.shape[1:])
 
 
 @torch.library.register_vmap(f"{_LIB}::attention_fwd")
-def _(info, in_dims, q, k, v, mask, causal, scale, backend, window_left=-1, window_right=-1):
+def _(info, in_dims, q, k, v, mask, causal, scale, backend, window_left=-1, window_right=-1,
+      q_ids=None, kv_ids=None):
     n = info.batch_size
     qd, kd, vd, md = in_dims[:4]
     q, k, v = _fold(q, qd, n), _fold(k, kd, n), _fold(v, vd, n)
     mask = _fold_mask(mask, md, n, q.shape[0] // n)
-    o, lse = attention_fwd(q, k, v, mask, causal, scale, backend, window_left, window_right)
+    q_ids, kv_ids = _fold(q_ids, _dim(in_dims, 9), n), _fold(kv_ids, _dim(in_dims, 10), n)
+    o, lse = attention_fwd(q, k, v, mask, causal, scale, backend, window_left, window_right,
+                           q_ids, kv_ids)
     return (_unfold(o, n), _unfold(lse, n)), (0, 0)
 
 
 @torch.library.register_vmap(f"{_LIB}::attention_bwd")
 def _(info, in_dims, q, k, v, o, lse, do, mask, causal, scale, backend, deterministic=True,
-      window_left=-1, window_right=-1):
+      window_left=-1, window_right=-1, q_ids=None, kv_ids=None):
     n = info.batch_size
     q, k, v, o, lse, do = (_fold(x, d, n) for x, d in zip((q, k, v, o, lse, do), in_dims))
     mask = _fold_mask(mask, in_dims[6], n, q.shape[0] // n)
+    q_ids, kv_ids = _fold(q_ids, _dim(in_dims, 13), n), _fold(kv_ids, _dim(in_dims, 14), n)
     grads = attention_bwd(q, k, v, o, lse, do, mask, causal, scale, backend, deterministic,
-                          window_left, window_right)
+                          window_left, window_right, q_ids, kv_ids)
     return tuple(_unfold(g, n) for g in grads), (0, 0, 0)
 
 
 @torch.library.register_vmap(f"{_LIB}::attention_jvp")
 def _(info, in_dims, q, k, v, tq, tk, tv, mask, causal, scale, backend, window_left=-1,
-      window_right=-1):
+      window_right=-1, q_ids=None, kv_ids=None):
     n = info.batch_size
     q, k, v, tq, tk, tv = (_fold(x, d, n) for x, d in zip((q, k, v, tq, tk, tv), in_dims))
     mask = _fold_mask(mask, in_dims[6], n, q.shape[0] // n)
+    q_ids, kv_ids = _fold(q_ids, _dim(in_dims, 12), n), _fold(kv_ids, _dim(in_dims, 13), n)
     outs = attention_jvp(q, k, v, tq, tk, tv, mask, causal, scale, backend, window_left,
-                         window_right)
+                         window_right, q_ids, kv_ids)
     return tuple(_unfold(x, n) for x in outs), (0, 0, 0)
 
 
@@ -197,40 +223,44 @@ def _(info, in_dims, q, k, v, tq, tk, tv, mask, causal, scale, backend, window_l
 
 
 def _save(ctx, inputs, output) -> None:
-    q, k, v, mask, causal, scale, backend, deterministic, win_l, win_r = inputs
+    q, k, v, mask, causal, scale, backend, deterministic, win_l, win_r, q_ids, kv_ids = inputs
     o, lse = output
     ctx.mark_non_differentiable(lse)
-    ctx.save_for_backward(q, k, v, o, lse, mask)
+    ctx.save_for_backward(q, k, v, o, lse, mask, q_ids, kv_ids)
     ctx.causal, ctx.scale, ctx.backend = causal, scale, backend
     ctx.deterministic, ctx.window = deterministic, (win_l, win_r)
+
+
+_NO_GRADS = (None,) * 9  # mask, causal, scale, backend, deterministic, window, segment ids
 
 
 class _Attention(torch.autograd.Function):
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(q, k, v, mask, causal, scale, backend, deterministic, win_l, win_r):
-        return attention_fwd(q, k, v, mask, causal, scale, backend, win_l, win_r)
+    def forward(q, k, v, mask, causal, scale, backend, deterministic, win_l, win_r, q_ids,
+                kv_ids):
+        return attention_fwd(q, k, v, mask, causal, scale, backend, win_l, win_r, q_ids, kv_ids)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
         _save(ctx, inputs, output)
-        ctx.save_for_forward(*inputs[:4])
+        ctx.save_for_forward(*inputs[:4], *inputs[10:])
 
     @staticmethod
     def backward(ctx, do, _dlse):
-        q, k, v, o, lse, mask = ctx.saved_tensors
+        q, k, v, o, lse, mask, q_ids, kv_ids = ctx.saved_tensors
         dq, dk, dv = _AttentionBackward.apply(
             q, k, v, o, lse, do, mask, ctx.causal, ctx.scale, ctx.backend, ctx.deterministic,
-            *ctx.window,
+            *ctx.window, q_ids, kv_ids,
         )
-        return dq, dk, dv, None, None, None, None, None, None, None
+        return dq, dk, dv, *_NO_GRADS
 
     @staticmethod
     def jvp(ctx, tq, tk, tv, *_):
-        q, k, v, mask = ctx.saved_tensors
+        q, k, v, mask, q_ids, kv_ids = ctx.saved_tensors
         to = attention_jvp(q, k, v, tq, tk, tv, mask, ctx.causal, ctx.scale, ctx.backend,
-                           *ctx.window)[2]
+                           *ctx.window, q_ids, kv_ids)[2]
         return to, None
 
 
@@ -240,8 +270,9 @@ class _AttentionCompiled(torch.autograd.Function):
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(q, k, v, mask, causal, scale, backend, deterministic, win_l, win_r):
-        return attention_fwd(q, k, v, mask, causal, scale, backend, win_l, win_r)
+    def forward(q, k, v, mask, causal, scale, backend, deterministic, win_l, win_r, q_ids,
+                kv_ids):
+        return attention_fwd(q, k, v, mask, causal, scale, backend, win_l, win_r, q_ids, kv_ids)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -249,19 +280,20 @@ class _AttentionCompiled(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do, _dlse):
-        q, k, v, o, lse, mask = ctx.saved_tensors
+        q, k, v, o, lse, mask, q_ids, kv_ids = ctx.saved_tensors
         dq, dk, dv = attention_bwd(q, k, v, o, lse, do, mask, ctx.causal, ctx.scale, ctx.backend,
-                                   ctx.deterministic, *ctx.window)
-        return dq, dk, dv, None, None, None, None, None, None, None
+                                   ctx.deterministic, *ctx.window, q_ids, kv_ids)
+        return dq, dk, dv, *_NO_GRADS
 
 
 def _vjp_formula(ctx):
     """The materialised (q, k, v, do) -> (dq, dk, dv) and its saved primals."""
-    q, k, v, do, mask = ctx.saved_tensors
+    q, k, v, do, mask, q_ids, kv_ids = ctx.saved_tensors
     causal, scale, window = ctx.causal, ctx.scale, ctx.window
+    segments = None if q_ids is None else (q_ids, kv_ids)
 
     def vjp(q, k, v, do):
-        return _reference.attention_vjp(q, k, v, do, mask, causal, scale, window)
+        return _reference.attention_vjp(q, k, v, do, mask, causal, scale, window, segments)
 
     return vjp, (q, k, v, do)
 
@@ -276,15 +308,17 @@ class _AttentionBackward(torch.autograd.Function):
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(q, k, v, o, lse, do, mask, causal, scale, backend, deterministic, win_l, win_r):
+    def forward(q, k, v, o, lse, do, mask, causal, scale, backend, deterministic, win_l, win_r,
+                q_ids, kv_ids):
         return attention_bwd(q, k, v, o, lse, do, mask, causal, scale, backend, deterministic,
-                             win_l, win_r)
+                             win_l, win_r, q_ids, kv_ids)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        q, k, v, _o, _lse, do, mask, causal, scale, _backend, _det, win_l, win_r = inputs
-        ctx.save_for_backward(q, k, v, do, mask)
-        ctx.save_for_forward(q, k, v, do, mask)
+        q, k, v, _o, _lse, do, mask, causal, scale, _backend, _det, win_l, win_r = inputs[:13]
+        q_ids, kv_ids = inputs[13:]
+        ctx.save_for_backward(q, k, v, do, mask, q_ids, kv_ids)
+        ctx.save_for_forward(q, k, v, do, mask, q_ids, kv_ids)
         ctx.causal, ctx.scale, ctx.window = causal, scale, (win_l, win_r)
 
     @staticmethod
@@ -292,7 +326,7 @@ class _AttentionBackward(torch.autograd.Function):
         fn, primals = _vjp_formula(ctx)
         _, pullback = torch.func.vjp(fn, *primals)
         rq, rk, rv, rdo = pullback((gq, gk, gv))
-        return rq, rk, rv, None, None, rdo, None, None, None, None, None, None, None
+        return rq, rk, rv, None, None, rdo, *(None,) * 9
 
     @staticmethod
     def jvp(ctx, tq, tk, tv, _to, _tlse, tdo, *_):
@@ -313,24 +347,25 @@ def attention(
     backend: str,
     deterministic: bool = True,
     window: tuple[int, int] = _reference.NO_WINDOW,
+    segments: tuple[Tensor, Tensor] | None = None,
 ) -> Tensor:
     """Differentiable attention on validated inputs (mask: compact 4-D; window: normalised
-    (left, right), -1 = unbounded)."""
+    (left, right), -1 = unbounded; segments: int64 (q ids (B, Nq), kv ids (B, Nk)))."""
     fn = _Attention
-    win_l, win_r = window  # (two ints: a tuple would be a pytree input to the Functions)
+    # two ints and two tensors, not tuples: a tuple would be a pytree input to the Functions
+    args = (deterministic, *window, *(segments if segments is not None else (None, None)))
     if torch.compiler.is_compiling():
         if torch._C._functorch.maybe_current_level() is not None:
             # dynamo cannot trace an autograd.Function inside a torch.func transform
             # (grad, vmap, ...) with custom ops in it: run this call eagerly
-            return _eager()(q, k, v, mask, causal, scale, backend, deterministic, win_l, win_r)
+            return _eager()(q, k, v, mask, causal, scale, backend, *args)
         fn = _AttentionCompiled
-    o, _ = fn.apply(q, k, v, mask, causal, scale, backend, deterministic, win_l, win_r)
+    o, _ = fn.apply(q, k, v, mask, causal, scale, backend, *args)
     return o
 
 
-def _eager_attention(q, k, v, mask, causal, scale, backend, deterministic, win_l, win_r):
-    return _Attention.apply(q, k, v, mask, causal, scale, backend, deterministic, win_l,
-                            win_r)[0]
+def _eager_attention(q, k, v, mask, causal, scale, backend, *args):
+    return _Attention.apply(q, k, v, mask, causal, scale, backend, *args)[0]
 
 
 _EAGER: list = []

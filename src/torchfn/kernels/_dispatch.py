@@ -28,6 +28,7 @@ class _Args(NamedTuple):
     scale: float
     backend: str
     window: tuple[int, int]  # (left, right); -1: unbounded (or bounded by causal)
+    segments: tuple[Tensor, Tensor] | None  # (q ids (B, Nq), kv ids (B, Nk)), int64
 
 
 def _triton_available() -> bool:
@@ -151,6 +152,47 @@ def _normalize_window(window, causal: bool, nq: int, nk: int) -> tuple[int, int]
     return (left, right)
 
 
+_INTS = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
+
+
+def _normalize_segments(segment_ids, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor] | None:
+    """``segment_ids`` ((B, N) ids for self-attention, or (q ids (B, Nq), kv ids (B, Nk)))
+    as a pair of int64 tensors."""
+    if segment_ids is None:
+        return None
+    B, Nq, Nk = q.shape[0], q.shape[2], k.shape[2]
+    if isinstance(segment_ids, Tensor):
+        if Nq != Nk:
+            raise ValueError(
+                f"segment_ids as one (B, N) tensor needs Nq == Nk (self-attention), got "
+                f"Nq = {Nq} and Nk = {Nk}: pass a pair (q_ids (B, Nq), kv_ids (B, Nk))"
+            )
+        pair = (segment_ids, segment_ids)
+    elif isinstance(segment_ids, (tuple, list)) and len(segment_ids) == 2:
+        pair = tuple(segment_ids)
+    else:
+        raise TypeError(
+            "segment_ids must be None, a (B, N) integer tensor or a pair (q_ids (B, Nq), "
+            f"kv_ids (B, Nk)), got {type(segment_ids).__name__}"
+        )
+    out = []
+    for name, ids, n, label in (("q_ids", pair[0], Nq, "Nq"), ("kv_ids", pair[1], Nk, "Nk")):
+        if not isinstance(ids, Tensor) or ids.dtype not in _INTS:
+            got = ids.dtype if isinstance(ids, Tensor) else type(ids).__name__
+            raise TypeError(f"segment_ids' {name} must be an integer tensor, got {got}")
+        if tuple(ids.shape) != (B, n):
+            raise ValueError(
+                f"segment_ids' {name} must have shape (B, {label}) = {(B, n)}, got "
+                f"{tuple(ids.shape)}"
+            )
+        if ids.device != q.device:
+            raise ValueError(
+                f"segment_ids' {name} must be on q's device ({q.device}), got {ids.device}"
+            )
+        out.append(ids.to(torch.int64))
+    return out[0], out[1]
+
+
 def _ensure_interpreter() -> None:
     """Triton on CPU runs under ``TRITON_INTERPRET=1``, which must be set before
     ``triton.language`` is imported (its ``@triton.jit`` helpers are made then)."""
@@ -204,6 +246,7 @@ def _prepare(
     scale: float | None,
     backend: str | None,
     window=None,
+    segment_ids=None,
 ) -> _Args:
     """Validate the arguments and normalise the mask and window; ``backend="reference"``
     skips the choice of backend."""
@@ -211,6 +254,7 @@ def _prepare(
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
     window = _normalize_window(window, causal, q.shape[2], k.shape[2])
+    segments = _normalize_segments(segment_ids, q, k)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     elif isinstance(scale, bool) or not isinstance(scale, (int, float)):
@@ -220,7 +264,7 @@ def _prepare(
     mask = _normalize_mask(mask, key_padding_mask, q, k)
     if backend != "reference":
         backend = _resolve_backend(backend, q)
-    return _Args(mask, causal, float(scale), backend, window)
+    return _Args(mask, causal, float(scale), backend, window, segments)
 
 
 def attention(
@@ -232,6 +276,7 @@ def attention(
     key_padding_mask: Tensor | None = None,
     causal: bool = False,
     window: int | tuple[int | None, int | None] | None = None,
+    segment_ids: Tensor | tuple[Tensor, Tensor] | None = None,
     scale: float | None = None,
     backend: str | None = None,
     deterministic: bool = True,
@@ -260,6 +305,13 @@ def attention(
             Mistral-style window of W keys is ``causal=True, window=(W - 1, None)``.
             Key blocks outside the band are skipped, so the cost is O(Nq * width), and
             it combines with ``mask`` (FlashAttention's ``window_size``, with None for -1).
+        segment_ids: document masking for packed sequences (FlashAttention's varlen):
+            query ``i`` sees key ``j`` only if they carry the same id. A (B, N) integer
+            tensor for self-attention, or a pair ``(q_ids (B, Nq), kv_ids (B, Nk))``.
+            O(N) memory where the equivalent ``mask`` is O(N^2), and with contiguous
+            segments only the key blocks of a query block's segments are visited.
+            Combines with ``causal`` (causal within each document), ``window`` and
+            ``mask``. Integer constants: they get no gradient.
         scale: score scale, default ``1 / sqrt(D)``.
         backend: ``None`` picks Triton for CUDA tensors when triton is installed
             (else the PyTorch path) and the PyTorch path on CPU; ``"torch"`` forces
@@ -293,8 +345,9 @@ def attention(
     >>> attention(q, k, v, causal=True).shape
     torch.Size([2, 4, 8, 16])
     """
-    args = _prepare(q, k, v, mask, key_padding_mask, causal, scale, backend, window)
+    args = _prepare(q, k, v, mask, key_padding_mask, causal, scale, backend, window,
+                    segment_ids)
     if not isinstance(deterministic, bool):
         raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
     return _autograd.attention(q, k, v, args.mask, args.causal, args.scale, args.backend,
-                               deterministic, args.window)
+                               deterministic, args.window, args.segments)

@@ -40,9 +40,44 @@ def band(nq: int, nk: int, causal: bool, window: tuple[int, int], device=None) -
     return ok
 
 
+def segment_mask(segments: tuple[Tensor, Tensor] | None) -> Tensor | None:
+    """(B, 1, Nq, Nk) bool: query i sees key j iff ``q_ids[b, i] == kv_ids[b, j]``."""
+    if segments is None:
+        return None
+    q_ids, kv_ids = segments
+    return (q_ids[:, :, None] == kv_ids[:, None, :])[:, None]
+
+
+def segment_ranges(rows: Tensor, cols: Tensor) -> tuple[Tensor, Tensor]:
+    """For each row id, the column range [lo, hi) from the first to one past the last
+    column with the same id (lo = C, hi = 0 where there is none, so that a min / max
+    over rows skips it): (B, R) int32 each.
+
+    rows: (B, R) ids, cols: (B, C) ids (any integer dtype). With contiguous segments
+    (packed sequences) the range holds exactly the row's segment; otherwise it is a
+    superset, and the kernels still test equality. Sort-based, so no device sync.
+
+    >>> lo, hi = segment_ranges(torch.tensor([[0, 0, 1, 7]]), torch.tensor([[0, 0, 0, 1, 1]]))
+    >>> lo.tolist(), hi.tolist()
+    ([[0, 0, 3, 5]], [[3, 3, 5, 0]])
+    """
+    cols = cols.to(torch.int64)
+    rows = rows.to(torch.int64).contiguous()
+    vals, idx = torch.sort(cols, dim=-1, stable=True)  # equal ids: original order kept
+    left = torch.searchsorted(vals, rows, side="left")
+    right = torch.searchsorted(vals, rows, side="right")
+    n = cols.shape[-1]
+    first = idx.gather(-1, left.clamp(max=n - 1))
+    last = idx.gather(-1, (right - 1).clamp(min=0))
+    has = right > left
+    lo = torch.where(has, first, n).to(torch.int32)
+    hi = torch.where(has, last + 1, 0).to(torch.int32)
+    return lo, hi
+
+
 def _probs(
     q: Tensor, k: Tensor, mask: Tensor | None, causal: bool, scale: float,
-    window: tuple[int, int] = NO_WINDOW,
+    window: tuple[int, int] = NO_WINDOW, segments: tuple[Tensor, Tensor] | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Softmax probabilities (B, H, Nq, Nk) and logsumexp (B, H, Nq); k: (B, H, Nk, D).
 
@@ -55,6 +90,8 @@ def _probs(
     allowed = band(s.shape[-2], s.shape[-1], causal, window, s.device)
     if allowed is not None:
         s = s.masked_fill(~allowed, float("-inf"))
+    if segments is not None:
+        s = s.masked_fill(~segment_mask(segments), float("-inf"))
     dead = (s == float("-inf")).all(-1, keepdim=True)  # (B, H, Nq, 1): no key allowed
     s = s.masked_fill(dead, 0.0)
     lse = torch.logsumexp(s, -1, keepdim=True)
@@ -70,11 +107,11 @@ def _repeat_kv(x: Tensor, groups: int) -> Tensor:
 
 def _attention(
     q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool, scale: float,
-    window: tuple[int, int] = NO_WINDOW,
+    window: tuple[int, int] = NO_WINDOW, segments: tuple[Tensor, Tensor] | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Unchecked materialised attention: (o, lse)."""
     g = q.shape[1] // k.shape[1]
-    p, lse = _probs(q, _repeat_kv(k, g), mask, causal, scale, window)
+    p, lse = _probs(q, _repeat_kv(k, g), mask, causal, scale, window, segments)
     return p.to(v.dtype) @ _repeat_kv(v, g), lse
 
 
@@ -87,6 +124,7 @@ def attention_vjp(
     causal: bool,
     scale: float,
     window: tuple[int, int] = NO_WINDOW,
+    segments: tuple[Tensor, Tensor] | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) = vjp of attention at (q, k, v) with cotangent ``do``, in plain torch ops.
 
@@ -100,7 +138,7 @@ def attention_vjp(
     hkv = k.shape[1]
     g = q.shape[1] // hkv
     kr, vr = _repeat_kv(k, g), _repeat_kv(v, g)
-    p, _ = _probs(q, kr, mask, causal, scale, window)  # (B, H, Nq, Nk)
+    p, _ = _probs(q, kr, mask, causal, scale, window, segments)  # (B, H, Nq, Nk)
     dv = p.transpose(-1, -2) @ do  # (B, H, Nk, D)
     dp = do @ vr.transpose(-1, -2)
     ds = p * (dp - (dp * p).sum(-1, keepdim=True))
@@ -123,6 +161,7 @@ def reference_attention(
     *,
     key_padding_mask: Tensor | None = None,
     window: int | tuple[int | None, int | None] | None = None,
+    segment_ids: Tensor | tuple[Tensor, Tensor] | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Materialised attention with exactly the semantics of :func:`attention`.
 
@@ -139,6 +178,6 @@ def reference_attention(
     from ._dispatch import _prepare  # local: _dispatch imports the autograd wiring
 
     args = _prepare(q, k, v, mask, key_padding_mask, causal, scale, backend="reference",
-                    window=window)
-    o, lse = _attention(q, k, v, args.mask, args.causal, args.scale, args.window)
+                    window=window, segment_ids=segment_ids)
+    o, lse = _attention(q, k, v, args.mask, args.causal, args.scale, args.window, args.segments)
     return (o, lse) if return_lse else o

@@ -13,7 +13,8 @@ mask on fp16 / bf16 inputs, and every ``jvp``) runs the blockwise path below.
 Blockwise path: the queries are processed in row blocks; each block materialises
 its scores against every key its band reaches (causal, sliding window), so the
 softmax of a block is exact and memory is bounded by ``_SCORE_BUDGET`` scores per
-block. A window always takes this path (SDPA would score every key). Short
+block. A window or segment ids always take this path (SDPA would score every key);
+with segment ids each query block visits only its documents' key range. Short
 sequences run as one block. fp16 / bf16 are computed in fp32, fp64 in fp64.
 GQA: the ``G = H // Hkv`` query heads of one kv head are stacked along the rows,
 ``(B, Hkv, G * rows, D)``, so k / v are never repeated.
@@ -23,6 +24,8 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
+
+from . import _reference
 
 # scores materialised per query block (elements); ~16 MiB in fp32
 _SCORE_BUDGET = 1 << 22
@@ -53,7 +56,8 @@ class _Layout:
     """
 
     def __init__(self, q: Tensor, k: Tensor, mask: Tensor | None, causal: bool, scale: float,
-                 window: tuple[int, int] = (-1, -1)):
+                 window: tuple[int, int] = (-1, -1),
+                 segments: tuple[Tensor, Tensor] | None = None):
         self.B, self.H, self.Nq, self.D = q.shape
         self.Hkv, self.Nk = k.shape[1], k.shape[2]
         self.G = self.H // self.Hkv
@@ -63,6 +67,10 @@ class _Layout:
         if causal:
             self.right = 0
         banded = self.left >= 0 or self.right >= 0
+        self.segments = segments
+        if segments is not None:  # each query row's key range [lo, hi) (host lists)
+            lo, hi = _reference.segment_ranges(*segments)
+            self.seg_lo, self.seg_hi = lo.amin(0).tolist(), hi.amax(0).tolist()
         self.mask = None
         if mask is not None:
             m = _compact(mask)  # (b, h, nq, nk), each 1 or full
@@ -70,7 +78,9 @@ class _Layout:
             self.is_bool = m.dtype == torch.bool
             self.mask = m.logical_not() if self.is_bool else m  # bool: True = blocked
         rows = max(1, _SCORE_BUDGET // max(1, self.B * self.H * self.Nk))
-        if banded and self.Nq >= 128:  # several blocks, so keys outside the band are skipped
+        if segments is not None and self.Nq >= 128:  # blocks of ~a segment: skip the others
+            rows = min(rows, max(64, -(-self.Nq // 16)))
+        elif banded and self.Nq >= 128:  # several blocks, so keys outside the band are skipped
             if self.left < 0:  # causal or right-bounded: 4 blocks
                 rows = min(rows, -(-self.Nq // 4))
             else:  # blocks about as tall as the band is wide
@@ -84,6 +94,9 @@ class _Layout:
             i1 = min(self.Nq, i0 + self.rows)
             k1 = self.Nk if self.right < 0 else min(self.Nk, i1 + self.offset + self.right)
             k0 = 0 if self.left < 0 else max(0, i0 + self.offset - self.left)
+            if self.segments is not None:
+                k0 = max(k0, min(self.seg_lo[i0:i1]))
+                k1 = min(k1, max(self.seg_hi[i0:i1]))
             yield i0, i1, k0, max(k0, k1)
 
     def rows_of(self, x: Tensor, i0: int, i1: int) -> Tensor:
@@ -114,6 +127,10 @@ class _Layout:
         if self.left >= 0 and k0 < ka:
             blocked = torch.arange(k0, ka, device=s.device) < pos - self.left
             s5[..., :ka - k0].masked_fill_(blocked, float("-inf"))
+        if self.segments is not None:
+            q_ids, kv_ids = self.segments
+            other = q_ids[:, i0:i1, None] != kv_ids[:, None, k0:k1]  # (B, n, k1 - k0)
+            s5.masked_fill_(other[:, None, None], float("-inf"))
         return s
 
     def unrows(self, x: Tensor, n: int) -> Tensor:
@@ -141,10 +158,11 @@ def _exp_scores(s: Tensor) -> tuple[Tensor, Tensor, Tensor]:
 
 
 def _sdpa_args(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool,
-               window: tuple[int, int]):
+               window: tuple[int, int], segments):
     """(k, v, additive mask) for SDPA's fused CPU kernels, or None where they do not apply
-    (a window: the blockwise path skips the keys outside it)."""
-    if not _USE_SDPA or _SDPA_BWD is None or q.device.type != "cpu" or max(window) >= 0:
+    (a window or segments: the blockwise path skips the keys outside them)."""
+    if (not _USE_SDPA or _SDPA_BWD is None or q.device.type != "cpu" or max(window) >= 0
+            or segments is not None):
         return None
     if causal and q.shape[2] != k.shape[2]:  # SDPA's is_causal aligns top-left
         return None
@@ -168,16 +186,16 @@ def _sum_groups(x: Tensor, hkv: int) -> Tensor:
 
 
 def fwd(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool, scale: float,
-        window: tuple[int, int] = (-1, -1)):
+        window: tuple[int, int] = (-1, -1), segments: tuple[Tensor, Tensor] | None = None):
     """o: (B, H, Nq, D) in q's dtype, lse: (B, H, Nq) fp32 (fp64 for fp64 inputs)."""
-    sdpa = _sdpa_args(q, k, v, mask, causal, window)
+    sdpa = _sdpa_args(q, k, v, mask, causal, window, segments)
     if sdpa is not None:
         kr, vr, bias = sdpa
         o, lse = _SDPA_FWD(q, kr, vr, 0.0, causal, attn_mask=bias, scale=scale)
         if bias is not None:  # SDPA: o = 0 and lse = 0 on a row without keys; ours: -inf
             lse = lse.masked_fill(lse.eq(0) & o.eq(0).all(-1), float("-inf"))
         return o.contiguous(), lse.contiguous()
-    L = _Layout(q, k, mask, causal, scale, window)
+    L = _Layout(q, k, mask, causal, scale, window, segments)
     kf, vf = k.to(L.acc), v.to(L.acc)
     o = lse = None
     for i0, i1, k0, k1 in L.blocks():
@@ -211,19 +229,20 @@ def bwd(
     scale: float,
     deterministic: bool = True,
     window: tuple[int, int] = (-1, -1),
+    segments: tuple[Tensor, Tensor] | None = None,
 ):
     """dq: (B, H, Nq, D); dk, dv: (B, Hkv, Nk, D) summed over each kv head's query heads.
 
     Always deterministic; ``deterministic`` is accepted for the shared backend contract.
     """
-    sdpa = _sdpa_args(q, k, v, mask, causal, window)
+    sdpa = _sdpa_args(q, k, v, mask, causal, window, segments)
     if sdpa is not None:
         kr, vr, bias = sdpa
         lse = lse.masked_fill(lse == float("-inf"), 0.0)  # back to SDPA's convention
         dq, dk, dv = _SDPA_BWD(do, q, kr, vr, o, lse, 0.0, causal, attn_mask=bias, scale=scale)
         hkv = k.shape[1]
         return dq.contiguous(), _sum_groups(dk, hkv).contiguous(), _sum_groups(dv, hkv).contiguous()
-    L = _Layout(q, k, mask, causal, scale, window)
+    L = _Layout(q, k, mask, causal, scale, window, segments)
     kf, vf = k.to(L.acc), v.to(L.acc)
     delta = (do.to(L.acc) * o.to(L.acc)).sum(-1, keepdim=True)  # (B, H, Nq, 1)
     lse = _safe(lse.to(L.acc)).unsqueeze(-1)  # (B, H, Nq, 1)
@@ -255,13 +274,14 @@ def jvp(
     causal: bool,
     scale: float,
     window: tuple[int, int] = (-1, -1),
+    segments: tuple[Tensor, Tensor] | None = None,
 ):
     """Forward-mode: (o, lse, to); a ``None`` tangent means zero.
 
     With ``S = scale q k^T + mask``, ``tS = scale (tq k^T + q tk^T)``, ``P = softmax(S)``
     and ``*`` elementwise: ``to = (P * tS) v + P tv - o * rowsum(P * tS)``.
     """
-    L = _Layout(q, k, mask, causal, scale, window)
+    L = _Layout(q, k, mask, causal, scale, window, segments)
     kf, vf = k.to(L.acc), v.to(L.acc)
     tkf = tk.to(L.acc) if tk is not None else None
     tvf = tv.to(L.acc) if tv is not None else None

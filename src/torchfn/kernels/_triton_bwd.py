@@ -37,7 +37,9 @@ loop into the one loop (so with GQA it needs each group's heads as consecutive r
 head stride = Nq row strides) and takes no atomic dQ; dQ splits only with BLOCK_M = 64.
 
 ``WINDOW`` (sliding window, see ``_triton_fwd``): dK/dV visits only the query rows whose
-band reaches its key block, dQ only the key blocks in its rows' band, all masked.
+band reaches its key block, dQ only the key blocks in its rows' band, all masked; with
+``SEGMENTS``, also only those of the same documents (dK/dV's ``RLO`` / ``RHI``: each
+key's query range).
 """
 
 import triton
@@ -53,6 +55,9 @@ from torchfn.kernels._triton_fwd import (
     _load_tile,
     _mask_scores,
     _mask_tile,
+    _row_segments,
+    _same_segment,
+    _segment_bounds,
     _store_rows,
     _window_bounds,
 )
@@ -89,7 +94,8 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, m_base, lse2_base, delta_base, dq
                 CAUSAL_STAGE: tl.constexpr, MASK_KIND: tl.constexpr,
                 DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, ELEM: tl.constexpr,
                 DQ_ATOMIC: tl.constexpr, USE_TMA: tl.constexpr, EARLY_DP: tl.constexpr,
-                win_l=0, win_r=0, WINDOW: tl.constexpr = False):
+                win_l=0, win_r=0, WINDOW: tl.constexpr = False,
+                seg_n=0, qseg_base=None, SEGMENTS: tl.constexpr = False):
     offs_m0 = tl.arange(0, BLOCK_M)
     for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + offs_m0
@@ -115,6 +121,8 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, m_base, lse2_base, delta_base, dq
         if WINDOW:
             qkT = tl.where(_in_band(offs_m[None, :], offs_n[:, None], Nq, Nk, win_l, win_r), qkT,
                            float("-inf"))
+        if SEGMENTS:  # (the transposed tile: rows are keys)
+            qkT = tl.where(_same_segment(seg_n, offs_m, qseg_base, Nq), qkT, float("-inf"))
         pT = tl.math.exp2(qkT - lse2[None, :])  # rows past Nq / empty rows: lse2 = +inf -> 0
         if UPCAST:
             pT_lo = pT
@@ -192,6 +200,7 @@ def _attn_bwd_dkdv(
     desc_q=None, desc_do=None, USE_TMA: tl.constexpr = False, EARLY_DP: tl.constexpr = False,
     WARP_SPEC: tl.constexpr = False,
     win_l=0, win_r=0, WINDOW: tl.constexpr = False,
+    QSEG=None, KSEG=None, RLO=None, RHI=None, SEGMENTS: tl.constexpr = False,
 ):
     start_n = tl.program_id(0) * BLOCK_N
     off_bhk = tl.program_id(1)
@@ -215,11 +224,15 @@ def _attn_bwd_dkdv(
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
 
+    seg_n, qseg_base = _row_segments(KSEG, QSEG, off_b, offs_n, Nk, Nq, SEGMENTS)  # (keys')
     if WINDOW:  # (the launcher folds causal into win_r = 0): the queries whose band
         # reaches this key block, all masked
         shift = Nk - Nq
         m_lo = tl.maximum(start_n - shift - win_r, 0)
         m_mid = tl.minimum(start_n + BLOCK_N - shift + win_l, Nq)
+        if SEGMENTS:  # and the queries of the keys' segments (RLO / RHI: per key)
+            m_lo, m_mid = _segment_bounds(m_lo, m_mid, RLO + off_b * Nk, RHI + off_b * Nk,
+                                          offs_n, Nk, 1)
     elif IS_CAUSAL:
         shift = Nk - Nq
         m_lo = tl.maximum(start_n - shift, 0)  # first query that sees a key of this block
@@ -256,7 +269,7 @@ def _attn_bwd_dkdv(
                                      smm, smn, Nq, Nk, qk_scale, desc_q, desc_do, off_b, off_h,
                                      BLOCK_M, HEAD_DIM, BLOCK_D, False, MASK_KIND, DOT_PREC,
                                      UPCAST, ELEM, DQ_ATOMIC, USE_TMA, EARLY_DP, win_l, win_r,
-                                     True)
+                                     True, seg_n, qseg_base, SEGMENTS)
             elif IS_CAUSAL:
                 dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, m_base, LSE2 + row0,
                                      DELTA + row0, dq_base, offs_n, offs_d, m_lo, m_mid, sqm, sdm,
@@ -283,7 +296,8 @@ def _dq_inner(dq, q, do, lse2, delta, k_base, v_base, m_base, offs_m, offs_d, lo
               BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
               BOUNDARY: tl.constexpr, IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
               DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, ELEM: tl.constexpr,
-              USE_TMA: tl.constexpr, win_l=0, win_r=0, WINDOW: tl.constexpr = False):
+              USE_TMA: tl.constexpr, win_l=0, win_r=0, WINDOW: tl.constexpr = False,
+              seg_m=0, kseg_base=None, SEGMENTS: tl.constexpr = False):
     offs_n0 = tl.arange(0, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
@@ -295,7 +309,7 @@ def _dq_inner(dq, q, do, lse2, delta, k_base, v_base, m_base, offs_m, offs_d, lo
             v = v.to(tl.float32)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale  # (M, N)
         qk = _mask_tile(qk, m_base, offs_m, offs_n, smm, smn, Nq, Nk, BOUNDARY, IS_CAUSAL,
-                        MASK_KIND, win_l, win_r, WINDOW)
+                        MASK_KIND, win_l, win_r, WINDOW, seg_m, kseg_base, SEGMENTS)
         dq = _dq_step(dq, qk, do, k, v, lse2, delta, DOT_PREC, UPCAST, ELEM)
     return dq
 
@@ -348,6 +362,7 @@ def _attn_bwd_dq(
     desc_k=None, desc_v=None, USE_TMA: tl.constexpr = False,
     WARP_SPEC: tl.constexpr = False, WS_MASKED: tl.constexpr = True,
     win_l=0, win_r=0, WINDOW: tl.constexpr = False,
+    QSEG=None, KSEG=None, RLO=None, RHI=None, SEGMENTS: tl.constexpr = False,
 ):
     if IS_CAUSAL:  # the longest query blocks (last rows) first: better tail balance
         start_m = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
@@ -380,8 +395,12 @@ def _attn_bwd_dq(
     k_base = K + off_b * skb + off_hk * skh
     v_base = V + off_b * svb + off_hk * svh
     m_base = MASK + off_b * smb + off_h * smh
-    if WINDOW:  # only the band's key blocks, all masked
+    seg_m, kseg_base = _row_segments(QSEG, KSEG, off_b, offs_m, Nq, Nk, SEGMENTS)
+    if WINDOW:  # only the band's key blocks (and the rows' segments'), all masked
         lo, hi = _window_bounds(start_m, Nq, Nk, win_l, win_r, BLOCK_M, BLOCK_N)
+        if SEGMENTS:
+            lo, hi = _segment_bounds(lo, hi, RLO + off_b * Nq, RHI + off_b * Nq, offs_m, Nq,
+                                     BLOCK_N)
     else:
         lo, hi = _causal_bounds(start_m, Nq, Nk, BLOCK_M, BLOCK_N, IS_CAUSAL)
     if WARP_SPEC:  # the launcher sets it only with no user mask and no window
@@ -400,7 +419,7 @@ def _attn_bwd_dq(
         dq = _dq_inner(dq, q, do, lse2, delta, k_base, v_base, m_base, offs_m, offs_d, lo, hi,
                        skn, svn, smm, smn, Nq, Nk, qk_scale, desc_k, desc_v, off_b, off_hk,
                        BLOCK_N, HEAD_DIM, BLOCK_D, True, IS_CAUSAL, MASK_KIND, DOT_PREC, UPCAST,
-                       ELEM, USE_TMA, win_l, win_r, WINDOW)
+                       ELEM, USE_TMA, win_l, win_r, WINDOW, seg_m, kseg_base, SEGMENTS)
     dq = dq * sm_scale
     _store_rows(DQ + off_b * sdqb + off_h * sdqh, dq.to(DQ.dtype.element_ty), offs_m, offs_d,
                 sdqm, Nq, HEAD_DIM, BLOCK_D)

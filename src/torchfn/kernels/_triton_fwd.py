@@ -41,6 +41,11 @@ in a second loop. The same sums in the same order as the plain kernel.
 block reaches (``_window_bounds``), all masked (``_in_band``), so the work is
 O(Nq * band width). No warp-specialized or pipelined variant takes a window.
 
+``SEGMENTS`` (document masking, always with ``WINDOW``'s band loop): query ``i`` sees key
+``j`` only if their segment labels match (int32 labels in key space, made on the host by
+``_triton_ops._segment_labels``); ``RLO`` / ``RHI`` give each row's key range, and a
+program visits only the union of its rows' ranges (``_segment_bounds``).
+
 Import this module only through ``_triton_ops`` (Triton is optional; under
 ``TRITON_INTERPRET=1`` the kernels run on CPU).
 """
@@ -99,10 +104,11 @@ def _mask_scores(s, m_base, rows, cols, smm, smn, Nq, Nk, MASK_KIND: tl.constexp
 @triton.jit
 def _mask_tile(s, m_base, offs_m, offs_n, smm, smn, Nq, Nk, BOUNDARY: tl.constexpr,
                IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
-               win_l=0, win_r=0, WINDOW: tl.constexpr = False):
+               win_l=0, win_r=0, WINDOW: tl.constexpr = False,
+               seg_m=0, kseg_base=None, SEGMENTS: tl.constexpr = False):
     """(M, N) log2-unit scores with the user mask applied and, on a boundary tile, keys
     past ``Nk`` (and, causal, past the bottom-right diagonal; ``WINDOW``, outside the
-    band) at -inf."""
+    band; ``SEGMENTS``, of another segment than the row's ``seg_m``) at -inf."""
     if MASK_KIND != 0:
         s = _mask_scores(s, m_base, offs_m[:, None], offs_n[None, :], smm, smn, Nq, Nk,
                          MASK_KIND)
@@ -111,7 +117,27 @@ def _mask_tile(s, m_base, offs_m, offs_n, smm, smn, Nq, Nk, BOUNDARY: tl.constex
         if WINDOW:
             s = tl.where(_in_band(offs_m[:, None], offs_n[None, :], Nq, Nk, win_l, win_r), s,
                          float("-inf"))
+        if SEGMENTS:
+            s = tl.where(_same_segment(seg_m, offs_n, kseg_base, Nk), s, float("-inf"))
     return s
+
+
+@triton.jit
+def _same_segment(seg_rows, cols, seg_base, n_cols):
+    """(R, C): whether each row's segment id (``seg_rows``, (R,)) is column ``cols``'s."""
+    seg_cols = tl.load(seg_base + cols, mask=cols < n_cols, other=-1)
+    return seg_rows[:, None] == seg_cols[None, :]
+
+
+@triton.jit
+def _segment_bounds(lo, hi, rlo_base, rhi_base, offs, n, ALIGN: tl.constexpr):
+    """[lo, hi) narrowed to the union of rows ``offs``'s segment ranges (``RLO`` / ``RHI``:
+    each row's first and one-past-last column of its segment; lo rounded down to ALIGN)."""
+    r_lo = tl.min(tl.load(rlo_base + offs, mask=offs < n, other=2**30), 0)
+    r_hi = tl.max(tl.load(rhi_base + offs, mask=offs < n, other=0), 0)
+    lo = tl.maximum(lo, (r_lo // ALIGN) * ALIGN)
+    hi = tl.minimum(hi, r_hi)
+    return lo, tl.maximum(hi, lo)
 
 
 @triton.jit
@@ -120,6 +146,19 @@ def _in_band(rows, cols, Nq, Nk, win_l, win_r):
     window: ``pos - win_l <= col <= pos + win_r`` (broadcast; both sides >= 0 here)."""
     pos = rows + (Nk - Nq)
     return (cols >= pos - win_l) & (cols <= pos + win_r)
+
+
+@triton.jit
+def _row_segments(QSEG, KSEG, off_b, offs_m, Nq, Nk, SEGMENTS: tl.constexpr):
+    """(segment labels of rows ``offs_m``, this batch's column labels) with ``SEGMENTS``;
+    else placeholders (0, 0: a jitted function cannot return None)."""
+    if SEGMENTS:
+        seg_m = tl.load(QSEG + off_b * Nq + offs_m, mask=offs_m < Nq, other=-2)
+        kseg_base = KSEG + off_b * Nk
+    else:
+        seg_m = 0
+        kseg_base = 0
+    return seg_m, kseg_base
 
 
 @triton.jit
@@ -211,7 +250,8 @@ def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, m_base, offs_m, offs_d, lo, hi,
                BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                BOUNDARY: tl.constexpr, IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
                DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr,
-               FOLD_SCALE: tl.constexpr, win_l=0, win_r=0, WINDOW: tl.constexpr = False):
+               FOLD_SCALE: tl.constexpr, win_l=0, win_r=0, WINDOW: tl.constexpr = False,
+               seg_m=0, kseg_base=None, SEGMENTS: tl.constexpr = False):
     offs_n0 = tl.arange(0, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
@@ -227,14 +267,16 @@ def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, m_base, offs_m, offs_d, lo, hi,
             # mask and reduce the raw scores and scale inside exp2's FMA (one FMUL less per
             # score on sm_90)
             qk = _mask_tile(qk, m_base, offs_m, offs_n, smm, smn, Nq, Nk, BOUNDARY,
-                            IS_CAUSAL, MASK_KIND, win_l, win_r, WINDOW)
+                            IS_CAUSAL, MASK_KIND, win_l, win_r, WINDOW, seg_m, kseg_base,
+                            SEGMENTS)
             m_new, m_new_safe = _row_max(m_i, tl.max(qk, 1) * qk_scale,
                                          BOUNDARY or MASK_KIND != 0)
             p = tl.math.exp2(qk * qk_scale - m_new_safe[:, None])
         else:
             qk = qk * qk_scale  # log2 units
             qk = _mask_tile(qk, m_base, offs_m, offs_n, smm, smn, Nq, Nk, BOUNDARY,
-                            IS_CAUSAL, MASK_KIND, win_l, win_r, WINDOW)
+                            IS_CAUSAL, MASK_KIND, win_l, win_r, WINDOW, seg_m, kseg_base,
+                            SEGMENTS)
             m_new, m_new_safe = _row_max(m_i, tl.max(qk, 1), BOUNDARY or MASK_KIND != 0)
             p = tl.math.exp2(qk - m_new_safe[:, None])
         alpha = tl.math.exp2(m_i - m_new_safe)
@@ -354,6 +396,7 @@ def _attn_fwd(
     FOLD_SCALE: tl.constexpr = True, PIPELINE: tl.constexpr = False,
     WARP_SPEC: tl.constexpr = False, WS_MASKED: tl.constexpr = True,
     win_l=0, win_r=0, WINDOW: tl.constexpr = False,
+    QSEG=None, KSEG=None, RLO=None, RHI=None, SEGMENTS: tl.constexpr = False,
 ):
     if IS_CAUSAL:  # the longest query blocks (last rows) first: better tail balance
         start_m = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
@@ -383,8 +426,12 @@ def _attn_fwd(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
+    seg_m, kseg_base = _row_segments(QSEG, KSEG, off_b, offs_m, Nq, Nk, SEGMENTS)
     if WINDOW:  # (the launcher folds causal into win_r = 0): only the band, all masked
         lo, hi = _window_bounds(start_m, Nq, Nk, win_l, win_r, BLOCK_M, BLOCK_N)
+        if SEGMENTS:  # and only the key blocks of the rows' segments
+            lo, hi = _segment_bounds(lo, hi, RLO + off_b * Nq, RHI + off_b * Nq, offs_m, Nq,
+                                     BLOCK_N)
     else:
         lo, hi = _causal_bounds(start_m, Nq, Nk, BLOCK_M, BLOCK_N, IS_CAUSAL)
     if WARP_SPEC:  # the launcher sets it only with FOLD_SCALE, no user mask and no window
@@ -412,7 +459,7 @@ def _attn_fwd(
                                    lo, hi, skn, svn, smm, smn, Nq, Nk, qk_scale, desc_k, desc_v,
                                    off_b, off_hk, BLOCK_N, HEAD_DIM, BLOCK_D, True, IS_CAUSAL,
                                    MASK_KIND, DOT_PREC, UPCAST, USE_TMA, FOLD_SCALE, win_l,
-                                   win_r, WINDOW)
+                                   win_r, WINDOW, seg_m, kseg_base, SEGMENTS)
 
     # fully masked rows: l = 0 -> o = 0, lse = -inf
     empty = l_i == 0.0

@@ -19,6 +19,8 @@ from torchfn.kernels._triton_fwd import (
     _load_rows,
     _mask_tile,
     _row_max,
+    _row_segments,
+    _segment_bounds,
     _store_rows,
     _window_bounds,
 )
@@ -32,7 +34,8 @@ def _jvp_inner(acc_o, acc_t, acc_s, l_i, m_i, q, tq,
                BOUNDARY: tl.constexpr, IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
                HAS_TQ: tl.constexpr, HAS_TK: tl.constexpr, HAS_TV: tl.constexpr,
                DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
-               win_l=0, win_r=0, WINDOW: tl.constexpr = False):
+               win_l=0, win_r=0, WINDOW: tl.constexpr = False,
+               seg_m=0, kseg_base=None, SEGMENTS: tl.constexpr = False):
     offs_n0 = tl.arange(0, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
@@ -54,7 +57,7 @@ def _jvp_inner(acc_o, acc_t, acc_s, l_i, m_i, q, tq,
             ts = tl.dot(q, tl.trans(tk), ts, input_precision=DOT_PREC)
         ts = ts * sm_scale
         qk = _mask_tile(qk, m_base, offs_m, offs_n, smm, smn, Nq, Nk, BOUNDARY, IS_CAUSAL,
-                        MASK_KIND, win_l, win_r, WINDOW)
+                        MASK_KIND, win_l, win_r, WINDOW, seg_m, kseg_base, SEGMENTS)
         m_new, m_new_safe = _row_max(m_i, tl.max(qk, 1), BOUNDARY or MASK_KIND != 0)
         p = tl.math.exp2(qk - m_new_safe[:, None])
         alpha = tl.math.exp2(m_i - m_new_safe)
@@ -93,6 +96,7 @@ def _attn_jvp(
     HAS_TQ: tl.constexpr, HAS_TK: tl.constexpr, HAS_TV: tl.constexpr,
     DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
     win_l=0, win_r=0, WINDOW: tl.constexpr = False,
+    QSEG=None, KSEG=None, RLO=None, RHI=None, SEGMENTS: tl.constexpr = False,
 ):
     if IS_CAUSAL:  # the longest query blocks (last rows) first: better tail balance
         start_m = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
@@ -126,8 +130,12 @@ def _attn_jvp(
     tk_base = TK + off_b * stkb + off_hk * stkh
     tv_base = TV + off_b * stvb + off_hk * stvh
     m_base = MASK + off_b * smb + off_h * smh
-    if WINDOW:  # only the band's key blocks, all masked
+    seg_m, kseg_base = _row_segments(QSEG, KSEG, off_b, offs_m, Nq, Nk, SEGMENTS)
+    if WINDOW:  # only the band's key blocks (and the rows' segments'), all masked
         lo, hi = _window_bounds(start_m, Nq, Nk, win_l, win_r, BLOCK_M, BLOCK_N)
+        if SEGMENTS:
+            lo, hi = _segment_bounds(lo, hi, RLO + off_b * Nq, RHI + off_b * Nq, offs_m, Nq,
+                                     BLOCK_N)
     else:
         lo, hi = _causal_bounds(start_m, Nq, Nk, BLOCK_M, BLOCK_N, IS_CAUSAL)
         acc_o, acc_t, acc_s, l_i, m_i = _jvp_inner(
@@ -139,7 +147,7 @@ def _attn_jvp(
         acc_o, acc_t, acc_s, l_i, m_i, q, tq, k_base, v_base, tk_base, tv_base, m_base,
         offs_m, offs_d, lo, hi, skn, svn, stkn, stvn, smm, smn, Nq, Nk, qk_scale, sm_scale,
         BLOCK_N, HEAD_DIM, BLOCK_D, True, IS_CAUSAL, MASK_KIND, HAS_TQ, HAS_TK, HAS_TV,
-        DOT_PREC, UPCAST, win_l, win_r, WINDOW)
+        DOT_PREC, UPCAST, win_l, win_r, WINDOW, seg_m, kseg_base, SEGMENTS)
 
     empty = l_i == 0.0
     inv_l = 1.0 / tl.where(empty, 1.0, l_i)

@@ -144,6 +144,7 @@ def _launch(kind: str, kernel: Any, grid: Callable[[int, int], tuple[int, ...]],
     results on (``_tune``).
     """
     mode = _tma_mode() if tma is not None else "0"
+    kargs = _kernel_args(consts)
 
     def run(cfg: Config) -> None:
         if reset is not None:
@@ -164,9 +165,9 @@ def _launch(kind: str, kernel: Any, grid: Callable[[int, int], tuple[int, ...]],
             kw = dict(kw, **ws(bm, bn))
         with _scratch_allocator(args[0].device) if use_ws else contextlib.nullcontext():
             if is_interpreted():
-                kernel[grid(bm, bn)](*args, **consts, **kw, BLOCK_M=bm, BLOCK_N=bn)
+                kernel[grid(bm, bn)](*args, **kargs, **kw, BLOCK_M=bm, BLOCK_N=bn)
             else:
-                kernel[grid(bm, bn)](*args, **consts, **kw, BLOCK_M=bm, BLOCK_N=bn,
+                kernel[grid(bm, bn)](*args, **kargs, **kw, BLOCK_M=bm, BLOCK_N=bn,
                                      num_warps=warps, num_stages=stages)
 
     if config is not None:
@@ -406,7 +407,7 @@ def _mask_args(mask: Tensor | None, q: Tensor) -> tuple[Tensor, int, tuple[int, 
 
 
 def _common(q: Tensor, k: Tensor, mask: Tensor | None, causal: bool, scale: float,
-            window: tuple[int, int] = (-1, -1)):
+            window: tuple[int, int] = (-1, -1), segments: tuple[Tensor, Tensor] | None = None):
     B, H, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
     mptr, mkind, ms = _mask_args(mask, q)
@@ -414,12 +415,42 @@ def _common(q: Tensor, k: Tensor, mask: Tensor | None, causal: bool, scale: floa
         HEAD_DIM=D, BLOCK_D=_block_d(D), IS_CAUSAL=bool(causal), MASK_KIND=mkind,
         DOT_PREC=_dot_prec(q.dtype), UPCAST=_upcast(q.dtype),
     )
-    if max(window) >= 0:  # the band kernels: causal folded into the right side
+    banded = max(window) >= 0 or segments is not None
+    if banded:  # the band kernels: causal folded into the right side
         left, right = window
         consts.update(IS_CAUSAL=False, WINDOW=True, win_l=left if left >= 0 else Nq + Nk,
                       win_r=0 if causal else (right if right >= 0 else Nq + Nk))
-    key = (_bucket(max(Nq, Nk)), D, bool(causal), mkind, q.dtype, max(window) >= 0)
+    if segments is not None:
+        consts.update(SEGMENTS=True, **_segment_labels(*segments))
+    key = (_bucket(max(Nq, Nk)), D, bool(causal), mkind, q.dtype, banded, segments is not None)
     return B, H, Hkv, Nq, Nk, D, mptr, ms, consts, key
+
+
+def _segment_labels(q_ids: Tensor, kv_ids: Tensor) -> dict[str, Any]:
+    """The kernels' view of segment ids (no device sync): int32 labels in key space, a
+    key's = the first key of its segment, a query's = the first key of its segment (Nk when
+    no key shares it), so equal labels <=> equal ids; and the ranges that bound the loops:
+    each query's keys (``_kv``) and each key's queries (``_q``)."""
+    from torchfn.kernels._reference import segment_ranges
+
+    kv_lo, kv_hi = segment_ranges(q_ids, kv_ids)  # (B, Nq); kv_lo is also the label
+    q_lo, q_hi = segment_ranges(kv_ids, q_ids)  # (B, Nk)
+    return {"QSEG": kv_lo, "KSEG": segment_ranges(kv_ids, kv_ids)[0],
+            "_kv": (kv_lo, kv_hi), "_q": (q_lo, q_hi)}
+
+
+def _seg_ranges(consts: dict[str, Any], by_key: bool = False) -> dict[str, Any]:
+    """With segments: each query's key range (or, ``by_key``, each key's query range) as
+    ``RLO`` / ``RHI`` kwargs; else nothing."""
+    if not consts.get("SEGMENTS"):
+        return {}
+    lo, hi = consts["_q" if by_key else "_kv"]
+    return {"RLO": lo, "RHI": hi}
+
+
+def _kernel_args(consts: dict[str, Any]) -> dict[str, Any]:
+    """``consts`` without the host-side entries (leading underscore)."""
+    return {n: v for n, v in consts.items() if not n.startswith("_")}
 
 
 def _empty_fwd(q: Tensor) -> tuple[Tensor, Tensor]:
@@ -431,8 +462,8 @@ def _empty_fwd(q: Tensor) -> tuple[Tensor, Tensor]:
 
 # --------------------------------------------------------------------------- raw ops
 def fwd(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool, scale: float,
-        *, window: tuple[int, int] = (-1, -1), config: tuple[int, ...] | None = None,
-        ) -> tuple[Tensor, Tensor]:
+        *, window: tuple[int, int] = (-1, -1), segments: tuple[Tensor, Tensor] | None = None,
+        config: tuple[int, ...] | None = None) -> tuple[Tensor, Tensor]:
     """Forward: ``o = softmax(scale q k^T + mask) v`` and its row logsumexp ``lse`` (float32).
 
     q: (B, H, Nq, D); k, v: (B, Hkv, Nk, D) -> o: (B, H, Nq, D), lse: (B, H, Nq).
@@ -441,7 +472,8 @@ def fwd(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool, scal
     """
     _ensure_mode(q.device)
     q, k, v = _c(q), _c(k), _c(v)
-    B, H, Hkv, Nq, Nk, D, mptr, ms, consts, key = _common(q, k, mask, causal, scale, window)
+    B, H, Hkv, Nq, Nk, D, mptr, ms, consts, key = _common(q, k, mask, causal, scale, window,
+                                                          segments)
     if B * H * Nq == 0 or Nk == 0:
         return _empty_fwd(q)
     o = torch.empty((B, H, Nq, D), dtype=_buf_dtype(q.dtype), device=q.device)
@@ -451,7 +483,8 @@ def fwd(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool, scal
             v.stride(0), v.stride(1), v.stride(2), *ms, o.stride(0), o.stride(1), o.stride(2),
             H, H // Hkv, Nq, Nk, float(scale) * 1.4426950408889634)
     # scale > 0 and no additive mask: the kernel takes the row max of the raw scores
-    consts = dict(consts, FOLD_SCALE=float(scale) > 0 and consts["MASK_KIND"] != 2)
+    consts = dict(consts, FOLD_SCALE=float(scale) > 0 and consts["MASK_KIND"] != 2,
+                  **_seg_ranges(consts))
     grid = lambda bm, bn: (triton.cdiv(Nq, bm), B * H)
     tma = _tma_descriptors({"desc_q": q, "desc_k": k, "desc_v": v},
                            {"desc_q": "m", "desc_k": "n", "desc_v": "n"}, consts["BLOCK_D"])
@@ -464,7 +497,7 @@ def fwd(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool, scal
 
 def bwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Tensor,
         mask: Tensor | None, causal: bool, scale: float, deterministic: bool = True,
-        *, window: tuple[int, int] = (-1, -1),
+        *, window: tuple[int, int] = (-1, -1), segments: tuple[Tensor, Tensor] | None = None,
         config: tuple[tuple[int, ...], tuple[int, ...]] | None = None,
         ) -> tuple[Tensor, Tensor, Tensor]:
     """Backward from ``do``: (dq, dk, dv) in the input dtype; dk/dv summed over GQA groups.
@@ -480,7 +513,8 @@ def bwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Tensor,
     """
     _ensure_mode(q.device)
     q, k, v, o, do = _c(q), _c(k), _c(v), _c(o), _c(do)
-    B, H, Hkv, Nq, Nk, D, mptr, ms, consts, key = _common(q, k, mask, causal, scale, window)
+    B, H, Hkv, Nq, Nk, D, mptr, ms, consts, key = _common(q, k, mask, causal, scale, window,
+                                                          segments)
     buf = _buf_dtype(q.dtype)
     dq = torch.zeros((B, H, Nq, D), dtype=buf, device=q.device)
     dk = torch.zeros((B, Hkv, Nk, D), dtype=buf, device=q.device)
@@ -513,7 +547,8 @@ def bwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Tensor,
     flat = all(t.shape[1] == 1 or t.stride(1) == Nq * t.stride(2) for t in (q, do))
     ws_kv = _ws_variant([q, k, v, do], consts, ok=(H == Hkv or flat) and not atomic)
     _launch("dkdv_atomic" if atomic else "dkdv", _triton_bwd._attn_bwd_dkdv, grid_kv, args_kv,
-            dict(consts, DQ_ATOMIC=atomic), (*key, tma_kv is not None),
+            dict(consts, DQ_ATOMIC=atomic, **_seg_ranges(consts, by_key=True)),
+            (*key, tma_kv is not None),
             None if config is None else config[0],
             reset=dq_acc.zero_ if atomic else None, tma=tma_kv, ws=ws_kv,
             outputs=(dk, dv, dq_acc) if atomic else (dk, dv))
@@ -525,15 +560,16 @@ def bwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Tensor,
     grid_q = lambda bm, bn: (triton.cdiv(Nq, bm), B * H)
     tma_q = _tma_descriptors({"desc_k": k, "desc_v": v}, {"desc_k": "n", "desc_v": "n"}, bd)
     ws_q = _ws_variant([q, k, v, do], consts, ragged=lambda bm, bn: Nk % bn != 0)
-    _launch("dq", _triton_bwd._attn_bwd_dq, grid_q, args_q, consts, (*key, tma_q is not None),
+    _launch("dq", _triton_bwd._attn_bwd_dq, grid_q, args_q, dict(consts, **_seg_ranges(consts)),
+            (*key, tma_q is not None),
             None if config is None else config[1], tma=tma_q, ws=ws_q, outputs=(dq,))
     return dq.to(q.dtype), dk.to(q.dtype), dv.to(q.dtype)
 
 
 def jvp(q: Tensor, k: Tensor, v: Tensor, tq: Tensor | None, tk: Tensor | None,
         tv: Tensor | None, mask: Tensor | None, causal: bool, scale: float,
-        *, window: tuple[int, int] = (-1, -1), config: tuple[int, ...] | None = None,
-        ) -> tuple[Tensor, Tensor, Tensor]:
+        *, window: tuple[int, int] = (-1, -1), segments: tuple[Tensor, Tensor] | None = None,
+        config: tuple[int, ...] | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """Fused forward-mode: (o, lse, to) with ``to`` the tangent of ``o``; None tangents are 0.
 
     tq: (B, H, Nq, D) or None; tk, tv: (B, Hkv, Nk, D) or None -> to: (B, H, Nq, D).
@@ -541,7 +577,8 @@ def jvp(q: Tensor, k: Tensor, v: Tensor, tq: Tensor | None, tk: Tensor | None,
     _ensure_mode(q.device)
     q, k, v = _c(q), _c(k), _c(v)
     tq, tk, tv = (None if t is None else _c(t) for t in (tq, tk, tv))
-    B, H, Hkv, Nq, Nk, D, mptr, ms, consts, key = _common(q, k, mask, causal, scale, window)
+    B, H, Hkv, Nq, Nk, D, mptr, ms, consts, key = _common(q, k, mask, causal, scale, window,
+                                                          segments)
     if B * H * Nq == 0 or Nk == 0:
         o, lse = _empty_fwd(q)
         return o, lse, torch.zeros_like(o)
@@ -556,7 +593,8 @@ def jvp(q: Tensor, k: Tensor, v: Tensor, tq: Tensor | None, tk: Tensor | None,
             tk_.stride(2), tv_.stride(0), tv_.stride(1), tv_.stride(2),
             *ms, o.stride(0), o.stride(1), o.stride(2), to.stride(0), to.stride(1), to.stride(2),
             H, H // Hkv, Nq, Nk, float(scale) * 1.4426950408889634, float(scale))
-    consts = dict(consts, HAS_TQ=tq is not None, HAS_TK=tk is not None, HAS_TV=tv is not None)
+    consts = dict(consts, HAS_TQ=tq is not None, HAS_TK=tk is not None, HAS_TV=tv is not None,
+                  **_seg_ranges(consts))
     key = (*key, tq is not None, tk is not None, tv is not None)
     grid = lambda bm, bn: (triton.cdiv(Nq, bm), B * H)
     _launch("jvp", _triton_jvp._attn_jvp, grid, args, consts, key, config)
