@@ -13,6 +13,9 @@ Groups, each torchfn next to its peer:
   (Mistral-style): torchfn's ``window=(255, None)``, which skips the key blocks outside
   the band, vs SDPA with the band as a dense bool mask (it scores every key), and SDPA
   plain causal for scale.
+- ``packed documents``: the same shapes, causal, 16 documents of 256 tokens packed
+  into one sequence: torchfn's ``segment_ids`` vs SDPA with the block-diagonal causal
+  mask as a dense bool tensor.
 - ``per-sample grads``: ``vmap(grad)`` of a 2-layer pre-LN Transformer (d=64, 4 heads,
   N=64, causal, batch 32) with its attention from torchfn vs from SDPA. SDPA's CPU
   kernels have no batching rule, so functorch runs them in a per-sample loop (it warns
@@ -128,6 +131,43 @@ def test_sliding_window(benchmark, impl, mode):
     ref = torch.autograd.grad(WINDOW_IMPLS["sdpa band mask"](q, k, v), (q, k, v), do)
     assert impl.endswith("(no window)") or all(
         torch.allclose(a, b, atol=1e-4) for a, b in zip(grads, ref))
+
+
+# ---------------------------------------------------------------- packed documents
+
+DOC = 256  # tokens per document; WN / DOC documents per sequence
+DOC_IDS = (torch.arange(WN) // DOC)[None]  # (1, N)
+
+PACKED_IMPLS = {
+    "torchfn segment_ids": lambda q, k, v: attention(q, k, v, causal=True,
+                                                     segment_ids=DOC_IDS, backend="torch"),
+    "sdpa document mask": lambda q, k, v: F.scaled_dot_product_attention(
+        q, k, v, attn_mask=(DOC_IDS[0, :, None] == DOC_IDS[0, None, :]) & _causal_mask()),
+}
+
+
+def _causal_mask():
+    i = torch.arange(WN)
+    return i[None, :] <= i[:, None]
+
+
+@pytest.mark.parametrize("mode", ["forward", "forward+backward"])
+@pytest.mark.parametrize("impl", list(PACKED_IMPLS))
+def test_packed_documents(benchmark, impl, mode):
+    benchmark.group = f"packed documents N={WN} doc={DOC} {mode}"
+    g = torch.Generator().manual_seed(4)
+    q, k, v, do = (torch.randn(1, H, WN, D, generator=g) for _ in range(4))
+    fn, ref_fn = PACKED_IMPLS[impl], PACKED_IMPLS["sdpa document mask"]
+    if mode == "forward":
+        with torch.no_grad():
+            out = benchmark.pedantic(fn, args=(q, k, v), rounds=3, warmup_rounds=1)
+        assert torch.allclose(out, ref_fn(q, k, v), atol=1e-5)
+        return
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    grads = benchmark.pedantic(lambda: torch.autograd.grad(fn(q, k, v), (q, k, v), do),
+                               rounds=2, warmup_rounds=1)
+    ref = torch.autograd.grad(ref_fn(q, k, v), (q, k, v), do)
+    assert all(torch.allclose(a, b, atol=1e-4) for a, b in zip(grads, ref))
 
 
 # ---------------------------------------------------------------- per-sample gradients
