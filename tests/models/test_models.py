@@ -114,6 +114,48 @@ def test_transformer_apply_grads_and_fused_attention_equal_sdpa(causal):
     torch.testing.assert_close(per, model.apply(params, tokens), rtol=1e-5, atol=1e-5)
 
 
+def test_packed_documents_give_each_document_its_own_output():
+    """Two documents packed into one sequence with ``segment_ids`` == each run alone
+    (attention within the document, positions restarting at 0), and their gradients
+    add up to the sum of the separate runs'."""
+    model = torchfn.Model(TransformerEncoder(dim=16, heads=2, depth=2, vocab_size=11,
+                                             out_dim=11, causal=True, max_len=12))
+    params = model.init(random.key(3))
+    g = torch.Generator().manual_seed(2)
+    a, b = torch.randint(0, 11, (5,), generator=g), torch.randint(0, 11, (7,), generator=g)
+    packed = torch.cat([a, b])[None]  # (1, 12)
+    ids = torch.tensor([[0] * 5 + [1] * 7])
+    out = model.apply(params, packed, segment_ids=ids)[0]
+    torch.testing.assert_close(out[:5], model.apply(params, a), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out[5:], model.apply(params, b), rtol=1e-5, atol=1e-5)
+    # one example (no batch dim) takes (N,) ids, for per-example vmap
+    torch.testing.assert_close(model.apply(params, packed[0], segment_ids=ids[0]), out)
+    loss = lambda p, *x, **kw: model.apply(p, *x, **kw).square().mean()  # noqa: E731
+    g_packed = torch.func.grad(lambda p: loss(p, packed, segment_ids=ids) * 12)(params)
+    g_a = torch.func.grad(lambda p: loss(p, a) * 5)(params)
+    g_b = torch.func.grad(lambda p: loss(p, b) * 7)(params)
+    for n in params:
+        torch.testing.assert_close(g_packed[n], g_a[n] + g_b[n], rtol=1e-4, atol=1e-5)
+
+
+def test_sliding_window_transformer_equals_a_band_mask():
+    from torchfn.kernels import attention
+
+    kw = dict(dim=16, heads=2, depth=1, vocab_size=11, causal=True, max_len=9)
+    model = torchfn.Model(TransformerEncoder(**kw, window=(2, None)))
+    params = model.init(random.key(4))
+    band = torch.ones(9, 9, dtype=torch.bool).tril() & torch.ones(9, 9, dtype=torch.bool).triu(-2)
+
+    def banded(q, k, v, *, key_padding_mask, causal):
+        return attention(q, k, v, mask=band, key_padding_mask=key_padding_mask)
+
+    reference = torchfn.Model(TransformerEncoder(**kw, attend=banded))
+    tokens = torch.randint(0, 11, (2, 9), generator=torch.Generator().manual_seed(5))
+    torch.testing.assert_close(model.apply(params, tokens), reference.apply(params, tokens))
+    assert not torch.allclose(model.apply(params, tokens),
+                              torchfn.Model(TransformerEncoder(**kw)).apply(params, tokens))
+
+
 def test_transformer_on_features_and_keyed_dropout():
     model = torchfn.Model(TransformerEncoder(dim=8, heads=2, depth=1, in_dim=3, dropout=0.1))
     params = model.init(random.key(0))
@@ -155,5 +197,8 @@ def test_bad_input():
     enc = TransformerEncoder(dim=8, heads=2, depth=1, vocab_size=5, max_len=4)
     with pytest.raises(ValueError, match="sequence length 6 exceeds max_len=4"):
         enc(torch.zeros(1, 6, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"segment_ids must have shape \(B, N\) = \(2, 3\), "
+                                         r"got \(2, 4\)"):
+        enc(torch.zeros(2, 3, dtype=torch.long), segment_ids=torch.zeros(2, 4, dtype=torch.long))
     with pytest.raises(ValueError, match="pass exactly one of x"):
         MLPVAE(4, (3,), 2)()

@@ -14,13 +14,25 @@ __all__ = ["TransformerEncoder", "TransformerBlock", "MultiHeadAttention"]
 AttendFn = Callable[..., Tensor]
 
 
-def _fused_attention(q: Tensor, k: Tensor, v: Tensor, *, key_padding_mask, causal) -> Tensor:
+def _fused_attention(q: Tensor, k: Tensor, v: Tensor, *, key_padding_mask, causal,
+                     **extra) -> Tensor:
     """The default attention: ``torchfn.kernels.attention`` (fused on GPU, blockwise on
     CPU; composes with grad / vmap / jvp). Imported lazily: kernels import triton only
-    when it runs on CUDA."""
+    when it runs on CUDA. ``extra``: ``window`` / ``segment_ids`` where set."""
     from torchfn.kernels import attention
 
-    return attention(q, k, v, key_padding_mask=key_padding_mask, causal=causal)
+    return attention(q, k, v, key_padding_mask=key_padding_mask, causal=causal, **extra)
+
+
+def _extra(window, segment_ids) -> dict:
+    """The attention keywords beyond the basic two, only where set (so a custom ``attend``
+    without them keeps working when they are not used)."""
+    extra = {}
+    if window is not None:
+        extra["window"] = window
+    if segment_ids is not None:
+        extra["segment_ids"] = segment_ids
+    return extra
 
 
 class MultiHeadAttention(nn.Module):
@@ -29,25 +41,30 @@ class MultiHeadAttention(nn.Module):
     ``attend(q, k, v, key_padding_mask=..., causal=...)`` on ``(B, H, N, D)`` tensors
     computes ``softmax(q k^T / sqrt(D)) v``; the default is
     ``torchfn.kernels.attention``. Pass another (e.g. a wrapper around
-    ``F.scaled_dot_product_attention``) to compare.
+    ``F.scaled_dot_product_attention``) to compare. ``window`` (sliding-window attention)
+    and the forward's ``segment_ids`` (packed documents) are passed on as ``window=`` /
+    ``segment_ids=`` only when set.
     """
 
     def __init__(self, dim: int, heads: int, *, causal: bool = False,
+                 window: int | tuple[int | None, int | None] | None = None,
                  attend: AttendFn | None = None) -> None:
         super().__init__()
         _check_dims(dim=dim, heads=heads)
         if dim % heads:
             raise ValueError(f"dim must be divisible by heads, got dim={dim}, heads={heads}")
-        self.heads, self.causal = heads, causal
+        self.heads, self.causal, self.window = heads, causal, window
         self.attend = attend or _fused_attention
         self.qkv = nn.Linear(dim, 3 * dim)
         self.out = nn.Linear(dim, dim)
 
-    def forward(self, x: Tensor, key_padding_mask: Tensor | None = None) -> Tensor:
+    def forward(self, x: Tensor, key_padding_mask: Tensor | None = None,
+                segment_ids: Tensor | None = None) -> Tensor:
         b, n, dim = x.shape
         qkv = self.qkv(x).reshape(b, n, 3, self.heads, dim // self.heads)  # (B, N, 3, H, D)
         q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each (B, H, N, D)
-        o = self.attend(q, k, v, key_padding_mask=key_padding_mask, causal=self.causal)
+        o = self.attend(q, k, v, key_padding_mask=key_padding_mask, causal=self.causal,
+                        **_extra(self.window, segment_ids))
         return self.out(o.transpose(1, 2).reshape(b, n, dim))  # (B, N, dim)
 
 
@@ -55,18 +72,21 @@ class TransformerBlock(nn.Module):
     """``x + Drop(Attn(LN(x)))`` then ``x + Drop(MLP(LN(x)))`` (pre-LN, GELU MLP)."""
 
     def __init__(self, dim: int, heads: int, *, mlp_ratio: int = 4, dropout: float = 0.0,
-                 causal: bool = False, attend: AttendFn | None = None) -> None:
+                 causal: bool = False,
+                 window: int | tuple[int | None, int | None] | None = None,
+                 attend: AttendFn | None = None) -> None:
         super().__init__()
         self.ln1 = nn.LayerNorm(dim)
-        self.attn = MultiHeadAttention(dim, heads, causal=causal, attend=attend)
+        self.attn = MultiHeadAttention(dim, heads, causal=causal, window=window, attend=attend)
         self.ln2 = nn.LayerNorm(dim)
         self.mlp = nn.Sequential(
             nn.Linear(dim, mlp_ratio * dim), nn.GELU(), nn.Linear(mlp_ratio * dim, dim)
         )
         self.drop = nn.Dropout(dropout)
 
-    def forward(self, x: Tensor, key_padding_mask: Tensor | None = None) -> Tensor:
-        x = x + self.drop(self.attn(self.ln1(x), key_padding_mask))
+    def forward(self, x: Tensor, key_padding_mask: Tensor | None = None,
+                segment_ids: Tensor | None = None) -> Tensor:
+        x = x + self.drop(self.attn(self.ln1(x), key_padding_mask, segment_ids))
         return x + self.drop(self.mlp(self.ln2(x)))  # (B, N, dim)
 
 
@@ -79,6 +99,9 @@ class TransformerEncoder(nn.Module):
     ``(N, in_dim)`` features) also works, for per-example ``vmap``. Output
     ``(B, N, out_dim)`` (``out_dim=None``: ``dim``, no head). ``key_padding_mask``
     ``(B, N)`` bool marks real tokens (True) as in ``torchfn.kernels.attention``.
+    ``segment_ids`` ``(B, N)`` packs several documents into one sequence: tokens attend
+    only within their document, and positions restart at 0 at each document's first
+    token, so a packed batch gives each document the output it would get alone.
 
     Args:
         dim: model width; heads: attention heads (``dim % heads == 0``); depth: blocks.
@@ -86,6 +109,8 @@ class TransformerEncoder(nn.Module):
         max_len: the longest sequence (size of the position table).
         out_dim: output head width, or ``None``.
         mlp_ratio, dropout, causal: block settings; ``causal`` masks future positions.
+        window: sliding-window attention, as ``torchfn.kernels.attention``'s (e.g.
+            ``causal=True, window=(255, None)``: each token sees itself and 255 before).
         attend: the attention function (default ``torchfn.kernels.attention``).
 
     Example::
@@ -112,6 +137,7 @@ class TransformerEncoder(nn.Module):
         mlp_ratio: int = 4,
         dropout: float = 0.0,
         causal: bool = False,
+        window: int | tuple[int | None, int | None] | None = None,
         attend: AttendFn | None = None,
     ) -> None:
         super().__init__()
@@ -134,23 +160,32 @@ class TransformerEncoder(nn.Module):
         self.drop = nn.Dropout(dropout)
         self.blocks = nn.ModuleList(
             TransformerBlock(dim, heads, mlp_ratio=mlp_ratio, dropout=dropout, causal=causal,
-                             attend=attend)
+                             window=window, attend=attend)
             for _ in range(depth)
         )
         self.ln = nn.LayerNorm(dim)
         self.head = nn.Linear(dim, out_dim) if out_dim is not None else nn.Identity()
 
-    def forward(self, x: Tensor, key_padding_mask: Tensor | None = None) -> Tensor:
+    def forward(self, x: Tensor, key_padding_mask: Tensor | None = None,
+                segment_ids: Tensor | None = None) -> Tensor:
         one = x.dim() == (1 if self.tokens else 2)  # a single example: add a batch dim
         if one:
             x = x.unsqueeze(0)
             key_padding_mask = None if key_padding_mask is None else key_padding_mask[None]
+            segment_ids = None if segment_ids is None else segment_ids[None]
         n = x.shape[1]
         if n > self.pos.num_embeddings:
             raise ValueError(f"sequence length {n} exceeds max_len={self.pos.num_embeddings}")
-        positions = torch.arange(n, device=x.device)
+        positions = torch.arange(n, device=x.device)  # (N,)
+        if segment_ids is not None:  # restart at each document: minus its first index
+            from torchfn.kernels._reference import segment_ranges
+
+            if tuple(segment_ids.shape) != tuple(x.shape[:2]):
+                raise ValueError(f"segment_ids must have shape (B, N) = {tuple(x.shape[:2])}, "
+                                 f"got {tuple(segment_ids.shape)}")
+            positions = positions - segment_ranges(segment_ids, segment_ids)[0]  # (B, N)
         h = self.drop(self.embed(x) + self.pos(positions))  # (B, N, dim)
         for block in self.blocks:
-            h = block(h, key_padding_mask)
+            h = block(h, key_padding_mask, segment_ids)
         out = self.head(self.ln(h))  # (B, N, out_dim)
         return out.squeeze(0) if one else out
