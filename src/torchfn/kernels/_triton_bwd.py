@@ -47,9 +47,9 @@ import triton.language as tl
 
 from torchfn.kernels._triton_fwd import (
     _bounds_mask,
-    _causal_bounds,
     _head_desc,
     _in_band,
+    _key_bounds,
     _load_kv,
     _load_rows,
     _load_tile,
@@ -59,7 +59,6 @@ from torchfn.kernels._triton_fwd import (
     _same_segment,
     _segment_bounds,
     _store_rows,
-    _window_bounds,
 )
 
 
@@ -396,13 +395,8 @@ def _attn_bwd_dq(
     v_base = V + off_b * svb + off_hk * svh
     m_base = MASK + off_b * smb + off_h * smh
     seg_m, kseg_base = _row_segments(QSEG, KSEG, off_b, offs_m, Nq, Nk, SEGMENTS)
-    if WINDOW:  # only the band's key blocks (and the rows' segments'), all masked
-        lo, hi = _window_bounds(start_m, Nq, Nk, win_l, win_r, BLOCK_M, BLOCK_N)
-        if SEGMENTS:
-            lo, hi = _segment_bounds(lo, hi, RLO + off_b * Nq, RHI + off_b * Nq, offs_m, Nq,
-                                     BLOCK_N)
-    else:
-        lo, hi = _causal_bounds(start_m, Nq, Nk, BLOCK_M, BLOCK_N, IS_CAUSAL)
+    lo, hi = _key_bounds(start_m, Nq, Nk, win_l, win_r, RLO, RHI, off_b, offs_m, BLOCK_M,
+                         BLOCK_N, IS_CAUSAL, WINDOW, SEGMENTS)
     if WARP_SPEC:  # the launcher sets it only with no user mask and no window
         tl.static_assert(MASK_KIND == 0, "WARP_SPEC: no mask")
         dq = _dq_inner_ws(dq, q, do, lse2, delta,

@@ -149,6 +149,24 @@ def _in_band(rows, cols, Nq, Nk, win_l, win_r):
 
 
 @triton.jit
+def _key_bounds(start_m, Nq, Nk, win_l, win_r, RLO, RHI, off_b, offs_m,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr,
+                WINDOW: tl.constexpr, SEGMENTS: tl.constexpr):
+    """The key range of a query block (forward, JVP, dQ). Plain: [0, lo) needs no mask,
+    [lo, hi) is the causal diagonal / ragged end (``_causal_bounds``). ``WINDOW`` (causal
+    folded into ``win_r`` by the launcher): only the band's blocks, and with ``SEGMENTS``
+    only those of the rows' segments, all of [lo, hi) masked."""
+    if WINDOW:
+        lo, hi = _window_bounds(start_m, Nq, Nk, win_l, win_r, BLOCK_M, BLOCK_N)
+        if SEGMENTS:
+            lo, hi = _segment_bounds(lo, hi, RLO + off_b * Nq, RHI + off_b * Nq, offs_m, Nq,
+                                     BLOCK_N)
+    else:
+        lo, hi = _causal_bounds(start_m, Nq, Nk, BLOCK_M, BLOCK_N, IS_CAUSAL)
+    return lo, hi
+
+
+@triton.jit
 def _row_segments(QSEG, KSEG, off_b, offs_m, Nq, Nk, SEGMENTS: tl.constexpr):
     """(segment labels of rows ``offs_m``, this batch's column labels) with ``SEGMENTS``;
     else placeholders (0, 0: a jitted function cannot return None)."""
@@ -427,13 +445,8 @@ def _attn_fwd(
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
     seg_m, kseg_base = _row_segments(QSEG, KSEG, off_b, offs_m, Nq, Nk, SEGMENTS)
-    if WINDOW:  # (the launcher folds causal into win_r = 0): only the band, all masked
-        lo, hi = _window_bounds(start_m, Nq, Nk, win_l, win_r, BLOCK_M, BLOCK_N)
-        if SEGMENTS:  # and only the key blocks of the rows' segments
-            lo, hi = _segment_bounds(lo, hi, RLO + off_b * Nq, RHI + off_b * Nq, offs_m, Nq,
-                                     BLOCK_N)
-    else:
-        lo, hi = _causal_bounds(start_m, Nq, Nk, BLOCK_M, BLOCK_N, IS_CAUSAL)
+    lo, hi = _key_bounds(start_m, Nq, Nk, win_l, win_r, RLO, RHI, off_b, offs_m, BLOCK_M,
+                         BLOCK_N, IS_CAUSAL, WINDOW, SEGMENTS)
     if WARP_SPEC:  # the launcher sets it only with FOLD_SCALE, no user mask and no window
         tl.static_assert(FOLD_SCALE and MASK_KIND == 0, "WARP_SPEC: scale > 0, no mask")
         acc, l_i, m_i = _fwd_inner_ws(acc, l_i, m_i, q,

@@ -15,14 +15,12 @@ import triton
 import triton.language as tl
 
 from torchfn.kernels._triton_fwd import (
-    _causal_bounds,
+    _key_bounds,
     _load_rows,
     _mask_tile,
     _row_max,
     _row_segments,
-    _segment_bounds,
     _store_rows,
-    _window_bounds,
 )
 
 
@@ -131,13 +129,9 @@ def _attn_jvp(
     tv_base = TV + off_b * stvb + off_hk * stvh
     m_base = MASK + off_b * smb + off_h * smh
     seg_m, kseg_base = _row_segments(QSEG, KSEG, off_b, offs_m, Nq, Nk, SEGMENTS)
-    if WINDOW:  # only the band's key blocks (and the rows' segments'), all masked
-        lo, hi = _window_bounds(start_m, Nq, Nk, win_l, win_r, BLOCK_M, BLOCK_N)
-        if SEGMENTS:
-            lo, hi = _segment_bounds(lo, hi, RLO + off_b * Nq, RHI + off_b * Nq, offs_m, Nq,
-                                     BLOCK_N)
-    else:
-        lo, hi = _causal_bounds(start_m, Nq, Nk, BLOCK_M, BLOCK_N, IS_CAUSAL)
+    lo, hi = _key_bounds(start_m, Nq, Nk, win_l, win_r, RLO, RHI, off_b, offs_m, BLOCK_M,
+                         BLOCK_N, IS_CAUSAL, WINDOW, SEGMENTS)
+    if not WINDOW:  # the unmasked stage (the band's blocks are all masked)
         acc_o, acc_t, acc_s, l_i, m_i = _jvp_inner(
             acc_o, acc_t, acc_s, l_i, m_i, q, tq, k_base, v_base, tk_base, tv_base, m_base,
             offs_m, offs_d, 0, lo, skn, svn, stkn, stvn, smm, smn, Nq, Nk, qk_scale, sm_scale,
