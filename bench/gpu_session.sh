@@ -3,6 +3,7 @@
 #
 #   bash bench/gpu_session.sh check   # gpu-marked tests + the benchmark table (~7 min)
 #   bash bench/gpu_session.sh sweep   # per-kernel block-config sweep (~1.5-5 min)
+#   bash bench/gpu_session.sh features  # window / packed documents vs SDPA, flex (~2.5 min)
 #
 # Run from the repository root on the CUDA machine; it needs torch, triton, pytest and
 # hypothesis there, nothing else (torchfn.kernels imports neither optree nor torchopt).
@@ -44,8 +45,13 @@ case "${1:-}" in
       --budget-s "${BUDGET_S:-270}" 2>&1 | tail -150 > "$OUT/sweep.log"
     cp "$WORK"/gpu_sweep.json "$WORK"/gpu_sweep.md "$OUT"/
     ;;
+  features)
+    timeout 200 python3 bench/gpu_features.py $DRY_FLAG --out "$WORK/gpu_features.json" \
+      --budget-s "${BUDGET_S:-140}" 2>&1 | tail -60 > "$OUT/features.log"
+    cp "$WORK"/gpu_features.json "$WORK"/gpu_features.md "$OUT"/
+    ;;
   *)
-    echo "usage: bash bench/gpu_session.sh check|sweep" >&2
+    echo "usage: bash bench/gpu_session.sh check|sweep|features" >&2
     exit 2
     ;;
 esac

@@ -64,3 +64,25 @@ def test_sweep_dry_run_times_every_kernel(tmp_path):
     # the warp-specialized ops were timed by a child of their own, after the others
     ws_best = [r for r in result["sweep"] if r.get("kind") == "sweep_best_configs" and r["ws"]]
     assert len(ws_best) == 2 and all("dkdv_ws" in r["best"] for r in ws_best)
+
+
+def test_features_dry_run_times_every_case(tmp_path):
+    # bench/gpu_features.py (window / packed documents vs SDPA with a dense mask): a few
+    # seconds in the interpreter, so in the default run
+    out = tmp_path / "features.json"
+    env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "src"), TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "gpu_features.py"),
+                           "--dry-run", "--out", str(out)],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    timed = {(r["case"], r["provider"], r["mode"]) for r in rows if "ms" in r}
+    want = {(c, p, m) for c, p in [("window", "torchfn"), ("window", "sdpa_mask"),
+                                   ("documents", "torchfn"), ("documents", "sdpa_mask"),
+                                   ("causal", "torchfn"), ("causal", "sdpa")]
+            for m in ("fwd", "fwd_bwd")}
+    assert timed == want
+    # torchfn gives the dense-mask SDPA's output (fp32 in the dry run)
+    assert all(r["rel_diff"] < 1e-5 for r in rows if "rel_diff" in r)
+    assert len([r for r in rows if "rel_diff" in r]) == 3
+    assert (tmp_path / "features.md").read_text().count("| torchfn |") == 6

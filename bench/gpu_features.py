@@ -1,0 +1,199 @@
+#!/usr/bin/env python
+"""GPU timing of the attention features that skip work: sliding windows and packed
+documents (``window=``, ``segment_ids=``), next to what PyTorch users write today.
+
+Per case, forward and forward+backward, bf16, B=2, H=16, D=128, N=8192 (causal):
+
+* ``window``: each query sees itself and the 1023 keys before it;
+* ``documents``: 8 documents of N/8 tokens packed into each sequence;
+* ``causal``: plain causal, for scale.
+
+Providers: ``torchfn`` (the public ``attention``, autotuned), ``sdpa_mask`` (SDPA given the
+same pattern as a dense bool mask: the only way to say it to SDPA), ``sdpa`` (plain
+causal, SDPA's best backend: the floor a skipping kernel can beat) and ``flex``
+(compiled FlexAttention with the pattern as a block mask). Each row gives ms and
+effective TFLOP/s over the *attended* pairs (4 D per pair forward, 2.5x that backward),
+and torchfn's relative difference from ``sdpa_mask``. Run from the repository root on
+the CUDA machine::
+
+    PYTHONPATH=src python bench/gpu_features.py --out /tmp/gpu_features.json
+
+``--dry-run`` runs it on a CPU (the Triton interpreter, tiny sizes, no flex).
+``--budget-s`` (default 140) is a deadline: past it no new case starts, and the JSON and
+its markdown table (same name, ``.md``) are always written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+
+
+def _setup(dry: bool) -> None:
+    if dry:
+        os.environ["TRITON_INTERPRET"] = "1"  # before triton.language is imported
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
+        __file__))), "src"))
+
+
+def _timer(dry: bool):
+    if not dry:
+        from triton.testing import do_bench
+
+        return lambda fn: do_bench(fn, warmup=25, rep=60)
+
+    def cpu_time(fn):
+        fn()
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
+
+    return cpu_time
+
+
+def _patterns(N: int, W: int, docs: int, device: str):
+    """name -> (torchfn kwargs, dense (N, N) bool mask, flex mask_mod or None)."""
+    import torch
+
+    i = torch.arange(N, device=device)
+    causal = i[None, :] <= i[:, None]
+    ids = (i * docs // N)[None]  # (1, N)
+    same = ids[0, :, None] == ids[0, None, :]
+    return {
+        "window": (dict(causal=True, window=(W - 1, None)),
+                   causal & (i[None, :] > i[:, None] - W),
+                   lambda b, h, q, k: (k <= q) & (k > q - W)),
+        "documents": (dict(causal=True, segment_ids=ids), causal & same,
+                      lambda b, h, q, k: (k <= q) & (ids[0, q] == ids[0, k])),
+        "causal": (dict(causal=True), causal, lambda b, h, q, k: k <= q),
+    }
+
+
+def run(args) -> list[dict]:
+    import torch
+    import torch.nn.functional as F
+
+    from torchfn.kernels import attention
+
+    dry = args.dry_run
+    dev = "cpu" if dry else "cuda"
+    dtype = torch.float32 if dry else torch.bfloat16
+    B, H, N, D, W, DOCS = (1, 2, 128, 16, 32, 4) if dry else (2, 16, 8192, 128, 1024, 8)
+    deadline = time.time() + args.budget_s
+    timer = _timer(dry)
+    flex = None
+    if not dry:
+        try:
+            from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+            flex = torch.compile(flex_attention, dynamic=False)
+        except Exception:  # noqa: BLE001 - an older torch: no flex column
+            flex = None
+    g = torch.Generator(device=dev).manual_seed(0)
+    q, k, v, do = (torch.randn(B, H, N, D, generator=g, device=dev, dtype=dtype)
+                   for _ in range(4))
+    rows = []
+    for name, (kw, dense, mask_mod) in _patterns(N, W, DOCS, dev).items():
+        pairs = int(dense.sum()) * B * H
+        providers = {"torchfn": lambda q, k, v, kw=kw: attention(
+            q, k, v, backend="triton", **kw)}
+        if name == "causal":
+            providers["sdpa"] = lambda q, k, v: F.scaled_dot_product_attention(
+                q, k, v, is_causal=True)
+        else:
+            providers["sdpa_mask"] = lambda q, k, v, m=dense: F.scaled_dot_product_attention(
+                q, k, v, attn_mask=m)
+        if flex is not None:
+            bm = create_block_mask(mask_mod, None, None, N, N, device=dev)
+            providers["flex"] = lambda q, k, v, bm=bm: flex(q, k, v, block_mask=bm)
+        ref = None
+        for prov, fn in providers.items():
+            for mode in ("fwd", "fwd_bwd"):
+                if time.time() > deadline:
+                    rows.append({"case": name, "provider": prov, "mode": mode,
+                                 "error": "budget"})
+                    continue
+                row = {"case": name, "provider": prov, "mode": mode, "B": B, "H": H, "N": N,
+                       "D": D, "pairs": pairs}
+                try:
+                    if mode == "fwd":
+                        with torch.no_grad():
+                            out = fn(q, k, v)
+                            if prov != "torchfn" and ref is None:
+                                ref = out.float()
+                            row["ms"] = timer(lambda fn=fn: fn(q, k, v))
+                        row["out"] = out
+                    else:
+                        xs = tuple(x.detach().clone().requires_grad_() for x in (q, k, v))
+                        row["ms"] = timer(lambda fn=fn, xs=xs: torch.autograd.grad(fn(*xs), xs,
+                                                                                   do))
+                    flops = 4 * D * pairs * (3.5 if mode == "fwd_bwd" else 1.0)
+                    row["tflops"] = round(flops / row["ms"] / 1e9, 1)
+                    row["ms"] = round(row["ms"], 3)
+                except Exception as e:  # noqa: BLE001
+                    row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+                    traceback.print_exc()
+                rows.append(row)
+        for row in rows:  # torchfn's difference from the dense-mask (or causal) SDPA
+            out = row.pop("out", None)
+            if out is not None and row["provider"] == "torchfn" and ref is not None:
+                row["rel_diff"] = float((out.float() - ref).norm() / ref.norm())
+    return rows
+
+
+def markdown(rows: list[dict], env: dict) -> str:
+    lines = [f"GPU: {env.get('gpu')}; torch {env.get('torch')}; triton {env.get('triton')}", "",
+             "| case | mode | provider | ms | TFLOP/s (attended pairs) | torchfn / best other "
+             "| rel diff |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "ms" not in r:
+            lines.append(f"| {r['case']} | {r['mode']} | {r['provider']} | "
+                         f"{r.get('error', '')} | | | |")
+            continue
+        others = [o["ms"] for o in rows if o["case"] == r["case"] and o["mode"] == r["mode"]
+                  and o["provider"] != "torchfn" and "ms" in o]
+        ratio = (f"{r['ms'] / min(others):.2f}x" if r["provider"] == "torchfn" and others
+                 else "")
+        diff = f"{r['rel_diff']:.1e}" if "rel_diff" in r else ""
+        lines.append(f"| {r['case']} | {r['mode']} | {r['provider']} | {r['ms']} | "
+                     f"{r['tflops']} | {ratio} | {diff} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default="/tmp/gpu_features.json")
+    ap.add_argument("--budget-s", type=float, default=140.0)
+    ap.add_argument("--dry-run", action="store_true")
+    args = ap.parse_args(argv)
+    _setup(args.dry_run)
+    import torch
+
+    env = {"torch": torch.__version__}
+    try:
+        import triton
+
+        env["triton"] = triton.__version__
+    except ImportError:
+        env["triton"] = None
+    env["gpu"] = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu (dry run)"
+    try:
+        rows = run(args)
+    except Exception as e:  # noqa: BLE001 - the files are written all the same
+        traceback.print_exc()
+        rows = [{"error": f"{type(e).__name__}: {e}"}]
+    with open(args.out, "w") as f:
+        json.dump({"env": env, "rows": rows}, f, indent=1)
+    table = markdown([r for r in rows if "case" in r], env)
+    with open(os.path.splitext(args.out)[0] + ".md", "w") as f:
+        f.write(table)
+    print(table)
+    return 0 if rows and all("error" not in r for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
