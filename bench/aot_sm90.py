@@ -88,11 +88,12 @@ _TMA_DESCS = {
 
 def _compile(kind: str, head_dim: int, cfg: tuple[int, int, int, int], dtype: str,
              causal: bool = False, gqa: bool = False, window: bool = False,
-             segments: bool = False):
+             segments: bool = False, softcap: bool = False):
     """The Triton-compiled sm_90 kernel of one (kind, head dim, config, dtype); ``gqa``:
     the GQA group size is a runtime integer (the JIT makes it a constant when it is 1);
     ``window``: the sliding-window (band) kernel, which the launcher never warp-specializes;
-    ``segments``: the band kernel with segment ids (document masking)."""
+    ``segments``: the band kernel with segment ids (document masking); ``softcap``: with
+    logit soft-capping (no scale fold)."""
     int_one = set() if gqa else _INT_ONE
     from torchfn.kernels._triton_configs import _OVERLAP
 
@@ -119,6 +120,12 @@ def _compile(kind: str, head_dim: int, cfg: tuple[int, int, int, int], dtype: st
             raise ValueError("the launcher never warp-specializes a windowed kernel")
         consts.update(WINDOW=True, IS_CAUSAL=False)  # (causal is folded into the band)
     consts["SEGMENTS"] = segments
+    if softcap:
+        if ws:
+            raise ValueError("the launcher never warp-specializes a soft-capped kernel")
+        consts["SOFTCAP"] = True
+        if kind == "fwd":
+            consts["FOLD_SCALE"] = False
     descs = {}
     if tma:
         consts["USE_TMA"] = True
@@ -145,7 +152,7 @@ def _compile(kind: str, head_dim: int, cfg: tuple[int, int, int, int], dtype: st
             sig[name] = f"*{dtype}"
         elif name in _FP32_PTRS:
             sig[name] = "*fp32"
-        elif name in ("qk_scale", "sm_scale"):
+        elif name in ("qk_scale", "sm_scale", "cap2"):
             sig[name] = "fp32"
         else:
             sig[name] = "i32"
@@ -223,7 +230,7 @@ def wgmma_overlap(sass: str, ops: tuple[str, ...] = ("MUFU",)) -> dict[str, tupl
 
 def compile_sm90(kind: str, head_dim: int, cfg: tuple[int, int, int, int],
                  dtype: str = "bf16", causal: bool = False, gqa: bool = False,
-                 window: bool = False, segments: bool = False) -> dict:
+                 window: bool = False, segments: bool = False, softcap: bool = False) -> dict:
     """Compile one (kind, head dim, config) for sm_90: {'regs', 'spill', 'smem', 'warps',
     'setmaxnreg'}.
 
@@ -231,7 +238,7 @@ def compile_sm90(kind: str, head_dim: int, cfg: tuple[int, int, int, int],
     in ``_tma`` is that kernel with ``USE_TMA`` (tensor-descriptor loads), one ending in
     ``_ws`` the warp-specialized variant.
     """
-    compiled = _compile(kind, head_dim, cfg, dtype, causal, gqa, window, segments)
+    compiled = _compile(kind, head_dim, cfg, dtype, causal, gqa, window, segments, softcap)
     usage = _cuobjdump(compiled.asm["cubin"], "-res-usage")
     regs, stack = re.search(r"REG:(\d+)", usage), re.search(r"STACK:(\d+)", usage)
     sass = _cuobjdump(compiled.asm["cubin"], "-sass") if kind.endswith("_ws") else ""
@@ -259,6 +266,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="build the sliding-window (band) kernels (not for the _ws kinds)")
     ap.add_argument("--segments", action="store_true",
                     help="build the band kernels with segment ids (document masking)")
+    ap.add_argument("--softcap", action="store_true",
+                    help="build the kernels with logit soft-capping")
     ap.add_argument("--gqa", action="store_true",
                     help="build for a GQA group > 1 (a runtime integer, not the constant 1)")
     ap.add_argument("--dims", nargs="+", type=int, default=[64, 128])
@@ -296,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
                           + f" ovl={ovl}/{mufu}", flush=True)
                     continue
                 r = compile_sm90(name, d, cfg, args.dtype, args.causal, args.gqa, args.window,
-                                 args.segments)
+                                 args.segments, args.softcap)
                 ws = name.endswith("_ws")
                 ok = r["spill"] == 0 and r["smem"] <= SMEM_LIMIT and (
                     not ws or (r["warps"] == 12 and r["setmaxnreg"] > 0))

@@ -230,3 +230,10 @@ def test_bad_segment_ids(qkv, ids, error, match, fn):
     q, k, _ = qkv
     with pytest.raises(error, match=match):
         fn(*qkv, segment_ids=ids(q.shape[0], q.shape[2], k.shape[2]))
+
+
+@pytest.mark.parametrize("softcap", [0.0, -1.0, float("inf"), float("nan"), True, "30"])
+@pytest.mark.parametrize("fn", [attention, reference_attention], ids=["attention", "reference"])
+def test_bad_softcap(qkv, softcap, fn):
+    with pytest.raises(ValueError, match=r"softcap must be None or a finite number > 0, got"):
+        fn(*qkv, softcap=softcap)

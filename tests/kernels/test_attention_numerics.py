@@ -420,3 +420,47 @@ def test_segments_skip_the_other_documents():
     layout = _torch_ops._Layout(q, q, None, True, 1.0, (-1, -1), (ids, ids))
     scores = sum((i1 - i0) * (k1 - k0) for i0, i1, k0, k1 in layout.blocks())
     assert scores <= 4096 * 512  # vs 4096 * 4096 / 2 causal without segments
+
+
+@given(Nq=st.integers(1, 40), Nk=st.integers(1, 40), causal=st.booleans(),
+       softcap=st.sampled_from([0.3, 2.0, 50.0]), mask=st.sampled_from(["none", "additive"]),
+       seed=st.integers(0, 2**16))
+def test_softcap_is_tanh_of_the_scaled_scores(Nq, Nk, causal, softcap, mask, seed, data,
+                                               rel_err):
+    """softcap == ``softcap * tanh(scale q k^T / softcap)`` before the mask, written out with
+    autograd: the torch path (values, vjp, jvp) and the reference's hand-written vjp
+    (which second order differentiates)."""
+    from torchfn.kernels._reference import attention_vjp
+
+    q, k, v = (3 * x for x in data(seed).qkv(1, 2, 1, Nq, Nk, 8))  # large scores: the cap bites
+    kw = {}
+    if mask == "additive":
+        kw["mask"] = data(seed + 1).normal(1, 1, Nq, Nk)
+    scale = 8 ** -0.5
+
+    def written_out(q, k, v):
+        kr, vr = k.expand(-1, 2, -1, -1), v.expand(-1, 2, -1, -1)
+        s = softcap * torch.tanh(scale * q @ kr.transpose(-1, -2) / softcap)
+        if "mask" in kw:
+            s = s + kw["mask"]
+        if causal:
+            i = torch.arange(Nq)[:, None] + Nk - Nq
+            s = s.masked_fill(torch.arange(Nk) > i, float("-inf"))
+        dead = (s == float("-inf")).all(-1, keepdim=True)  # a row with no key: output 0
+        return (torch.softmax(s.masked_fill(dead, 0.0), -1) * ~dead) @ vr
+
+    do = data(seed + 2).normal(1, 2, Nq, 8)
+    tangents = tuple(torch.ones_like(x) for x in (q, k, v))
+    o_ref, vjp_ref = torch.func.vjp(written_out, q, k, v)
+    g_ref = vjp_ref(do)
+    _, t_ref = torch.func.jvp(written_out, (q, k, v), tangents)
+    ours = lambda q, k, v: attention(q, k, v, causal=causal, softcap=softcap,  # noqa: E731
+                                     backend="torch", **kw)
+    with torch_path(50):
+        o, vjp_fn = torch.func.vjp(ours, q, k, v)
+        g = vjp_fn(do)
+        _, t = torch.func.jvp(ours, (q, k, v), tangents)
+    assert rel_err(o, o_ref) <= 1e-12 and rel_err(t, t_ref) <= 1e-12
+    hand = attention_vjp(q, k, v, do, kw.get("mask"), causal, scale, softcap=softcap)
+    for a, b, c in zip(g, hand, g_ref):
+        assert rel_err(a, c) <= 1e-12 and rel_err(b, c) <= 1e-12

@@ -35,12 +35,14 @@ def _causal(Nq, Nk, device):
         torch.arange(Nq, device=device)[:, None] + (Nk - Nq))
 
 
-def reference(q, k, v, mask, causal, scale):
+def reference(q, k, v, mask, causal, scale, softcap=None):
     """Materialised float64 attention -> (o, lse); fully masked rows: o = 0, lse = -inf."""
     q, k, v = q.double(), k.double(), v.double()
     g = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
     s = scale * q @ k.transpose(-1, -2)
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
     allowed = torch.ones_like(s, dtype=torch.bool)
     if mask is not None:
         if mask.dtype == torch.bool:
@@ -254,12 +256,14 @@ def test_gpu_warp_specialized_kernels_are_the_plain_kernels(D, causal, Nq, Nk, H
 
 # last in the file: gpu_session.sh gives these tests 300 s, and the band kernels' compiles
 # must not push the warp-specialized tests (which decide the bench's --ws) out of it
-@pytest.mark.parametrize("dtype, causal, window, packed",
-                         [(torch.float32, True, (200, None), True),
-                          (torch.bfloat16, False, (64, 31), False),
-                          (torch.bfloat16, True, None, True)],
-                         ids=["fp32-causal-sliding-packed", "bf16-band", "bf16-causal-packed"])
-def test_gpu_window_and_segments_match_reference(dtype, causal, window, packed):
+@pytest.mark.parametrize("dtype, causal, window, packed, softcap",
+                         [(torch.float32, True, (200, None), True, None),
+                          (torch.bfloat16, False, (64, 31), False, None),
+                          (torch.bfloat16, True, None, True, None),
+                          (torch.float32, True, None, False, 2.0)],
+                         ids=["fp32-causal-sliding-packed", "bf16-band", "bf16-causal-packed",
+                              "fp32-causal-softcap"])
+def test_gpu_window_and_segments_match_reference(dtype, causal, window, packed, softcap):
     # the band kernels (WINDOW, SEGMENTS) through the public API: values and gradients
     from torchfn.kernels import _dispatch, _reference, attention
 
@@ -275,11 +279,11 @@ def test_gpu_window_and_segments_match_reference(dtype, causal, window, packed):
     band = band.expand(2, 4, 700, 900)
     scale = 64 ** -0.5
     f = lambda q, k, v: attention(q, k, v, causal=causal, window=window,  # noqa: E731
-                                  segment_ids=ids, backend="triton")
+                                  segment_ids=ids, softcap=softcap, backend="triton")
     o, vjp = torch.func.vjp(f, q, k, v)
     grads = vjp(do)
     leaves = [x.double().requires_grad_() for x in (q, k, v)]
-    ro, _ = reference(*leaves, band, False, scale)
+    ro, _ = reference(*leaves, band, False, scale, softcap)
     rgrads = torch.autograd.grad(ro, leaves, do.double())
     ours = [rel_err(o, ro)] + [rel_err(g, r) for g, r in zip(grads, rgrads)]
     if dtype == torch.float32:

@@ -26,6 +26,7 @@ from hypothesis import strategies as st  # noqa: E402
 
 pytest.importorskip("triton", reason="triton is not installed")
 
+from torchfn.kernels import _triton_fwd  # noqa: E402
 from torchfn.kernels import _triton_ops as T  # noqa: E402
 
 FP32_TOL = 1e-5
@@ -38,7 +39,8 @@ def _interpreter_on(monkeypatch):
 
 
 # --------------------------------------------------------------------------- reference
-def reference(q, k, v, mask=None, causal=False, scale=None, window=(-1, -1), segments=None):
+def reference(q, k, v, mask=None, causal=False, scale=None, window=(-1, -1), segments=None,
+              softcap=0.0):
     """Materialised float64 attention -> (o, lse); fully masked rows give o = 0, lse = -inf.
     ``window``: (left, right) keys each side of the (bottom-right) diagonal, -1 unbounded;
     ``segments``: (q ids (B, Nq), kv ids (B, Nk)), equal ids attend."""
@@ -49,6 +51,8 @@ def reference(q, k, v, mask=None, causal=False, scale=None, window=(-1, -1), seg
     v = v.repeat_interleave(H // Hkv, 1)
     scale = D**-0.5 if scale is None else scale
     s = scale * q @ k.transpose(-1, -2)
+    if softcap > 0:
+        s = softcap * torch.tanh(s / softcap)
     allowed = torch.ones(B, H, Nq, Nk, dtype=torch.bool)
     if mask is not None:
         if mask.dtype == torch.bool:
@@ -161,15 +165,16 @@ def make_inputs(B, H, Hkv, Nq, Nk, D, dtype, seed):
 
 # --------------------------------------------------------------------------- the check
 def check(B, H, Hkv, Nq, Nk, D, dtype, causal, mask_kind, *, seed=0, fwd_cfg=None, bwd_cfg=None,
-          deterministic=True, window=(-1, -1), segments=None):
+          deterministic=True, window=(-1, -1), segments=None, softcap=0.0):
     """Triton fwd/bwd/jvp vs the float64 reference; raises AssertionError with the errors.
     ``window``: the raw ops' normalised (left, right), -1 = unbounded; ``segments``:
-    "packed" (contiguous documents) or "random" ids (``make_segments``)."""
+    "packed" (contiguous documents) or "random" ids (``make_segments``); ``softcap``: fp32
+    only (SDPA, the fp16 / bf16 peer, has none)."""
     q, k, v, do, (tq, tk, tv), gen = make_inputs(B, H, Hkv, Nq, Nk, D, dtype, seed)
     mask = make_mask(mask_kind, B, H, Nq, Nk, dtype, gen)
     segs = make_segments(segments, B, Nq, Nk, gen)
     scale = D**-0.5
-    extra = dict(window=window, segments=segs)
+    extra = dict(window=window, segments=segs, softcap=softcap)
 
     o, lse = T.fwd(q, k, v, mask, causal, scale, config=fwd_cfg, **extra)
     dq, dk, dv = T.bwd(q, k, v, o, lse, do, mask, causal, scale, deterministic, config=bwd_cfg,
@@ -181,10 +186,10 @@ def check(B, H, Hkv, Nq, Nk, D, dtype, causal, mask_kind, *, seed=0, fwd_cfg=Non
         assert not t.isnan().any()
 
     leaves = [x.double().requires_grad_() for x in (q, k, v)]
-    ro, rlse = reference(*leaves, mask, causal, scale, window, segs)
+    ro, rlse = reference(*leaves, mask, causal, scale, window, segs, softcap)
     rgrads = torch.autograd.grad(ro, leaves, do.double())
     _, rto = torch.func.jvp(
-        lambda a, b, c: reference(a, b, c, mask, causal, scale, window, segs)[0],
+        lambda a, b, c: reference(a, b, c, mask, causal, scale, window, segs, softcap)[0],
         tuple(x.double() for x in (q, k, v)), tuple(x.double() for x in (tq, tk, tv)),
     )
 
@@ -417,6 +422,44 @@ def test_segments_with_tma_and_atomic_dq(deterministic, tma, monkeypatch):
 )
 def test_property_segments_fp32_matches_reference(Nq, Nk, causal, segments, seed):
     check(2, 2, 1, Nq, Nk, 16, torch.float32, causal, None, seed=seed, segments=segments)
+
+
+# --------------------------------------------------------------------------- softcap
+@pytest.mark.parametrize("deterministic", [True, False], ids=["det", "atomic-dq"])
+@pytest.mark.parametrize("B, H, Hkv, Nq, Nk, D, causal, mask, softcap", [
+    pytest.param(1, 2, 2, 96, 130, 32, True, None, 1.0, id="causal-cap1"),
+    pytest.param(2, 4, 2, 70, 70, 24, False, "additive", 5.0, id="gqa-additive-cap5"),
+    pytest.param(1, 2, 1, 83, 61, 64, False, "keypad", 30.0, id="keypad-cap30"),
+])
+def test_softcap_matches_reference(B, H, Hkv, Nq, Nk, D, causal, mask, softcap, deterministic):
+    check(B, H, Hkv, Nq, Nk, D, torch.float32, causal, mask, softcap=softcap,
+          deterministic=deterministic)
+
+
+@pytest.mark.parametrize("tma", ["0", "1"], ids=["ptr", "tma"])
+def test_softcap_with_window_segments_and_tma(tma, monkeypatch):
+    monkeypatch.setenv("TORCHFN_TRITON_TMA", tma)
+    check(2, 2, 1, 100, 120, 32, torch.float32, True, None, window=(40, -1), segments="packed",
+          softcap=2.0)
+
+
+def test_tanh_is_fp32_accurate():
+    # the kernels' own tanh (Triton has none the interpreter runs) across its two regimes
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def kernel(X, Y, N: tl.constexpr):
+        offs = tl.arange(0, N)
+        tl.store(Y + offs, _triton_fwd._tanh(tl.load(X + offs)))
+
+    x = torch.cat([torch.linspace(-12, 12, 4001), torch.tensor([0.0, 1e-30, -1e-7, 0.3, -0.3,
+                                                                0.29999, 88.0, -88.0])])
+    x = torch.nn.functional.pad(x, (0, 4096 - len(x)))
+    y = torch.empty_like(x)
+    kernel[(1,)](x, y, 4096)
+    exact = torch.tanh(x.double())
+    assert ((y.double() - exact).abs() / exact.abs().clamp_min(1e-30)).max() <= 4e-7
 
 
 # --------------------------------------------------------------------------- edge cases

@@ -154,6 +154,15 @@ def test_sliding_window_transformer_equals_a_band_mask():
     torch.testing.assert_close(model.apply(params, tokens), reference.apply(params, tokens))
     assert not torch.allclose(model.apply(params, tokens),
                               torchfn.Model(TransformerEncoder(**kw)).apply(params, tokens))
+    # softcap reaches the kernel the same way
+    capped = torchfn.Model(TransformerEncoder(**kw, softcap=0.5))
+
+    def capped_attend(q, k, v, *, key_padding_mask, causal):
+        return attention(q, k, v, key_padding_mask=key_padding_mask, causal=causal, softcap=0.5)
+
+    torch.testing.assert_close(
+        capped.apply(params, tokens),
+        torchfn.Model(TransformerEncoder(**kw, attend=capped_attend)).apply(params, tokens))
 
 
 def test_transformer_on_features_and_keyed_dropout():

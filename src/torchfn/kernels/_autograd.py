@@ -64,6 +64,7 @@ def attention_fwd(
     window_right: int = -1,
     q_ids: Tensor | None = None,
     kv_ids: Tensor | None = None,
+    softcap: float = 0.0,
 ) -> tuple[Tensor, Tensor]:
     """(o, lse): o (B, H, Nq, D), lse (B, H, Nq) fp32 (fp64 for fp64 inputs).
     ``window_left`` / ``window_right``: the normalised window (-1: unbounded);
@@ -71,12 +72,12 @@ def attention_fwd(
     q, k, v = (_last_contiguous(x) for x in (q, k, v))
     return _backend(backend).fwd(q, k, v, _expand(mask, q, k), causal, scale,
                                  window=(window_left, window_right),
-                                 segments=_segments(q_ids, kv_ids))
+                                 segments=_segments(q_ids, kv_ids), softcap=softcap)
 
 
 @attention_fwd.register_fake
 def _(q, k, v, mask, causal, scale, backend, window_left=-1, window_right=-1, q_ids=None,
-      kv_ids=None):
+      kv_ids=None, softcap=0.0):
     B, H, Nq, D = q.shape
     return q.new_empty(B, H, Nq, D), q.new_empty(B, H, Nq, dtype=_lse_dtype(q.dtype))
 
@@ -98,17 +99,18 @@ def attention_bwd(
     window_right: int = -1,
     q_ids: Tensor | None = None,
     kv_ids: Tensor | None = None,
+    softcap: float = 0.0,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) for the cotangent ``do``; dk / dv summed over GQA query heads."""
     q, k, v, o, do = (_last_contiguous(x) for x in (q, k, v, o, do))
     return _backend(backend).bwd(q, k, v, o, lse, do, _expand(mask, q, k), causal, scale,
                                  deterministic, window=(window_left, window_right),
-                                 segments=_segments(q_ids, kv_ids))
+                                 segments=_segments(q_ids, kv_ids), softcap=softcap)
 
 
 @attention_bwd.register_fake
 def _(q, k, v, o, lse, do, mask, causal, scale, backend, deterministic=True, window_left=-1,
-      window_right=-1, q_ids=None, kv_ids=None):
+      window_right=-1, q_ids=None, kv_ids=None, softcap=0.0):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
@@ -128,17 +130,18 @@ def attention_jvp(
     window_right: int = -1,
     q_ids: Tensor | None = None,
     kv_ids: Tensor | None = None,
+    softcap: float = 0.0,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(o, lse, to): forward-mode tangent ``to`` (B, H, Nq, D); a None tangent is zero."""
     q, k, v, tq, tk, tv = (_last_contiguous(x) for x in (q, k, v, tq, tk, tv))
     return _backend(backend).jvp(q, k, v, tq, tk, tv, _expand(mask, q, k), causal, scale,
                                  window=(window_left, window_right),
-                                 segments=_segments(q_ids, kv_ids))
+                                 segments=_segments(q_ids, kv_ids), softcap=softcap)
 
 
 @attention_jvp.register_fake
 def _(q, k, v, tq, tk, tv, mask, causal, scale, backend, window_left=-1, window_right=-1,
-      q_ids=None, kv_ids=None):
+      q_ids=None, kv_ids=None, softcap=0.0):
     B, H, Nq, D = q.shape
     lse = q.new_empty(B, H, Nq, dtype=_lse_dtype(q.dtype))
     return q.new_empty(B, H, Nq, D), lse, q.new_empty(B, H, Nq, D)
@@ -184,38 +187,38 @@ def _unfold(x: Tensor, size: int) -> Tensor:
 
 @torch.library.register_vmap(f"{_LIB}::attention_fwd")
 def _(info, in_dims, q, k, v, mask, causal, scale, backend, window_left=-1, window_right=-1,
-      q_ids=None, kv_ids=None):
+      q_ids=None, kv_ids=None, softcap=0.0):
     n = info.batch_size
     qd, kd, vd, md = in_dims[:4]
     q, k, v = _fold(q, qd, n), _fold(k, kd, n), _fold(v, vd, n)
     mask = _fold_mask(mask, md, n, q.shape[0] // n)
     q_ids, kv_ids = _fold(q_ids, _dim(in_dims, 9), n), _fold(kv_ids, _dim(in_dims, 10), n)
     o, lse = attention_fwd(q, k, v, mask, causal, scale, backend, window_left, window_right,
-                           q_ids, kv_ids)
+                           q_ids, kv_ids, softcap)
     return (_unfold(o, n), _unfold(lse, n)), (0, 0)
 
 
 @torch.library.register_vmap(f"{_LIB}::attention_bwd")
 def _(info, in_dims, q, k, v, o, lse, do, mask, causal, scale, backend, deterministic=True,
-      window_left=-1, window_right=-1, q_ids=None, kv_ids=None):
+      window_left=-1, window_right=-1, q_ids=None, kv_ids=None, softcap=0.0):
     n = info.batch_size
     q, k, v, o, lse, do = (_fold(x, d, n) for x, d in zip((q, k, v, o, lse, do), in_dims))
     mask = _fold_mask(mask, in_dims[6], n, q.shape[0] // n)
     q_ids, kv_ids = _fold(q_ids, _dim(in_dims, 13), n), _fold(kv_ids, _dim(in_dims, 14), n)
     grads = attention_bwd(q, k, v, o, lse, do, mask, causal, scale, backend, deterministic,
-                          window_left, window_right, q_ids, kv_ids)
+                          window_left, window_right, q_ids, kv_ids, softcap)
     return tuple(_unfold(g, n) for g in grads), (0, 0, 0)
 
 
 @torch.library.register_vmap(f"{_LIB}::attention_jvp")
 def _(info, in_dims, q, k, v, tq, tk, tv, mask, causal, scale, backend, window_left=-1,
-      window_right=-1, q_ids=None, kv_ids=None):
+      window_right=-1, q_ids=None, kv_ids=None, softcap=0.0):
     n = info.batch_size
     q, k, v, tq, tk, tv = (_fold(x, d, n) for x, d in zip((q, k, v, tq, tk, tv), in_dims))
     mask = _fold_mask(mask, in_dims[6], n, q.shape[0] // n)
     q_ids, kv_ids = _fold(q_ids, _dim(in_dims, 12), n), _fold(kv_ids, _dim(in_dims, 13), n)
     outs = attention_jvp(q, k, v, tq, tk, tv, mask, causal, scale, backend, window_left,
-                         window_right, q_ids, kv_ids)
+                         window_right, q_ids, kv_ids, softcap)
     return tuple(_unfold(x, n) for x in outs), (0, 0, 0)
 
 
@@ -223,15 +226,16 @@ def _(info, in_dims, q, k, v, tq, tk, tv, mask, causal, scale, backend, window_l
 
 
 def _save(ctx, inputs, output) -> None:
-    q, k, v, mask, causal, scale, backend, deterministic, win_l, win_r, q_ids, kv_ids = inputs
+    q, k, v, mask, causal, scale, backend, deterministic, win_l, win_r, q_ids, kv_ids = inputs[:12]
     o, lse = output
     ctx.mark_non_differentiable(lse)
     ctx.save_for_backward(q, k, v, o, lse, mask, q_ids, kv_ids)
     ctx.causal, ctx.scale, ctx.backend = causal, scale, backend
-    ctx.deterministic, ctx.window = deterministic, (win_l, win_r)
+    ctx.deterministic, ctx.window, ctx.softcap = deterministic, (win_l, win_r), inputs[12]
 
 
-_NO_GRADS = (None,) * 9  # mask, causal, scale, backend, deterministic, window, segment ids
+# mask, causal, scale, backend, deterministic, window (2), segment ids (2), softcap
+_NO_GRADS = (None,) * 10
 
 
 class _Attention(torch.autograd.Function):
@@ -239,20 +243,21 @@ class _Attention(torch.autograd.Function):
 
     @staticmethod
     def forward(q, k, v, mask, causal, scale, backend, deterministic, win_l, win_r, q_ids,
-                kv_ids):
-        return attention_fwd(q, k, v, mask, causal, scale, backend, win_l, win_r, q_ids, kv_ids)
+                kv_ids, softcap):
+        return attention_fwd(q, k, v, mask, causal, scale, backend, win_l, win_r, q_ids, kv_ids,
+                             softcap)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
         _save(ctx, inputs, output)
-        ctx.save_for_forward(*inputs[:4], *inputs[10:])
+        ctx.save_for_forward(*inputs[:4], *inputs[10:12])
 
     @staticmethod
     def backward(ctx, do, _dlse):
         q, k, v, o, lse, mask, q_ids, kv_ids = ctx.saved_tensors
         dq, dk, dv = _AttentionBackward.apply(
             q, k, v, o, lse, do, mask, ctx.causal, ctx.scale, ctx.backend, ctx.deterministic,
-            *ctx.window, q_ids, kv_ids,
+            *ctx.window, q_ids, kv_ids, ctx.softcap,
         )
         return dq, dk, dv, *_NO_GRADS
 
@@ -260,7 +265,7 @@ class _Attention(torch.autograd.Function):
     def jvp(ctx, tq, tk, tv, *_):
         q, k, v, mask, q_ids, kv_ids = ctx.saved_tensors
         to = attention_jvp(q, k, v, tq, tk, tv, mask, ctx.causal, ctx.scale, ctx.backend,
-                           *ctx.window, q_ids, kv_ids)[2]
+                           *ctx.window, q_ids, kv_ids, ctx.softcap)[2]
         return to, None
 
 
@@ -271,8 +276,9 @@ class _AttentionCompiled(torch.autograd.Function):
 
     @staticmethod
     def forward(q, k, v, mask, causal, scale, backend, deterministic, win_l, win_r, q_ids,
-                kv_ids):
-        return attention_fwd(q, k, v, mask, causal, scale, backend, win_l, win_r, q_ids, kv_ids)
+                kv_ids, softcap):
+        return attention_fwd(q, k, v, mask, causal, scale, backend, win_l, win_r, q_ids, kv_ids,
+                             softcap)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -282,18 +288,19 @@ class _AttentionCompiled(torch.autograd.Function):
     def backward(ctx, do, _dlse):
         q, k, v, o, lse, mask, q_ids, kv_ids = ctx.saved_tensors
         dq, dk, dv = attention_bwd(q, k, v, o, lse, do, mask, ctx.causal, ctx.scale, ctx.backend,
-                                   ctx.deterministic, *ctx.window, q_ids, kv_ids)
+                                   ctx.deterministic, *ctx.window, q_ids, kv_ids, ctx.softcap)
         return dq, dk, dv, *_NO_GRADS
 
 
 def _vjp_formula(ctx):
     """The materialised (q, k, v, do) -> (dq, dk, dv) and its saved primals."""
     q, k, v, do, mask, q_ids, kv_ids = ctx.saved_tensors
-    causal, scale, window = ctx.causal, ctx.scale, ctx.window
+    causal, scale, window, softcap = ctx.causal, ctx.scale, ctx.window, ctx.softcap
     segments = None if q_ids is None else (q_ids, kv_ids)
 
     def vjp(q, k, v, do):
-        return _reference.attention_vjp(q, k, v, do, mask, causal, scale, window, segments)
+        return _reference.attention_vjp(q, k, v, do, mask, causal, scale, window, segments,
+                                        softcap)
 
     return vjp, (q, k, v, do)
 
@@ -309,24 +316,24 @@ class _AttentionBackward(torch.autograd.Function):
 
     @staticmethod
     def forward(q, k, v, o, lse, do, mask, causal, scale, backend, deterministic, win_l, win_r,
-                q_ids, kv_ids):
+                q_ids, kv_ids, softcap):
         return attention_bwd(q, k, v, o, lse, do, mask, causal, scale, backend, deterministic,
-                             win_l, win_r, q_ids, kv_ids)
+                             win_l, win_r, q_ids, kv_ids, softcap)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
         q, k, v, _o, _lse, do, mask, causal, scale, _backend, _det, win_l, win_r = inputs[:13]
-        q_ids, kv_ids = inputs[13:]
+        q_ids, kv_ids, softcap = inputs[13:]
         ctx.save_for_backward(q, k, v, do, mask, q_ids, kv_ids)
         ctx.save_for_forward(q, k, v, do, mask, q_ids, kv_ids)
-        ctx.causal, ctx.scale, ctx.window = causal, scale, (win_l, win_r)
+        ctx.causal, ctx.scale, ctx.window, ctx.softcap = causal, scale, (win_l, win_r), softcap
 
     @staticmethod
     def backward(ctx, gq, gk, gv):
         fn, primals = _vjp_formula(ctx)
         _, pullback = torch.func.vjp(fn, *primals)
         rq, rk, rv, rdo = pullback((gq, gk, gv))
-        return rq, rk, rv, None, None, rdo, *(None,) * 9
+        return rq, rk, rv, None, None, rdo, *(None,) * 10
 
     @staticmethod
     def jvp(ctx, tq, tk, tv, _to, _tlse, tdo, *_):
@@ -348,12 +355,15 @@ def attention(
     deterministic: bool = True,
     window: tuple[int, int] = _reference.NO_WINDOW,
     segments: tuple[Tensor, Tensor] | None = None,
+    softcap: float = 0.0,
 ) -> Tensor:
     """Differentiable attention on validated inputs (mask: compact 4-D; window: normalised
-    (left, right), -1 = unbounded; segments: int64 (q ids (B, Nq), kv ids (B, Nk)))."""
+    (left, right), -1 = unbounded; segments: int64 (q ids (B, Nq), kv ids (B, Nk));
+    softcap: 0.0 for none)."""
     fn = _Attention
     # two ints and two tensors, not tuples: a tuple would be a pytree input to the Functions
-    args = (deterministic, *window, *(segments if segments is not None else (None, None)))
+    args = (deterministic, *window, *(segments if segments is not None else (None, None)),
+            softcap)
     if torch.compiler.is_compiling():
         if torch._C._functorch.maybe_current_level() is not None:
             # dynamo cannot trace an autograd.Function inside a torch.func transform

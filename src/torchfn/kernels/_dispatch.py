@@ -29,6 +29,7 @@ class _Args(NamedTuple):
     backend: str
     window: tuple[int, int]  # (left, right); -1: unbounded (or bounded by causal)
     segments: tuple[Tensor, Tensor] | None  # (q ids (B, Nq), kv ids (B, Nk)), int64
+    softcap: float  # 0.0: none
 
 
 def _triton_available() -> bool:
@@ -247,6 +248,7 @@ def _prepare(
     backend: str | None,
     window=None,
     segment_ids=None,
+    softcap=None,
 ) -> _Args:
     """Validate the arguments and normalise the mask and window; ``backend="reference"``
     skips the choice of backend."""
@@ -255,6 +257,9 @@ def _prepare(
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
     window = _normalize_window(window, causal, q.shape[2], k.shape[2])
     segments = _normalize_segments(segment_ids, q, k)
+    if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, (int, float))
+                                or not 0 < softcap < math.inf):
+        raise ValueError(f"softcap must be None or a finite number > 0, got {softcap!r}")
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     elif isinstance(scale, bool) or not isinstance(scale, (int, float)):
@@ -264,7 +269,7 @@ def _prepare(
     mask = _normalize_mask(mask, key_padding_mask, q, k)
     if backend != "reference":
         backend = _resolve_backend(backend, q)
-    return _Args(mask, causal, float(scale), backend, window, segments)
+    return _Args(mask, causal, float(scale), backend, window, segments, float(softcap or 0.0))
 
 
 def attention(
@@ -277,6 +282,7 @@ def attention(
     causal: bool = False,
     window: int | tuple[int | None, int | None] | None = None,
     segment_ids: Tensor | tuple[Tensor, Tensor] | None = None,
+    softcap: float | None = None,
     scale: float | None = None,
     backend: str | None = None,
     deterministic: bool = True,
@@ -312,6 +318,9 @@ def attention(
             segments only the key blocks of a query block's segments are visited.
             Combines with ``causal`` (causal within each document), ``window`` and
             ``mask``. Integer constants: they get no gradient.
+        softcap: logit soft-capping (Gemma 2, Grok): the scaled scores ``s`` become
+            ``softcap * tanh(s / softcap)`` before the mask is added, as FlashAttention's
+            ``softcap``. None (default): no cap.
         scale: score scale, default ``1 / sqrt(D)``.
         backend: ``None`` picks Triton for CUDA tensors when triton is installed
             (else the PyTorch path) and the PyTorch path on CPU; ``"torch"`` forces
@@ -346,8 +355,8 @@ def attention(
     torch.Size([2, 4, 8, 16])
     """
     args = _prepare(q, k, v, mask, key_padding_mask, causal, scale, backend, window,
-                    segment_ids)
+                    segment_ids, softcap)
     if not isinstance(deterministic, bool):
         raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
     return _autograd.attention(q, k, v, args.mask, args.causal, args.scale, args.backend,
-                               deterministic, args.window, args.segments)
+                               deterministic, args.window, args.segments, args.softcap)

@@ -78,13 +78,18 @@ def segment_ranges(rows: Tensor, cols: Tensor) -> tuple[Tensor, Tensor]:
 def _probs(
     q: Tensor, k: Tensor, mask: Tensor | None, causal: bool, scale: float,
     window: tuple[int, int] = NO_WINDOW, segments: tuple[Tensor, Tensor] | None = None,
+    softcap: float = 0.0,
 ) -> tuple[Tensor, Tensor]:
     """Softmax probabilities (B, H, Nq, Nk) and logsumexp (B, H, Nq); k: (B, H, Nk, D).
 
     ``mask`` is bool (True = attend) or additive, broadcastable to (B, H, Nq, Nk).
-    Fully masked rows give P = 0 and lse = -inf, with finite (zero) gradients.
+    ``softcap`` > 0: the scaled scores become ``softcap * tanh(s / softcap)`` before the
+    mask is added (Gemma 2). Fully masked rows give P = 0 and lse = -inf, with finite
+    (zero) gradients.
     """
     s = scale * (q @ k.transpose(-1, -2))  # (B, H, Nq, Nk)
+    if softcap > 0:
+        s = softcap * torch.tanh(s / softcap)
     if mask is not None:
         s = s.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else s + mask
     allowed = band(s.shape[-2], s.shape[-1], causal, window, s.device)
@@ -108,10 +113,11 @@ def _repeat_kv(x: Tensor, groups: int) -> Tensor:
 def _attention(
     q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool, scale: float,
     window: tuple[int, int] = NO_WINDOW, segments: tuple[Tensor, Tensor] | None = None,
+    softcap: float = 0.0,
 ) -> tuple[Tensor, Tensor]:
     """Unchecked materialised attention: (o, lse)."""
     g = q.shape[1] // k.shape[1]
-    p, lse = _probs(q, _repeat_kv(k, g), mask, causal, scale, window, segments)
+    p, lse = _probs(q, _repeat_kv(k, g), mask, causal, scale, window, segments, softcap)
     return p.to(v.dtype) @ _repeat_kv(v, g), lse
 
 
@@ -125,6 +131,7 @@ def attention_vjp(
     scale: float,
     window: tuple[int, int] = NO_WINDOW,
     segments: tuple[Tensor, Tensor] | None = None,
+    softcap: float = 0.0,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) = vjp of attention at (q, k, v) with cotangent ``do``, in plain torch ops.
 
@@ -138,10 +145,12 @@ def attention_vjp(
     hkv = k.shape[1]
     g = q.shape[1] // hkv
     kr, vr = _repeat_kv(k, g), _repeat_kv(v, g)
-    p, _ = _probs(q, kr, mask, causal, scale, window, segments)  # (B, H, Nq, Nk)
+    p, _ = _probs(q, kr, mask, causal, scale, window, segments, softcap)  # (B, H, Nq, Nk)
     dv = p.transpose(-1, -2) @ do  # (B, H, Nk, D)
     dp = do @ vr.transpose(-1, -2)
     ds = p * (dp - (dp * p).sum(-1, keepdim=True))
+    if softcap > 0:  # through the cap: d(c tanh(s / c)) / ds = 1 - tanh^2
+        ds = ds * (1 - torch.tanh(scale * (q @ kr.transpose(-1, -2)) / softcap).square())
     dq = scale * (ds @ kr)
     dk = scale * (ds.transpose(-1, -2) @ q)
     if g > 1:  # GQA: sum the query heads of each kv head
@@ -162,6 +171,7 @@ def reference_attention(
     key_padding_mask: Tensor | None = None,
     window: int | tuple[int | None, int | None] | None = None,
     segment_ids: Tensor | tuple[Tensor, Tensor] | None = None,
+    softcap: float | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Materialised attention with exactly the semantics of :func:`attention`.
 
@@ -178,6 +188,7 @@ def reference_attention(
     from ._dispatch import _prepare  # local: _dispatch imports the autograd wiring
 
     args = _prepare(q, k, v, mask, key_padding_mask, causal, scale, backend="reference",
-                    window=window, segment_ids=segment_ids)
-    o, lse = _attention(q, k, v, args.mask, args.causal, args.scale, args.window, args.segments)
+                    window=window, segment_ids=segment_ids, softcap=softcap)
+    o, lse = _attention(q, k, v, args.mask, args.causal, args.scale, args.window, args.segments,
+                        args.softcap)
     return (o, lse) if return_lse else o

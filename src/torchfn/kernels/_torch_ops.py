@@ -57,7 +57,7 @@ class _Layout:
 
     def __init__(self, q: Tensor, k: Tensor, mask: Tensor | None, causal: bool, scale: float,
                  window: tuple[int, int] = (-1, -1),
-                 segments: tuple[Tensor, Tensor] | None = None):
+                 segments: tuple[Tensor, Tensor] | None = None, softcap: float = 0.0):
         self.B, self.H, self.Nq, self.D = q.shape
         self.Hkv, self.Nk = k.shape[1], k.shape[2]
         self.G = self.H // self.Hkv
@@ -67,7 +67,7 @@ class _Layout:
         if causal:
             self.right = 0
         banded = self.left >= 0 or self.right >= 0
-        self.segments = segments
+        self.segments, self.softcap = segments, softcap
         if segments is not None:  # each query row's key range [lo, hi) (host lists)
             lo, hi = _reference.segment_ranges(*segments)
             self.seg_lo, self.seg_hi = lo.amin(0).tolist(), hi.amax(0).tolist()
@@ -104,10 +104,18 @@ class _Layout:
         x = x[:, :, i0:i1].unflatten(1, (self.Hkv, self.G))
         return x.reshape(self.B, self.Hkv, self.G * (i1 - i0), *x.shape[4:])
 
-    def scores(self, qs: Tensor, k: Tensor, i0: int, i1: int, k0: int, k1: int) -> Tensor:
+    def scores(self, qs: Tensor, k: Tensor, i0: int, i1: int, k0: int, k1: int,
+               want_dcap: bool = False):
         """Masked scores of rows [i0, i1) against keys [k0, k1): (B, Hkv, G * n, k1 - k0);
-        ``qs`` is pre-scaled."""
+        ``qs`` is pre-scaled. With ``want_dcap``: (scores, the cap's derivative
+        ``1 - tanh^2`` (None without softcap))."""
         s = qs @ k[:, :, k0:k1].transpose(-1, -2)
+        dcap = None
+        if self.softcap > 0:  # s -> c tanh(s / c), before the mask (Gemma 2)
+            t = s.div_(self.softcap).tanh_()
+            if want_dcap:
+                dcap = 1 - t.square()
+            s = t.mul_(self.softcap)
         s5 = s.view(self.B, self.Hkv, self.G, i1 - i0, k1 - k0)
         if self.mask is not None:
             m = self.mask
@@ -131,7 +139,7 @@ class _Layout:
             q_ids, kv_ids = self.segments
             other = q_ids[:, i0:i1, None] != kv_ids[:, None, k0:k1]  # (B, n, k1 - k0)
             s5.masked_fill_(other[:, None, None], float("-inf"))
-        return s
+        return (s, dcap) if want_dcap else s
 
     def unrows(self, x: Tensor, n: int) -> Tensor:
         """(B, Hkv, G * n, *) -> (B, H, n, *)."""
@@ -158,11 +166,11 @@ def _exp_scores(s: Tensor) -> tuple[Tensor, Tensor, Tensor]:
 
 
 def _sdpa_args(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool,
-               window: tuple[int, int], segments):
+               window: tuple[int, int], segments, softcap: float = 0.0):
     """(k, v, additive mask) for SDPA's fused CPU kernels, or None where they do not apply
     (a window or segments: the blockwise path skips the keys outside them)."""
     if (not _USE_SDPA or _SDPA_BWD is None or q.device.type != "cpu" or max(window) >= 0
-            or segments is not None):
+            or segments is not None or softcap > 0):
         return None
     if causal and q.shape[2] != k.shape[2]:  # SDPA's is_causal aligns top-left
         return None
@@ -186,16 +194,17 @@ def _sum_groups(x: Tensor, hkv: int) -> Tensor:
 
 
 def fwd(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool, scale: float,
-        window: tuple[int, int] = (-1, -1), segments: tuple[Tensor, Tensor] | None = None):
+        window: tuple[int, int] = (-1, -1), segments: tuple[Tensor, Tensor] | None = None,
+        softcap: float = 0.0):
     """o: (B, H, Nq, D) in q's dtype, lse: (B, H, Nq) fp32 (fp64 for fp64 inputs)."""
-    sdpa = _sdpa_args(q, k, v, mask, causal, window, segments)
+    sdpa = _sdpa_args(q, k, v, mask, causal, window, segments, softcap)
     if sdpa is not None:
         kr, vr, bias = sdpa
         o, lse = _SDPA_FWD(q, kr, vr, 0.0, causal, attn_mask=bias, scale=scale)
         if bias is not None:  # SDPA: o = 0 and lse = 0 on a row without keys; ours: -inf
             lse = lse.masked_fill(lse.eq(0) & o.eq(0).all(-1), float("-inf"))
         return o.contiguous(), lse.contiguous()
-    L = _Layout(q, k, mask, causal, scale, window, segments)
+    L = _Layout(q, k, mask, causal, scale, window, segments, softcap)
     kf, vf = k.to(L.acc), v.to(L.acc)
     o = lse = None
     for i0, i1, k0, k1 in L.blocks():
@@ -230,19 +239,20 @@ def bwd(
     deterministic: bool = True,
     window: tuple[int, int] = (-1, -1),
     segments: tuple[Tensor, Tensor] | None = None,
+    softcap: float = 0.0,
 ):
     """dq: (B, H, Nq, D); dk, dv: (B, Hkv, Nk, D) summed over each kv head's query heads.
 
     Always deterministic; ``deterministic`` is accepted for the shared backend contract.
     """
-    sdpa = _sdpa_args(q, k, v, mask, causal, window, segments)
+    sdpa = _sdpa_args(q, k, v, mask, causal, window, segments, softcap)
     if sdpa is not None:
         kr, vr, bias = sdpa
         lse = lse.masked_fill(lse == float("-inf"), 0.0)  # back to SDPA's convention
         dq, dk, dv = _SDPA_BWD(do, q, kr, vr, o, lse, 0.0, causal, attn_mask=bias, scale=scale)
         hkv = k.shape[1]
         return dq.contiguous(), _sum_groups(dk, hkv).contiguous(), _sum_groups(dv, hkv).contiguous()
-    L = _Layout(q, k, mask, causal, scale, window, segments)
+    L = _Layout(q, k, mask, causal, scale, window, segments, softcap)
     kf, vf = k.to(L.acc), v.to(L.acc)
     delta = (do.to(L.acc) * o.to(L.acc)).sum(-1, keepdim=True)  # (B, H, Nq, 1)
     lse = _safe(lse.to(L.acc)).unsqueeze(-1)  # (B, H, Nq, 1)
@@ -254,10 +264,13 @@ def bwd(
             continue
         n = i1 - i0
         qs = L.rows_of(q, i0, i1).to(L.acc) * scale
-        p = L.scores(qs, kf, i0, i1, k0, k1).sub_(L.rows_of(lse, i0, i1)).exp_()
+        s, dcap = L.scores(qs, kf, i0, i1, k0, k1, want_dcap=True)
+        p = s.sub_(L.rows_of(lse, i0, i1)).exp_()
         doc = L.rows_of(do, i0, i1).to(L.acc)  # (B, Hkv, G*n, D)
         dv[:, :, k0:k1] += p.transpose(-1, -2) @ doc
         ds = (doc @ vf[:, :, k0:k1].transpose(-1, -2)).sub_(L.rows_of(delta, i0, i1)).mul_(p)
+        if dcap is not None:  # through the softcap
+            ds.mul_(dcap)
         dq[:, :, i0:i1] = L.unrows((ds @ kf[:, :, k0:k1]).mul_(scale), n)
         dk[:, :, k0:k1] += ds.transpose(-1, -2) @ qs  # qs carries the scale
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
@@ -275,13 +288,14 @@ def jvp(
     scale: float,
     window: tuple[int, int] = (-1, -1),
     segments: tuple[Tensor, Tensor] | None = None,
+    softcap: float = 0.0,
 ):
     """Forward-mode: (o, lse, to); a ``None`` tangent means zero.
 
     With ``S = scale q k^T + mask``, ``tS = scale (tq k^T + q tk^T)``, ``P = softmax(S)``
     and ``*`` elementwise: ``to = (P * tS) v + P tv - o * rowsum(P * tS)``.
     """
-    L = _Layout(q, k, mask, causal, scale, window, segments)
+    L = _Layout(q, k, mask, causal, scale, window, segments, softcap)
     kf, vf = k.to(L.acc), v.to(L.acc)
     tkf = tk.to(L.acc) if tk is not None else None
     tvf = tv.to(L.acc) if tv is not None else None
@@ -293,7 +307,8 @@ def jvp(
             continue
         n = i1 - i0
         qs = L.rows_of(q, i0, i1).to(L.acc) * scale
-        p, inv, lsec = _exp_scores(L.scores(qs, kf, i0, i1, k0, k1))
+        s, dcap = L.scores(qs, kf, i0, i1, k0, k1, want_dcap=True)
+        p, inv, lsec = _exp_scores(s)
         oc = (p @ vf[:, :, k0:k1]).mul_(inv)
         toc = torch.zeros_like(oc)
         ts = None
@@ -303,6 +318,8 @@ def jvp(
             tsk = qs @ tkf[:, :, k0:k1].transpose(-1, -2)
             ts = tsk if ts is None else ts.add_(tsk)
         if ts is not None:
+            if dcap is not None:  # the tangent through the softcap
+                ts.mul_(dcap)
             pts = ts.mul_(p)  # P * tS (unnormalised)
             toc += (pts @ vf[:, :, k0:k1]).mul_(inv)
             toc -= oc * (pts.sum(-1, keepdim=True) * inv)

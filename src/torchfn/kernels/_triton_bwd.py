@@ -58,6 +58,7 @@ from torchfn.kernels._triton_fwd import (
     _row_segments,
     _same_segment,
     _segment_bounds,
+    _soft_cap,
     _store_rows,
 )
 
@@ -94,7 +95,8 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, m_base, lse2_base, delta_base, dq
                 DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, ELEM: tl.constexpr,
                 DQ_ATOMIC: tl.constexpr, USE_TMA: tl.constexpr, EARLY_DP: tl.constexpr,
                 win_l=0, win_r=0, WINDOW: tl.constexpr = False,
-                seg_n=0, qseg_base=None, SEGMENTS: tl.constexpr = False):
+                seg_n=0, qseg_base=None, SEGMENTS: tl.constexpr = False,
+                cap2=1.0, SOFTCAP: tl.constexpr = False):
     offs_m0 = tl.arange(0, BLOCK_M)
     for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + offs_m0
@@ -110,6 +112,8 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, m_base, lse2_base, delta_base, dq
         lse2 = tl.load(lse2_base + offs_m, mask=offs_m < Nq, other=float("inf"))
         delta = tl.load(delta_base + offs_m, mask=offs_m < Nq, other=0.0)
         qkT = tl.dot(k, tl.trans(q), input_precision=DOT_PREC) * qk_scale  # (N, M)
+        if SOFTCAP:
+            qkT, dcapT = _soft_cap(qkT, cap2)
         if EARLY_DP:  # issued before the exp: the tensor cores run it while P^T is computed
             dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)  # (N, M)
         if MASK_KIND != 0:
@@ -131,6 +135,8 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, m_base, lse2_base, delta_base, dq
         if not EARLY_DP:
             dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)  # (N, M)
         dsT = pT * (dpT - delta[None, :])
+        if SOFTCAP:  # through the cap
+            dsT = dsT * dcapT
         if not UPCAST:
             dsT = dsT.to(ELEM)
         dk = tl.dot(dsT, q, dk, input_precision=DOT_PREC)
@@ -200,7 +206,9 @@ def _attn_bwd_dkdv(
     WARP_SPEC: tl.constexpr = False,
     win_l=0, win_r=0, WINDOW: tl.constexpr = False,
     QSEG=None, KSEG=None, RLO=None, RHI=None, SEGMENTS: tl.constexpr = False,
+    cap2=1.0, SOFTCAP: tl.constexpr = False,
 ):
+    tl.static_assert(not (SOFTCAP and WARP_SPEC), "softcap: no warp specialization")
     start_n = tl.program_id(0) * BLOCK_N
     off_bhk = tl.program_id(1)
     off_b = (off_bhk // HKV).to(tl.int64)
@@ -268,19 +276,21 @@ def _attn_bwd_dkdv(
                                      smm, smn, Nq, Nk, qk_scale, desc_q, desc_do, off_b, off_h,
                                      BLOCK_M, HEAD_DIM, BLOCK_D, False, MASK_KIND, DOT_PREC,
                                      UPCAST, ELEM, DQ_ATOMIC, USE_TMA, EARLY_DP, win_l, win_r,
-                                     True, seg_n, qseg_base, SEGMENTS)
+                                     True, seg_n, qseg_base, SEGMENTS, cap2, SOFTCAP)
             elif IS_CAUSAL:
                 dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, m_base, LSE2 + row0,
                                      DELTA + row0, dq_base, offs_n, offs_d, m_lo, m_mid, sqm, sdm,
                                      smm, smn, Nq, Nk, qk_scale, desc_q, desc_do, off_b, off_h,
                                      BLOCK_M, HEAD_DIM, BLOCK_D, True, MASK_KIND, DOT_PREC, UPCAST,
-                                     ELEM, DQ_ATOMIC, USE_TMA, EARLY_DP)
+                                     ELEM, DQ_ATOMIC, USE_TMA, EARLY_DP, cap2=cap2,
+                                     SOFTCAP=SOFTCAP)
             if not WINDOW:
                 dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, m_base, LSE2 + row0,
                                      DELTA + row0, dq_base, offs_n, offs_d, m_mid, Nq, sqm, sdm,
                                      smm, smn, Nq, Nk, qk_scale, desc_q, desc_do, off_b, off_h,
                                      BLOCK_M, HEAD_DIM, BLOCK_D, False, MASK_KIND, DOT_PREC,
-                                     UPCAST, ELEM, DQ_ATOMIC, USE_TMA, EARLY_DP)
+                                     UPCAST, ELEM, DQ_ATOMIC, USE_TMA, EARLY_DP, cap2=cap2,
+                                     SOFTCAP=SOFTCAP)
 
     dk = dk * sm_scale
     _store_rows(DK + off_b * sdkb + off_hk * sdkh, dk.to(DK.dtype.element_ty), offs_n, offs_d,
@@ -296,7 +306,8 @@ def _dq_inner(dq, q, do, lse2, delta, k_base, v_base, m_base, offs_m, offs_d, lo
               BOUNDARY: tl.constexpr, IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
               DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, ELEM: tl.constexpr,
               USE_TMA: tl.constexpr, win_l=0, win_r=0, WINDOW: tl.constexpr = False,
-              seg_m=0, kseg_base=None, SEGMENTS: tl.constexpr = False):
+              seg_m=0, kseg_base=None, SEGMENTS: tl.constexpr = False,
+              cap2=1.0, SOFTCAP: tl.constexpr = False):
     offs_n0 = tl.arange(0, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
@@ -307,19 +318,25 @@ def _dq_inner(dq, q, do, lse2, delta, k_base, v_base, m_base, offs_m, offs_d, lo
             k = k.to(tl.float32)
             v = v.to(tl.float32)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale  # (M, N)
+        dcap = 1.0
+        if SOFTCAP:
+            qk, dcap = _soft_cap(qk, cap2)
         qk = _mask_tile(qk, m_base, offs_m, offs_n, smm, smn, Nq, Nk, BOUNDARY, IS_CAUSAL,
                         MASK_KIND, win_l, win_r, WINDOW, seg_m, kseg_base, SEGMENTS)
-        dq = _dq_step(dq, qk, do, k, v, lse2, delta, DOT_PREC, UPCAST, ELEM)
+        dq = _dq_step(dq, qk, do, k, v, lse2, delta, DOT_PREC, UPCAST, ELEM, dcap, SOFTCAP)
     return dq
 
 
 @triton.jit
 def _dq_step(dq, qk, do, k, v, lse2, delta, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
-             ELEM: tl.constexpr):
-    """``dq += dS K`` for one key block, from its masked log2-unit scores ``qk`` (M, N)."""
+             ELEM: tl.constexpr, dcap=1.0, SOFTCAP: tl.constexpr = False):
+    """``dq += dS K`` for one key block, from its masked log2-unit scores ``qk`` (M, N)
+    (``SOFTCAP``: capped, and ``dcap`` the cap's derivative)."""
     p = tl.math.exp2(qk - lse2[:, None])
     dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)  # (M, N)
     ds = p * (dp - delta[:, None])
+    if SOFTCAP:
+        ds = ds * dcap
     if not UPCAST:
         ds = ds.to(ELEM)
     return tl.dot(ds, k, dq, input_precision=DOT_PREC)
@@ -362,7 +379,9 @@ def _attn_bwd_dq(
     WARP_SPEC: tl.constexpr = False, WS_MASKED: tl.constexpr = True,
     win_l=0, win_r=0, WINDOW: tl.constexpr = False,
     QSEG=None, KSEG=None, RLO=None, RHI=None, SEGMENTS: tl.constexpr = False,
+    cap2=1.0, SOFTCAP: tl.constexpr = False,
 ):
+    tl.static_assert(not (SOFTCAP and WARP_SPEC), "softcap: no warp specialization")
     if IS_CAUSAL:  # the longest query blocks (last rows) first: better tail balance
         start_m = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
     else:
@@ -409,11 +428,12 @@ def _attn_bwd_dq(
             dq = _dq_inner(dq, q, do, lse2, delta, k_base, v_base, m_base, offs_m, offs_d, 0,
                            lo, skn, svn, smm, smn, Nq, Nk, qk_scale, desc_k, desc_v, off_b,
                            off_hk, BLOCK_N, HEAD_DIM, BLOCK_D, False, IS_CAUSAL, MASK_KIND,
-                           DOT_PREC, UPCAST, ELEM, USE_TMA)
+                           DOT_PREC, UPCAST, ELEM, USE_TMA, cap2=cap2, SOFTCAP=SOFTCAP)
         dq = _dq_inner(dq, q, do, lse2, delta, k_base, v_base, m_base, offs_m, offs_d, lo, hi,
                        skn, svn, smm, smn, Nq, Nk, qk_scale, desc_k, desc_v, off_b, off_hk,
                        BLOCK_N, HEAD_DIM, BLOCK_D, True, IS_CAUSAL, MASK_KIND, DOT_PREC, UPCAST,
-                       ELEM, USE_TMA, win_l, win_r, WINDOW, seg_m, kseg_base, SEGMENTS)
+                       ELEM, USE_TMA, win_l, win_r, WINDOW, seg_m, kseg_base, SEGMENTS, cap2,
+                       SOFTCAP)
     dq = dq * sm_scale
     _store_rows(DQ + off_b * sdqb + off_h * sdqh, dq.to(DQ.dtype.element_ty), offs_m, offs_d,
                 sdqm, Nq, HEAD_DIM, BLOCK_D)

@@ -46,6 +46,10 @@ O(Nq * band width). No warp-specialized or pipelined variant takes a window.
 ``_triton_ops._segment_labels``); ``RLO`` / ``RHI`` give each row's key range, and a
 program visits only the union of its rows' ranges (``_segment_bounds``).
 
+``SOFTCAP`` (logit soft-capping): the log2-unit scores become ``cap2 * tanh(s / cap2)``
+(``cap2`` = softcap * log2(e)) before the mask; the backward and the JVP multiply by the
+cap's derivative ``1 - tanh^2``. No scale fold, pipelining or warp specialization with it.
+
 Import this module only through ``_triton_ops`` (Triton is optional; under
 ``TRITON_INTERPRET=1`` the kernels run on CPU).
 """
@@ -202,6 +206,29 @@ def _bounds_mask(s, offs_m, offs_n, Nq, Nk, IS_CAUSAL: tl.constexpr):
 
 
 @triton.jit
+def _tanh(x):
+    """tanh in float32 to ~1e-7 relative (Triton has none that the interpreter runs too):
+    an odd Taylor polynomial near 0, ``(1 - e) / (1 + e)`` with ``e = exp(-2|x|)``
+    elsewhere."""
+    ax = tl.abs(x)
+    e = tl.math.exp2(ax * -2.8853900817779268)  # exp(-2|x|)
+    big = (1.0 - e) / (1.0 + e)
+    x2 = x * x
+    small = ax * (1.0 + x2 * (-0.3333333333333333 + x2 * (0.13333333333333333 + x2 * (
+        -0.05396825396825397 + x2 * 0.021869488536155203))))
+    t = tl.where(ax < 0.3, small, big)
+    return tl.where(x < 0, -t, t)
+
+
+@triton.jit
+def _soft_cap(qk, cap2):
+    """(capped log2-unit scores, the cap's derivative 1 - tanh^2): ``cap2 * tanh(qk /
+    cap2)``, with ``cap2`` = softcap * log2(e) (the cap in log2 units)."""
+    t = _tanh(qk / cap2)
+    return cap2 * t, 1.0 - t * t
+
+
+@triton.jit
 def _row_max(m_i, tile_max, MAY_BE_EMPTY: tl.constexpr):
     """The new running row max of the online softmax (from the tile's row max, log2
     units), and a copy safe to subtract in ``exp2`` (0 where a row has seen no key yet,
@@ -269,7 +296,8 @@ def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, m_base, offs_m, offs_d, lo, hi,
                BOUNDARY: tl.constexpr, IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
                DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr,
                FOLD_SCALE: tl.constexpr, win_l=0, win_r=0, WINDOW: tl.constexpr = False,
-               seg_m=0, kseg_base=None, SEGMENTS: tl.constexpr = False):
+               seg_m=0, kseg_base=None, SEGMENTS: tl.constexpr = False,
+               cap2=1.0, SOFTCAP: tl.constexpr = False):
     offs_n0 = tl.arange(0, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
@@ -281,9 +309,9 @@ def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, m_base, offs_m, offs_d, lo, hi,
             k = k.to(tl.float32)
             v = v.to(tl.float32)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)  # (M, N) raw scores
-        if FOLD_SCALE:  # scale > 0, no additive mask: the max commutes with the scale, so
-            # mask and reduce the raw scores and scale inside exp2's FMA (one FMUL less per
-            # score on sm_90)
+        if FOLD_SCALE:  # scale > 0, no additive mask, no softcap: the max commutes with
+            # the scale, so mask and reduce the raw scores and scale inside exp2's FMA (one
+            # FMUL less per score on sm_90)
             qk = _mask_tile(qk, m_base, offs_m, offs_n, smm, smn, Nq, Nk, BOUNDARY,
                             IS_CAUSAL, MASK_KIND, win_l, win_r, WINDOW, seg_m, kseg_base,
                             SEGMENTS)
@@ -292,6 +320,8 @@ def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, m_base, offs_m, offs_d, lo, hi,
             p = tl.math.exp2(qk * qk_scale - m_new_safe[:, None])
         else:
             qk = qk * qk_scale  # log2 units
+            if SOFTCAP:
+                qk, _ = _soft_cap(qk, cap2)
             qk = _mask_tile(qk, m_base, offs_m, offs_n, smm, smn, Nq, Nk, BOUNDARY,
                             IS_CAUSAL, MASK_KIND, win_l, win_r, WINDOW, seg_m, kseg_base,
                             SEGMENTS)
@@ -415,7 +445,9 @@ def _attn_fwd(
     WARP_SPEC: tl.constexpr = False, WS_MASKED: tl.constexpr = True,
     win_l=0, win_r=0, WINDOW: tl.constexpr = False,
     QSEG=None, KSEG=None, RLO=None, RHI=None, SEGMENTS: tl.constexpr = False,
+    cap2=1.0, SOFTCAP: tl.constexpr = False,
 ):
+    tl.static_assert(not (SOFTCAP and (FOLD_SCALE or WARP_SPEC)), "softcap: no scale fold")
     if IS_CAUSAL:  # the longest query blocks (last rows) first: better tail balance
         start_m = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
     else:
@@ -466,13 +498,14 @@ def _attn_fwd(
         acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, m_base, offs_m, offs_d, 0,
                                    lo, skn, svn, smm, smn, Nq, Nk, qk_scale, desc_k, desc_v,
                                    off_b, off_hk, BLOCK_N, HEAD_DIM, BLOCK_D, False, IS_CAUSAL,
-                                   MASK_KIND, DOT_PREC, UPCAST, USE_TMA, FOLD_SCALE)
+                                   MASK_KIND, DOT_PREC, UPCAST, USE_TMA, FOLD_SCALE,
+                                   cap2=cap2, SOFTCAP=SOFTCAP)
     if not WARP_SPEC:
         acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, m_base, offs_m, offs_d,
                                    lo, hi, skn, svn, smm, smn, Nq, Nk, qk_scale, desc_k, desc_v,
                                    off_b, off_hk, BLOCK_N, HEAD_DIM, BLOCK_D, True, IS_CAUSAL,
                                    MASK_KIND, DOT_PREC, UPCAST, USE_TMA, FOLD_SCALE, win_l,
-                                   win_r, WINDOW, seg_m, kseg_base, SEGMENTS)
+                                   win_r, WINDOW, seg_m, kseg_base, SEGMENTS, cap2, SOFTCAP)
 
     # fully masked rows: l = 0 -> o = 0, lse = -inf
     empty = l_i == 0.0

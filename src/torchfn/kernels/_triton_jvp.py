@@ -20,6 +20,7 @@ from torchfn.kernels._triton_fwd import (
     _mask_tile,
     _row_max,
     _row_segments,
+    _soft_cap,
     _store_rows,
 )
 
@@ -33,7 +34,8 @@ def _jvp_inner(acc_o, acc_t, acc_s, l_i, m_i, q, tq,
                HAS_TQ: tl.constexpr, HAS_TK: tl.constexpr, HAS_TV: tl.constexpr,
                DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
                win_l=0, win_r=0, WINDOW: tl.constexpr = False,
-               seg_m=0, kseg_base=None, SEGMENTS: tl.constexpr = False):
+               seg_m=0, kseg_base=None, SEGMENTS: tl.constexpr = False,
+               cap2=1.0, SOFTCAP: tl.constexpr = False):
     offs_n0 = tl.arange(0, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
@@ -54,6 +56,9 @@ def _jvp_inner(acc_o, acc_t, acc_s, l_i, m_i, q, tq,
                 tk = tk.to(tl.float32)
             ts = tl.dot(q, tl.trans(tk), ts, input_precision=DOT_PREC)
         ts = ts * sm_scale
+        if SOFTCAP:  # the scores and their tangent through the cap
+            qk, dcap = _soft_cap(qk, cap2)
+            ts = ts * dcap
         qk = _mask_tile(qk, m_base, offs_m, offs_n, smm, smn, Nq, Nk, BOUNDARY, IS_CAUSAL,
                         MASK_KIND, win_l, win_r, WINDOW, seg_m, kseg_base, SEGMENTS)
         m_new, m_new_safe = _row_max(m_i, tl.max(qk, 1), BOUNDARY or MASK_KIND != 0)
@@ -95,6 +100,7 @@ def _attn_jvp(
     DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
     win_l=0, win_r=0, WINDOW: tl.constexpr = False,
     QSEG=None, KSEG=None, RLO=None, RHI=None, SEGMENTS: tl.constexpr = False,
+    cap2=1.0, SOFTCAP: tl.constexpr = False,
 ):
     if IS_CAUSAL:  # the longest query blocks (last rows) first: better tail balance
         start_m = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
@@ -136,12 +142,12 @@ def _attn_jvp(
             acc_o, acc_t, acc_s, l_i, m_i, q, tq, k_base, v_base, tk_base, tv_base, m_base,
             offs_m, offs_d, 0, lo, skn, svn, stkn, stvn, smm, smn, Nq, Nk, qk_scale, sm_scale,
             BLOCK_N, HEAD_DIM, BLOCK_D, False, IS_CAUSAL, MASK_KIND, HAS_TQ, HAS_TK, HAS_TV,
-            DOT_PREC, UPCAST)
+            DOT_PREC, UPCAST, cap2=cap2, SOFTCAP=SOFTCAP)
     acc_o, acc_t, acc_s, l_i, m_i = _jvp_inner(
         acc_o, acc_t, acc_s, l_i, m_i, q, tq, k_base, v_base, tk_base, tv_base, m_base,
         offs_m, offs_d, lo, hi, skn, svn, stkn, stvn, smm, smn, Nq, Nk, qk_scale, sm_scale,
         BLOCK_N, HEAD_DIM, BLOCK_D, True, IS_CAUSAL, MASK_KIND, HAS_TQ, HAS_TK, HAS_TV,
-        DOT_PREC, UPCAST, win_l, win_r, WINDOW, seg_m, kseg_base, SEGMENTS)
+        DOT_PREC, UPCAST, win_l, win_r, WINDOW, seg_m, kseg_base, SEGMENTS, cap2, SOFTCAP)
 
     empty = l_i == 0.0
     inv_l = 1.0 / tl.where(empty, 1.0, l_i)

@@ -157,7 +157,8 @@ def _launch(kind: str, kernel: Any, grid: Callable[[int, int], tuple[int, ...]],
             if ws is None:
                 raise ValueError(
                     f"config: the warp-specialized {kind} kernel needs fp16/bf16 on sm_90+ "
-                    "(or the interpreter), no mask or window, 16-byte aligned heads and rows"
+                    "(or the interpreter), no mask, window or softcap, 16-byte aligned heads "
+                    "and rows"
                     + (", scale > 0" if kind == "fwd" else "")
                     + (", and with GQA each head's rows right after the previous head's"
                        if kind == "dkdv" else "")
@@ -348,12 +349,14 @@ def _ws_variant(tensors: list[Tensor], consts: dict[str, Any], ok: bool = True,
                 ragged: Callable[[int, int], bool] | None = None,
                 ) -> Callable[[int, int], dict[str, Any]] | None:
     """The warp-specialized variant's kwargs per block shape, or None where it does not
-    apply: a user mask, a window, ``ok`` False (kernel-specific conditions), tensors descriptors
-    cannot read, fp32 on a GPU (its 3xTF32 dots), or a Triton without in-kernel
-    descriptors. Whether the tuner tries it is ``TORCHFN_TRITON_WS``'s call.
+    apply: a user mask, a window or segments, a softcap, ``ok`` False (kernel-specific
+    conditions), tensors descriptors cannot read, fp32 on a GPU (its 3xTF32 dots), or a
+    Triton without in-kernel descriptors. Whether the tuner tries it is
+    ``TORCHFN_TRITON_WS``'s call.
     ``ragged(BLOCK_M, BLOCK_N)``: whether a non-causal launch still needs the bounds
     mask on every block (``WS_MASKED``)."""
     if not (ok and consts["MASK_KIND"] == 0 and not consts.get("WINDOW")
+            and not consts.get("SOFTCAP")
             and hasattr(tl, "make_tensor_descriptor") and _descriptors_usable(tensors)):
         return None
     if any(t.stride(2) % (16 // t.element_size()) for t in tensors):  # even with one row:
@@ -407,7 +410,8 @@ def _mask_args(mask: Tensor | None, q: Tensor) -> tuple[Tensor, int, tuple[int, 
 
 
 def _common(q: Tensor, k: Tensor, mask: Tensor | None, causal: bool, scale: float,
-            window: tuple[int, int] = (-1, -1), segments: tuple[Tensor, Tensor] | None = None):
+            window: tuple[int, int] = (-1, -1), segments: tuple[Tensor, Tensor] | None = None,
+            softcap: float = 0.0):
     B, H, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
     mptr, mkind, ms = _mask_args(mask, q)
@@ -422,7 +426,10 @@ def _common(q: Tensor, k: Tensor, mask: Tensor | None, causal: bool, scale: floa
                       win_r=0 if causal else (right if right >= 0 else Nq + Nk))
     if segments is not None:
         consts.update(SEGMENTS=True, **_segment_labels(*segments))
-    key = (_bucket(max(Nq, Nk)), D, bool(causal), mkind, q.dtype, banded, segments is not None)
+    if softcap > 0:  # the cap in log2 units (the kernels' scores are)
+        consts.update(SOFTCAP=True, cap2=float(softcap) * 1.4426950408889634)
+    key = (_bucket(max(Nq, Nk)), D, bool(causal), mkind, q.dtype, banded, segments is not None,
+           softcap > 0)
     return B, H, Hkv, Nq, Nk, D, mptr, ms, consts, key
 
 
@@ -463,7 +470,8 @@ def _empty_fwd(q: Tensor) -> tuple[Tensor, Tensor]:
 # --------------------------------------------------------------------------- raw ops
 def fwd(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool, scale: float,
         *, window: tuple[int, int] = (-1, -1), segments: tuple[Tensor, Tensor] | None = None,
-        config: tuple[int, ...] | None = None) -> tuple[Tensor, Tensor]:
+        softcap: float = 0.0, config: tuple[int, ...] | None = None,
+        ) -> tuple[Tensor, Tensor]:
     """Forward: ``o = softmax(scale q k^T + mask) v`` and its row logsumexp ``lse`` (float32).
 
     q: (B, H, Nq, D); k, v: (B, Hkv, Nk, D) -> o: (B, H, Nq, D), lse: (B, H, Nq).
@@ -473,7 +481,7 @@ def fwd(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool, scal
     _ensure_mode(q.device)
     q, k, v = _c(q), _c(k), _c(v)
     B, H, Hkv, Nq, Nk, D, mptr, ms, consts, key = _common(q, k, mask, causal, scale, window,
-                                                          segments)
+                                                          segments, softcap)
     if B * H * Nq == 0 or Nk == 0:
         return _empty_fwd(q)
     o = torch.empty((B, H, Nq, D), dtype=_buf_dtype(q.dtype), device=q.device)
@@ -483,8 +491,8 @@ def fwd(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool, scal
             v.stride(0), v.stride(1), v.stride(2), *ms, o.stride(0), o.stride(1), o.stride(2),
             H, H // Hkv, Nq, Nk, float(scale) * 1.4426950408889634)
     # scale > 0 and no additive mask: the kernel takes the row max of the raw scores
-    consts = dict(consts, FOLD_SCALE=float(scale) > 0 and consts["MASK_KIND"] != 2,
-                  **_seg_ranges(consts))
+    consts = dict(consts, FOLD_SCALE=float(scale) > 0 and consts["MASK_KIND"] != 2
+                  and softcap <= 0, **_seg_ranges(consts))
     grid = lambda bm, bn: (triton.cdiv(Nq, bm), B * H)
     tma = _tma_descriptors({"desc_q": q, "desc_k": k, "desc_v": v},
                            {"desc_q": "m", "desc_k": "n", "desc_v": "n"}, consts["BLOCK_D"])
@@ -498,7 +506,7 @@ def fwd(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool, scal
 def bwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Tensor,
         mask: Tensor | None, causal: bool, scale: float, deterministic: bool = True,
         *, window: tuple[int, int] = (-1, -1), segments: tuple[Tensor, Tensor] | None = None,
-        config: tuple[tuple[int, ...], tuple[int, ...]] | None = None,
+        softcap: float = 0.0, config: tuple[tuple[int, ...], tuple[int, ...]] | None = None,
         ) -> tuple[Tensor, Tensor, Tensor]:
     """Backward from ``do``: (dq, dk, dv) in the input dtype; dk/dv summed over GQA groups.
 
@@ -514,7 +522,7 @@ def bwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Tensor,
     _ensure_mode(q.device)
     q, k, v, o, do = _c(q), _c(k), _c(v), _c(o), _c(do)
     B, H, Hkv, Nq, Nk, D, mptr, ms, consts, key = _common(q, k, mask, causal, scale, window,
-                                                          segments)
+                                                          segments, softcap)
     buf = _buf_dtype(q.dtype)
     dq = torch.zeros((B, H, Nq, D), dtype=buf, device=q.device)
     dk = torch.zeros((B, Hkv, Nk, D), dtype=buf, device=q.device)
@@ -569,7 +577,8 @@ def bwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Tensor,
 def jvp(q: Tensor, k: Tensor, v: Tensor, tq: Tensor | None, tk: Tensor | None,
         tv: Tensor | None, mask: Tensor | None, causal: bool, scale: float,
         *, window: tuple[int, int] = (-1, -1), segments: tuple[Tensor, Tensor] | None = None,
-        config: tuple[int, ...] | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        softcap: float = 0.0, config: tuple[int, ...] | None = None,
+        ) -> tuple[Tensor, Tensor, Tensor]:
     """Fused forward-mode: (o, lse, to) with ``to`` the tangent of ``o``; None tangents are 0.
 
     tq: (B, H, Nq, D) or None; tk, tv: (B, Hkv, Nk, D) or None -> to: (B, H, Nq, D).
@@ -578,7 +587,7 @@ def jvp(q: Tensor, k: Tensor, v: Tensor, tq: Tensor | None, tk: Tensor | None,
     q, k, v = _c(q), _c(k), _c(v)
     tq, tk, tv = (None if t is None else _c(t) for t in (tq, tk, tv))
     B, H, Hkv, Nq, Nk, D, mptr, ms, consts, key = _common(q, k, mask, causal, scale, window,
-                                                          segments)
+                                                          segments, softcap)
     if B * H * Nq == 0 or Nk == 0:
         o, lse = _empty_fwd(q)
         return o, lse, torch.zeros_like(o)

@@ -24,7 +24,7 @@ def _fused_attention(q: Tensor, k: Tensor, v: Tensor, *, key_padding_mask, causa
     return attention(q, k, v, key_padding_mask=key_padding_mask, causal=causal, **extra)
 
 
-def _extra(window, segment_ids) -> dict:
+def _extra(window, segment_ids, softcap=None) -> dict:
     """The attention keywords beyond the basic two, only where set (so a custom ``attend``
     without them keeps working when they are not used)."""
     extra = {}
@@ -32,6 +32,8 @@ def _extra(window, segment_ids) -> dict:
         extra["window"] = window
     if segment_ids is not None:
         extra["segment_ids"] = segment_ids
+    if softcap is not None:
+        extra["softcap"] = softcap
     return extra
 
 
@@ -41,19 +43,19 @@ class MultiHeadAttention(nn.Module):
     ``attend(q, k, v, key_padding_mask=..., causal=...)`` on ``(B, H, N, D)`` tensors
     computes ``softmax(q k^T / sqrt(D)) v``; the default is
     ``torchfn.kernels.attention``. Pass another (e.g. a wrapper around
-    ``F.scaled_dot_product_attention``) to compare. ``window`` (sliding-window attention)
-    and the forward's ``segment_ids`` (packed documents) are passed on as ``window=`` /
-    ``segment_ids=`` only when set.
+    ``F.scaled_dot_product_attention``) to compare. ``window`` (sliding-window attention),
+    ``softcap`` (logit soft-capping) and the forward's ``segment_ids`` (packed documents)
+    are passed on as keywords only when set.
     """
 
     def __init__(self, dim: int, heads: int, *, causal: bool = False,
                  window: int | tuple[int | None, int | None] | None = None,
-                 attend: AttendFn | None = None) -> None:
+                 softcap: float | None = None, attend: AttendFn | None = None) -> None:
         super().__init__()
         _check_dims(dim=dim, heads=heads)
         if dim % heads:
             raise ValueError(f"dim must be divisible by heads, got dim={dim}, heads={heads}")
-        self.heads, self.causal, self.window = heads, causal, window
+        self.heads, self.causal, self.window, self.softcap = heads, causal, window, softcap
         self.attend = attend or _fused_attention
         self.qkv = nn.Linear(dim, 3 * dim)
         self.out = nn.Linear(dim, dim)
@@ -64,7 +66,7 @@ class MultiHeadAttention(nn.Module):
         qkv = self.qkv(x).reshape(b, n, 3, self.heads, dim // self.heads)  # (B, N, 3, H, D)
         q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each (B, H, N, D)
         o = self.attend(q, k, v, key_padding_mask=key_padding_mask, causal=self.causal,
-                        **_extra(self.window, segment_ids))
+                        **_extra(self.window, segment_ids, self.softcap))
         return self.out(o.transpose(1, 2).reshape(b, n, dim))  # (B, N, dim)
 
 
@@ -74,10 +76,11 @@ class TransformerBlock(nn.Module):
     def __init__(self, dim: int, heads: int, *, mlp_ratio: int = 4, dropout: float = 0.0,
                  causal: bool = False,
                  window: int | tuple[int | None, int | None] | None = None,
-                 attend: AttendFn | None = None) -> None:
+                 softcap: float | None = None, attend: AttendFn | None = None) -> None:
         super().__init__()
         self.ln1 = nn.LayerNorm(dim)
-        self.attn = MultiHeadAttention(dim, heads, causal=causal, window=window, attend=attend)
+        self.attn = MultiHeadAttention(dim, heads, causal=causal, window=window, softcap=softcap,
+                                       attend=attend)
         self.ln2 = nn.LayerNorm(dim)
         self.mlp = nn.Sequential(
             nn.Linear(dim, mlp_ratio * dim), nn.GELU(), nn.Linear(mlp_ratio * dim, dim)
@@ -111,6 +114,7 @@ class TransformerEncoder(nn.Module):
         mlp_ratio, dropout, causal: block settings; ``causal`` masks future positions.
         window: sliding-window attention, as ``torchfn.kernels.attention``'s (e.g.
             ``causal=True, window=(255, None)``: each token sees itself and 255 before).
+        softcap: attention logit soft-capping (Gemma 2 uses 50), as the kernel's.
         attend: the attention function (default ``torchfn.kernels.attention``).
 
     Example::
@@ -138,6 +142,7 @@ class TransformerEncoder(nn.Module):
         dropout: float = 0.0,
         causal: bool = False,
         window: int | tuple[int | None, int | None] | None = None,
+        softcap: float | None = None,
         attend: AttendFn | None = None,
     ) -> None:
         super().__init__()
@@ -160,7 +165,7 @@ class TransformerEncoder(nn.Module):
         self.drop = nn.Dropout(dropout)
         self.blocks = nn.ModuleList(
             TransformerBlock(dim, heads, mlp_ratio=mlp_ratio, dropout=dropout, causal=causal,
-                             window=window, attend=attend)
+                             window=window, softcap=softcap, attend=attend)
             for _ in range(depth)
         )
         self.ln = nn.LayerNorm(dim)
