@@ -6,6 +6,8 @@ Per case, forward and forward+backward, bf16, B=2, H=16, D=128, N=8192 (causal):
 
 * ``window``: each query sees itself and the 1023 keys before it;
 * ``documents``: 8 documents of N/8 tokens packed into each sequence;
+* ``softcap``: causal with logit soft-capping at 30 (SDPA cannot: its peer is eager
+  materialised attention, what one writes without a kernel; ~40 GB at this size);
 * ``causal``: plain causal, for scale.
 
 Providers: ``torchfn`` (the public ``attention``, autotuned), ``sdpa_mask`` (SDPA given the
@@ -55,6 +57,9 @@ def _timer(dry: bool):
     return cpu_time
 
 
+CAP = 30.0
+
+
 def _patterns(N: int, W: int, docs: int, device: str):
     """name -> (torchfn kwargs, dense (N, N) bool mask, flex mask_mod or None)."""
     import torch
@@ -69,8 +74,18 @@ def _patterns(N: int, W: int, docs: int, device: str):
                    lambda b, h, q, k: (k <= q) & (k > q - W)),
         "documents": (dict(causal=True, segment_ids=ids), causal & same,
                       lambda b, h, q, k: (k <= q) & (ids[0, q] == ids[0, k])),
+        "softcap": (dict(causal=True, softcap=CAP), causal, lambda b, h, q, k: k <= q),
         "causal": (dict(causal=True), causal, lambda b, h, q, k: k <= q),
     }
+
+
+def _eager_softcap(q, k, v, mask):
+    """Materialised soft-capped attention in the inputs' dtype (scores in fp32)."""
+    import torch
+
+    s = (q @ k.transpose(-1, -2)).float() * q.shape[-1] ** -0.5
+    s = (CAP * torch.tanh(s / CAP)).masked_fill(~mask, float("-inf"))
+    return torch.softmax(s, -1).to(q.dtype) @ v
 
 
 def run(args) -> list[dict]:
@@ -104,12 +119,16 @@ def run(args) -> list[dict]:
         if name == "causal":
             providers["sdpa"] = lambda q, k, v: F.scaled_dot_product_attention(
                 q, k, v, is_causal=True)
+        elif name == "softcap":
+            providers["eager"] = lambda q, k, v, m=dense: _eager_softcap(q, k, v, m)
         else:
             providers["sdpa_mask"] = lambda q, k, v, m=dense: F.scaled_dot_product_attention(
                 q, k, v, attn_mask=m)
         if flex is not None:
             bm = create_block_mask(mask_mod, None, None, N, N, device=dev)
-            providers["flex"] = lambda q, k, v, bm=bm: flex(q, k, v, block_mask=bm)
+            mod = (lambda s, b, h, i, j: CAP * torch.tanh(s / CAP)) if name == "softcap" else None
+            providers["flex"] = lambda q, k, v, bm=bm, mod=mod: flex(q, k, v, score_mod=mod,
+                                                                      block_mask=bm)
         ref = None
         for prov, fn in providers.items():
             for mode in ("fwd", "fwd_bwd"):

@@ -16,6 +16,8 @@ Groups, each torchfn next to its peer:
 - ``packed documents``: the same shapes, causal, 16 documents of 256 tokens packed
   into one sequence: torchfn's ``segment_ids`` vs SDPA with the block-diagonal causal
   mask as a dense bool tensor.
+- ``softcap``: the same shapes at N=2048, causal, logits soft-capped at 30: torchfn's
+  ``softcap`` vs the materialised attention one writes without a kernel (SDPA has none).
 - ``per-sample grads``: ``vmap(grad)`` of a 2-layer pre-LN Transformer (d=64, 4 heads,
   N=64, causal, batch 32) with its attention from torchfn vs from SDPA. SDPA's CPU
   kernels have no batching rule, so functorch runs them in a per-sample loop (it warns
@@ -168,6 +170,44 @@ def test_packed_documents(benchmark, impl, mode):
                                rounds=2, warmup_rounds=1)
     ref = torch.autograd.grad(ref_fn(q, k, v), (q, k, v), do)
     assert all(torch.allclose(a, b, atol=1e-4) for a, b in zip(grads, ref))
+
+
+# ---------------------------------------------------------------- softcap
+
+SN, CAP = 2048, 30.0
+
+
+def _eager_softcap(q, k, v):
+    s = (q @ k.transpose(-1, -2)) * D**-0.5
+    s = (CAP * torch.tanh(s / CAP)).masked_fill(~torch.ones(SN, SN, dtype=torch.bool).tril(),
+                                                float("-inf"))
+    return torch.softmax(s, -1) @ v
+
+
+SOFTCAP_IMPLS = {
+    "torchfn softcap": lambda q, k, v: attention(q, k, v, causal=True, softcap=CAP,
+                                                 backend="torch"),
+    "eager softcap": _eager_softcap,
+}
+
+
+@pytest.mark.parametrize("mode", ["forward", "forward+backward"])
+@pytest.mark.parametrize("impl", list(SOFTCAP_IMPLS))
+def test_softcap(benchmark, impl, mode):
+    benchmark.group = f"softcap N={SN} {mode}"
+    g = torch.Generator().manual_seed(5)
+    q, k, v, do = (torch.randn(1, H, SN, D, generator=g) * 4 for _ in range(4))
+    fn, ref_fn = SOFTCAP_IMPLS[impl], _eager_softcap
+    if mode == "forward":
+        with torch.no_grad():
+            out = benchmark.pedantic(fn, args=(q, k, v), rounds=3, warmup_rounds=1)
+        assert torch.allclose(out, ref_fn(q, k, v), atol=1e-4)
+        return
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    grads = benchmark.pedantic(lambda: torch.autograd.grad(fn(q, k, v), (q, k, v), do),
+                               rounds=2, warmup_rounds=1)
+    ref = torch.autograd.grad(ref_fn(q, k, v), (q, k, v), do)
+    assert all(torch.allclose(a, b, atol=1e-3) for a, b in zip(grads, ref))
 
 
 # ---------------------------------------------------------------- per-sample gradients
