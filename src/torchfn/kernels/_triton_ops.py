@@ -10,8 +10,9 @@ PyTorch half)::
 q: (B, H, Nq, D); k, v: (B, Hkv, Nk, D) with Hkv dividing H; mask None or already
 expanded to (B, H, Nq, Nk) (bool: True = attend; float: additive); o: (B, H, Nq, D)
 in q's dtype; lse: (B, H, Nq) float32 (natural log, -inf on fully masked rows).
-Each also takes ``window=(left, right)``, normalised by ``_dispatch`` (-1: unbounded),
-which selects the band kernels (``WINDOW``).
+Each also takes ``window=(left, right)`` (normalised by ``_dispatch``, -1: unbounded) and
+``segments=(q_ids, kv_ids)``, which select the band kernels (``WINDOW``, ``SEGMENTS``), and
+``softcap`` (> 0: ``SOFTCAP``).
 
 Block sizes (the tables and candidate lists are in ``_triton_configs``): on a GPU every
 kernel is tuned once per (kernel, N bucket, head dim, causal, mask kind, dtype) over a
