@@ -88,12 +88,12 @@ _TMA_DESCS = {
 
 def _compile(kind: str, head_dim: int, cfg: tuple[int, int, int, int], dtype: str,
              causal: bool = False, gqa: bool = False, window: bool = False,
-             segments: bool = False, softcap: bool = False):
+             segments: bool = False, softcap: bool = False, dropout: bool = False):
     """The Triton-compiled sm_90 kernel of one (kind, head dim, config, dtype); ``gqa``:
     the GQA group size is a runtime integer (the JIT makes it a constant when it is 1);
     ``window``: the sliding-window (band) kernel, which the launcher never warp-specializes;
     ``segments``: the band kernel with segment ids (document masking); ``softcap``: with
-    logit soft-capping (no scale fold)."""
+    logit soft-capping (no scale fold); ``dropout``: with keyed attention dropout."""
     int_one = set() if gqa else _INT_ONE
     from torchfn.kernels._triton_configs import _OVERLAP
 
@@ -126,6 +126,10 @@ def _compile(kind: str, head_dim: int, cfg: tuple[int, int, int, int], dtype: st
         consts["SOFTCAP"] = True
         if kind == "fwd":
             consts["FOLD_SCALE"] = False
+    if dropout:
+        if ws:
+            raise ValueError("the launcher never warp-specializes a kernel with dropout")
+        consts["DROPOUT"] = True
     descs = {}
     if tma:
         consts["USE_TMA"] = True
@@ -143,6 +147,10 @@ def _compile(kind: str, head_dim: int, cfg: tuple[int, int, int, int], dtype: st
             if not segments:  # left at its default, None
                 consts[name] = None
             sig[name] = _SEG_PTRS[name] if segments else "constexpr"
+        elif name == "SEED":
+            if not dropout:  # left at its default, None
+                consts[name] = None
+            sig[name] = "*i32" if dropout else "constexpr"
         elif name.startswith("desc_"):  # unused descriptor: the launch passes None
             consts[name] = None
             sig[name] = "constexpr"
@@ -152,7 +160,7 @@ def _compile(kind: str, head_dim: int, cfg: tuple[int, int, int, int], dtype: st
             sig[name] = f"*{dtype}"
         elif name in _FP32_PTRS:
             sig[name] = "*fp32"
-        elif name in ("qk_scale", "sm_scale", "cap2"):
+        elif name in ("qk_scale", "sm_scale", "cap2", "drop_scale"):
             sig[name] = "fp32"
         else:
             sig[name] = "i32"
@@ -230,7 +238,8 @@ def wgmma_overlap(sass: str, ops: tuple[str, ...] = ("MUFU",)) -> dict[str, tupl
 
 def compile_sm90(kind: str, head_dim: int, cfg: tuple[int, int, int, int],
                  dtype: str = "bf16", causal: bool = False, gqa: bool = False,
-                 window: bool = False, segments: bool = False, softcap: bool = False) -> dict:
+                 window: bool = False, segments: bool = False, softcap: bool = False,
+                 dropout: bool = False) -> dict:
     """Compile one (kind, head dim, config) for sm_90: {'regs', 'spill', 'smem', 'warps',
     'setmaxnreg'}.
 
@@ -238,7 +247,8 @@ def compile_sm90(kind: str, head_dim: int, cfg: tuple[int, int, int, int],
     in ``_tma`` is that kernel with ``USE_TMA`` (tensor-descriptor loads), one ending in
     ``_ws`` the warp-specialized variant.
     """
-    compiled = _compile(kind, head_dim, cfg, dtype, causal, gqa, window, segments, softcap)
+    compiled = _compile(kind, head_dim, cfg, dtype, causal, gqa, window, segments, softcap,
+                        dropout)
     usage = _cuobjdump(compiled.asm["cubin"], "-res-usage")
     regs, stack = re.search(r"REG:(\d+)", usage), re.search(r"STACK:(\d+)", usage)
     sass = _cuobjdump(compiled.asm["cubin"], "-sass") if kind.endswith("_ws") else ""
@@ -268,6 +278,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="build the band kernels with segment ids (document masking)")
     ap.add_argument("--softcap", action="store_true",
                     help="build the kernels with logit soft-capping")
+    ap.add_argument("--dropout", action="store_true",
+                    help="build the kernels with keyed attention dropout (not for the _ws kinds)")
     ap.add_argument("--gqa", action="store_true",
                     help="build for a GQA group > 1 (a runtime integer, not the constant 1)")
     ap.add_argument("--dims", nargs="+", type=int, default=[64, 128])
@@ -305,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
                           + f" ovl={ovl}/{mufu}", flush=True)
                     continue
                 r = compile_sm90(name, d, cfg, args.dtype, args.causal, args.gqa, args.window,
-                                 args.segments, args.softcap)
+                                 args.segments, args.softcap, args.dropout)
                 ws = name.endswith("_ws")
                 ok = r["spill"] == 0 and r["smem"] <= SMEM_LIMIT and (
                     not ws or (r["warps"] == 12 and r["setmaxnreg"] > 0))

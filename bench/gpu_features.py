@@ -8,7 +8,10 @@ Per case, forward and forward+backward, bf16, B=2, H=16, D=128, N=8192 (causal):
 * ``documents``: 8 documents of N/8 tokens packed into each sequence;
 * ``softcap``: causal with logit soft-capping at 30 (SDPA cannot: its peer is eager
   materialised attention, what one writes without a kernel; ~40 GB at this size);
-* ``causal``: plain causal, for scale.
+* ``causal``: plain causal, for scale;
+* ``dropout``: causal with attention dropout 0.1, keyed (its peer is SDPA's ``dropout_p``,
+  which draws another mask from torch's global RNG: timed, not compared; no flex, which
+  has no dropout). Last, so the budget cuts it first.
 
 Providers: ``torchfn`` (the public ``attention``, autotuned), ``sdpa_mask`` (SDPA given the
 same pattern as a dense bool mask: the only way to say it to SDPA), ``sdpa`` (plain
@@ -58,6 +61,7 @@ def _timer(dry: bool):
 
 
 CAP = 30.0
+P_DROP = 0.1
 
 
 def _patterns(N: int, W: int, docs: int, device: str):
@@ -76,6 +80,7 @@ def _patterns(N: int, W: int, docs: int, device: str):
                       lambda b, h, q, k: (k <= q) & (ids[0, q] == ids[0, k])),
         "softcap": (dict(causal=True, softcap=CAP), causal, lambda b, h, q, k: k <= q),
         "causal": (dict(causal=True), causal, lambda b, h, q, k: k <= q),
+        "dropout": (dict(causal=True, dropout=P_DROP), causal, None),  # last: the first cut
     }
 
 
@@ -92,6 +97,7 @@ def run(args) -> list[dict]:
     import torch
     import torch.nn.functional as F
 
+    from torchfn import random
     from torchfn.kernels import attention
 
     dry = args.dry_run
@@ -114,9 +120,14 @@ def run(args) -> list[dict]:
     rows = []
     for name, (kw, dense, mask_mod) in _patterns(N, W, DOCS, dev).items():
         pairs = int(dense.sum()) * B * H
+        if "dropout" in kw:
+            kw = dict(kw, key=random.key(0))
         providers = {"torchfn": lambda q, k, v, kw=kw: attention(
             q, k, v, backend="triton", **kw)}
-        if name == "causal":
+        if name == "dropout":
+            providers["sdpa_dropout"] = lambda q, k, v: F.scaled_dot_product_attention(
+                q, k, v, is_causal=True, dropout_p=P_DROP)
+        elif name == "causal":
             providers["sdpa"] = lambda q, k, v: F.scaled_dot_product_attention(
                 q, k, v, is_causal=True)
         elif name == "softcap":
@@ -124,7 +135,7 @@ def run(args) -> list[dict]:
         else:
             providers["sdpa_mask"] = lambda q, k, v, m=dense: F.scaled_dot_product_attention(
                 q, k, v, attn_mask=m)
-        if flex is not None:
+        if flex is not None and mask_mod is not None:
             bm = create_block_mask(mask_mod, None, None, N, N, device=dev)
             mod = (lambda s, b, h, i, j: CAP * torch.tanh(s / CAP)) if name == "softcap" else None
             providers["flex"] = lambda q, k, v, bm=bm, mod=mod: flex(q, k, v, score_mod=mod,
@@ -142,7 +153,7 @@ def run(args) -> list[dict]:
                     if mode == "fwd":
                         with torch.no_grad():
                             out = fn(q, k, v)
-                            if prov != "torchfn" and ref is None:
+                            if prov != "torchfn" and ref is None and name != "dropout":
                                 ref = out.float()
                             row["ms"] = timer(lambda fn=fn: fn(q, k, v))
                         row["out"] = out

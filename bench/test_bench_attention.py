@@ -18,6 +18,10 @@ Groups, each torchfn next to its peer:
   mask as a dense bool tensor.
 - ``softcap``: the same shapes at N=2048, causal, logits soft-capped at 30: torchfn's
   ``softcap`` vs the materialised attention one writes without a kernel (SDPA has none).
+- ``dropout``: the same shapes at N=2048, causal, attention dropout 0.1: torchfn's keyed
+  ``dropout`` (mask recomputed blockwise from the key, never stored) vs the materialised
+  attention with the same keyed mask (``reference_attention``) and SDPA's ``dropout_p``
+  (torch's global RNG: a different mask, so it is timed, not compared).
 - ``per-sample grads``: ``vmap(grad)`` of a 2-layer pre-LN Transformer (d=64, 4 heads,
   N=64, causal, batch 32) with its attention from torchfn vs from SDPA. SDPA's CPU
   kernels have no batching rule, so functorch runs them in a per-sample loop (it warns
@@ -33,7 +37,8 @@ import torch
 import torch.nn.functional as F
 from torch.func import grad, vmap
 
-from torchfn.kernels import _torch_ops, attention
+from torchfn import random
+from torchfn.kernels import _torch_ops, attention, reference_attention
 
 B, H, D = 4, 8, 64
 
@@ -191,6 +196,27 @@ def test_softcap(benchmark, impl, mode):
     benchmark.group = f"softcap N={SN} {mode}"
     _time_against(benchmark, SOFTCAP_IMPLS[impl], _eager_softcap, mode, SN, seed=5, atol=1e-4,
                   scale=4.0)
+
+
+# ---------------------------------------------------------------- dropout
+
+P_DROP, DROP_KEY = 0.1, random.key(0)
+DROPOUT_IMPLS = {
+    "torchfn dropout": lambda q, k, v: attention(q, k, v, causal=True, dropout=P_DROP,
+                                                 key=DROP_KEY, backend="torch"),
+    "eager keyed dropout": lambda q, k, v: reference_attention(q, k, v, causal=True,
+                                                               dropout=P_DROP, key=DROP_KEY),
+    "sdpa dropout_p": lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                                     dropout_p=P_DROP),
+}
+
+
+@pytest.mark.parametrize("mode", ["forward", "forward+backward"])
+@pytest.mark.parametrize("impl", list(DROPOUT_IMPLS))
+def test_dropout(benchmark, impl, mode):
+    benchmark.group = f"dropout N={SN} {mode}"
+    ref = DROPOUT_IMPLS["eager keyed dropout"] if impl != "sdpa dropout_p" else None
+    _time_against(benchmark, DROPOUT_IMPLS[impl], ref, mode, SN, seed=6, atol=1e-4)
 
 
 # ---------------------------------------------------------------- per-sample gradients

@@ -136,14 +136,18 @@ out.update({kind + "+segments": a.compile_sm90(kind, 128, cfg, segments=True)
 out.update({kind + "+softcap": a.compile_sm90(kind, 128, cfg, causal=True, softcap=True)
             for kind, cfg in (("fwd_tma", (128, 128, 8, 3)), ("jvp", (64, 32, 4, 2)),
                               ("dkdv_tma", (32, 128, 8, 3)), ("dq", (128, 64, 8, 3)))})
+out.update({kind + "+dropout": a.compile_sm90(kind, 128, cfg, causal=True, dropout=True)
+            for kind, cfg in (("fwd_tma", (128, 64, 8, 3)), ("jvp", (32, 64, 8, 2)),
+                              ("dkdv_tma", (32, 128, 8, 3)), ("dq", (64, 64, 4, 3)))})
 print(json.dumps(out))
 """
 
 
-def test_window_segment_and_softcap_kernels_compile_on_sm90_without_spills():
+def test_window_segment_softcap_and_dropout_kernels_compile_on_sm90_without_spills():
     # the band kernels (WINDOW) at each kernel's first D=128 table config, and with segment
     # ids at a config that fits (their labels cost registers: the tuner skips none, but
-    # jvp's first config spills 16 B and dK/dV's first TMA config 32 B)
+    # jvp's first config spills 16 B and dK/dV's first TMA config 32 B); dropout (its
+    # Philox hash costs registers too) at a config per kernel that fits
     got = _probe(_WINDOW_PROBE)
     for kind, r in got.items():
         assert r["spill"] == 0 and r["smem"] <= 227 * 1024, (kind, r)

@@ -12,7 +12,8 @@ import pytest
 import torch
 from torch.func import grad, hessian, jacfwd, jacrev, jvp, vmap
 
-from torchfn.kernels import attention, reference_attention
+from torchfn import random
+from torchfn.kernels import _dropout, attention, reference_attention
 
 # B=1, H=2 query heads on Hkv=1 kv head (GQA), Nq <= Nk=7, odd D, causal + bool mask
 # (and, in the window variants, a sliding window of 2 keys left of the diagonal)
@@ -20,28 +21,35 @@ B, H, HKV, NK, D = 1, 2, 1, 7, 6
 HAS_TRITON = all(importlib.util.find_spec(m) for m in ("triton", "torchfn.kernels._triton_ops"))
 NEEDS_TRITON = pytest.mark.skipif(not HAS_TRITON, reason="triton or _triton_ops is missing")
 VARIANTS = [
-    # (backend, Nq, deterministic, window, packed segment ids, softcap)
-    pytest.param(("torch", 5, True, None, False, None), id="torch-blockwise"),  # Nq != Nk
-    pytest.param(("torch", NK, True, None, False, None), id="torch-sdpa"),  # SDPA's kernels
-    pytest.param(("torch", 5, True, (2, None), False, None), id="torch-window"),
-    pytest.param(("torch", 5, True, None, True, None), id="torch-segments"),
-    pytest.param(("torch", 5, True, None, False, 1.5), id="torch-softcap"),
-    pytest.param(("triton", 5, True, None, False, None), id="triton", marks=NEEDS_TRITON),
+    # (backend, Nq, deterministic, window, packed segment ids, softcap, dropout)
+    pytest.param(("torch", 5, True, None, False, None, 0.0), id="torch-blockwise"),  # Nq != Nk
+    pytest.param(("torch", NK, True, None, False, None, 0.0), id="torch-sdpa"),  # SDPA's kernels
+    pytest.param(("torch", 5, True, (2, None), False, None, 0.0), id="torch-window"),
+    pytest.param(("torch", 5, True, None, True, None, 0.0), id="torch-segments"),
+    pytest.param(("torch", 5, True, None, False, 1.5, 0.0), id="torch-softcap"),
+    pytest.param(("torch", NK, True, None, False, None, 0.3), id="torch-dropout"),
+    pytest.param(("triton", 5, True, None, False, None, 0.0), id="triton", marks=NEEDS_TRITON),
     # dQ added with atomics inside the dK/dV kernel
-    pytest.param(("triton", 5, False, None, False, None), id="triton-atomic-dq",
+    pytest.param(("triton", 5, False, None, False, None, 0.0), id="triton-atomic-dq",
                  marks=NEEDS_TRITON),
-    pytest.param(("triton", 5, True, (2, None), False, None), id="triton-window",
+    pytest.param(("triton", 5, True, (2, None), False, None, 0.0), id="triton-window",
                  marks=NEEDS_TRITON),
-    pytest.param(("triton", 5, True, None, True, None), id="triton-segments", marks=NEEDS_TRITON),
-    pytest.param(("triton", 5, True, None, False, 1.5), id="triton-softcap", marks=NEEDS_TRITON),
+    pytest.param(("triton", 5, True, None, True, None, 0.0), id="triton-segments",
+                 marks=NEEDS_TRITON),
+    pytest.param(("triton", 5, True, None, False, 1.5, 0.0), id="triton-softcap",
+                 marks=NEEDS_TRITON),
+    pytest.param(("triton", 5, True, None, False, None, 0.3), id="triton-dropout",
+                 marks=NEEDS_TRITON),
 ]
+KEY = random.key(7)  # the dropout variants' key
 KV_IDS = torch.tensor([[0, 0, 0, 1, 1, 1, 1]])  # two packed documents of the Nk = 7 keys
 
 
 @pytest.fixture(scope="module", params=VARIANTS)
 def case(request):
     """Inputs, mask (one fully masked row), and the attention of each backend + reference."""
-    attn_backend, nq, deterministic, window, packed, softcap = request.param
+    attn_backend, nq, deterministic, window, packed, softcap, dropout = request.param
+    key = KEY if dropout else None
     ids = (KV_IDS[:, NK - nq:], KV_IDS) if packed else None  # the queries: the last nq
     g = torch.Generator().manual_seed(11)
     dtype = torch.float64 if attn_backend == "torch" else torch.float32
@@ -55,11 +63,13 @@ def case(request):
 
     def ours(q, k, v):
         return attention(q, k, v, mask=mask, causal=True, window=window, segment_ids=ids,
-                         softcap=softcap, backend=attn_backend, deterministic=deterministic)
+                         softcap=softcap, dropout=dropout, key=key, backend=attn_backend,
+                         deterministic=deterministic)
 
     def ref(q, k, v):
         return reference_attention(q.double(), k.double(), v.double(), mask=mask, causal=True,
-                                   window=window, segment_ids=ids, softcap=softcap)
+                                   window=window, segment_ids=ids, softcap=softcap,
+                                   dropout=dropout, key=key)
 
     tol = 1e-10 if attn_backend == "torch" else 1e-5
     return dict(
@@ -78,6 +88,8 @@ def case(request):
         window_args=(-1, -1) if window is None else (window[0], -1),
         ids=ids,
         softcap=softcap,
+        dropout=dropout,
+        key=key,
     )
 
 
@@ -216,7 +228,9 @@ def test_opcheck(case):
     q, k, v = case["qkv"]
     normal, be = case["normal"], case["backend"]
     mask = torch.rand(B, 1, case["nq"], NK, generator=torch.Generator().manual_seed(1)) < 0.7
-    win = (*case["window_args"], *(case["ids"] or (None, None)), case["softcap"] or 0.0)
+    seeds = _dropout.seeds(KEY, B, H) if case["dropout"] else None
+    win = (*case["window_args"], *(case["ids"] or (None, None)), case["softcap"] or 0.0,
+           case["dropout"], seeds)
     o, lse = torch.ops.torchfn.attention_fwd(q, k, v, mask, True, 0.4, be, *win)
     ops = torch.ops.torchfn
     torch.library.opcheck(ops.attention_fwd.default, (q, k, v, mask, True, 0.4, be, *win))
@@ -264,7 +278,8 @@ def test_gradcheck_and_gradgradcheck_float64(case):
     def fn(q, k, v):
         ids = None if case["ids"] is None else tuple(x[:, :4] for x in case["ids"])
         return attention(q, k, v, mask=mask, scale=0.7, window=case["window"], segment_ids=ids,
-                         softcap=case["softcap"], backend="torch")
+                         softcap=case["softcap"], dropout=case["dropout"], key=case["key"],
+                         backend="torch")
 
     assert torch.autograd.gradcheck(fn, (q, k, v))
     assert torch.autograd.gradgradcheck(fn, (q, k, v))

@@ -80,10 +80,11 @@ def test_features_dry_run_times_every_case(tmp_path):
     want = {(c, p, m) for c, p in [("window", "torchfn"), ("window", "sdpa_mask"),
                                    ("documents", "torchfn"), ("documents", "sdpa_mask"),
                                    ("softcap", "torchfn"), ("softcap", "eager"),
+                                   ("dropout", "torchfn"), ("dropout", "sdpa_dropout"),
                                    ("causal", "torchfn"), ("causal", "sdpa")]
             for m in ("fwd", "fwd_bwd")}
     assert timed == want
     # torchfn gives its peer's output (fp32 in the dry run)
     assert all(r["rel_diff"] < 1e-5 for r in rows if "rel_diff" in r)
     assert len([r for r in rows if "rel_diff" in r]) == 4
-    assert (tmp_path / "features.md").read_text().count("| torchfn |") == 8
+    assert (tmp_path / "features.md").read_text().count("| torchfn |") == 10

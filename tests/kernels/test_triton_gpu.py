@@ -294,3 +294,42 @@ def test_gpu_window_and_segments_match_reference(dtype, causal, window, packed, 
     sgrads = torch.autograd.grad(so, lp, do)
     base = [rel_err(so, ro)] + [rel_err(g, r) for g, r in zip(sgrads, rgrads)]
     assert all(e <= 2 * b + 1e-6 for e, b in zip(ours, base)), (ours, base)
+
+
+@pytest.mark.parametrize("dtype, causal", [(torch.float32, True), (torch.bfloat16, False)],
+                         ids=["fp32-causal", "bf16"])
+def test_gpu_dropout_draws_the_spec_mask_and_matches_reference(dtype, causal):
+    # keyed dropout on the compiled kernels: the exact mask (uniform P through v = I), then
+    # o, the gradients and the JVP against the float64 reference with the same key
+    from torchfn import random
+    from torchfn.kernels import _dropout, attention, reference_attention
+
+    key = random.key(3)
+    B, H, Nq, Nk = 2, 2, 100, 130
+    eye = torch.eye(Nk, device="cuda").expand(B, 1, Nk, Nk).contiguous()
+    uniform = attention(torch.zeros(B, H, Nq, Nk, device="cuda"), eye, eye, scale=0.0,
+                        dropout=0.3, key=key, backend="triton")
+    seeds = _dropout.seeds(key.cuda(), B, H)[:, :, None, None, :]
+    keep = _dropout.keep(seeds, torch.arange(Nq, device="cuda")[:, None], 0, Nk,
+                         _dropout.threshold(0.3))
+    assert torch.equal(uniform > 0, keep)
+    q, k, v, do, _, _ = make(2, 4, 2, 500, 700, 64, dtype, None)
+    tangents = tuple(torch.randn_like(x) for x in (q, k, v))
+    f = lambda q, k, v: attention(q, k, v, causal=causal, dropout=0.2, key=key,  # noqa: E731
+                                  backend="triton")
+    r = lambda q, k, v: reference_attention(q, k, v, causal=causal, dropout=0.2,  # noqa: E731
+                                            key=key)
+
+    def run(fn, args, ts):
+        o, vjp = torch.func.vjp(fn, *args)
+        return (o, *vjp(do.to(o.dtype)), torch.func.jvp(fn, args, ts)[1])
+
+    ours = run(f, (q, k, v), tangents)
+    ref = run(r, tuple(x.double() for x in (q, k, v)), tuple(t.double() for t in tangents))
+    errs = [rel_err(a, b) for a, b in zip(ours, ref)]
+    if dtype == torch.float32:
+        assert max(errs) <= FP32_TOL, errs
+        return
+    peer = run(r, (q, k, v), tangents)  # the materialised attention in bf16
+    base = [rel_err(a, b) for a, b in zip(peer, ref)]
+    assert all(e <= 2 * b + 1e-6 for e, b in zip(errs, base)), (errs, base)

@@ -175,6 +175,45 @@ def test_transformer_on_features_and_keyed_dropout():
     assert torch.equal(a, b) and not torch.equal(a, model.apply(params, x))
 
 
+def test_attention_dropout_is_keyed_by_apply_and_reaches_the_kernel():
+    """attn_dropout: the i-th stochastic call of apply passes ``fold_in(key, i)`` to the
+    fused kernel (train mode only); vmap over keys == a loop; outside apply: an error."""
+    from torchfn.kernels import attention
+
+    kw = dict(dim=16, heads=2, depth=2, vocab_size=11, causal=True, max_len=9)
+    model = torchfn.Model(TransformerEncoder(**kw, attn_dropout=0.3))
+    params = model.init(random.key(4))
+    tokens = torch.randint(0, 11, (2, 9), generator=torch.Generator().manual_seed(5))
+    key = random.key(8)
+    calls = []
+
+    def by_hand(q, k, v, *, key_padding_mask, causal):
+        kk = random.fold_in(key, len(calls))  # the blocks' calls, in order
+        calls.append(kk)
+        return attention(q, k, v, key_padding_mask=key_padding_mask, causal=causal,
+                         dropout=0.3, key=kk)
+
+    out, _ = model.apply(params, tokens, key=key, train=True)
+    want, _ = torchfn.Model(TransformerEncoder(**kw, attend=by_hand)).apply(
+        params, tokens, key=key, train=True)
+    assert len(calls) == 2
+    torch.testing.assert_close(out, want)
+    plain = model.apply(params, tokens)  # eval: no attention dropout, no key needed
+    assert not torch.allclose(out, plain)
+    torch.testing.assert_close(plain, torchfn.Model(TransformerEncoder(**kw)).apply(params, tokens))
+    keys = random.split(key, 3)
+    batched = torch.func.vmap(lambda k: model.apply(params, tokens, key=k, train=True)[0])(keys)
+    for i in range(3):
+        torch.testing.assert_close(batched[i], model.apply(params, tokens, key=keys[i],
+                                                           train=True)[0])
+    with pytest.raises(ValueError, match="key: the module runs attention dropout"):
+        model.apply(params, tokens, train=True)
+    with pytest.raises(ValueError, match=r"attention dropout needs randomness: run the module"):
+        TransformerEncoder(**kw, attn_dropout=0.3)(tokens)
+    with pytest.raises(ValueError, match=r"attn_dropout must be in \[0, 1\), got 1.0"):
+        TransformerEncoder(**kw, attn_dropout=1.0)
+
+
 def test_mlpvae_encode_decode_equal_module():
     module = keyed(MLPVAE(6, (8,), 2))
     model = torchfn.Model(module)

@@ -14,6 +14,7 @@ Other global-RNG draws in a forward (``torch.rand``, ``Tensor.bernoulli_``,
 
 from __future__ import annotations
 
+import contextvars
 import math
 import types
 
@@ -54,9 +55,27 @@ def forward_ad_active() -> bool:
         return False
 
 
+def next_key(what: str) -> torch.Tensor:
+    """The next key of the running ``Model.apply`` (its ``i``-th stochastic call gets
+    ``fold_in(key, i)``), for a module that passes a key on itself, e.g. to
+    ``torchfn.kernels.attention(..., dropout=p, key=k)``. Outside ``apply``: an error."""
+    mode = _ACTIVE.get()
+    if mode is None:
+        raise ValueError(
+            f"{what} needs randomness: run the module through torchfn.Model.apply(..., "
+            "key=k, train=True), or put it in eval mode"
+        )
+    return mode.next_key(what)
+
+
 def _check_p(p: float) -> None:
     if p < 0.0 or p > 1.0:
         raise ValueError(f"dropout probability has to be between 0 and 1, but got {p}")
+
+
+# the innermost active KeyedRandomness, for modules that draw keys themselves
+_ACTIVE: contextvars.ContextVar[KeyedRandomness | None] = contextvars.ContextVar(
+    "torchfn_keyed_randomness", default=None)
 
 
 class KeyedRandomness(TorchFunctionMode):
@@ -67,6 +86,15 @@ class KeyedRandomness(TorchFunctionMode):
         self.key = key
         self.count = 0
         self.math_attention = math_attention  # SDPA in plain ops (forward-mode AD)
+        self._tokens: list[contextvars.Token] = []
+
+    def __enter__(self):
+        self._tokens.append(_ACTIVE.set(self))
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        _ACTIVE.reset(self._tokens.pop())
+        return super().__exit__(*exc)
 
     def next_key(self, what: str) -> torch.Tensor:
         if self.key is None:

@@ -65,19 +65,23 @@ def attention_fwd(
     q_ids: Tensor | None = None,
     kv_ids: Tensor | None = None,
     softcap: float = 0.0,
+    dropout: float = 0.0,
+    seeds: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """(o, lse): o (B, H, Nq, D), lse (B, H, Nq) fp32 (fp64 for fp64 inputs).
     ``window_left`` / ``window_right``: the normalised window (-1: unbounded);
-    ``q_ids`` (B, Nq) / ``kv_ids`` (B, Nk): int64 segment ids, or None."""
+    ``q_ids`` (B, Nq) / ``kv_ids`` (B, Nk): int64 segment ids, or None;
+    ``seeds`` (B, H, 2) int32: the per-head dropout keys of rate ``dropout``, or None."""
     q, k, v = (_last_contiguous(x) for x in (q, k, v))
     return _backend(backend).fwd(q, k, v, _expand(mask, q, k), causal, scale,
                                  window=(window_left, window_right),
-                                 segments=_segments(q_ids, kv_ids), softcap=softcap)
+                                 segments=_segments(q_ids, kv_ids), softcap=softcap,
+                                 dropout=dropout, seeds=seeds)
 
 
 @attention_fwd.register_fake
 def _(q, k, v, mask, causal, scale, backend, window_left=-1, window_right=-1, q_ids=None,
-      kv_ids=None, softcap=0.0):
+      kv_ids=None, softcap=0.0, dropout=0.0, seeds=None):
     B, H, Nq, D = q.shape
     return q.new_empty(B, H, Nq, D), q.new_empty(B, H, Nq, dtype=_lse_dtype(q.dtype))
 
@@ -100,17 +104,20 @@ def attention_bwd(
     q_ids: Tensor | None = None,
     kv_ids: Tensor | None = None,
     softcap: float = 0.0,
+    dropout: float = 0.0,
+    seeds: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) for the cotangent ``do``; dk / dv summed over GQA query heads."""
     q, k, v, o, do = (_last_contiguous(x) for x in (q, k, v, o, do))
     return _backend(backend).bwd(q, k, v, o, lse, do, _expand(mask, q, k), causal, scale,
                                  deterministic, window=(window_left, window_right),
-                                 segments=_segments(q_ids, kv_ids), softcap=softcap)
+                                 segments=_segments(q_ids, kv_ids), softcap=softcap,
+                                 dropout=dropout, seeds=seeds)
 
 
 @attention_bwd.register_fake
 def _(q, k, v, o, lse, do, mask, causal, scale, backend, deterministic=True, window_left=-1,
-      window_right=-1, q_ids=None, kv_ids=None, softcap=0.0):
+      window_right=-1, q_ids=None, kv_ids=None, softcap=0.0, dropout=0.0, seeds=None):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
@@ -131,17 +138,20 @@ def attention_jvp(
     q_ids: Tensor | None = None,
     kv_ids: Tensor | None = None,
     softcap: float = 0.0,
+    dropout: float = 0.0,
+    seeds: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(o, lse, to): forward-mode tangent ``to`` (B, H, Nq, D); a None tangent is zero."""
     q, k, v, tq, tk, tv = (_last_contiguous(x) for x in (q, k, v, tq, tk, tv))
     return _backend(backend).jvp(q, k, v, tq, tk, tv, _expand(mask, q, k), causal, scale,
                                  window=(window_left, window_right),
-                                 segments=_segments(q_ids, kv_ids), softcap=softcap)
+                                 segments=_segments(q_ids, kv_ids), softcap=softcap,
+                                 dropout=dropout, seeds=seeds)
 
 
 @attention_jvp.register_fake
 def _(q, k, v, tq, tk, tv, mask, causal, scale, backend, window_left=-1, window_right=-1,
-      q_ids=None, kv_ids=None, softcap=0.0):
+      q_ids=None, kv_ids=None, softcap=0.0, dropout=0.0, seeds=None):
     B, H, Nq, D = q.shape
     lse = q.new_empty(B, H, Nq, dtype=_lse_dtype(q.dtype))
     return q.new_empty(B, H, Nq, D), lse, q.new_empty(B, H, Nq, D)
@@ -187,38 +197,42 @@ def _unfold(x: Tensor, size: int) -> Tensor:
 
 @torch.library.register_vmap(f"{_LIB}::attention_fwd")
 def _(info, in_dims, q, k, v, mask, causal, scale, backend, window_left=-1, window_right=-1,
-      q_ids=None, kv_ids=None, softcap=0.0):
+      q_ids=None, kv_ids=None, softcap=0.0, dropout=0.0, seeds=None):
     n = info.batch_size
     qd, kd, vd, md = in_dims[:4]
     q, k, v = _fold(q, qd, n), _fold(k, kd, n), _fold(v, vd, n)
     mask = _fold_mask(mask, md, n, q.shape[0] // n)
     q_ids, kv_ids = _fold(q_ids, _dim(in_dims, 9), n), _fold(kv_ids, _dim(in_dims, 10), n)
+    seeds = _fold(seeds, _dim(in_dims, 13), n)
     o, lse = attention_fwd(q, k, v, mask, causal, scale, backend, window_left, window_right,
-                           q_ids, kv_ids, softcap)
+                           q_ids, kv_ids, softcap, dropout, seeds)
     return (_unfold(o, n), _unfold(lse, n)), (0, 0)
 
 
 @torch.library.register_vmap(f"{_LIB}::attention_bwd")
 def _(info, in_dims, q, k, v, o, lse, do, mask, causal, scale, backend, deterministic=True,
-      window_left=-1, window_right=-1, q_ids=None, kv_ids=None, softcap=0.0):
+      window_left=-1, window_right=-1, q_ids=None, kv_ids=None, softcap=0.0, dropout=0.0,
+      seeds=None):
     n = info.batch_size
     q, k, v, o, lse, do = (_fold(x, d, n) for x, d in zip((q, k, v, o, lse, do), in_dims))
     mask = _fold_mask(mask, in_dims[6], n, q.shape[0] // n)
     q_ids, kv_ids = _fold(q_ids, _dim(in_dims, 13), n), _fold(kv_ids, _dim(in_dims, 14), n)
+    seeds = _fold(seeds, _dim(in_dims, 17), n)
     grads = attention_bwd(q, k, v, o, lse, do, mask, causal, scale, backend, deterministic,
-                          window_left, window_right, q_ids, kv_ids, softcap)
+                          window_left, window_right, q_ids, kv_ids, softcap, dropout, seeds)
     return tuple(_unfold(g, n) for g in grads), (0, 0, 0)
 
 
 @torch.library.register_vmap(f"{_LIB}::attention_jvp")
 def _(info, in_dims, q, k, v, tq, tk, tv, mask, causal, scale, backend, window_left=-1,
-      window_right=-1, q_ids=None, kv_ids=None, softcap=0.0):
+      window_right=-1, q_ids=None, kv_ids=None, softcap=0.0, dropout=0.0, seeds=None):
     n = info.batch_size
     q, k, v, tq, tk, tv = (_fold(x, d, n) for x, d in zip((q, k, v, tq, tk, tv), in_dims))
     mask = _fold_mask(mask, in_dims[6], n, q.shape[0] // n)
     q_ids, kv_ids = _fold(q_ids, _dim(in_dims, 12), n), _fold(kv_ids, _dim(in_dims, 13), n)
+    seeds = _fold(seeds, _dim(in_dims, 16), n)
     outs = attention_jvp(q, k, v, tq, tk, tv, mask, causal, scale, backend, window_left,
-                         window_right, q_ids, kv_ids, softcap)
+                         window_right, q_ids, kv_ids, softcap, dropout, seeds)
     return tuple(_unfold(x, n) for x in outs), (0, 0, 0)
 
 
@@ -229,13 +243,15 @@ def _save(ctx, inputs, output) -> None:
     q, k, v, mask, causal, scale, backend, deterministic, win_l, win_r, q_ids, kv_ids = inputs[:12]
     o, lse = output
     ctx.mark_non_differentiable(lse)
-    ctx.save_for_backward(q, k, v, o, lse, mask, q_ids, kv_ids)
+    ctx.save_for_backward(q, k, v, o, lse, mask, q_ids, kv_ids, inputs[14])
     ctx.causal, ctx.scale, ctx.backend = causal, scale, backend
     ctx.deterministic, ctx.window, ctx.softcap = deterministic, (win_l, win_r), inputs[12]
+    ctx.dropout = inputs[13]
 
 
-# mask, causal, scale, backend, deterministic, window (2), segment ids (2), softcap
-_NO_GRADS = (None,) * 10
+# mask, causal, scale, backend, deterministic, window (2), segment ids (2), softcap, dropout,
+# seeds
+_NO_GRADS = (None,) * 12
 
 
 class _Attention(torch.autograd.Function):
@@ -243,29 +259,29 @@ class _Attention(torch.autograd.Function):
 
     @staticmethod
     def forward(q, k, v, mask, causal, scale, backend, deterministic, win_l, win_r, q_ids,
-                kv_ids, softcap):
+                kv_ids, softcap, dropout, seeds):
         return attention_fwd(q, k, v, mask, causal, scale, backend, win_l, win_r, q_ids, kv_ids,
-                             softcap)
+                             softcap, dropout, seeds)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
         _save(ctx, inputs, output)
-        ctx.save_for_forward(*inputs[:4], *inputs[10:12])
+        ctx.save_for_forward(*inputs[:4], *inputs[10:12], inputs[14])
 
     @staticmethod
     def backward(ctx, do, _dlse):
-        q, k, v, o, lse, mask, q_ids, kv_ids = ctx.saved_tensors
+        q, k, v, o, lse, mask, q_ids, kv_ids, seeds = ctx.saved_tensors
         dq, dk, dv = _AttentionBackward.apply(
             q, k, v, o, lse, do, mask, ctx.causal, ctx.scale, ctx.backend, ctx.deterministic,
-            *ctx.window, q_ids, kv_ids, ctx.softcap,
+            *ctx.window, q_ids, kv_ids, ctx.softcap, ctx.dropout, seeds,
         )
         return dq, dk, dv, *_NO_GRADS
 
     @staticmethod
     def jvp(ctx, tq, tk, tv, *_):
-        q, k, v, mask, q_ids, kv_ids = ctx.saved_tensors
+        q, k, v, mask, q_ids, kv_ids, seeds = ctx.saved_tensors
         to = attention_jvp(q, k, v, tq, tk, tv, mask, ctx.causal, ctx.scale, ctx.backend,
-                           *ctx.window, q_ids, kv_ids, ctx.softcap)[2]
+                           *ctx.window, q_ids, kv_ids, ctx.softcap, ctx.dropout, seeds)[2]
         return to, None
 
 
@@ -276,9 +292,9 @@ class _AttentionCompiled(torch.autograd.Function):
 
     @staticmethod
     def forward(q, k, v, mask, causal, scale, backend, deterministic, win_l, win_r, q_ids,
-                kv_ids, softcap):
+                kv_ids, softcap, dropout, seeds):
         return attention_fwd(q, k, v, mask, causal, scale, backend, win_l, win_r, q_ids, kv_ids,
-                             softcap)
+                             softcap, dropout, seeds)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -286,21 +302,23 @@ class _AttentionCompiled(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do, _dlse):
-        q, k, v, o, lse, mask, q_ids, kv_ids = ctx.saved_tensors
+        q, k, v, o, lse, mask, q_ids, kv_ids, seeds = ctx.saved_tensors
         dq, dk, dv = attention_bwd(q, k, v, o, lse, do, mask, ctx.causal, ctx.scale, ctx.backend,
-                                   ctx.deterministic, *ctx.window, q_ids, kv_ids, ctx.softcap)
+                                   ctx.deterministic, *ctx.window, q_ids, kv_ids, ctx.softcap,
+                                   ctx.dropout, seeds)
         return dq, dk, dv, *_NO_GRADS
 
 
 def _vjp_formula(ctx):
     """The materialised (q, k, v, do) -> (dq, dk, dv) and its saved primals."""
-    q, k, v, do, mask, q_ids, kv_ids = ctx.saved_tensors
+    q, k, v, do, mask, q_ids, kv_ids, seeds = ctx.saved_tensors
     causal, scale, window, softcap = ctx.causal, ctx.scale, ctx.window, ctx.softcap
     segments = None if q_ids is None else (q_ids, kv_ids)
+    dropout = ctx.dropout
 
     def vjp(q, k, v, do):
         return _reference.attention_vjp(q, k, v, do, mask, causal, scale, window, segments,
-                                        softcap)
+                                        softcap, dropout, seeds)
 
     return vjp, (q, k, v, do)
 
@@ -316,24 +334,25 @@ class _AttentionBackward(torch.autograd.Function):
 
     @staticmethod
     def forward(q, k, v, o, lse, do, mask, causal, scale, backend, deterministic, win_l, win_r,
-                q_ids, kv_ids, softcap):
+                q_ids, kv_ids, softcap, dropout, seeds):
         return attention_bwd(q, k, v, o, lse, do, mask, causal, scale, backend, deterministic,
-                             win_l, win_r, q_ids, kv_ids, softcap)
+                             win_l, win_r, q_ids, kv_ids, softcap, dropout, seeds)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
         q, k, v, _o, _lse, do, mask, causal, scale, _backend, _det, win_l, win_r = inputs[:13]
-        q_ids, kv_ids, softcap = inputs[13:]
-        ctx.save_for_backward(q, k, v, do, mask, q_ids, kv_ids)
-        ctx.save_for_forward(q, k, v, do, mask, q_ids, kv_ids)
+        q_ids, kv_ids, softcap, dropout, seeds = inputs[13:]
+        ctx.save_for_backward(q, k, v, do, mask, q_ids, kv_ids, seeds)
+        ctx.save_for_forward(q, k, v, do, mask, q_ids, kv_ids, seeds)
         ctx.causal, ctx.scale, ctx.window, ctx.softcap = causal, scale, (win_l, win_r), softcap
+        ctx.dropout = dropout
 
     @staticmethod
     def backward(ctx, gq, gk, gv):
         fn, primals = _vjp_formula(ctx)
         _, pullback = torch.func.vjp(fn, *primals)
         rq, rk, rv, rdo = pullback((gq, gk, gv))
-        return rq, rk, rv, None, None, rdo, *(None,) * 10
+        return rq, rk, rv, None, None, rdo, *(None,) * 12
 
     @staticmethod
     def jvp(ctx, tq, tk, tv, _to, _tlse, tdo, *_):
@@ -356,14 +375,17 @@ def attention(
     window: tuple[int, int] = _reference.NO_WINDOW,
     segments: tuple[Tensor, Tensor] | None = None,
     softcap: float = 0.0,
+    dropout: float = 0.0,
+    seeds: Tensor | None = None,
 ) -> Tensor:
     """Differentiable attention on validated inputs (mask: compact 4-D; window: normalised
     (left, right), -1 = unbounded; segments: int64 (q ids (B, Nq), kv ids (B, Nk));
-    softcap: 0.0 for none)."""
+    softcap: 0.0 for none; seeds: (B, H, 2) int32 dropout keys of rate ``dropout``, or
+    None)."""
     fn = _Attention
     # two ints and two tensors, not tuples: a tuple would be a pytree input to the Functions
     args = (deterministic, *window, *(segments if segments is not None else (None, None)),
-            softcap)
+            softcap, dropout, seeds)
     if torch.compiler.is_compiling():
         if torch._C._functorch.maybe_current_level() is not None:
             # dynamo cannot trace an autograd.Function inside a torch.func transform

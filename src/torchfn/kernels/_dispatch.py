@@ -11,7 +11,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from . import _autograd
+from . import _autograd, _dropout
 
 BACKENDS = ("torch", "triton")
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -30,6 +30,8 @@ class _Args(NamedTuple):
     window: tuple[int, int]  # (left, right); -1: unbounded (or bounded by causal)
     segments: tuple[Tensor, Tensor] | None  # (q ids (B, Nq), kv ids (B, Nk)), int64
     softcap: float  # 0.0: none
+    dropout: float  # 0.0: none
+    seeds: Tensor | None  # (B, H, 2) int32 per-head dropout keys; None: no dropout
 
 
 def _triton_available() -> bool:
@@ -194,6 +196,28 @@ def _normalize_segments(segment_ids, q: Tensor, k: Tensor) -> tuple[Tensor, Tens
     return out[0], out[1]
 
 
+def _dropout_seeds(dropout, key, q: Tensor) -> tuple[float, Tensor | None]:
+    """Validate ``dropout`` / ``key``; (rate, (B, H, 2) seeds on q's device), or (0.0, None)
+    when nothing is dropped."""
+    if isinstance(dropout, bool) or not isinstance(dropout, (int, float)):
+        raise TypeError(f"dropout must be a float in [0, 1), got {type(dropout).__name__}")
+    if not 0.0 <= dropout < 1.0:
+        raise ValueError(f"dropout must be in [0, 1), got {dropout}")
+    if key is not None:
+        if not isinstance(key, Tensor) or key.dtype != torch.int32 or tuple(key.shape) != (2,):
+            got = (f"{key.dtype} tensor of shape {tuple(key.shape)}" if isinstance(key, Tensor)
+                   else type(key).__name__)
+            raise TypeError(f"key must be a torchfn.random key ((2,) int32 tensor), got {got}")
+    if _dropout.threshold(dropout) == 0:  # rounds to no dropout
+        return 0.0, None
+    if key is None:
+        raise ValueError(
+            f"key: dropout = {dropout} needs a torchfn.random key (attention(..., "
+            "dropout=p, key=k)); pass dropout=0.0 at evaluation"
+        )
+    return float(dropout), _dropout.seeds(key.to(q.device), q.shape[0], q.shape[1])
+
+
 def _ensure_interpreter() -> None:
     """Triton on CPU runs under ``TRITON_INTERPRET=1``, which must be set before
     ``triton.language`` is imported (its ``@triton.jit`` helpers are made then)."""
@@ -249,6 +273,8 @@ def _prepare(
     window=None,
     segment_ids=None,
     softcap=None,
+    dropout=0.0,
+    key=None,
 ) -> _Args:
     """Validate the arguments and normalise the mask and window; ``backend="reference"``
     skips the choice of backend."""
@@ -267,9 +293,11 @@ def _prepare(
     elif not math.isfinite(scale):
         raise ValueError(f"scale must be finite, got {scale}")
     mask = _normalize_mask(mask, key_padding_mask, q, k)
+    dropout, seeds = _dropout_seeds(dropout, key, q)
     if backend != "reference":
         backend = _resolve_backend(backend, q)
-    return _Args(mask, causal, float(scale), backend, window, segments, float(softcap or 0.0))
+    return _Args(mask, causal, float(scale), backend, window, segments, float(softcap or 0.0),
+                 dropout, seeds)
 
 
 def attention(
@@ -283,6 +311,8 @@ def attention(
     window: int | tuple[int | None, int | None] | None = None,
     segment_ids: Tensor | tuple[Tensor, Tensor] | None = None,
     softcap: float | None = None,
+    dropout: float = 0.0,
+    key: Tensor | None = None,
     scale: float | None = None,
     backend: str | None = None,
     deterministic: bool = True,
@@ -321,6 +351,14 @@ def attention(
         softcap: logit soft-capping (Gemma 2, Grok): the scaled scores ``s`` become
             ``softcap * tanh(s / softcap)`` before the mask is added, as FlashAttention's
             ``softcap``. None (default): no cap.
+        dropout: attention dropout rate in [0, 1): each probability is dropped with
+            probability ``dropout`` and the kept ones are scaled up (after the softmax,
+            as SDPA's ``dropout_p``). The mask comes from ``key`` and the (batch, head,
+            query, key) position alone, so it is never stored: the backward and the JVP
+            recompute it, both backends draw the same mask, and ``vmap`` over keys gives
+            each example its own. The rate is rounded to a multiple of 2^-16. Pass 0.0
+            (default) at evaluation.
+        key: a ``torchfn.random`` key; required when ``dropout > 0``.
         scale: score scale, default ``1 / sqrt(D)``.
         backend: ``None`` picks Triton for CUDA tensors when triton is installed
             (else the PyTorch path) and the PyTorch path on CPU; ``"torch"`` forces
@@ -355,8 +393,9 @@ def attention(
     torch.Size([2, 4, 8, 16])
     """
     args = _prepare(q, k, v, mask, key_padding_mask, causal, scale, backend, window,
-                    segment_ids, softcap)
+                    segment_ids, softcap, dropout, key)
     if not isinstance(deterministic, bool):
         raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
     return _autograd.attention(q, k, v, args.mask, args.causal, args.scale, args.backend,
-                               deterministic, args.window, args.segments, args.softcap)
+                               deterministic, args.window, args.segments, args.softcap,
+                               args.dropout, args.seeds)

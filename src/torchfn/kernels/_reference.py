@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from . import _dropout
+
 NO_WINDOW = (-1, -1)
 
 
@@ -105,6 +107,17 @@ def _probs(
     return p, lse.squeeze(-1).masked_fill(dead.squeeze(-1), float("-inf"))
 
 
+def dropped(p: Tensor, dropout: float, seeds: Tensor | None) -> Tensor:
+    """Probabilities (B, H, Nq, Nk) after keyed dropout (``seeds``: (B, H, 2), or None
+    for none): dropped ones are 0, kept ones scaled by 1 / keep rate (``_dropout``)."""
+    if seeds is None:
+        return p
+    rows = torch.arange(p.shape[-2], device=p.device)[:, None]
+    kept = _dropout.keep(seeds[:, :, None, None, :], rows, 0, p.shape[-1],
+                         _dropout.threshold(dropout))
+    return p * kept.to(p.dtype) * _dropout.keep_scale(dropout)
+
+
 def _repeat_kv(x: Tensor, groups: int) -> Tensor:
     """(B, Hkv, N, D) -> (B, Hkv * groups, N, D): query head h reads kv head h // groups."""
     return x if groups == 1 else x.repeat_interleave(groups, dim=1)
@@ -114,11 +127,13 @@ def _attention(
     q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool, scale: float,
     window: tuple[int, int] = NO_WINDOW, segments: tuple[Tensor, Tensor] | None = None,
     softcap: float = 0.0,
+    dropout: float = 0.0,
+    seeds: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Unchecked materialised attention: (o, lse)."""
     g = q.shape[1] // k.shape[1]
     p, lse = _probs(q, _repeat_kv(k, g), mask, causal, scale, window, segments, softcap)
-    return p.to(v.dtype) @ _repeat_kv(v, g), lse
+    return dropped(p, dropout, seeds).to(v.dtype) @ _repeat_kv(v, g), lse
 
 
 def attention_vjp(
@@ -132,6 +147,8 @@ def attention_vjp(
     window: tuple[int, int] = NO_WINDOW,
     segments: tuple[Tensor, Tensor] | None = None,
     softcap: float = 0.0,
+    dropout: float = 0.0,
+    seeds: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) = vjp of attention at (q, k, v) with cotangent ``do``, in plain torch ops.
 
@@ -146,8 +163,8 @@ def attention_vjp(
     g = q.shape[1] // hkv
     kr, vr = _repeat_kv(k, g), _repeat_kv(v, g)
     p, _ = _probs(q, kr, mask, causal, scale, window, segments, softcap)  # (B, H, Nq, Nk)
-    dv = p.transpose(-1, -2) @ do  # (B, H, Nk, D)
-    dp = do @ vr.transpose(-1, -2)
+    dv = dropped(p, dropout, seeds).transpose(-1, -2) @ do  # (B, H, Nk, D)
+    dp = dropped(do @ vr.transpose(-1, -2), dropout, seeds)  # o = dropped(P) v
     ds = p * (dp - (dp * p).sum(-1, keepdim=True))
     if softcap > 0:  # through the cap: d(c tanh(s / c)) / ds = 1 - tanh^2
         ds = ds * (1 - torch.tanh(scale * (q @ kr.transpose(-1, -2)) / softcap).square())
@@ -172,12 +189,15 @@ def reference_attention(
     window: int | tuple[int | None, int | None] | None = None,
     segment_ids: Tensor | tuple[Tensor, Tensor] | None = None,
     softcap: float | None = None,
+    dropout: float = 0.0,
+    key: Tensor | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Materialised attention with exactly the semantics of :func:`attention`.
 
     q: (B, H, Nq, D), k / v: (B, Hkv, Nk, D) -> o: (B, H, Nq, D), and lse: (B, H, Nq)
     (logsumexp of the scaled, masked scores; -inf for fully masked rows) when
-    ``return_lse``. Arguments are validated as in :func:`attention`. Any float
+    ``return_lse``. Arguments are validated as in :func:`attention`, and ``dropout``
+    with ``key`` drops exactly the probabilities :func:`attention` drops. Any float
     dtype; pass float64 for an oracle. Differentiable by autograd and ``torch.func``.
 
     >>> import torch
@@ -188,7 +208,8 @@ def reference_attention(
     from ._dispatch import _prepare  # local: _dispatch imports the autograd wiring
 
     args = _prepare(q, k, v, mask, key_padding_mask, causal, scale, backend="reference",
-                    window=window, segment_ids=segment_ids, softcap=softcap)
+                    window=window, segment_ids=segment_ids, softcap=softcap, dropout=dropout,
+                    key=key)
     o, lse = _attention(q, k, v, args.mask, args.causal, args.scale, args.window, args.segments,
-                        args.softcap)
+                        args.softcap, args.dropout, args.seeds)
     return (o, lse) if return_lse else o

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from . import _reference
+from . import _dropout, _reference
 
 # scores materialised per query block (elements); ~16 MiB in fp32
 _SCORE_BUDGET = 1 << 22
@@ -57,7 +57,8 @@ class _Layout:
 
     def __init__(self, q: Tensor, k: Tensor, mask: Tensor | None, causal: bool, scale: float,
                  window: tuple[int, int] = (-1, -1),
-                 segments: tuple[Tensor, Tensor] | None = None, softcap: float = 0.0):
+                 segments: tuple[Tensor, Tensor] | None = None, softcap: float = 0.0,
+                 dropout: float = 0.0, seeds: Tensor | None = None):
         self.B, self.H, self.Nq, self.D = q.shape
         self.Hkv, self.Nk = k.shape[1], k.shape[2]
         self.G = self.H // self.Hkv
@@ -68,6 +69,10 @@ class _Layout:
             self.right = 0
         banded = self.left >= 0 or self.right >= 0
         self.segments, self.softcap = segments, softcap
+        self.seeds = None  # dropout keys (B, Hkv, G, 1, 1, 2), in the rows' head order
+        if seeds is not None:
+            self.seeds = seeds.view(self.B, self.Hkv, self.G, 1, 1, 2)
+            self.thresh, self.keep_scale = _dropout.threshold(dropout), _dropout.keep_scale(dropout)
         if segments is not None:  # each query row's key range [lo, hi) (host lists)
             lo, hi = _reference.segment_ranges(*segments)
             self.seg_lo, self.seg_hi = lo.amin(0).tolist(), hi.amax(0).tolist()
@@ -141,6 +146,16 @@ class _Layout:
             s5.masked_fill_(other[:, None, None], float("-inf"))
         return (s, dcap) if want_dcap else s
 
+    def dropout(self, i0: int, i1: int, k0: int, k1: int) -> Tensor | None:
+        """(B, Hkv, G * n, k1 - k0): the keyed dropout factor of rows [i0, i1) and keys
+        [k0, k1), 0 (dropped) or 1 / keep rate; None without dropout."""
+        if self.seeds is None:
+            return None
+        rows = torch.arange(i0, i1, device=self.seeds.device)[:, None]
+        kept = _dropout.keep(self.seeds, rows, k0, k1, self.thresh)  # (B, Hkv, G, n, k1 - k0)
+        z = kept.reshape(self.B, self.Hkv, self.G * (i1 - i0), k1 - k0).to(self.acc)
+        return z.mul_(self.keep_scale)
+
     def unrows(self, x: Tensor, n: int) -> Tensor:
         """(B, Hkv, G * n, *) -> (B, H, n, *)."""
         return x.reshape(self.B, self.H, n, *x.shape[3:])
@@ -166,11 +181,12 @@ def _exp_scores(s: Tensor) -> tuple[Tensor, Tensor, Tensor]:
 
 
 def _sdpa_args(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool,
-               window: tuple[int, int], segments, softcap: float = 0.0):
+               window: tuple[int, int], segments, softcap: float = 0.0, seeds=None):
     """(k, v, additive mask) for SDPA's fused CPU kernels, or None where they do not apply
-    (a window or segments: the blockwise path skips the keys outside them)."""
+    (a window or segments: the blockwise path skips the keys outside them; keyed dropout:
+    SDPA's draws from the global RNG)."""
     if (not _USE_SDPA or _SDPA_BWD is None or q.device.type != "cpu" or max(window) >= 0
-            or segments is not None or softcap > 0):
+            or segments is not None or softcap > 0 or seeds is not None):
         return None
     if causal and q.shape[2] != k.shape[2]:  # SDPA's is_causal aligns top-left
         return None
@@ -195,16 +211,16 @@ def _sum_groups(x: Tensor, hkv: int) -> Tensor:
 
 def fwd(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool, scale: float,
         window: tuple[int, int] = (-1, -1), segments: tuple[Tensor, Tensor] | None = None,
-        softcap: float = 0.0):
+        softcap: float = 0.0, dropout: float = 0.0, seeds: Tensor | None = None):
     """o: (B, H, Nq, D) in q's dtype, lse: (B, H, Nq) fp32 (fp64 for fp64 inputs)."""
-    sdpa = _sdpa_args(q, k, v, mask, causal, window, segments, softcap)
+    sdpa = _sdpa_args(q, k, v, mask, causal, window, segments, softcap, seeds)
     if sdpa is not None:
         kr, vr, bias = sdpa
         o, lse = _SDPA_FWD(q, kr, vr, 0.0, causal, attn_mask=bias, scale=scale)
         if bias is not None:  # SDPA: o = 0 and lse = 0 on a row without keys; ours: -inf
             lse = lse.masked_fill(lse.eq(0) & o.eq(0).all(-1), float("-inf"))
         return o.contiguous(), lse.contiguous()
-    L = _Layout(q, k, mask, causal, scale, window, segments, softcap)
+    L = _Layout(q, k, mask, causal, scale, window, segments, softcap, dropout, seeds)
     kf, vf = k.to(L.acc), v.to(L.acc)
     o = lse = None
     for i0, i1, k0, k1 in L.blocks():
@@ -212,7 +228,8 @@ def fwd(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool, scal
         if k1 > k0:
             s = L.scores(L.rows_of(q, i0, i1).to(L.acc) * scale, kf, i0, i1, k0, k1)
             p, inv, lsec = _exp_scores(s)
-            oc = (p @ vf[:, :, k0:k1]).mul_(inv)
+            z = L.dropout(i0, i1, k0, k1)
+            oc = ((p if z is None else p * z) @ vf[:, :, k0:k1]).mul_(inv)
         else:  # every row of the block is fully masked
             oc = vf.new_zeros(L.B, L.Hkv, L.G * n, L.D)
             lsec = vf.new_full((L.B, L.Hkv, L.G * n, 1), float("-inf"))
@@ -240,19 +257,21 @@ def bwd(
     window: tuple[int, int] = (-1, -1),
     segments: tuple[Tensor, Tensor] | None = None,
     softcap: float = 0.0,
+    dropout: float = 0.0,
+    seeds: Tensor | None = None,
 ):
     """dq: (B, H, Nq, D); dk, dv: (B, Hkv, Nk, D) summed over each kv head's query heads.
 
     Always deterministic; ``deterministic`` is accepted for the shared backend contract.
     """
-    sdpa = _sdpa_args(q, k, v, mask, causal, window, segments, softcap)
+    sdpa = _sdpa_args(q, k, v, mask, causal, window, segments, softcap, seeds)
     if sdpa is not None:
         kr, vr, bias = sdpa
         lse = lse.masked_fill(lse == float("-inf"), 0.0)  # back to SDPA's convention
         dq, dk, dv = _SDPA_BWD(do, q, kr, vr, o, lse, 0.0, causal, attn_mask=bias, scale=scale)
         hkv = k.shape[1]
         return dq.contiguous(), _sum_groups(dk, hkv).contiguous(), _sum_groups(dv, hkv).contiguous()
-    L = _Layout(q, k, mask, causal, scale, window, segments, softcap)
+    L = _Layout(q, k, mask, causal, scale, window, segments, softcap, dropout, seeds)
     kf, vf = k.to(L.acc), v.to(L.acc)
     delta = (do.to(L.acc) * o.to(L.acc)).sum(-1, keepdim=True)  # (B, H, Nq, 1)
     lse = _safe(lse.to(L.acc)).unsqueeze(-1)  # (B, H, Nq, 1)
@@ -267,8 +286,12 @@ def bwd(
         s, dcap = L.scores(qs, kf, i0, i1, k0, k1, want_dcap=True)
         p = s.sub_(L.rows_of(lse, i0, i1)).exp_()
         doc = L.rows_of(do, i0, i1).to(L.acc)  # (B, Hkv, G*n, D)
-        dv[:, :, k0:k1] += p.transpose(-1, -2) @ doc
-        ds = (doc @ vf[:, :, k0:k1].transpose(-1, -2)).sub_(L.rows_of(delta, i0, i1)).mul_(p)
+        z = L.dropout(i0, i1, k0, k1)  # o = (P * z) v
+        dv[:, :, k0:k1] += (p if z is None else p * z).transpose(-1, -2) @ doc
+        dp = doc @ vf[:, :, k0:k1].transpose(-1, -2)
+        if z is not None:
+            dp.mul_(z)
+        ds = dp.sub_(L.rows_of(delta, i0, i1)).mul_(p)
         if dcap is not None:  # through the softcap
             ds.mul_(dcap)
         dq[:, :, i0:i1] = L.unrows((ds @ kf[:, :, k0:k1]).mul_(scale), n)
@@ -289,13 +312,16 @@ def jvp(
     window: tuple[int, int] = (-1, -1),
     segments: tuple[Tensor, Tensor] | None = None,
     softcap: float = 0.0,
+    dropout: float = 0.0,
+    seeds: Tensor | None = None,
 ):
     """Forward-mode: (o, lse, to); a ``None`` tangent means zero.
 
-    With ``S = scale q k^T + mask``, ``tS = scale (tq k^T + q tk^T)``, ``P = softmax(S)``
-    and ``*`` elementwise: ``to = (P * tS) v + P tv - o * rowsum(P * tS)``.
+    With ``S = scale q k^T + mask``, ``tS = scale (tq k^T + q tk^T)``, ``P = softmax(S)``,
+    ``*`` elementwise and ``Z`` the dropout factor (1 without dropout), ``o = (P * Z) v``
+    and ``to = (P * tS * Z) v + (P * Z) tv - o * rowsum(P * tS)``.
     """
-    L = _Layout(q, k, mask, causal, scale, window, segments, softcap)
+    L = _Layout(q, k, mask, causal, scale, window, segments, softcap, dropout, seeds)
     kf, vf = k.to(L.acc), v.to(L.acc)
     tkf = tk.to(L.acc) if tk is not None else None
     tvf = tv.to(L.acc) if tv is not None else None
@@ -309,7 +335,9 @@ def jvp(
         qs = L.rows_of(q, i0, i1).to(L.acc) * scale
         s, dcap = L.scores(qs, kf, i0, i1, k0, k1, want_dcap=True)
         p, inv, lsec = _exp_scores(s)
-        oc = (p @ vf[:, :, k0:k1]).mul_(inv)
+        z = L.dropout(i0, i1, k0, k1)
+        pz = p if z is None else p * z
+        oc = (pz @ vf[:, :, k0:k1]).mul_(inv)
         toc = torch.zeros_like(oc)
         ts = None
         if tq is not None:
@@ -321,10 +349,10 @@ def jvp(
             if dcap is not None:  # the tangent through the softcap
                 ts.mul_(dcap)
             pts = ts.mul_(p)  # P * tS (unnormalised)
-            toc += (pts @ vf[:, :, k0:k1]).mul_(inv)
+            toc += ((pts if z is None else pts * z) @ vf[:, :, k0:k1]).mul_(inv)
             toc -= oc * (pts.sum(-1, keepdim=True) * inv)
         if tvf is not None:
-            toc += (p @ tvf[:, :, k0:k1]).mul_(inv)
+            toc += (pz @ tvf[:, :, k0:k1]).mul_(inv)
         o[:, :, i0:i1] = L.unrows(oc, n)
         to[:, :, i0:i1] = L.unrows(toc, n)
         lse[:, :, i0:i1] = L.unrows(lsec.squeeze(-1), n)

@@ -40,11 +40,16 @@ head stride = Nq row strides) and takes no atomic dQ; dQ splits only with BLOCK_
 band reaches its key block, dQ only the key blocks in its rows' band, all masked; with
 ``SEGMENTS``, also only those of the same documents (dK/dV's ``RLO`` / ``RHI``: each
 key's query range).
+
+``DROPOUT``: the forward's keep decisions, recomputed per tile (``_keep``; dK/dV
+transposes them): ``dV += (P * Z)^T dO`` and ``dS = P * (dP * Z - delta)`` with ``Z`` = 0
+where dropped, ``drop_scale`` where kept (``delta = rowsum(dO * O)`` already holds Z).
 """
 
 import triton
 import triton.language as tl
 
+from torchfn.kernels._triton_dropout import _head_seed, _keep
 from torchfn.kernels._triton_fwd import (
     _bounds_mask,
     _head_desc,
@@ -96,7 +101,9 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, m_base, lse2_base, delta_base, dq
                 DQ_ATOMIC: tl.constexpr, USE_TMA: tl.constexpr, EARLY_DP: tl.constexpr,
                 win_l=0, win_r=0, WINDOW: tl.constexpr = False,
                 seg_n=0, qseg_base=None, SEGMENTS: tl.constexpr = False,
-                cap2=1.0, SOFTCAP: tl.constexpr = False):
+                cap2=1.0, SOFTCAP: tl.constexpr = False, seed0=0, seed1=0, drop_thresh=0,
+                drop_scale=1.0, start_n=0, BLOCK_N: tl.constexpr = 16,
+                DROPOUT: tl.constexpr = False):
     offs_m0 = tl.arange(0, BLOCK_M)
     for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + offs_m0
@@ -127,13 +134,20 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, m_base, lse2_base, delta_base, dq
         if SEGMENTS:  # (the transposed tile: rows are keys)
             qkT = tl.where(_same_segment(seg_n, offs_m, qseg_base, Nq), qkT, float("-inf"))
         pT = tl.math.exp2(qkT - lse2[None, :])  # rows past Nq / empty rows: lse2 = +inf -> 0
-        if UPCAST:
-            pT_lo = pT
+        if DROPOUT:  # Z^T: the forward's keep decisions, transposed
+            keepT = tl.trans(_keep(seed0, seed1, offs_m, start_n, drop_thresh, BLOCK_N))
+            pT_drop = tl.where(keepT, pT * drop_scale, 0.0)
         else:
-            pT_lo = pT.to(ELEM)
+            pT_drop = pT
+        if UPCAST:
+            pT_lo = pT_drop
+        else:
+            pT_lo = pT_drop.to(ELEM)
         dv = tl.dot(pT_lo, do, dv, input_precision=DOT_PREC)
         if not EARLY_DP:
             dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)  # (N, M)
+        if DROPOUT:
+            dpT = tl.where(keepT, dpT * drop_scale, 0.0)
         dsT = pT * (dpT - delta[None, :])
         if SOFTCAP:  # through the cap
             dsT = dsT * dcapT
@@ -207,8 +221,9 @@ def _attn_bwd_dkdv(
     win_l=0, win_r=0, WINDOW: tl.constexpr = False,
     QSEG=None, KSEG=None, RLO=None, RHI=None, SEGMENTS: tl.constexpr = False,
     cap2=1.0, SOFTCAP: tl.constexpr = False,
+    SEED=None, drop_thresh=0, drop_scale=1.0, DROPOUT: tl.constexpr = False,
 ):
-    tl.static_assert(not (SOFTCAP and WARP_SPEC), "softcap: no warp specialization")
+    tl.static_assert(not ((SOFTCAP or DROPOUT) and WARP_SPEC), "no warp specialization")
     start_n = tl.program_id(0) * BLOCK_N
     off_bhk = tl.program_id(1)
     off_b = (off_bhk // HKV).to(tl.int64)
@@ -270,27 +285,33 @@ def _attn_bwd_dkdv(
             do_base = DO + off_b * sdb + off_h * sdh
             m_base = MASK + off_b * smb + off_h * smh
             dq_base = DQACC + row0 * HEAD_DIM
+            seed0, seed1 = _head_seed(SEED, off_b * H + off_h, DROPOUT)
             if WINDOW:
                 dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, m_base, LSE2 + row0,
                                      DELTA + row0, dq_base, offs_n, offs_d, m_lo, m_mid, sqm, sdm,
                                      smm, smn, Nq, Nk, qk_scale, desc_q, desc_do, off_b, off_h,
                                      BLOCK_M, HEAD_DIM, BLOCK_D, False, MASK_KIND, DOT_PREC,
                                      UPCAST, ELEM, DQ_ATOMIC, USE_TMA, EARLY_DP, win_l, win_r,
-                                     True, seg_n, qseg_base, SEGMENTS, cap2, SOFTCAP)
+                                     True, seg_n, qseg_base, SEGMENTS, cap2, SOFTCAP, seed0,
+                                     seed1, drop_thresh, drop_scale, start_n, BLOCK_N, DROPOUT)
             elif IS_CAUSAL:
                 dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, m_base, LSE2 + row0,
                                      DELTA + row0, dq_base, offs_n, offs_d, m_lo, m_mid, sqm, sdm,
                                      smm, smn, Nq, Nk, qk_scale, desc_q, desc_do, off_b, off_h,
                                      BLOCK_M, HEAD_DIM, BLOCK_D, True, MASK_KIND, DOT_PREC, UPCAST,
                                      ELEM, DQ_ATOMIC, USE_TMA, EARLY_DP, cap2=cap2,
-                                     SOFTCAP=SOFTCAP)
+                                     SOFTCAP=SOFTCAP, seed0=seed0, seed1=seed1,
+                                     drop_thresh=drop_thresh, drop_scale=drop_scale,
+                                     start_n=start_n, BLOCK_N=BLOCK_N, DROPOUT=DROPOUT)
             if not WINDOW:
                 dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, m_base, LSE2 + row0,
                                      DELTA + row0, dq_base, offs_n, offs_d, m_mid, Nq, sqm, sdm,
                                      smm, smn, Nq, Nk, qk_scale, desc_q, desc_do, off_b, off_h,
                                      BLOCK_M, HEAD_DIM, BLOCK_D, False, MASK_KIND, DOT_PREC,
                                      UPCAST, ELEM, DQ_ATOMIC, USE_TMA, EARLY_DP, cap2=cap2,
-                                     SOFTCAP=SOFTCAP)
+                                     SOFTCAP=SOFTCAP, seed0=seed0, seed1=seed1,
+                                     drop_thresh=drop_thresh, drop_scale=drop_scale,
+                                     start_n=start_n, BLOCK_N=BLOCK_N, DROPOUT=DROPOUT)
 
     dk = dk * sm_scale
     _store_rows(DK + off_b * sdkb + off_hk * sdkh, dk.to(DK.dtype.element_ty), offs_n, offs_d,
@@ -307,7 +328,8 @@ def _dq_inner(dq, q, do, lse2, delta, k_base, v_base, m_base, offs_m, offs_d, lo
               DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, ELEM: tl.constexpr,
               USE_TMA: tl.constexpr, win_l=0, win_r=0, WINDOW: tl.constexpr = False,
               seg_m=0, kseg_base=None, SEGMENTS: tl.constexpr = False,
-              cap2=1.0, SOFTCAP: tl.constexpr = False):
+              cap2=1.0, SOFTCAP: tl.constexpr = False, seed0=0, seed1=0, drop_thresh=0,
+              drop_scale=1.0, DROPOUT: tl.constexpr = False):
     offs_n0 = tl.arange(0, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
@@ -323,17 +345,25 @@ def _dq_inner(dq, q, do, lse2, delta, k_base, v_base, m_base, offs_m, offs_d, lo
             qk, dcap = _soft_cap(qk, cap2)
         qk = _mask_tile(qk, m_base, offs_m, offs_n, smm, smn, Nq, Nk, BOUNDARY, IS_CAUSAL,
                         MASK_KIND, win_l, win_r, WINDOW, seg_m, kseg_base, SEGMENTS)
-        dq = _dq_step(dq, qk, do, k, v, lse2, delta, DOT_PREC, UPCAST, ELEM, dcap, SOFTCAP)
+        keep = False
+        if DROPOUT:
+            keep = _keep(seed0, seed1, offs_m, start_n, drop_thresh, BLOCK_N)
+        dq = _dq_step(dq, qk, do, k, v, lse2, delta, DOT_PREC, UPCAST, ELEM, dcap, SOFTCAP,
+                      keep, drop_scale, DROPOUT)
     return dq
 
 
 @triton.jit
 def _dq_step(dq, qk, do, k, v, lse2, delta, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
-             ELEM: tl.constexpr, dcap=1.0, SOFTCAP: tl.constexpr = False):
+             ELEM: tl.constexpr, dcap=1.0, SOFTCAP: tl.constexpr = False, keep=False,
+             drop_scale=1.0, DROPOUT: tl.constexpr = False):
     """``dq += dS K`` for one key block, from its masked log2-unit scores ``qk`` (M, N)
-    (``SOFTCAP``: capped, and ``dcap`` the cap's derivative)."""
+    (``SOFTCAP``: capped, and ``dcap`` the cap's derivative; ``DROPOUT``: ``keep`` the
+    tile's keep decisions)."""
     p = tl.math.exp2(qk - lse2[:, None])
     dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)  # (M, N)
+    if DROPOUT:
+        dp = tl.where(keep, dp * drop_scale, 0.0)
     ds = p * (dp - delta[:, None])
     if SOFTCAP:
         ds = ds * dcap
@@ -380,8 +410,9 @@ def _attn_bwd_dq(
     win_l=0, win_r=0, WINDOW: tl.constexpr = False,
     QSEG=None, KSEG=None, RLO=None, RHI=None, SEGMENTS: tl.constexpr = False,
     cap2=1.0, SOFTCAP: tl.constexpr = False,
+    SEED=None, drop_thresh=0, drop_scale=1.0, DROPOUT: tl.constexpr = False,
 ):
-    tl.static_assert(not (SOFTCAP and WARP_SPEC), "softcap: no warp specialization")
+    tl.static_assert(not ((SOFTCAP or DROPOUT) and WARP_SPEC), "no warp specialization")
     if IS_CAUSAL:  # the longest query blocks (last rows) first: better tail balance
         start_m = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
     else:
@@ -416,6 +447,7 @@ def _attn_bwd_dq(
     seg_m, kseg_base = _row_segments(QSEG, KSEG, off_b, offs_m, Nq, Nk, SEGMENTS)
     lo, hi = _key_bounds(start_m, Nq, Nk, win_l, win_r, RLO, RHI, off_b, offs_m, BLOCK_M,
                          BLOCK_N, IS_CAUSAL, WINDOW, SEGMENTS)
+    seed0, seed1 = _head_seed(SEED, off_bh, DROPOUT)
     if WARP_SPEC:  # the launcher sets it only with no user mask and no window
         tl.static_assert(MASK_KIND == 0, "WARP_SPEC: no mask")
         dq = _dq_inner_ws(dq, q, do, lse2, delta,
@@ -428,12 +460,14 @@ def _attn_bwd_dq(
             dq = _dq_inner(dq, q, do, lse2, delta, k_base, v_base, m_base, offs_m, offs_d, 0,
                            lo, skn, svn, smm, smn, Nq, Nk, qk_scale, desc_k, desc_v, off_b,
                            off_hk, BLOCK_N, HEAD_DIM, BLOCK_D, False, IS_CAUSAL, MASK_KIND,
-                           DOT_PREC, UPCAST, ELEM, USE_TMA, cap2=cap2, SOFTCAP=SOFTCAP)
+                           DOT_PREC, UPCAST, ELEM, USE_TMA, cap2=cap2, SOFTCAP=SOFTCAP,
+                           seed0=seed0, seed1=seed1, drop_thresh=drop_thresh,
+                           drop_scale=drop_scale, DROPOUT=DROPOUT)
         dq = _dq_inner(dq, q, do, lse2, delta, k_base, v_base, m_base, offs_m, offs_d, lo, hi,
                        skn, svn, smm, smn, Nq, Nk, qk_scale, desc_k, desc_v, off_b, off_hk,
                        BLOCK_N, HEAD_DIM, BLOCK_D, True, IS_CAUSAL, MASK_KIND, DOT_PREC, UPCAST,
                        ELEM, USE_TMA, win_l, win_r, WINDOW, seg_m, kseg_base, SEGMENTS, cap2,
-                       SOFTCAP)
+                       SOFTCAP, seed0, seed1, drop_thresh, drop_scale, DROPOUT)
     dq = dq * sm_scale
     _store_rows(DQ + off_b * sdqb + off_h * sdqh, dq.to(DQ.dtype.element_ty), offs_m, offs_d,
                 sdqm, Nq, HEAD_DIM, BLOCK_D)

@@ -50,12 +50,19 @@ program visits only the union of its rows' ranges (``_segment_bounds``).
 (``cap2`` = softcap * log2(e)) before the mask; the backward and the JVP multiply by the
 cap's derivative ``1 - tanh^2``. No scale fold, pipelining or warp specialization with it.
 
+``DROPOUT`` (keyed attention dropout, ``_triton_dropout``): after the online softmax's
+row sum, each score tile's P is zeroed where ``_keep`` drops it (from the head's key in
+``SEED``, no stored mask); ``o`` is scaled by ``drop_scale`` (1 / keep rate) at the end.
+No pipelining or warp specialization with it.
+
 Import this module only through ``_triton_ops`` (Triton is optional; under
 ``TRITON_INTERPRET=1`` the kernels run on CPU).
 """
 
 import triton
 import triton.language as tl
+
+from torchfn.kernels._triton_dropout import _head_seed, _keep
 
 
 @triton.jit
@@ -297,7 +304,8 @@ def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, m_base, offs_m, offs_d, lo, hi,
                DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr,
                FOLD_SCALE: tl.constexpr, win_l=0, win_r=0, WINDOW: tl.constexpr = False,
                seg_m=0, kseg_base=None, SEGMENTS: tl.constexpr = False,
-               cap2=1.0, SOFTCAP: tl.constexpr = False):
+               cap2=1.0, SOFTCAP: tl.constexpr = False,
+               seed0=0, seed1=0, drop_thresh=0, DROPOUT: tl.constexpr = False):
     offs_n0 = tl.arange(0, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
@@ -328,8 +336,10 @@ def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, m_base, offs_m, offs_d, lo, hi,
             m_new, m_new_safe = _row_max(m_i, tl.max(qk, 1), BOUNDARY or MASK_KIND != 0)
             p = tl.math.exp2(qk - m_new_safe[:, None])
         alpha = tl.math.exp2(m_i - m_new_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
+        l_i = l_i * alpha + tl.sum(p, 1)  # the softmax's sum: before dropout
         acc = acc * alpha[:, None]
+        if DROPOUT:  # (the kept ones are scaled once, at the end)
+            p = tl.where(_keep(seed0, seed1, offs_m, start_n, drop_thresh, BLOCK_N), p, 0.0)
         if not UPCAST:  # interpreter: keep P in fp32 (its CPU peers do not round it)
             p = p.to(p_dtype)
         acc = tl.dot(p, v, acc, input_precision=DOT_PREC)
@@ -446,8 +456,10 @@ def _attn_fwd(
     win_l=0, win_r=0, WINDOW: tl.constexpr = False,
     QSEG=None, KSEG=None, RLO=None, RHI=None, SEGMENTS: tl.constexpr = False,
     cap2=1.0, SOFTCAP: tl.constexpr = False,
+    SEED=None, drop_thresh=0, drop_scale=1.0, DROPOUT: tl.constexpr = False,
 ):
     tl.static_assert(not (SOFTCAP and (FOLD_SCALE or WARP_SPEC)), "softcap: no scale fold")
+    tl.static_assert(not (DROPOUT and WARP_SPEC), "dropout: no warp specialization")
     if IS_CAUSAL:  # the longest query blocks (last rows) first: better tail balance
         start_m = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
     else:
@@ -479,6 +491,7 @@ def _attn_fwd(
     seg_m, kseg_base = _row_segments(QSEG, KSEG, off_b, offs_m, Nq, Nk, SEGMENTS)
     lo, hi = _key_bounds(start_m, Nq, Nk, win_l, win_r, RLO, RHI, off_b, offs_m, BLOCK_M,
                          BLOCK_N, IS_CAUSAL, WINDOW, SEGMENTS)
+    seed0, seed1 = _head_seed(SEED, off_bh, DROPOUT)
     if WARP_SPEC:  # the launcher sets it only with FOLD_SCALE, no user mask and no window
         tl.static_assert(FOLD_SCALE and MASK_KIND == 0, "WARP_SPEC: scale > 0, no mask")
         acc, l_i, m_i = _fwd_inner_ws(acc, l_i, m_i, q,
@@ -488,7 +501,7 @@ def _attn_fwd(
                                       WS_MASKED, DOT_PREC, UPCAST)
     elif WINDOW:
         pass  # nothing unmasked: the band's blocks come below
-    elif PIPELINE and FOLD_SCALE and MASK_KIND == 0:  # else the variant is the plain loop
+    elif PIPELINE and FOLD_SCALE and MASK_KIND == 0 and not DROPOUT:  # else the plain loop
         if lo > 0:
             acc, l_i, m_i = _fwd_inner_pipe(acc, l_i, m_i, q, k_base, v_base, desc_k, desc_v,
                                             off_b, off_hk, offs_d, 0, lo, skn, svn, Nk,
@@ -499,18 +512,23 @@ def _attn_fwd(
                                    lo, skn, svn, smm, smn, Nq, Nk, qk_scale, desc_k, desc_v,
                                    off_b, off_hk, BLOCK_N, HEAD_DIM, BLOCK_D, False, IS_CAUSAL,
                                    MASK_KIND, DOT_PREC, UPCAST, USE_TMA, FOLD_SCALE,
-                                   cap2=cap2, SOFTCAP=SOFTCAP)
+                                   cap2=cap2, SOFTCAP=SOFTCAP, seed0=seed0, seed1=seed1,
+                                   drop_thresh=drop_thresh, DROPOUT=DROPOUT)
     if not WARP_SPEC:
         acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, m_base, offs_m, offs_d,
                                    lo, hi, skn, svn, smm, smn, Nq, Nk, qk_scale, desc_k, desc_v,
                                    off_b, off_hk, BLOCK_N, HEAD_DIM, BLOCK_D, True, IS_CAUSAL,
                                    MASK_KIND, DOT_PREC, UPCAST, USE_TMA, FOLD_SCALE, win_l,
-                                   win_r, WINDOW, seg_m, kseg_base, SEGMENTS, cap2, SOFTCAP)
+                                   win_r, WINDOW, seg_m, kseg_base, SEGMENTS, cap2, SOFTCAP,
+                                   seed0, seed1, drop_thresh, DROPOUT)
 
     # fully masked rows: l = 0 -> o = 0, lse = -inf
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
-    acc = acc / l_safe[:, None]
+    if DROPOUT:  # the kept probabilities' scale, 1 / keep rate
+        acc = acc * (drop_scale / l_safe)[:, None]
+    else:
+        acc = acc / l_safe[:, None]
     lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
     o_base = O + off_b * sob + off_h * soh
     _store_rows(o_base, acc.to(O.dtype.element_ty), offs_m, offs_d, som, Nq, HEAD_DIM, BLOCK_D)

@@ -9,11 +9,16 @@ One pass with the forward's online softmax: the accumulators ``acc_o = sum p v``
 ``acc_t = sum (p * tS) v + p tv`` and ``acc_s = rowsum(p * tS)`` are rescaled
 together, then normalised by ``l`` at the end. Returns ``o``, ``lse`` and ``to``.
 Absent tangents (``HAS_T* = False``) are zero and cost nothing.
+
+``DROPOUT``: with ``Z`` the forward's keep decisions times ``drop_scale``, ``o = (P Z) v``
+and ``to_i = sum_j P_ij Z_ij (tS_ij v_j + tv_j) - o_i * sum_j P_ij tS_ij``: ``acc_o`` and
+``acc_t`` take the dropped P (scaled at the end), ``acc_s`` the whole one.
 """
 
 import triton
 import triton.language as tl
 
+from torchfn.kernels._triton_dropout import _head_seed, _keep
 from torchfn.kernels._triton_fwd import (
     _key_bounds,
     _load_rows,
@@ -35,7 +40,8 @@ def _jvp_inner(acc_o, acc_t, acc_s, l_i, m_i, q, tq,
                DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
                win_l=0, win_r=0, WINDOW: tl.constexpr = False,
                seg_m=0, kseg_base=None, SEGMENTS: tl.constexpr = False,
-               cap2=1.0, SOFTCAP: tl.constexpr = False):
+               cap2=1.0, SOFTCAP: tl.constexpr = False,
+               seed0=0, seed1=0, drop_thresh=0, DROPOUT: tl.constexpr = False):
     offs_n0 = tl.arange(0, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
@@ -67,6 +73,10 @@ def _jvp_inner(acc_o, acc_t, acc_s, l_i, m_i, q, tq,
         l_i = l_i * alpha + tl.sum(p, 1)
         pts = p * ts  # masked entries: p = 0
         acc_s = acc_s * alpha + tl.sum(pts, 1)
+        if DROPOUT:  # o and its tangent see the dropped P (acc_s: the softmax's, whole)
+            keep = _keep(seed0, seed1, offs_m, start_n, drop_thresh, BLOCK_N)
+            p = tl.where(keep, p, 0.0)
+            pts = tl.where(keep, pts, 0.0)
         acc_o = acc_o * alpha[:, None]
         acc_t = acc_t * alpha[:, None]
         if UPCAST:  # interpreter: fp32 throughout
@@ -101,6 +111,7 @@ def _attn_jvp(
     win_l=0, win_r=0, WINDOW: tl.constexpr = False,
     QSEG=None, KSEG=None, RLO=None, RHI=None, SEGMENTS: tl.constexpr = False,
     cap2=1.0, SOFTCAP: tl.constexpr = False,
+    SEED=None, drop_thresh=0, drop_scale=1.0, DROPOUT: tl.constexpr = False,
 ):
     if IS_CAUSAL:  # the longest query blocks (last rows) first: better tail balance
         start_m = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
@@ -137,22 +148,28 @@ def _attn_jvp(
     seg_m, kseg_base = _row_segments(QSEG, KSEG, off_b, offs_m, Nq, Nk, SEGMENTS)
     lo, hi = _key_bounds(start_m, Nq, Nk, win_l, win_r, RLO, RHI, off_b, offs_m, BLOCK_M,
                          BLOCK_N, IS_CAUSAL, WINDOW, SEGMENTS)
+    seed0, seed1 = _head_seed(SEED, off_bh, DROPOUT)
     if not WINDOW:  # the unmasked stage (the band's blocks are all masked)
         acc_o, acc_t, acc_s, l_i, m_i = _jvp_inner(
             acc_o, acc_t, acc_s, l_i, m_i, q, tq, k_base, v_base, tk_base, tv_base, m_base,
             offs_m, offs_d, 0, lo, skn, svn, stkn, stvn, smm, smn, Nq, Nk, qk_scale, sm_scale,
             BLOCK_N, HEAD_DIM, BLOCK_D, False, IS_CAUSAL, MASK_KIND, HAS_TQ, HAS_TK, HAS_TV,
-            DOT_PREC, UPCAST, cap2=cap2, SOFTCAP=SOFTCAP)
+            DOT_PREC, UPCAST, cap2=cap2, SOFTCAP=SOFTCAP, seed0=seed0, seed1=seed1,
+            drop_thresh=drop_thresh, DROPOUT=DROPOUT)
     acc_o, acc_t, acc_s, l_i, m_i = _jvp_inner(
         acc_o, acc_t, acc_s, l_i, m_i, q, tq, k_base, v_base, tk_base, tv_base, m_base,
         offs_m, offs_d, lo, hi, skn, svn, stkn, stvn, smm, smn, Nq, Nk, qk_scale, sm_scale,
         BLOCK_N, HEAD_DIM, BLOCK_D, True, IS_CAUSAL, MASK_KIND, HAS_TQ, HAS_TK, HAS_TV,
-        DOT_PREC, UPCAST, win_l, win_r, WINDOW, seg_m, kseg_base, SEGMENTS, cap2, SOFTCAP)
+        DOT_PREC, UPCAST, win_l, win_r, WINDOW, seg_m, kseg_base, SEGMENTS, cap2, SOFTCAP,
+        seed0, seed1, drop_thresh, DROPOUT)
 
     empty = l_i == 0.0
     inv_l = 1.0 / tl.where(empty, 1.0, l_i)
-    o = acc_o * inv_l[:, None]
-    to = acc_t * inv_l[:, None] - o * (acc_s * inv_l)[:, None]
+    inv_lz = inv_l
+    if DROPOUT:  # the kept probabilities' scale
+        inv_lz = inv_l * drop_scale
+    o = acc_o * inv_lz[:, None]
+    to = acc_t * inv_lz[:, None] - o * (acc_s * inv_l)[:, None]
     lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i)))
                    * 0.6931471805599453)
     _store_rows(O + off_b * sob + off_h * soh, o.to(O.dtype.element_ty), offs_m, offs_d, som, Nq,

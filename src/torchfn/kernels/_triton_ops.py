@@ -12,7 +12,8 @@ expanded to (B, H, Nq, Nk) (bool: True = attend; float: additive); o: (B, H, Nq,
 in q's dtype; lse: (B, H, Nq) float32 (natural log, -inf on fully masked rows).
 Each also takes ``window=(left, right)`` (normalised by ``_dispatch``, -1: unbounded) and
 ``segments=(q_ids, kv_ids)``, which select the band kernels (``WINDOW``, ``SEGMENTS``), and
-``softcap`` (> 0: ``SOFTCAP``).
+``softcap`` (> 0: ``SOFTCAP``), and ``dropout`` with ``seeds`` ((B, H, 2) int32 per-head
+keys: ``DROPOUT``, see ``_triton_dropout``).
 
 Block sizes (the tables and candidate lists are in ``_triton_configs``): on a GPU every
 kernel is tuned once per (kernel, N bucket, head dim, causal, mask kind, dtype) over a
@@ -51,7 +52,7 @@ import torch
 import triton
 import triton.language as tl
 
-from torchfn.kernels import _triton_bwd, _triton_fwd, _triton_jvp, _tune_cache
+from torchfn.kernels import _dropout, _triton_bwd, _triton_fwd, _triton_jvp, _tune_cache
 from torchfn.kernels._triton_configs import (
     _INTERP_CONFIGS,
     _OVERLAP,
@@ -158,7 +159,8 @@ def _launch(kind: str, kernel: Any, grid: Callable[[int, int], tuple[int, ...]],
             if ws is None:
                 raise ValueError(
                     f"config: the warp-specialized {kind} kernel needs fp16/bf16 on sm_90+ "
-                    "(or the interpreter), no mask, window or softcap, 16-byte aligned heads "
+                    "(or the interpreter), no mask, window, softcap or dropout, 16-byte aligned "
+                    "heads "
                     "and rows"
                     + (", scale > 0" if kind == "fwd" else "")
                     + (", and with GQA each head's rows right after the previous head's"
@@ -350,14 +352,14 @@ def _ws_variant(tensors: list[Tensor], consts: dict[str, Any], ok: bool = True,
                 ragged: Callable[[int, int], bool] | None = None,
                 ) -> Callable[[int, int], dict[str, Any]] | None:
     """The warp-specialized variant's kwargs per block shape, or None where it does not
-    apply: a user mask, a window or segments, a softcap, ``ok`` False (kernel-specific
+    apply: a user mask, a window or segments, a softcap, dropout, ``ok`` False (kernel-specific
     conditions), tensors descriptors cannot read, fp32 on a GPU (its 3xTF32 dots), or a
     Triton without in-kernel descriptors. Whether the tuner tries it is
     ``TORCHFN_TRITON_WS``'s call.
     ``ragged(BLOCK_M, BLOCK_N)``: whether a non-causal launch still needs the bounds
     mask on every block (``WS_MASKED``)."""
     if not (ok and consts["MASK_KIND"] == 0 and not consts.get("WINDOW")
-            and not consts.get("SOFTCAP")
+            and not consts.get("SOFTCAP") and not consts.get("DROPOUT")
             and hasattr(tl, "make_tensor_descriptor") and _descriptors_usable(tensors)):
         return None
     if any(t.stride(2) % (16 // t.element_size()) for t in tensors):  # even with one row:
@@ -412,7 +414,7 @@ def _mask_args(mask: Tensor | None, q: Tensor) -> tuple[Tensor, int, tuple[int, 
 
 def _common(q: Tensor, k: Tensor, mask: Tensor | None, causal: bool, scale: float,
             window: tuple[int, int] = (-1, -1), segments: tuple[Tensor, Tensor] | None = None,
-            softcap: float = 0.0):
+            softcap: float = 0.0, dropout: float = 0.0, seeds: Tensor | None = None):
     B, H, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
     mptr, mkind, ms = _mask_args(mask, q)
@@ -429,8 +431,12 @@ def _common(q: Tensor, k: Tensor, mask: Tensor | None, causal: bool, scale: floa
         consts.update(SEGMENTS=True, **_segment_labels(*segments))
     if softcap > 0:  # the cap in log2 units (the kernels' scores are)
         consts.update(SOFTCAP=True, cap2=float(softcap) * 1.4426950408889634)
+    if seeds is not None:  # keyed dropout: the per-head keys and the 16-bit threshold
+        consts.update(DROPOUT=True, SEED=seeds.contiguous(),
+                      drop_thresh=_dropout.threshold(dropout),
+                      drop_scale=_dropout.keep_scale(dropout))
     key = (_bucket(max(Nq, Nk)), D, bool(causal), mkind, q.dtype, banded, segments is not None,
-           softcap > 0)
+           softcap > 0, seeds is not None)
     return B, H, Hkv, Nq, Nk, D, mptr, ms, consts, key
 
 
@@ -471,7 +477,8 @@ def _empty_fwd(q: Tensor) -> tuple[Tensor, Tensor]:
 # --------------------------------------------------------------------------- raw ops
 def fwd(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool, scale: float,
         *, window: tuple[int, int] = (-1, -1), segments: tuple[Tensor, Tensor] | None = None,
-        softcap: float = 0.0, config: tuple[int, ...] | None = None,
+        softcap: float = 0.0, dropout: float = 0.0, seeds: Tensor | None = None,
+        config: tuple[int, ...] | None = None,
         ) -> tuple[Tensor, Tensor]:
     """Forward: ``o = softmax(scale q k^T + mask) v`` and its row logsumexp ``lse`` (float32).
 
@@ -482,7 +489,7 @@ def fwd(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool, scal
     _ensure_mode(q.device)
     q, k, v = _c(q), _c(k), _c(v)
     B, H, Hkv, Nq, Nk, D, mptr, ms, consts, key = _common(q, k, mask, causal, scale, window,
-                                                          segments, softcap)
+                                                          segments, softcap, dropout, seeds)
     if B * H * Nq == 0 or Nk == 0:
         return _empty_fwd(q)
     o = torch.empty((B, H, Nq, D), dtype=_buf_dtype(q.dtype), device=q.device)
@@ -507,7 +514,8 @@ def fwd(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool, scal
 def bwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Tensor,
         mask: Tensor | None, causal: bool, scale: float, deterministic: bool = True,
         *, window: tuple[int, int] = (-1, -1), segments: tuple[Tensor, Tensor] | None = None,
-        softcap: float = 0.0, config: tuple[tuple[int, ...], tuple[int, ...]] | None = None,
+        softcap: float = 0.0, dropout: float = 0.0, seeds: Tensor | None = None,
+        config: tuple[tuple[int, ...], tuple[int, ...]] | None = None,
         ) -> tuple[Tensor, Tensor, Tensor]:
     """Backward from ``do``: (dq, dk, dv) in the input dtype; dk/dv summed over GQA groups.
 
@@ -523,7 +531,7 @@ def bwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Tensor,
     _ensure_mode(q.device)
     q, k, v, o, do = _c(q), _c(k), _c(v), _c(o), _c(do)
     B, H, Hkv, Nq, Nk, D, mptr, ms, consts, key = _common(q, k, mask, causal, scale, window,
-                                                          segments, softcap)
+                                                          segments, softcap, dropout, seeds)
     buf = _buf_dtype(q.dtype)
     dq = torch.zeros((B, H, Nq, D), dtype=buf, device=q.device)
     dk = torch.zeros((B, Hkv, Nk, D), dtype=buf, device=q.device)
@@ -578,7 +586,8 @@ def bwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Tensor,
 def jvp(q: Tensor, k: Tensor, v: Tensor, tq: Tensor | None, tk: Tensor | None,
         tv: Tensor | None, mask: Tensor | None, causal: bool, scale: float,
         *, window: tuple[int, int] = (-1, -1), segments: tuple[Tensor, Tensor] | None = None,
-        softcap: float = 0.0, config: tuple[int, ...] | None = None,
+        softcap: float = 0.0, dropout: float = 0.0, seeds: Tensor | None = None,
+        config: tuple[int, ...] | None = None,
         ) -> tuple[Tensor, Tensor, Tensor]:
     """Fused forward-mode: (o, lse, to) with ``to`` the tangent of ``o``; None tangents are 0.
 
@@ -588,7 +597,7 @@ def jvp(q: Tensor, k: Tensor, v: Tensor, tq: Tensor | None, tk: Tensor | None,
     q, k, v = _c(q), _c(k), _c(v)
     tq, tk, tv = (None if t is None else _c(t) for t in (tq, tk, tv))
     B, H, Hkv, Nq, Nk, D, mptr, ms, consts, key = _common(q, k, mask, causal, scale, window,
-                                                          segments, softcap)
+                                                          segments, softcap, dropout, seeds)
     if B * H * Nq == 0 or Nk == 0:
         o, lse = _empty_fwd(q)
         return o, lse, torch.zeros_like(o)

@@ -24,10 +24,15 @@ def _fused_attention(q: Tensor, k: Tensor, v: Tensor, *, key_padding_mask, causa
     return attention(q, k, v, key_padding_mask=key_padding_mask, causal=causal, **extra)
 
 
-def _extra(window, segment_ids, softcap=None) -> dict:
+def _extra(window, segment_ids, softcap=None, dropout: float = 0.0) -> dict:
     """The attention keywords beyond the basic two, only where set (so a custom ``attend``
-    without them keeps working when they are not used)."""
+    without them keeps working when they are not used). ``dropout`` > 0: with the next
+    key of the running ``Model.apply``."""
     extra = {}
+    if dropout > 0:
+        from torchfn.core._dropout import next_key
+
+        extra["dropout"], extra["key"] = dropout, next_key("attention dropout")
     if window is not None:
         extra["window"] = window
     if segment_ids is not None:
@@ -45,17 +50,22 @@ class MultiHeadAttention(nn.Module):
     ``torchfn.kernels.attention``. Pass another (e.g. a wrapper around
     ``F.scaled_dot_product_attention``) to compare. ``window`` (sliding-window attention),
     ``softcap`` (logit soft-capping) and the forward's ``segment_ids`` (packed documents)
-    are passed on as keywords only when set.
+    are passed on as keywords only when set; so is ``attn_dropout`` (attention dropout, in
+    train mode only), with a key drawn from ``Model.apply``'s ``key``.
     """
 
     def __init__(self, dim: int, heads: int, *, causal: bool = False,
                  window: int | tuple[int | None, int | None] | None = None,
-                 softcap: float | None = None, attend: AttendFn | None = None) -> None:
+                 softcap: float | None = None, attn_dropout: float = 0.0,
+                 attend: AttendFn | None = None) -> None:
         super().__init__()
         _check_dims(dim=dim, heads=heads)
         if dim % heads:
             raise ValueError(f"dim must be divisible by heads, got dim={dim}, heads={heads}")
+        if not 0.0 <= attn_dropout < 1.0:
+            raise ValueError(f"attn_dropout must be in [0, 1), got {attn_dropout}")
         self.heads, self.causal, self.window, self.softcap = heads, causal, window, softcap
+        self.attn_dropout = attn_dropout
         self.attend = attend or _fused_attention
         self.qkv = nn.Linear(dim, 3 * dim)
         self.out = nn.Linear(dim, dim)
@@ -65,8 +75,9 @@ class MultiHeadAttention(nn.Module):
         b, n, dim = x.shape
         qkv = self.qkv(x).reshape(b, n, 3, self.heads, dim // self.heads)  # (B, N, 3, H, D)
         q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each (B, H, N, D)
+        drop = self.attn_dropout if self.training else 0.0
         o = self.attend(q, k, v, key_padding_mask=key_padding_mask, causal=self.causal,
-                        **_extra(self.window, segment_ids, self.softcap))
+                        **_extra(self.window, segment_ids, self.softcap, drop))
         return self.out(o.transpose(1, 2).reshape(b, n, dim))  # (B, N, dim)
 
 
@@ -76,11 +87,12 @@ class TransformerBlock(nn.Module):
     def __init__(self, dim: int, heads: int, *, mlp_ratio: int = 4, dropout: float = 0.0,
                  causal: bool = False,
                  window: int | tuple[int | None, int | None] | None = None,
-                 softcap: float | None = None, attend: AttendFn | None = None) -> None:
+                 softcap: float | None = None, attn_dropout: float = 0.0,
+                 attend: AttendFn | None = None) -> None:
         super().__init__()
         self.ln1 = nn.LayerNorm(dim)
         self.attn = MultiHeadAttention(dim, heads, causal=causal, window=window, softcap=softcap,
-                                       attend=attend)
+                                       attn_dropout=attn_dropout, attend=attend)
         self.ln2 = nn.LayerNorm(dim)
         self.mlp = nn.Sequential(
             nn.Linear(dim, mlp_ratio * dim), nn.GELU(), nn.Linear(mlp_ratio * dim, dim)
@@ -115,6 +127,8 @@ class TransformerEncoder(nn.Module):
         window: sliding-window attention, as ``torchfn.kernels.attention``'s (e.g.
             ``causal=True, window=(255, None)``: each token sees itself and 255 before).
         softcap: attention logit soft-capping (Gemma 2 uses 50), as the kernel's.
+        attn_dropout: attention dropout (on the probabilities, in the fused kernel), keyed
+            by ``Model.apply``'s ``key`` in train mode.
         attend: the attention function (default ``torchfn.kernels.attention``).
 
     Example::
@@ -143,6 +157,7 @@ class TransformerEncoder(nn.Module):
         causal: bool = False,
         window: int | tuple[int | None, int | None] | None = None,
         softcap: float | None = None,
+        attn_dropout: float = 0.0,
         attend: AttendFn | None = None,
     ) -> None:
         super().__init__()
@@ -165,7 +180,8 @@ class TransformerEncoder(nn.Module):
         self.drop = nn.Dropout(dropout)
         self.blocks = nn.ModuleList(
             TransformerBlock(dim, heads, mlp_ratio=mlp_ratio, dropout=dropout, causal=causal,
-                             window=window, softcap=softcap, attend=attend)
+                             window=window, softcap=softcap, attn_dropout=attn_dropout,
+                             attend=attend)
             for _ in range(depth)
         )
         self.ln = nn.LayerNorm(dim)
