@@ -60,7 +60,7 @@ from triton.compiler import ASTSource  # noqa: E402
 SMEM_LIMIT = 227 * 1024
 _BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 _PTRS = {"Q", "K", "V", "TQ", "TK", "TV", "MASK", "O", "TO", "DO", "DQ", "DK", "DV"}
-_FP32_PTRS = {"LSE", "LSE2", "DELTA", "DQACC"}
+_FP32_PTRS = {"LSE", "LSE2", "DELTA", "DQACC", "TLSE"}
 _SEG_PTRS = {"QSEG": "*i32", "KSEG": "*i32", "RLO": "*i32", "RHI": "*i32"}  # segment labels
 _INT_ONE = {"GROUP"}  # the JIT turns an int argument equal to 1 into a constant
 

@@ -179,7 +179,8 @@ def check(B, H, Hkv, Nq, Nk, D, dtype, causal, mask_kind, *, seed=0, fwd_cfg=Non
     o, lse = T.fwd(q, k, v, mask, causal, scale, config=fwd_cfg, **extra)
     dq, dk, dv = T.bwd(q, k, v, o, lse, do, mask, causal, scale, deterministic, config=bwd_cfg,
                        **extra)
-    o2, lse2, to = T.jvp(q, k, v, tq, tk, tv, mask, causal, scale, config=fwd_cfg, **extra)
+    o2, lse2, to, tlse = T.jvp(q, k, v, tq, tk, tv, mask, causal, scale, config=fwd_cfg,
+                               **extra)
     assert o.shape == (B, H, Nq, D) and o.dtype == dtype and lse.dtype == torch.float32
     assert dk.shape == (B, Hkv, Nk, D) and dq.dtype == dtype
     for t in (o, lse, dq, dk, dv, to):
@@ -188,8 +189,8 @@ def check(B, H, Hkv, Nq, Nk, D, dtype, causal, mask_kind, *, seed=0, fwd_cfg=Non
     leaves = [x.double().requires_grad_() for x in (q, k, v)]
     ro, rlse = reference(*leaves, mask, causal, scale, window, segs, softcap)
     rgrads = torch.autograd.grad(ro, leaves, do.double())
-    _, rto = torch.func.jvp(
-        lambda a, b, c: reference(a, b, c, mask, causal, scale, window, segs, softcap)[0],
+    _, (rto, rtlse) = torch.func.jvp(
+        lambda a, b, c: reference(a, b, c, mask, causal, scale, window, segs, softcap),
         tuple(x.double() for x in (q, k, v)), tuple(x.double() for x in (tq, tk, tv)),
     )
 
@@ -199,6 +200,9 @@ def check(B, H, Hkv, Nq, Nk, D, dtype, causal, mask_kind, *, seed=0, fwd_cfg=Non
     for lse_ in (lse, lse2):
         err = ((lse_.double() - rlse).abs() / (1 + rlse.abs()))[fin]
         assert err.numel() == 0 or err.max().item() <= FP32_TOL
+    # lse's tangent (return_lse under jvp): fp32-accurate too, 0 on fully masked rows
+    assert tlse.dtype == torch.float32 and rel_err(tlse, rtlse) <= FP32_TOL
+    assert (tlse[~fin] == 0).all()
     # fully masked rows are exactly zero in o, to and dq
     empty = ~fin
     for t in (o, o2, to, dq):
@@ -470,12 +474,13 @@ def test_fully_masked_rows_are_zero_not_nan():
     # causal with Nq > Nk: the first Nq - Nk queries see no key at all
     o, lse = T.fwd(q, k, v, mask, True, 0.25)
     dq, dk, dv = T.bwd(q, k, v, o, lse, do, mask, True, 0.25)
-    _, _, to = T.jvp(q, k, v, tq, tk, tv, mask, True, 0.25)
+    _, _, to, tlse = T.jvp(q, k, v, tq, tk, tv, mask, True, 0.25)
     empty = torch.zeros(40, dtype=torch.bool)
     empty[:16] = True
     empty[5:9] = True
     assert (lse[:, :, empty] == float("-inf")).all() and lse[:, :, ~empty].isfinite().all()
     assert (o[:, :, empty] == 0).all() and (to[:, :, empty] == 0).all()
+    assert (tlse[:, :, empty] == 0).all()
     assert (dq[:, :, empty] == 0).all()
     assert not any(t.isnan().any() for t in (dq, dk, dv))
     leaves = [x.double().requires_grad_() for x in (q, k, v)]
@@ -488,7 +493,7 @@ def test_partial_tangents_match_reference():
     q, k, v, _, (tq, tk, tv), _ = make_inputs(1, 2, 1, 50, 70, 24, torch.float32, 2)
     scale = 0.3
     for tangents in [(tq, None, None), (None, tk, None), (None, None, tv), (None, None, None)]:
-        o, lse, to = T.jvp(q, k, v, *tangents, None, True, scale)
+        o, lse, to, _ = T.jvp(q, k, v, *tangents, None, True, scale)
         full = tuple(torch.zeros_like(x, dtype=torch.float64) if t is None else t.double()
                      for x, t in zip((q, k, v), tangents))
         ro, rto = torch.func.jvp(lambda a, b, c: reference(a, b, c, None, True, scale)[0],

@@ -106,18 +106,21 @@ def attention_bwd(
     softcap: float = 0.0,
     dropout: float = 0.0,
     seeds: Tensor | None = None,
+    dlse: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """(dq, dk, dv) for the cotangent ``do``; dk / dv summed over GQA query heads."""
+    """(dq, dk, dv) for the cotangents ``do`` (of o) and ``dlse`` (of lse, (B, H, Nq);
+    None: zero); dk / dv summed over GQA query heads."""
     q, k, v, o, do = (_last_contiguous(x) for x in (q, k, v, o, do))
     return _backend(backend).bwd(q, k, v, o, lse, do, _expand(mask, q, k), causal, scale,
                                  deterministic, window=(window_left, window_right),
                                  segments=_segments(q_ids, kv_ids), softcap=softcap,
-                                 dropout=dropout, seeds=seeds)
+                                 dropout=dropout, seeds=seeds, dlse=dlse)
 
 
 @attention_bwd.register_fake
 def _(q, k, v, o, lse, do, mask, causal, scale, backend, deterministic=True, window_left=-1,
-      window_right=-1, q_ids=None, kv_ids=None, softcap=0.0, dropout=0.0, seeds=None):
+      window_right=-1, q_ids=None, kv_ids=None, softcap=0.0, dropout=0.0, seeds=None,
+      dlse=None):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
@@ -140,8 +143,9 @@ def attention_jvp(
     softcap: float = 0.0,
     dropout: float = 0.0,
     seeds: Tensor | None = None,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """(o, lse, to): forward-mode tangent ``to`` (B, H, Nq, D); a None tangent is zero."""
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(o, lse, to, tlse): the forward-mode tangents of o (B, H, Nq, D) and of lse
+    (B, H, Nq); a None input tangent is zero."""
     q, k, v, tq, tk, tv = (_last_contiguous(x) for x in (q, k, v, tq, tk, tv))
     return _backend(backend).jvp(q, k, v, tq, tk, tv, _expand(mask, q, k), causal, scale,
                                  window=(window_left, window_right),
@@ -154,7 +158,7 @@ def _(q, k, v, tq, tk, tv, mask, causal, scale, backend, window_left=-1, window_
       q_ids=None, kv_ids=None, softcap=0.0, dropout=0.0, seeds=None):
     B, H, Nq, D = q.shape
     lse = q.new_empty(B, H, Nq, dtype=_lse_dtype(q.dtype))
-    return q.new_empty(B, H, Nq, D), lse, q.new_empty(B, H, Nq, D)
+    return q.new_empty(B, H, Nq, D), lse, q.new_empty(B, H, Nq, D), torch.empty_like(lse)
 
 
 # ---------------------------------------------------------------- vmap rules
@@ -212,14 +216,15 @@ def _(info, in_dims, q, k, v, mask, causal, scale, backend, window_left=-1, wind
 @torch.library.register_vmap(f"{_LIB}::attention_bwd")
 def _(info, in_dims, q, k, v, o, lse, do, mask, causal, scale, backend, deterministic=True,
       window_left=-1, window_right=-1, q_ids=None, kv_ids=None, softcap=0.0, dropout=0.0,
-      seeds=None):
+      seeds=None, dlse=None):
     n = info.batch_size
     q, k, v, o, lse, do = (_fold(x, d, n) for x, d in zip((q, k, v, o, lse, do), in_dims))
     mask = _fold_mask(mask, in_dims[6], n, q.shape[0] // n)
     q_ids, kv_ids = _fold(q_ids, _dim(in_dims, 13), n), _fold(kv_ids, _dim(in_dims, 14), n)
-    seeds = _fold(seeds, _dim(in_dims, 17), n)
+    seeds, dlse = _fold(seeds, _dim(in_dims, 17), n), _fold(dlse, _dim(in_dims, 18), n)
     grads = attention_bwd(q, k, v, o, lse, do, mask, causal, scale, backend, deterministic,
-                          window_left, window_right, q_ids, kv_ids, softcap, dropout, seeds)
+                          window_left, window_right, q_ids, kv_ids, softcap, dropout, seeds,
+                          dlse)
     return tuple(_unfold(g, n) for g in grads), (0, 0, 0)
 
 
@@ -233,7 +238,7 @@ def _(info, in_dims, q, k, v, tq, tk, tv, mask, causal, scale, backend, window_l
     seeds = _fold(seeds, _dim(in_dims, 16), n)
     outs = attention_jvp(q, k, v, tq, tk, tv, mask, causal, scale, backend, window_left,
                          window_right, q_ids, kv_ids, softcap, dropout, seeds)
-    return tuple(_unfold(x, n) for x in outs), (0, 0, 0)
+    return tuple(_unfold(x, n) for x in outs), (0, 0, 0, 0)
 
 
 # ---------------------------------------------------------------- autograd
@@ -242,7 +247,9 @@ def _(info, in_dims, q, k, v, tq, tk, tv, mask, causal, scale, backend, window_l
 def _save(ctx, inputs, output) -> None:
     q, k, v, mask, causal, scale, backend, deterministic, win_l, win_r, q_ids, kv_ids = inputs[:12]
     o, lse = output
-    ctx.mark_non_differentiable(lse)
+    ctx.lse_grad = inputs[15]  # return_lse: lse is an output with a derivative
+    if not ctx.lse_grad:
+        ctx.mark_non_differentiable(lse)
     ctx.save_for_backward(q, k, v, o, lse, mask, q_ids, kv_ids, inputs[14])
     ctx.causal, ctx.scale, ctx.backend = causal, scale, backend
     ctx.deterministic, ctx.window, ctx.softcap = deterministic, (win_l, win_r), inputs[12]
@@ -250,8 +257,8 @@ def _save(ctx, inputs, output) -> None:
 
 
 # mask, causal, scale, backend, deterministic, window (2), segment ids (2), softcap, dropout,
-# seeds
-_NO_GRADS = (None,) * 12
+# seeds, lse_grad
+_NO_GRADS = (None,) * 13
 
 
 class _Attention(torch.autograd.Function):
@@ -259,7 +266,7 @@ class _Attention(torch.autograd.Function):
 
     @staticmethod
     def forward(q, k, v, mask, causal, scale, backend, deterministic, win_l, win_r, q_ids,
-                kv_ids, softcap, dropout, seeds):
+                kv_ids, softcap, dropout, seeds, lse_grad):
         return attention_fwd(q, k, v, mask, causal, scale, backend, win_l, win_r, q_ids, kv_ids,
                              softcap, dropout, seeds)
 
@@ -269,20 +276,22 @@ class _Attention(torch.autograd.Function):
         ctx.save_for_forward(*inputs[:4], *inputs[10:12], inputs[14])
 
     @staticmethod
-    def backward(ctx, do, _dlse):
+    def backward(ctx, do, dlse):
         q, k, v, o, lse, mask, q_ids, kv_ids, seeds = ctx.saved_tensors
         dq, dk, dv = _AttentionBackward.apply(
             q, k, v, o, lse, do, mask, ctx.causal, ctx.scale, ctx.backend, ctx.deterministic,
             *ctx.window, q_ids, kv_ids, ctx.softcap, ctx.dropout, seeds,
+            dlse if ctx.lse_grad else None,
         )
         return dq, dk, dv, *_NO_GRADS
 
     @staticmethod
     def jvp(ctx, tq, tk, tv, *_):
         q, k, v, mask, q_ids, kv_ids, seeds = ctx.saved_tensors
-        to = attention_jvp(q, k, v, tq, tk, tv, mask, ctx.causal, ctx.scale, ctx.backend,
-                           *ctx.window, q_ids, kv_ids, ctx.softcap, ctx.dropout, seeds)[2]
-        return to, None
+        _, _, to, tlse = attention_jvp(q, k, v, tq, tk, tv, mask, ctx.causal, ctx.scale,
+                                       ctx.backend, *ctx.window, q_ids, kv_ids, ctx.softcap,
+                                       ctx.dropout, seeds)
+        return to, tlse if ctx.lse_grad else None
 
 
 class _AttentionCompiled(torch.autograd.Function):
@@ -292,7 +301,7 @@ class _AttentionCompiled(torch.autograd.Function):
 
     @staticmethod
     def forward(q, k, v, mask, causal, scale, backend, deterministic, win_l, win_r, q_ids,
-                kv_ids, softcap, dropout, seeds):
+                kv_ids, softcap, dropout, seeds, lse_grad):
         return attention_fwd(q, k, v, mask, causal, scale, backend, win_l, win_r, q_ids, kv_ids,
                              softcap, dropout, seeds)
 
@@ -301,26 +310,26 @@ class _AttentionCompiled(torch.autograd.Function):
         _save(ctx, inputs, output)
 
     @staticmethod
-    def backward(ctx, do, _dlse):
+    def backward(ctx, do, dlse):
         q, k, v, o, lse, mask, q_ids, kv_ids, seeds = ctx.saved_tensors
         dq, dk, dv = attention_bwd(q, k, v, o, lse, do, mask, ctx.causal, ctx.scale, ctx.backend,
                                    ctx.deterministic, *ctx.window, q_ids, kv_ids, ctx.softcap,
-                                   ctx.dropout, seeds)
+                                   ctx.dropout, seeds, dlse if ctx.lse_grad else None)
         return dq, dk, dv, *_NO_GRADS
 
 
 def _vjp_formula(ctx):
     """The materialised (q, k, v, do) -> (dq, dk, dv) and its saved primals."""
-    q, k, v, do, mask, q_ids, kv_ids, seeds = ctx.saved_tensors
+    q, k, v, do, mask, q_ids, kv_ids, seeds, dlse = ctx.saved_tensors
     causal, scale, window, softcap = ctx.causal, ctx.scale, ctx.window, ctx.softcap
     segments = None if q_ids is None else (q_ids, kv_ids)
     dropout = ctx.dropout
 
-    def vjp(q, k, v, do):
+    def vjp(q, k, v, do, dlse=None):
         return _reference.attention_vjp(q, k, v, do, mask, causal, scale, window, segments,
-                                        softcap, dropout, seeds)
+                                        softcap, dropout, seeds, dlse)
 
-    return vjp, (q, k, v, do)
+    return vjp, (q, k, v, do) if dlse is None else (q, k, v, do, dlse)
 
 
 class _AttentionBackward(torch.autograd.Function):
@@ -334,16 +343,16 @@ class _AttentionBackward(torch.autograd.Function):
 
     @staticmethod
     def forward(q, k, v, o, lse, do, mask, causal, scale, backend, deterministic, win_l, win_r,
-                q_ids, kv_ids, softcap, dropout, seeds):
+                q_ids, kv_ids, softcap, dropout, seeds, dlse):
         return attention_bwd(q, k, v, o, lse, do, mask, causal, scale, backend, deterministic,
-                             win_l, win_r, q_ids, kv_ids, softcap, dropout, seeds)
+                             win_l, win_r, q_ids, kv_ids, softcap, dropout, seeds, dlse)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
         q, k, v, _o, _lse, do, mask, causal, scale, _backend, _det, win_l, win_r = inputs[:13]
-        q_ids, kv_ids, softcap, dropout, seeds = inputs[13:]
-        ctx.save_for_backward(q, k, v, do, mask, q_ids, kv_ids, seeds)
-        ctx.save_for_forward(q, k, v, do, mask, q_ids, kv_ids, seeds)
+        q_ids, kv_ids, softcap, dropout, seeds, dlse = inputs[13:]
+        ctx.save_for_backward(q, k, v, do, mask, q_ids, kv_ids, seeds, dlse)
+        ctx.save_for_forward(q, k, v, do, mask, q_ids, kv_ids, seeds, dlse)
         ctx.causal, ctx.scale, ctx.window, ctx.softcap = causal, scale, (win_l, win_r), softcap
         ctx.dropout = dropout
 
@@ -351,15 +360,14 @@ class _AttentionBackward(torch.autograd.Function):
     def backward(ctx, gq, gk, gv):
         fn, primals = _vjp_formula(ctx)
         _, pullback = torch.func.vjp(fn, *primals)
-        rq, rk, rv, rdo = pullback((gq, gk, gv))
-        return rq, rk, rv, None, None, rdo, *(None,) * 12
+        rq, rk, rv, rdo, *rdlse = pullback((gq, gk, gv))
+        return rq, rk, rv, None, None, rdo, *(None,) * 12, (rdlse or [None])[0]
 
     @staticmethod
-    def jvp(ctx, tq, tk, tv, _to, _tlse, tdo, *_):
+    def jvp(ctx, tq, tk, tv, _to, _tlse, tdo, *rest):
         fn, primals = _vjp_formula(ctx)
-        tangents = tuple(
-            torch.zeros_like(p) if t is None else t for p, t in zip(primals, (tq, tk, tv, tdo))
-        )
+        tangents = tuple(torch.zeros_like(p) if t is None else t
+                         for p, t in zip(primals, (tq, tk, tv, tdo, rest[-1])))
         return torch.func.jvp(fn, primals, tangents)[1]
 
 
@@ -377,27 +385,29 @@ def attention(
     softcap: float = 0.0,
     dropout: float = 0.0,
     seeds: Tensor | None = None,
-) -> Tensor:
+    return_lse: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
     """Differentiable attention on validated inputs (mask: compact 4-D; window: normalised
     (left, right), -1 = unbounded; segments: int64 (q ids (B, Nq), kv ids (B, Nk));
     softcap: 0.0 for none; seeds: (B, H, 2) int32 dropout keys of rate ``dropout``, or
-    None)."""
+    None); ``return_lse``: (o, lse), both differentiable."""
     fn = _Attention
     # two ints and two tensors, not tuples: a tuple would be a pytree input to the Functions
     args = (deterministic, *window, *(segments if segments is not None else (None, None)),
-            softcap, dropout, seeds)
+            softcap, dropout, seeds, return_lse)
     if torch.compiler.is_compiling():
         if torch._C._functorch.maybe_current_level() is not None:
             # dynamo cannot trace an autograd.Function inside a torch.func transform
             # (grad, vmap, ...) with custom ops in it: run this call eagerly
             return _eager()(q, k, v, mask, causal, scale, backend, *args)
         fn = _AttentionCompiled
-    o, _ = fn.apply(q, k, v, mask, causal, scale, backend, *args)
-    return o
+    o, lse = fn.apply(q, k, v, mask, causal, scale, backend, *args)
+    return (o, lse) if return_lse else o
 
 
 def _eager_attention(q, k, v, mask, causal, scale, backend, *args):
-    return _Attention.apply(q, k, v, mask, causal, scale, backend, *args)[0]
+    o, lse = _Attention.apply(q, k, v, mask, causal, scale, backend, *args)
+    return (o, lse) if args[-1] else o
 
 
 _EAGER: list = []

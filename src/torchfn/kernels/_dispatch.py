@@ -316,7 +316,8 @@ def attention(
     scale: float | None = None,
     backend: str | None = None,
     deterministic: bool = True,
-) -> Tensor:
+    return_lse: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
     """Fused softmax attention that composes with ``grad``, ``vmap``, ``jvp`` and ``compile``.
 
     ``softmax(scale * q k^T + mask) v`` computed blockwise (FlashAttention-2): the
@@ -376,10 +377,16 @@ def attention(
             deterministic one (there the atomics cost more than the two matmuls they
             save), so it is only worth trying on other GPUs. The PyTorch path is
             always deterministic.
+        return_lse: also return each row's logsumexp of the scaled, capped, masked
+            scores (before dropout), differentiable like the output: what merges
+            attention over parts of the keys (``o = sum_p exp(lse_p - lse) o_p`` with
+            ``lse = logsumexp_p lse_p``, as ring attention and KV-cache chunks do) with
+            exact gradients and tangents.
 
     Returns:
         (B, H, Nq, D) in q's dtype. A row with no allowed key returns 0 (never NaN)
-        and gets zero gradients.
+        and gets zero gradients. With ``return_lse``: ``(o, lse)``, lse (B, H, Nq) in
+        float32 (float64 for float64 inputs), -inf on a row with no allowed key.
 
     Derivatives: reverse mode (``grad``, ``vjp``, ``jacrev``) runs the fused backward,
     forward mode (``jvp``, ``jacfwd``) a fused JVP, ``vmap`` folds the mapped dim into
@@ -394,8 +401,9 @@ def attention(
     """
     args = _prepare(q, k, v, mask, key_padding_mask, causal, scale, backend, window,
                     segment_ids, softcap, dropout, key)
-    if not isinstance(deterministic, bool):
-        raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
+    for name, flag in (("deterministic", deterministic), ("return_lse", return_lse)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
     return _autograd.attention(q, k, v, args.mask, args.causal, args.scale, args.backend,
                                deterministic, args.window, args.segments, args.softcap,
-                               args.dropout, args.seeds)
+                               args.dropout, args.seeds, return_lse)

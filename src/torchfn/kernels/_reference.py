@@ -149,8 +149,10 @@ def attention_vjp(
     softcap: float = 0.0,
     dropout: float = 0.0,
     seeds: Tensor | None = None,
+    dlse: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """(dq, dk, dv) = vjp of attention at (q, k, v) with cotangent ``do``, in plain torch ops.
+    """(dq, dk, dv) = vjp of attention at (q, k, v) with cotangent ``do`` (and ``dlse``
+    for the logsumexp, (B, H, Nq); None: zero), in plain torch ops.
 
     It is itself differentiable (forward and reverse), which is what grad-of-grad,
     ``hessian`` and ``jacfwd(jacrev(.))`` through the fused kernels use.
@@ -165,7 +167,10 @@ def attention_vjp(
     p, _ = _probs(q, kr, mask, causal, scale, window, segments, softcap)  # (B, H, Nq, Nk)
     dv = dropped(p, dropout, seeds).transpose(-1, -2) @ do  # (B, H, Nk, D)
     dp = dropped(do @ vr.transpose(-1, -2), dropout, seeds)  # o = dropped(P) v
-    ds = p * (dp - (dp * p).sum(-1, keepdim=True))
+    delta = (dp * p).sum(-1, keepdim=True)  # rowsum(do * o)
+    if dlse is not None:  # d lse / d s = p
+        delta = delta - dlse.to(acc).unsqueeze(-1)
+    ds = p * (dp - delta)
     if softcap > 0:  # through the cap: d(c tanh(s / c)) / ds = 1 - tanh^2
         ds = ds * (1 - torch.tanh(scale * (q @ kr.transpose(-1, -2)) / softcap).square())
     dq = scale * (ds @ kr)

@@ -181,12 +181,13 @@ def _exp_scores(s: Tensor) -> tuple[Tensor, Tensor, Tensor]:
 
 
 def _sdpa_args(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool,
-               window: tuple[int, int], segments, softcap: float = 0.0, seeds=None):
+               window: tuple[int, int], segments, softcap: float = 0.0, seeds=None,
+               dlse=None):
     """(k, v, additive mask) for SDPA's fused CPU kernels, or None where they do not apply
     (a window or segments: the blockwise path skips the keys outside them; keyed dropout:
-    SDPA's draws from the global RNG)."""
+    SDPA's draws from the global RNG; a cotangent for lse: SDPA's backward takes none)."""
     if (not _USE_SDPA or _SDPA_BWD is None or q.device.type != "cpu" or max(window) >= 0
-            or segments is not None or softcap > 0 or seeds is not None):
+            or segments is not None or softcap > 0 or seeds is not None or dlse is not None):
         return None
     if causal and q.shape[2] != k.shape[2]:  # SDPA's is_causal aligns top-left
         return None
@@ -259,12 +260,14 @@ def bwd(
     softcap: float = 0.0,
     dropout: float = 0.0,
     seeds: Tensor | None = None,
+    dlse: Tensor | None = None,
 ):
     """dq: (B, H, Nq, D); dk, dv: (B, Hkv, Nk, D) summed over each kv head's query heads.
+    ``dlse``: the cotangent of lse (B, H, Nq), or None.
 
     Always deterministic; ``deterministic`` is accepted for the shared backend contract.
     """
-    sdpa = _sdpa_args(q, k, v, mask, causal, window, segments, softcap, seeds)
+    sdpa = _sdpa_args(q, k, v, mask, causal, window, segments, softcap, seeds, dlse)
     if sdpa is not None:
         kr, vr, bias = sdpa
         lse = lse.masked_fill(lse == float("-inf"), 0.0)  # back to SDPA's convention
@@ -274,6 +277,8 @@ def bwd(
     L = _Layout(q, k, mask, causal, scale, window, segments, softcap, dropout, seeds)
     kf, vf = k.to(L.acc), v.to(L.acc)
     delta = (do.to(L.acc) * o.to(L.acc)).sum(-1, keepdim=True)  # (B, H, Nq, 1)
+    if dlse is not None:  # d lse_i / d s_ij = P_ij: dS = P (dP - delta + dlse)
+        delta = delta - dlse.to(L.acc).unsqueeze(-1)
     lse = _safe(lse.to(L.acc)).unsqueeze(-1)  # (B, H, Nq, 1)
     dq = torch.zeros(L.B, L.H, L.Nq, L.D, dtype=L.acc, device=q.device)
     dk = torch.zeros(L.B, L.Hkv, L.Nk, L.D, dtype=L.acc, device=q.device)
@@ -315,11 +320,11 @@ def jvp(
     dropout: float = 0.0,
     seeds: Tensor | None = None,
 ):
-    """Forward-mode: (o, lse, to); a ``None`` tangent means zero.
+    """Forward-mode: (o, lse, to, tlse); a ``None`` tangent means zero.
 
     With ``S = scale q k^T + mask``, ``tS = scale (tq k^T + q tk^T)``, ``P = softmax(S)``,
     ``*`` elementwise and ``Z`` the dropout factor (1 without dropout), ``o = (P * Z) v``
-    and ``to = (P * tS * Z) v + (P * Z) tv - o * rowsum(P * tS)``.
+    and ``to = (P * tS * Z) v + (P * Z) tv - o * rowsum(P * tS)``; ``tlse = rowsum(P * tS)``.
     """
     L = _Layout(q, k, mask, causal, scale, window, segments, softcap, dropout, seeds)
     kf, vf = k.to(L.acc), v.to(L.acc)
@@ -328,6 +333,7 @@ def jvp(
     o = torch.zeros(L.B, L.H, L.Nq, L.D, dtype=L.acc, device=q.device)
     to = torch.zeros_like(o)
     lse = torch.full((L.B, L.H, L.Nq), float("-inf"), dtype=L.acc, device=q.device)
+    tlse = torch.zeros_like(lse)
     for i0, i1, k0, k1 in L.blocks():
         if k1 <= k0:
             continue
@@ -350,10 +356,12 @@ def jvp(
                 ts.mul_(dcap)
             pts = ts.mul_(p)  # P * tS (unnormalised)
             toc += ((pts if z is None else pts * z) @ vf[:, :, k0:k1]).mul_(inv)
-            toc -= oc * (pts.sum(-1, keepdim=True) * inv)
+            tlsec = pts.sum(-1, keepdim=True).mul_(inv)  # (B, Hkv, G*n, 1)
+            toc -= oc * tlsec
+            tlse[:, :, i0:i1] = L.unrows(tlsec.squeeze(-1), n)
         if tvf is not None:
             toc += (pz @ tvf[:, :, k0:k1]).mul_(inv)
         o[:, :, i0:i1] = L.unrows(oc, n)
         to[:, :, i0:i1] = L.unrows(toc, n)
         lse[:, :, i0:i1] = L.unrows(lsec.squeeze(-1), n)
-    return o.to(q.dtype), lse, to.to(q.dtype)
+    return o.to(q.dtype), lse, to.to(q.dtype), tlse

@@ -7,7 +7,8 @@ With ``S = scale * q k^T (+ mask)``, ``tS = scale * (tq k^T + q tk^T)`` and
 
 One pass with the forward's online softmax: the accumulators ``acc_o = sum p v``,
 ``acc_t = sum (p * tS) v + p tv`` and ``acc_s = rowsum(p * tS)`` are rescaled
-together, then normalised by ``l`` at the end. Returns ``o``, ``lse`` and ``to``.
+together, then normalised by ``l`` at the end. Returns ``o``, ``lse``, ``to`` and
+``tlse = acc_s / l = sum_j P_ij tS_ij``, the tangent of lse.
 Absent tangents (``HAS_T* = False``) are zero and cost nothing.
 
 ``DROPOUT``: with ``Z`` the forward's keep decisions times ``drop_scale``, ``o = (P Z) v``
@@ -98,7 +99,7 @@ def _jvp_inner(acc_o, acc_t, acc_s, l_i, m_i, q, tq,
 
 @triton.jit
 def _attn_jvp(
-    Q, K, V, TQ, TK, TV, MASK, O, LSE, TO,
+    Q, K, V, TQ, TK, TV, MASK, O, LSE, TO, TLSE,
     sqb, sqh, sqm, skb, skh, skn, svb, svh, svn,
     stqb, stqh, stqm, stkb, stkh, stkn, stvb, stvh, stvn,
     smb, smh, smm, smn, sob, soh, som, stob, stoh, stom,
@@ -177,3 +178,4 @@ def _attn_jvp(
     _store_rows(TO + off_b * stob + off_h * stoh, to.to(TO.dtype.element_ty), offs_m, offs_d,
                 stom, Nq, HEAD_DIM, BLOCK_D)
     tl.store(LSE + off_bh.to(tl.int64) * Nq + offs_m, lse, mask=offs_m < Nq)
+    tl.store(TLSE + off_bh.to(tl.int64) * Nq + offs_m, acc_s * inv_l, mask=offs_m < Nq)

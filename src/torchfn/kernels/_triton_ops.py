@@ -4,8 +4,9 @@ This is the Triton half of the backend contract (see ``_torch_ops`` for the
 PyTorch half)::
 
     fwd(q, k, v, mask, causal, scale) -> (o, lse)
-    bwd(q, k, v, o, lse, do, mask, causal, scale, deterministic=True) -> (dq, dk, dv)
-    jvp(q, k, v, tq, tk, tv, mask, causal, scale) -> (o, lse, to)
+    bwd(q, k, v, o, lse, do, mask, causal, scale, deterministic=True, dlse=None)
+        -> (dq, dk, dv)
+    jvp(q, k, v, tq, tk, tv, mask, causal, scale) -> (o, lse, to, tlse)
 
 q: (B, H, Nq, D); k, v: (B, Hkv, Nk, D) with Hkv dividing H; mask None or already
 expanded to (B, H, Nq, Nk) (bool: True = attend; float: additive); o: (B, H, Nq, D)
@@ -515,9 +516,11 @@ def bwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Tensor,
         mask: Tensor | None, causal: bool, scale: float, deterministic: bool = True,
         *, window: tuple[int, int] = (-1, -1), segments: tuple[Tensor, Tensor] | None = None,
         softcap: float = 0.0, dropout: float = 0.0, seeds: Tensor | None = None,
+        dlse: Tensor | None = None,
         config: tuple[tuple[int, ...], tuple[int, ...]] | None = None,
         ) -> tuple[Tensor, Tensor, Tensor]:
-    """Backward from ``do``: (dq, dk, dv) in the input dtype; dk/dv summed over GQA groups.
+    """Backward from ``do`` (and ``dlse``, the cotangent of lse, or None): (dq, dk, dv) in
+    the input dtype; dk/dv summed over GQA groups.
 
     ``deterministic=True``: no atomics, bitwise reproducible, a separate dQ launch
     (7 matmuls per tile pair). ``False``: dQ is accumulated with float32 atomics inside
@@ -547,6 +550,8 @@ def bwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Tensor,
         o.stride(0), o.stride(1), o.stride(2), do.stride(0), do.stride(1), do.stride(2),
         H, Nq, HEAD_DIM=D, BLOCK_D=consts["BLOCK_D"], BLOCK_M=_PRE_BLOCK_M,
     )
+    if dlse is not None:  # d lse_i / d s_ij = P_ij: dS = P (dP - (delta - dlse))
+        delta = delta - dlse.to(torch.float32)
     qk_scale = float(scale) * 1.4426950408889634
     common = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
               v.stride(0), v.stride(1), v.stride(2), *ms,
@@ -588,8 +593,9 @@ def jvp(q: Tensor, k: Tensor, v: Tensor, tq: Tensor | None, tk: Tensor | None,
         *, window: tuple[int, int] = (-1, -1), segments: tuple[Tensor, Tensor] | None = None,
         softcap: float = 0.0, dropout: float = 0.0, seeds: Tensor | None = None,
         config: tuple[int, ...] | None = None,
-        ) -> tuple[Tensor, Tensor, Tensor]:
-    """Fused forward-mode: (o, lse, to) with ``to`` the tangent of ``o``; None tangents are 0.
+        ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Fused forward-mode: (o, lse, to, tlse) with ``to`` / ``tlse`` the tangents of ``o`` /
+    ``lse``; None tangents are 0.
 
     tq: (B, H, Nq, D) or None; tk, tv: (B, Hkv, Nk, D) or None -> to: (B, H, Nq, D).
     """
@@ -600,12 +606,13 @@ def jvp(q: Tensor, k: Tensor, v: Tensor, tq: Tensor | None, tk: Tensor | None,
                                                           segments, softcap, dropout, seeds)
     if B * H * Nq == 0 or Nk == 0:
         o, lse = _empty_fwd(q)
-        return o, lse, torch.zeros_like(o)
+        return o, lse, torch.zeros_like(o), torch.zeros_like(lse)
     o = torch.empty((B, H, Nq, D), dtype=_buf_dtype(q.dtype), device=q.device)
     to = torch.empty_like(o)
     lse = torch.empty((B, H, Nq), dtype=torch.float32, device=q.device)
+    tlse = torch.empty_like(lse)
     tq_, tk_, tv_ = (q if tq is None else tq), (k if tk is None else tk), (v if tv is None else tv)
-    args = (q, k, v, tq_, tk_, tv_, mptr, o, lse, to,
+    args = (q, k, v, tq_, tk_, tv_, mptr, o, lse, to, tlse,
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2),
             tq_.stride(0), tq_.stride(1), tq_.stride(2), tk_.stride(0), tk_.stride(1),
@@ -617,4 +624,4 @@ def jvp(q: Tensor, k: Tensor, v: Tensor, tq: Tensor | None, tk: Tensor | None,
     key = (*key, tq is not None, tk is not None, tv is not None)
     grid = lambda bm, bn: (triton.cdiv(Nq, bm), B * H)
     _launch("jvp", _triton_jvp._attn_jvp, grid, args, consts, key, config)
-    return o.to(q.dtype), lse, to.to(q.dtype)
+    return o.to(q.dtype), lse, to.to(q.dtype), tlse
