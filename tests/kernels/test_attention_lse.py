@@ -166,3 +166,32 @@ def test_return_lse_must_be_a_bool():
     with pytest.raises(TypeError, match="return_lse must be a bool, got int"):
         attention(q, q, q, return_lse=1)
     assert isinstance(attention(q, q, q), torch.Tensor)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_attention_sinks_from_lse_equal_a_sink_column(backend, rel_err):
+    """Per-head sink logits (gpt-oss): softmax over [scores, sink] then v, with the sink
+    adding no value. With the differentiable lse it is ``o * sigmoid(lse - sink)``; values
+    and gradients (the sink logits' included) equal the materialised definition."""
+    q, k, v, w, _, mask = _data(_dtype(backend), seed=4)
+    sink = torch.randn(H, dtype=q.dtype)
+
+    def ours(q, k, v, sink):
+        o, lse = attention(q, k, v, mask=mask, causal=True, backend=backend, return_lse=True)
+        return o * torch.sigmoid(lse - sink[:, None]).to(o.dtype)[..., None]
+
+    def materialised(q, k, v, sink):
+        allowed = mask & torch.ones(NQ, NK, dtype=torch.bool).tril(NK - NQ)
+        s = (q @ k.repeat_interleave(H // HKV, 1).transpose(-1, -2)) * D**-0.5
+        s = s.masked_fill(~allowed, float("-inf"))
+        s = torch.cat([s, sink[:, None, None].expand(B, H, NQ, 1)], -1)  # the sink column
+        return torch.softmax(s, -1)[..., :NK] @ v.repeat_interleave(H // HKV, 1)
+
+    args = (q, k, v, sink)
+    assert rel_err(ours(*args), materialised(*(x.double() for x in args))) <= _tol(backend)
+    g = grad(lambda *a: (ours(*a) * w).sum(), argnums=(0, 1, 2, 3))(*args)
+    rg = grad(lambda *a: (materialised(*a) * w.double()).sum(), argnums=(0, 1, 2, 3))(
+        *(x.double() for x in args))
+    for a, b in zip(g, rg):
+        assert rel_err(a, b) <= _tol(backend)
+    assert g[3].abs().amax() > 1e-3  # the sinks get a gradient
