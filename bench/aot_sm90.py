@@ -88,12 +88,14 @@ _TMA_DESCS = {
 
 def _compile(kind: str, head_dim: int, cfg: tuple[int, int, int, int], dtype: str,
              causal: bool = False, gqa: bool = False, window: bool = False,
-             segments: bool = False, softcap: bool = False, dropout: bool = False):
+             segments: bool = False, softcap: bool = False, dropout: bool = False,
+             alibi: bool = False):
     """The Triton-compiled sm_90 kernel of one (kind, head dim, config, dtype); ``gqa``:
     the GQA group size is a runtime integer (the JIT makes it a constant when it is 1);
     ``window``: the sliding-window (band) kernel, which the launcher never warp-specializes;
     ``segments``: the band kernel with segment ids (document masking); ``softcap``: with
-    logit soft-capping (no scale fold); ``dropout``: with keyed attention dropout."""
+    logit soft-capping (no scale fold); ``dropout``: with keyed attention dropout;
+    ``alibi``: with the ALiBi bias (no scale fold)."""
     int_one = set() if gqa else _INT_ONE
     from torchfn.kernels._triton_configs import _OVERLAP
 
@@ -130,6 +132,12 @@ def _compile(kind: str, head_dim: int, cfg: tuple[int, int, int, int], dtype: st
         if ws:
             raise ValueError("the launcher never warp-specializes a kernel with dropout")
         consts["DROPOUT"] = True
+    if alibi:
+        if ws:
+            raise ValueError("the launcher never warp-specializes a kernel with ALiBi")
+        consts["ALIBI"] = True
+        if kind == "fwd":
+            consts["FOLD_SCALE"] = False
     descs = {}
     if tma:
         consts["USE_TMA"] = True
@@ -151,6 +159,10 @@ def _compile(kind: str, head_dim: int, cfg: tuple[int, int, int, int], dtype: st
             if not dropout:  # left at its default, None
                 consts[name] = None
             sig[name] = "*i32" if dropout else "constexpr"
+        elif name == "SLOPES":
+            if not alibi:
+                consts[name] = None
+            sig[name] = "*fp32" if alibi else "constexpr"
         elif name.startswith("desc_"):  # unused descriptor: the launch passes None
             consts[name] = None
             sig[name] = "constexpr"
@@ -239,7 +251,7 @@ def wgmma_overlap(sass: str, ops: tuple[str, ...] = ("MUFU",)) -> dict[str, tupl
 def compile_sm90(kind: str, head_dim: int, cfg: tuple[int, int, int, int],
                  dtype: str = "bf16", causal: bool = False, gqa: bool = False,
                  window: bool = False, segments: bool = False, softcap: bool = False,
-                 dropout: bool = False) -> dict:
+                 dropout: bool = False, alibi: bool = False) -> dict:
     """Compile one (kind, head dim, config) for sm_90: {'regs', 'spill', 'smem', 'warps',
     'setmaxnreg'}.
 
@@ -248,7 +260,7 @@ def compile_sm90(kind: str, head_dim: int, cfg: tuple[int, int, int, int],
     ``_ws`` the warp-specialized variant.
     """
     compiled = _compile(kind, head_dim, cfg, dtype, causal, gqa, window, segments, softcap,
-                        dropout)
+                        dropout, alibi)
     usage = _cuobjdump(compiled.asm["cubin"], "-res-usage")
     regs, stack = re.search(r"REG:(\d+)", usage), re.search(r"STACK:(\d+)", usage)
     sass = _cuobjdump(compiled.asm["cubin"], "-sass") if kind.endswith("_ws") else ""
@@ -280,6 +292,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="build the kernels with logit soft-capping")
     ap.add_argument("--dropout", action="store_true",
                     help="build the kernels with keyed attention dropout (not for the _ws kinds)")
+    ap.add_argument("--alibi", action="store_true",
+                    help="build the kernels with the ALiBi bias (not for the _ws kinds)")
     ap.add_argument("--gqa", action="store_true",
                     help="build for a GQA group > 1 (a runtime integer, not the constant 1)")
     ap.add_argument("--dims", nargs="+", type=int, default=[64, 128])
@@ -317,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
                           + f" ovl={ovl}/{mufu}", flush=True)
                     continue
                 r = compile_sm90(name, d, cfg, args.dtype, args.causal, args.gqa, args.window,
-                                 args.segments, args.softcap, args.dropout)
+                                 args.segments, args.softcap, args.dropout, args.alibi)
                 ws = name.endswith("_ws")
                 ok = r["spill"] == 0 and r["smem"] <= SMEM_LIMIT and (
                     not ws or (r["warps"] == 12 and r["setmaxnreg"] > 0))

@@ -139,15 +139,18 @@ out.update({kind + "+softcap": a.compile_sm90(kind, 128, cfg, causal=True, softc
 out.update({kind + "+dropout": a.compile_sm90(kind, 128, cfg, causal=True, dropout=True)
             for kind, cfg in (("fwd_tma", (128, 64, 8, 3)), ("jvp", (32, 64, 8, 2)),
                               ("dkdv_tma", (32, 128, 8, 3)), ("dq", (64, 64, 4, 3)))})
+out.update({kind + "+alibi": a.compile_sm90(kind, 128, cfg, causal=True, alibi=True)
+            for kind, cfg in (("fwd_tma", (128, 128, 8, 3)), ("jvp", (64, 32, 4, 2)),
+                              ("dkdv_tma", (32, 128, 8, 3)), ("dq", (128, 64, 8, 3)))})
 print(json.dumps(out))
 """
 
 
-def test_window_segment_softcap_and_dropout_kernels_compile_on_sm90_without_spills():
+def test_window_segment_softcap_dropout_and_alibi_kernels_compile_on_sm90_without_spills():
     # the band kernels (WINDOW) at each kernel's first D=128 table config, and with segment
     # ids at a config that fits (their labels cost registers: the tuner skips none, but
     # jvp's first config spills 16 B and dK/dV's first TMA config 32 B); dropout (its
-    # Philox hash costs registers too) at a config per kernel that fits
+    # Philox hash costs registers too) at a config per kernel that fits; ALiBi at the first
     got = _probe(_WINDOW_PROBE)
     for kind, r in got.items():
         assert r["spill"] == 0 and r["smem"] <= 227 * 1024, (kind, r)

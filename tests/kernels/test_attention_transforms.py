@@ -21,24 +21,29 @@ B, H, HKV, NK, D = 1, 2, 1, 7, 6
 HAS_TRITON = all(importlib.util.find_spec(m) for m in ("triton", "torchfn.kernels._triton_ops"))
 NEEDS_TRITON = pytest.mark.skipif(not HAS_TRITON, reason="triton or _triton_ops is missing")
 VARIANTS = [
-    # (backend, Nq, deterministic, window, packed segment ids, softcap, dropout)
-    pytest.param(("torch", 5, True, None, False, None, 0.0), id="torch-blockwise"),  # Nq != Nk
-    pytest.param(("torch", NK, True, None, False, None, 0.0), id="torch-sdpa"),  # SDPA's kernels
-    pytest.param(("torch", 5, True, (2, None), False, None, 0.0), id="torch-window"),
-    pytest.param(("torch", 5, True, None, True, None, 0.0), id="torch-segments"),
-    pytest.param(("torch", 5, True, None, False, 1.5, 0.0), id="torch-softcap"),
-    pytest.param(("torch", NK, True, None, False, None, 0.3), id="torch-dropout"),
-    pytest.param(("triton", 5, True, None, False, None, 0.0), id="triton", marks=NEEDS_TRITON),
+    # (backend, Nq, deterministic, window, packed segment ids, softcap, dropout, ALiBi)
+    # Nq != Nk: the blockwise path; Nq == Nk: SDPA's kernels
+    pytest.param(("torch", 5, True, None, False, None, 0.0, False), id="torch-blockwise"),
+    pytest.param(("torch", NK, True, None, False, None, 0.0, False), id="torch-sdpa"),
+    pytest.param(("torch", 5, True, (2, None), False, None, 0.0, False), id="torch-window"),
+    pytest.param(("torch", 5, True, None, True, None, 0.0, False), id="torch-segments"),
+    pytest.param(("torch", 5, True, None, False, 1.5, 0.0, False), id="torch-softcap"),
+    pytest.param(("torch", NK, True, None, False, None, 0.3, False), id="torch-dropout"),
+    pytest.param(("torch", 5, True, None, False, None, 0.0, True), id="torch-alibi"),
+    pytest.param(("triton", 5, True, None, False, None, 0.0, False), id="triton",
+                 marks=NEEDS_TRITON),
     # dQ added with atomics inside the dK/dV kernel
-    pytest.param(("triton", 5, False, None, False, None, 0.0), id="triton-atomic-dq",
+    pytest.param(("triton", 5, False, None, False, None, 0.0, False), id="triton-atomic-dq",
                  marks=NEEDS_TRITON),
-    pytest.param(("triton", 5, True, (2, None), False, None, 0.0), id="triton-window",
+    pytest.param(("triton", 5, True, (2, None), False, None, 0.0, False), id="triton-window",
                  marks=NEEDS_TRITON),
-    pytest.param(("triton", 5, True, None, True, None, 0.0), id="triton-segments",
+    pytest.param(("triton", 5, True, None, True, None, 0.0, False), id="triton-segments",
                  marks=NEEDS_TRITON),
-    pytest.param(("triton", 5, True, None, False, 1.5, 0.0), id="triton-softcap",
+    pytest.param(("triton", 5, True, None, False, 1.5, 0.0, False), id="triton-softcap",
                  marks=NEEDS_TRITON),
-    pytest.param(("triton", 5, True, None, False, None, 0.3), id="triton-dropout",
+    pytest.param(("triton", 5, True, None, False, None, 0.3, False), id="triton-dropout",
+                 marks=NEEDS_TRITON),
+    pytest.param(("triton", 5, True, None, False, None, 0.0, True), id="triton-alibi",
                  marks=NEEDS_TRITON),
 ]
 KEY = random.key(7)  # the dropout variants' key
@@ -48,8 +53,9 @@ KV_IDS = torch.tensor([[0, 0, 0, 1, 1, 1, 1]])  # two packed documents of the Nk
 @pytest.fixture(scope="module", params=VARIANTS)
 def case(request):
     """Inputs, mask (one fully masked row), and the attention of each backend + reference."""
-    attn_backend, nq, deterministic, window, packed, softcap, dropout = request.param
+    attn_backend, nq, deterministic, window, packed, softcap, dropout, alibi = request.param
     key = KEY if dropout else None
+    slopes = torch.tensor([0.5, 0.125]) if alibi else None  # (H,)
     ids = (KV_IDS[:, NK - nq:], KV_IDS) if packed else None  # the queries: the last nq
     g = torch.Generator().manual_seed(11)
     dtype = torch.float64 if attn_backend == "torch" else torch.float32
@@ -63,13 +69,13 @@ def case(request):
 
     def ours(q, k, v):
         return attention(q, k, v, mask=mask, causal=True, window=window, segment_ids=ids,
-                         softcap=softcap, dropout=dropout, key=key, backend=attn_backend,
-                         deterministic=deterministic)
+                         softcap=softcap, dropout=dropout, key=key, alibi_slopes=slopes,
+                         backend=attn_backend, deterministic=deterministic)
 
     def ref(q, k, v):
         return reference_attention(q.double(), k.double(), v.double(), mask=mask, causal=True,
                                    window=window, segment_ids=ids, softcap=softcap,
-                                   dropout=dropout, key=key)
+                                   dropout=dropout, key=key, alibi_slopes=slopes)
 
     tol = 1e-10 if attn_backend == "torch" else 1e-5
     return dict(
@@ -90,6 +96,7 @@ def case(request):
         softcap=softcap,
         dropout=dropout,
         key=key,
+        slopes=slopes,
     )
 
 
@@ -229,18 +236,21 @@ def test_opcheck(case):
     normal, be = case["normal"], case["backend"]
     mask = torch.rand(B, 1, case["nq"], NK, generator=torch.Generator().manual_seed(1)) < 0.7
     seeds = _dropout.seeds(KEY, B, H) if case["dropout"] else None
+    slopes = None if case["slopes"] is None else case["slopes"].to(q.dtype).expand(B, H)
     win = (*case["window_args"], *(case["ids"] or (None, None)), case["softcap"] or 0.0,
            case["dropout"], seeds)
-    o, lse = torch.ops.torchfn.attention_fwd(q, k, v, mask, True, 0.4, be, *win)
+    o, lse = torch.ops.torchfn.attention_fwd(q, k, v, mask, True, 0.4, be, *win, slopes)
     ops = torch.ops.torchfn
-    torch.library.opcheck(ops.attention_fwd.default, (q, k, v, mask, True, 0.4, be, *win))
+    torch.library.opcheck(ops.attention_fwd.default,
+                          (q, k, v, mask, True, 0.4, be, *win, slopes))
     torch.library.opcheck(
         ops.attention_bwd.default,
-        (q, k, v, o, lse, normal(*q.shape), mask, True, 0.4, be, case["deterministic"], *win),
+        (q, k, v, o, lse, normal(*q.shape), mask, True, 0.4, be, case["deterministic"], *win,
+         None, slopes),
     )
     tq, tv = normal(*q.shape), normal(*v.shape)
     torch.library.opcheck(ops.attention_jvp.default,
-                          (q, k, v, tq, None, tv, None, False, 0.4, be, *win))
+                          (q, k, v, tq, None, tv, None, False, 0.4, be, *win, slopes))
 
 
 def test_torch_compile_forward_backward(case, rel_err):
@@ -279,7 +289,7 @@ def test_gradcheck_and_gradgradcheck_float64(case):
         ids = None if case["ids"] is None else tuple(x[:, :4] for x in case["ids"])
         return attention(q, k, v, mask=mask, scale=0.7, window=case["window"], segment_ids=ids,
                          softcap=case["softcap"], dropout=case["dropout"], key=case["key"],
-                         backend="torch")
+                         alibi_slopes=case["slopes"], backend="torch")
 
     assert torch.autograd.gradcheck(fn, (q, k, v))
     assert torch.autograd.gradgradcheck(fn, (q, k, v))

@@ -333,3 +333,21 @@ def test_gpu_dropout_draws_the_spec_mask_and_matches_reference(dtype, causal):
     peer = run(r, (q, k, v), tangents)  # the materialised attention in bf16
     base = [rel_err(a, b) for a, b in zip(peer, ref)]
     assert all(e <= 2 * b + 1e-6 for e, b in zip(errs, base)), (errs, base)
+
+
+def test_gpu_alibi_equals_its_bias_as_an_additive_mask():
+    # the in-kernel ALiBi bias (compiled kernels) == the same bias as an fp32 additive mask
+    from torchfn.kernels import attention
+    from torchfn.kernels._reference import alibi_bias
+
+    q, k, v, do, _, _ = make(2, 4, 2, 300, 500, 64, torch.bfloat16, None)
+    slopes = 2.0 ** -torch.arange(1, 5, device="cuda", dtype=torch.float32)  # (H,)
+    bias = alibi_bias(slopes.expand(2, 4), 300, 500)
+    runs = []
+    for kw in (dict(alibi_slopes=slopes), dict(mask=bias)):
+        f = lambda q, k, v, kw=kw: attention(q, k, v, causal=True, backend="triton",  # noqa: E731
+                                             **kw)
+        o, vjp = torch.func.vjp(f, q, k, v)
+        runs.append((o, *vjp(do)))
+    for a, b in zip(*runs):
+        assert rel_err(a, b.double()) <= 2e-2  # bf16 outputs: the same math, rounded

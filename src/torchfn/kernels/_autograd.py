@@ -67,21 +67,23 @@ def attention_fwd(
     softcap: float = 0.0,
     dropout: float = 0.0,
     seeds: Tensor | None = None,
+    slopes: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """(o, lse): o (B, H, Nq, D), lse (B, H, Nq) fp32 (fp64 for fp64 inputs).
     ``window_left`` / ``window_right``: the normalised window (-1: unbounded);
     ``q_ids`` (B, Nq) / ``kv_ids`` (B, Nk): int64 segment ids, or None;
-    ``seeds`` (B, H, 2) int32: the per-head dropout keys of rate ``dropout``, or None."""
+    ``seeds`` (B, H, 2) int32: the per-head dropout keys of rate ``dropout``, or None;
+    ``slopes`` (B, H): ALiBi slopes, or None."""
     q, k, v = (_last_contiguous(x) for x in (q, k, v))
     return _backend(backend).fwd(q, k, v, _expand(mask, q, k), causal, scale,
                                  window=(window_left, window_right),
                                  segments=_segments(q_ids, kv_ids), softcap=softcap,
-                                 dropout=dropout, seeds=seeds)
+                                 dropout=dropout, seeds=seeds, slopes=slopes)
 
 
 @attention_fwd.register_fake
 def _(q, k, v, mask, causal, scale, backend, window_left=-1, window_right=-1, q_ids=None,
-      kv_ids=None, softcap=0.0, dropout=0.0, seeds=None):
+      kv_ids=None, softcap=0.0, dropout=0.0, seeds=None, slopes=None):
     B, H, Nq, D = q.shape
     return q.new_empty(B, H, Nq, D), q.new_empty(B, H, Nq, dtype=_lse_dtype(q.dtype))
 
@@ -107,6 +109,7 @@ def attention_bwd(
     dropout: float = 0.0,
     seeds: Tensor | None = None,
     dlse: Tensor | None = None,
+    slopes: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) for the cotangents ``do`` (of o) and ``dlse`` (of lse, (B, H, Nq);
     None: zero); dk / dv summed over GQA query heads."""
@@ -114,13 +117,13 @@ def attention_bwd(
     return _backend(backend).bwd(q, k, v, o, lse, do, _expand(mask, q, k), causal, scale,
                                  deterministic, window=(window_left, window_right),
                                  segments=_segments(q_ids, kv_ids), softcap=softcap,
-                                 dropout=dropout, seeds=seeds, dlse=dlse)
+                                 dropout=dropout, seeds=seeds, dlse=dlse, slopes=slopes)
 
 
 @attention_bwd.register_fake
 def _(q, k, v, o, lse, do, mask, causal, scale, backend, deterministic=True, window_left=-1,
       window_right=-1, q_ids=None, kv_ids=None, softcap=0.0, dropout=0.0, seeds=None,
-      dlse=None):
+      dlse=None, slopes=None):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
@@ -143,6 +146,7 @@ def attention_jvp(
     softcap: float = 0.0,
     dropout: float = 0.0,
     seeds: Tensor | None = None,
+    slopes: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(o, lse, to, tlse): the forward-mode tangents of o (B, H, Nq, D) and of lse
     (B, H, Nq); a None input tangent is zero."""
@@ -150,12 +154,12 @@ def attention_jvp(
     return _backend(backend).jvp(q, k, v, tq, tk, tv, _expand(mask, q, k), causal, scale,
                                  window=(window_left, window_right),
                                  segments=_segments(q_ids, kv_ids), softcap=softcap,
-                                 dropout=dropout, seeds=seeds)
+                                 dropout=dropout, seeds=seeds, slopes=slopes)
 
 
 @attention_jvp.register_fake
 def _(q, k, v, tq, tk, tv, mask, causal, scale, backend, window_left=-1, window_right=-1,
-      q_ids=None, kv_ids=None, softcap=0.0, dropout=0.0, seeds=None):
+      q_ids=None, kv_ids=None, softcap=0.0, dropout=0.0, seeds=None, slopes=None):
     B, H, Nq, D = q.shape
     lse = q.new_empty(B, H, Nq, dtype=_lse_dtype(q.dtype))
     return q.new_empty(B, H, Nq, D), lse, q.new_empty(B, H, Nq, D), torch.empty_like(lse)
@@ -201,43 +205,45 @@ def _unfold(x: Tensor, size: int) -> Tensor:
 
 @torch.library.register_vmap(f"{_LIB}::attention_fwd")
 def _(info, in_dims, q, k, v, mask, causal, scale, backend, window_left=-1, window_right=-1,
-      q_ids=None, kv_ids=None, softcap=0.0, dropout=0.0, seeds=None):
+      q_ids=None, kv_ids=None, softcap=0.0, dropout=0.0, seeds=None, slopes=None):
     n = info.batch_size
     qd, kd, vd, md = in_dims[:4]
     q, k, v = _fold(q, qd, n), _fold(k, kd, n), _fold(v, vd, n)
     mask = _fold_mask(mask, md, n, q.shape[0] // n)
     q_ids, kv_ids = _fold(q_ids, _dim(in_dims, 9), n), _fold(kv_ids, _dim(in_dims, 10), n)
-    seeds = _fold(seeds, _dim(in_dims, 13), n)
+    seeds, slopes = _fold(seeds, _dim(in_dims, 13), n), _fold(slopes, _dim(in_dims, 14), n)
     o, lse = attention_fwd(q, k, v, mask, causal, scale, backend, window_left, window_right,
-                           q_ids, kv_ids, softcap, dropout, seeds)
+                           q_ids, kv_ids, softcap, dropout, seeds, slopes)
     return (_unfold(o, n), _unfold(lse, n)), (0, 0)
 
 
 @torch.library.register_vmap(f"{_LIB}::attention_bwd")
 def _(info, in_dims, q, k, v, o, lse, do, mask, causal, scale, backend, deterministic=True,
       window_left=-1, window_right=-1, q_ids=None, kv_ids=None, softcap=0.0, dropout=0.0,
-      seeds=None, dlse=None):
+      seeds=None, dlse=None, slopes=None):
     n = info.batch_size
     q, k, v, o, lse, do = (_fold(x, d, n) for x, d in zip((q, k, v, o, lse, do), in_dims))
     mask = _fold_mask(mask, in_dims[6], n, q.shape[0] // n)
     q_ids, kv_ids = _fold(q_ids, _dim(in_dims, 13), n), _fold(kv_ids, _dim(in_dims, 14), n)
     seeds, dlse = _fold(seeds, _dim(in_dims, 17), n), _fold(dlse, _dim(in_dims, 18), n)
+    slopes = _fold(slopes, _dim(in_dims, 19), n)
     grads = attention_bwd(q, k, v, o, lse, do, mask, causal, scale, backend, deterministic,
                           window_left, window_right, q_ids, kv_ids, softcap, dropout, seeds,
-                          dlse)
+                          dlse, slopes)
     return tuple(_unfold(g, n) for g in grads), (0, 0, 0)
 
 
 @torch.library.register_vmap(f"{_LIB}::attention_jvp")
 def _(info, in_dims, q, k, v, tq, tk, tv, mask, causal, scale, backend, window_left=-1,
-      window_right=-1, q_ids=None, kv_ids=None, softcap=0.0, dropout=0.0, seeds=None):
+      window_right=-1, q_ids=None, kv_ids=None, softcap=0.0, dropout=0.0, seeds=None,
+      slopes=None):
     n = info.batch_size
     q, k, v, tq, tk, tv = (_fold(x, d, n) for x, d in zip((q, k, v, tq, tk, tv), in_dims))
     mask = _fold_mask(mask, in_dims[6], n, q.shape[0] // n)
     q_ids, kv_ids = _fold(q_ids, _dim(in_dims, 12), n), _fold(kv_ids, _dim(in_dims, 13), n)
-    seeds = _fold(seeds, _dim(in_dims, 16), n)
+    seeds, slopes = _fold(seeds, _dim(in_dims, 16), n), _fold(slopes, _dim(in_dims, 17), n)
     outs = attention_jvp(q, k, v, tq, tk, tv, mask, causal, scale, backend, window_left,
-                         window_right, q_ids, kv_ids, softcap, dropout, seeds)
+                         window_right, q_ids, kv_ids, softcap, dropout, seeds, slopes)
     return tuple(_unfold(x, n) for x in outs), (0, 0, 0, 0)
 
 
@@ -250,15 +256,15 @@ def _save(ctx, inputs, output) -> None:
     ctx.lse_grad = inputs[15]  # return_lse: lse is an output with a derivative
     if not ctx.lse_grad:
         ctx.mark_non_differentiable(lse)
-    ctx.save_for_backward(q, k, v, o, lse, mask, q_ids, kv_ids, inputs[14])
+    ctx.save_for_backward(q, k, v, o, lse, mask, q_ids, kv_ids, inputs[14], inputs[16])
     ctx.causal, ctx.scale, ctx.backend = causal, scale, backend
     ctx.deterministic, ctx.window, ctx.softcap = deterministic, (win_l, win_r), inputs[12]
     ctx.dropout = inputs[13]
 
 
 # mask, causal, scale, backend, deterministic, window (2), segment ids (2), softcap, dropout,
-# seeds, lse_grad
-_NO_GRADS = (None,) * 13
+# seeds, lse_grad, slopes
+_NO_GRADS = (None,) * 14
 
 
 class _Attention(torch.autograd.Function):
@@ -266,31 +272,31 @@ class _Attention(torch.autograd.Function):
 
     @staticmethod
     def forward(q, k, v, mask, causal, scale, backend, deterministic, win_l, win_r, q_ids,
-                kv_ids, softcap, dropout, seeds, lse_grad):
+                kv_ids, softcap, dropout, seeds, lse_grad, slopes):
         return attention_fwd(q, k, v, mask, causal, scale, backend, win_l, win_r, q_ids, kv_ids,
-                             softcap, dropout, seeds)
+                             softcap, dropout, seeds, slopes)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
         _save(ctx, inputs, output)
-        ctx.save_for_forward(*inputs[:4], *inputs[10:12], inputs[14])
+        ctx.save_for_forward(*inputs[:4], *inputs[10:12], inputs[14], inputs[16])
 
     @staticmethod
     def backward(ctx, do, dlse):
-        q, k, v, o, lse, mask, q_ids, kv_ids, seeds = ctx.saved_tensors
+        q, k, v, o, lse, mask, q_ids, kv_ids, seeds, slopes = ctx.saved_tensors
         dq, dk, dv = _AttentionBackward.apply(
             q, k, v, o, lse, do, mask, ctx.causal, ctx.scale, ctx.backend, ctx.deterministic,
             *ctx.window, q_ids, kv_ids, ctx.softcap, ctx.dropout, seeds,
-            dlse if ctx.lse_grad else None,
+            dlse if ctx.lse_grad else None, slopes,
         )
         return dq, dk, dv, *_NO_GRADS
 
     @staticmethod
     def jvp(ctx, tq, tk, tv, *_):
-        q, k, v, mask, q_ids, kv_ids, seeds = ctx.saved_tensors
+        q, k, v, mask, q_ids, kv_ids, seeds, slopes = ctx.saved_tensors
         _, _, to, tlse = attention_jvp(q, k, v, tq, tk, tv, mask, ctx.causal, ctx.scale,
                                        ctx.backend, *ctx.window, q_ids, kv_ids, ctx.softcap,
-                                       ctx.dropout, seeds)
+                                       ctx.dropout, seeds, slopes)
         return to, tlse if ctx.lse_grad else None
 
 
@@ -301,9 +307,9 @@ class _AttentionCompiled(torch.autograd.Function):
 
     @staticmethod
     def forward(q, k, v, mask, causal, scale, backend, deterministic, win_l, win_r, q_ids,
-                kv_ids, softcap, dropout, seeds, lse_grad):
+                kv_ids, softcap, dropout, seeds, lse_grad, slopes):
         return attention_fwd(q, k, v, mask, causal, scale, backend, win_l, win_r, q_ids, kv_ids,
-                             softcap, dropout, seeds)
+                             softcap, dropout, seeds, slopes)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -311,23 +317,23 @@ class _AttentionCompiled(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do, dlse):
-        q, k, v, o, lse, mask, q_ids, kv_ids, seeds = ctx.saved_tensors
+        q, k, v, o, lse, mask, q_ids, kv_ids, seeds, slopes = ctx.saved_tensors
         dq, dk, dv = attention_bwd(q, k, v, o, lse, do, mask, ctx.causal, ctx.scale, ctx.backend,
                                    ctx.deterministic, *ctx.window, q_ids, kv_ids, ctx.softcap,
-                                   ctx.dropout, seeds, dlse if ctx.lse_grad else None)
+                                   ctx.dropout, seeds, dlse if ctx.lse_grad else None, slopes)
         return dq, dk, dv, *_NO_GRADS
 
 
 def _vjp_formula(ctx):
     """The materialised (q, k, v, do) -> (dq, dk, dv) and its saved primals."""
-    q, k, v, do, mask, q_ids, kv_ids, seeds, dlse = ctx.saved_tensors
+    q, k, v, do, mask, q_ids, kv_ids, seeds, dlse, slopes = ctx.saved_tensors
     causal, scale, window, softcap = ctx.causal, ctx.scale, ctx.window, ctx.softcap
     segments = None if q_ids is None else (q_ids, kv_ids)
     dropout = ctx.dropout
 
     def vjp(q, k, v, do, dlse=None):
         return _reference.attention_vjp(q, k, v, do, mask, causal, scale, window, segments,
-                                        softcap, dropout, seeds, dlse)
+                                        softcap, dropout, seeds, dlse, slopes)
 
     return vjp, (q, k, v, do) if dlse is None else (q, k, v, do, dlse)
 
@@ -343,16 +349,16 @@ class _AttentionBackward(torch.autograd.Function):
 
     @staticmethod
     def forward(q, k, v, o, lse, do, mask, causal, scale, backend, deterministic, win_l, win_r,
-                q_ids, kv_ids, softcap, dropout, seeds, dlse):
+                q_ids, kv_ids, softcap, dropout, seeds, dlse, slopes):
         return attention_bwd(q, k, v, o, lse, do, mask, causal, scale, backend, deterministic,
-                             win_l, win_r, q_ids, kv_ids, softcap, dropout, seeds, dlse)
+                             win_l, win_r, q_ids, kv_ids, softcap, dropout, seeds, dlse, slopes)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
         q, k, v, _o, _lse, do, mask, causal, scale, _backend, _det, win_l, win_r = inputs[:13]
-        q_ids, kv_ids, softcap, dropout, seeds, dlse = inputs[13:]
-        ctx.save_for_backward(q, k, v, do, mask, q_ids, kv_ids, seeds, dlse)
-        ctx.save_for_forward(q, k, v, do, mask, q_ids, kv_ids, seeds, dlse)
+        q_ids, kv_ids, softcap, dropout, seeds, dlse, slopes = inputs[13:]
+        ctx.save_for_backward(q, k, v, do, mask, q_ids, kv_ids, seeds, dlse, slopes)
+        ctx.save_for_forward(q, k, v, do, mask, q_ids, kv_ids, seeds, dlse, slopes)
         ctx.causal, ctx.scale, ctx.window, ctx.softcap = causal, scale, (win_l, win_r), softcap
         ctx.dropout = dropout
 
@@ -361,13 +367,13 @@ class _AttentionBackward(torch.autograd.Function):
         fn, primals = _vjp_formula(ctx)
         _, pullback = torch.func.vjp(fn, *primals)
         rq, rk, rv, rdo, *rdlse = pullback((gq, gk, gv))
-        return rq, rk, rv, None, None, rdo, *(None,) * 12, (rdlse or [None])[0]
+        return rq, rk, rv, None, None, rdo, *(None,) * 12, (rdlse or [None])[0], None
 
     @staticmethod
-    def jvp(ctx, tq, tk, tv, _to, _tlse, tdo, *rest):
+    def jvp(ctx, *t):  # t: the tangents of the inputs (q, k, v, o, lse, do, ..., dlse, slopes)
         fn, primals = _vjp_formula(ctx)
-        tangents = tuple(torch.zeros_like(p) if t is None else t
-                         for p, t in zip(primals, (tq, tk, tv, tdo, rest[-1])))
+        tangents = tuple(torch.zeros_like(p) if x is None else x
+                         for p, x in zip(primals, (t[0], t[1], t[2], t[5], t[18])))
         return torch.func.jvp(fn, primals, tangents)[1]
 
 
@@ -386,15 +392,17 @@ def attention(
     dropout: float = 0.0,
     seeds: Tensor | None = None,
     return_lse: bool = False,
+    slopes: Tensor | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Differentiable attention on validated inputs (mask: compact 4-D; window: normalised
     (left, right), -1 = unbounded; segments: int64 (q ids (B, Nq), kv ids (B, Nk));
     softcap: 0.0 for none; seeds: (B, H, 2) int32 dropout keys of rate ``dropout``, or
-    None); ``return_lse``: (o, lse), both differentiable."""
+    None); ``return_lse``: (o, lse), both differentiable; ``slopes``: (B, H) ALiBi slopes,
+    or None."""
     fn = _Attention
     # two ints and two tensors, not tuples: a tuple would be a pytree input to the Functions
     args = (deterministic, *window, *(segments if segments is not None else (None, None)),
-            softcap, dropout, seeds, return_lse)
+            softcap, dropout, seeds, return_lse, slopes)
     if torch.compiler.is_compiling():
         if torch._C._functorch.maybe_current_level() is not None:
             # dynamo cannot trace an autograd.Function inside a torch.func transform
@@ -407,7 +415,7 @@ def attention(
 
 def _eager_attention(q, k, v, mask, causal, scale, backend, *args):
     o, lse = _Attention.apply(q, k, v, mask, causal, scale, backend, *args)
-    return (o, lse) if args[-1] else o
+    return (o, lse) if args[-2] else o
 
 
 _EAGER: list = []

@@ -32,6 +32,7 @@ class _Args(NamedTuple):
     softcap: float  # 0.0: none
     dropout: float  # 0.0: none
     seeds: Tensor | None  # (B, H, 2) int32 per-head dropout keys; None: no dropout
+    slopes: Tensor | None  # (B, H) ALiBi slopes, float32 (float64 for float64 q); None: none
 
 
 def _triton_available() -> bool:
@@ -218,6 +219,31 @@ def _dropout_seeds(dropout, key, q: Tensor) -> tuple[float, Tensor | None]:
     return float(dropout), _dropout.seeds(key.to(q.device), q.shape[0], q.shape[1])
 
 
+def _normalize_slopes(slopes, q: Tensor) -> Tensor | None:
+    """``alibi_slopes`` ((H,) or (B, H) float) as a contiguous (B, H) tensor in float32
+    (float64 for float64 inputs)."""
+    if slopes is None:
+        return None
+    B, H = q.shape[:2]
+    if not isinstance(slopes, Tensor) or not slopes.is_floating_point():
+        got = slopes.dtype if isinstance(slopes, Tensor) else type(slopes).__name__
+        raise TypeError(f"alibi_slopes must be a float tensor of shape (H,) or (B, H), got {got}")
+    if tuple(slopes.shape) not in ((H,), (B, H)):
+        raise ValueError(
+            f"alibi_slopes must have shape (H,) = {(H,)} or (B, H) = {(B, H)}, got "
+            f"{tuple(slopes.shape)}"
+        )
+    if slopes.device != q.device:
+        raise ValueError(f"alibi_slopes must be on q's device ({q.device}), got {slopes.device}")
+    if slopes.requires_grad:
+        raise ValueError(
+            "alibi_slopes must not require grad: the slopes are constants; detach them, or "
+            "use reference_attention to differentiate them"
+        )
+    dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    return slopes.to(dtype).expand(B, H).contiguous()
+
+
 def _ensure_interpreter() -> None:
     """Triton on CPU runs under ``TRITON_INTERPRET=1``, which must be set before
     ``triton.language`` is imported (its ``@triton.jit`` helpers are made then)."""
@@ -275,6 +301,7 @@ def _prepare(
     softcap=None,
     dropout=0.0,
     key=None,
+    alibi_slopes=None,
 ) -> _Args:
     """Validate the arguments and normalise the mask and window; ``backend="reference"``
     skips the choice of backend."""
@@ -294,10 +321,11 @@ def _prepare(
         raise ValueError(f"scale must be finite, got {scale}")
     mask = _normalize_mask(mask, key_padding_mask, q, k)
     dropout, seeds = _dropout_seeds(dropout, key, q)
+    slopes = _normalize_slopes(alibi_slopes, q)
     if backend != "reference":
         backend = _resolve_backend(backend, q)
     return _Args(mask, causal, float(scale), backend, window, segments, float(softcap or 0.0),
-                 dropout, seeds)
+                 dropout, seeds, slopes)
 
 
 def attention(
@@ -313,6 +341,7 @@ def attention(
     softcap: float | None = None,
     dropout: float = 0.0,
     key: Tensor | None = None,
+    alibi_slopes: Tensor | None = None,
     scale: float | None = None,
     backend: str | None = None,
     deterministic: bool = True,
@@ -360,6 +389,10 @@ def attention(
             each example its own. The rate is rounded to a multiple of 2^-16. Pass 0.0
             (default) at evaluation.
         key: a ``torchfn.random`` key; required when ``dropout > 0``.
+        alibi_slopes: ALiBi (Press et al.), as FlashAttention's: (H,) or (B, H) float
+            slopes; ``-slope * |i + Nk - Nq - j|`` is added to the score of query ``i``
+            and key ``j`` (with the mask, after ``softcap``), computed in the kernels,
+            so the O(H * Nq * Nk) bias is never stored. Constants: no gradient.
         scale: score scale, default ``1 / sqrt(D)``.
         backend: ``None`` picks Triton for CUDA tensors when triton is installed
             (else the PyTorch path) and the PyTorch path on CPU; ``"torch"`` forces
@@ -400,10 +433,10 @@ def attention(
     torch.Size([2, 4, 8, 16])
     """
     args = _prepare(q, k, v, mask, key_padding_mask, causal, scale, backend, window,
-                    segment_ids, softcap, dropout, key)
+                    segment_ids, softcap, dropout, key, alibi_slopes)
     for name, flag in (("deterministic", deterministic), ("return_lse", return_lse)):
         if not isinstance(flag, bool):
             raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
     return _autograd.attention(q, k, v, args.mask, args.causal, args.scale, args.backend,
                                deterministic, args.window, args.segments, args.softcap,
-                               args.dropout, args.seeds, return_lse)
+                               args.dropout, args.seeds, return_lse, args.slopes)

@@ -77,23 +77,38 @@ def segment_ranges(rows: Tensor, cols: Tensor) -> tuple[Tensor, Tensor]:
     return lo, hi
 
 
+def alibi_bias(slopes: Tensor, nq: int, nk: int) -> Tensor:
+    """(B, H, Nq, Nk) ALiBi bias ``-slope * |i + Nk - Nq - j|`` from (B, H) ``slopes``
+    (FlashAttention's ``alibi_slopes``; distances from the bottom-right aligned diagonal).
+
+    >>> alibi_bias(torch.tensor([[0.5]]), 2, 3)
+    tensor([[[[-0.5000, -0.0000, -0.5000],
+              [-1.0000, -0.5000, -0.0000]]]])
+    """
+    pos = torch.arange(nq, device=slopes.device)[:, None] + (nk - nq)
+    dist = (pos - torch.arange(nk, device=slopes.device)).abs().to(slopes.dtype)  # (Nq, Nk)
+    return -slopes[:, :, None, None] * dist
+
+
 def _probs(
     q: Tensor, k: Tensor, mask: Tensor | None, causal: bool, scale: float,
     window: tuple[int, int] = NO_WINDOW, segments: tuple[Tensor, Tensor] | None = None,
-    softcap: float = 0.0,
+    softcap: float = 0.0, slopes: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Softmax probabilities (B, H, Nq, Nk) and logsumexp (B, H, Nq); k: (B, H, Nk, D).
 
     ``mask`` is bool (True = attend) or additive, broadcastable to (B, H, Nq, Nk).
     ``softcap`` > 0: the scaled scores become ``softcap * tanh(s / softcap)`` before the
-    mask is added (Gemma 2). Fully masked rows give P = 0 and lse = -inf, with finite
-    (zero) gradients.
+    mask is added (Gemma 2); ``slopes`` (B, H): the ALiBi bias is added with the mask.
+    Fully masked rows give P = 0 and lse = -inf, with finite (zero) gradients.
     """
     s = scale * (q @ k.transpose(-1, -2))  # (B, H, Nq, Nk)
     if softcap > 0:
         s = softcap * torch.tanh(s / softcap)
     if mask is not None:
         s = s.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else s + mask
+    if slopes is not None:
+        s = s + alibi_bias(slopes.to(s.dtype), s.shape[-2], s.shape[-1])
     allowed = band(s.shape[-2], s.shape[-1], causal, window, s.device)
     if allowed is not None:
         s = s.masked_fill(~allowed, float("-inf"))
@@ -129,10 +144,12 @@ def _attention(
     softcap: float = 0.0,
     dropout: float = 0.0,
     seeds: Tensor | None = None,
+    slopes: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Unchecked materialised attention: (o, lse)."""
     g = q.shape[1] // k.shape[1]
-    p, lse = _probs(q, _repeat_kv(k, g), mask, causal, scale, window, segments, softcap)
+    p, lse = _probs(q, _repeat_kv(k, g), mask, causal, scale, window, segments, softcap,
+                    slopes)
     return dropped(p, dropout, seeds).to(v.dtype) @ _repeat_kv(v, g), lse
 
 
@@ -150,6 +167,7 @@ def attention_vjp(
     dropout: float = 0.0,
     seeds: Tensor | None = None,
     dlse: Tensor | None = None,
+    slopes: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) = vjp of attention at (q, k, v) with cotangent ``do`` (and ``dlse``
     for the logsumexp, (B, H, Nq); None: zero), in plain torch ops.
@@ -164,7 +182,7 @@ def attention_vjp(
     hkv = k.shape[1]
     g = q.shape[1] // hkv
     kr, vr = _repeat_kv(k, g), _repeat_kv(v, g)
-    p, _ = _probs(q, kr, mask, causal, scale, window, segments, softcap)  # (B, H, Nq, Nk)
+    p, _ = _probs(q, kr, mask, causal, scale, window, segments, softcap, slopes)  # (B,H,Nq,Nk)
     dv = dropped(p, dropout, seeds).transpose(-1, -2) @ do  # (B, H, Nk, D)
     dp = dropped(do @ vr.transpose(-1, -2), dropout, seeds)  # o = dropped(P) v
     delta = (dp * p).sum(-1, keepdim=True)  # rowsum(do * o)
@@ -196,6 +214,7 @@ def reference_attention(
     softcap: float | None = None,
     dropout: float = 0.0,
     key: Tensor | None = None,
+    alibi_slopes: Tensor | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Materialised attention with exactly the semantics of :func:`attention`.
 
@@ -214,7 +233,7 @@ def reference_attention(
 
     args = _prepare(q, k, v, mask, key_padding_mask, causal, scale, backend="reference",
                     window=window, segment_ids=segment_ids, softcap=softcap, dropout=dropout,
-                    key=key)
+                    key=key, alibi_slopes=alibi_slopes)
     o, lse = _attention(q, k, v, args.mask, args.causal, args.scale, args.window, args.segments,
-                        args.softcap, args.dropout, args.seeds)
+                        args.softcap, args.dropout, args.seeds, args.slopes)
     return (o, lse) if return_lse else o

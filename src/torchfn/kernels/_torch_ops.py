@@ -58,7 +58,8 @@ class _Layout:
     def __init__(self, q: Tensor, k: Tensor, mask: Tensor | None, causal: bool, scale: float,
                  window: tuple[int, int] = (-1, -1),
                  segments: tuple[Tensor, Tensor] | None = None, softcap: float = 0.0,
-                 dropout: float = 0.0, seeds: Tensor | None = None):
+                 dropout: float = 0.0, seeds: Tensor | None = None,
+                 slopes: Tensor | None = None):
         self.B, self.H, self.Nq, self.D = q.shape
         self.Hkv, self.Nk = k.shape[1], k.shape[2]
         self.G = self.H // self.Hkv
@@ -69,6 +70,9 @@ class _Layout:
             self.right = 0
         banded = self.left >= 0 or self.right >= 0
         self.segments, self.softcap = segments, softcap
+        # ALiBi slopes (B, Hkv, G, 1, 1), in the rows' head order
+        self.slopes = None if slopes is None else slopes.to(self.acc).view(
+            self.B, self.Hkv, self.G, 1, 1)
         self.seeds = None  # dropout keys (B, Hkv, G, 1, 1, 2), in the rows' head order
         if seeds is not None:
             self.seeds = seeds.view(self.B, self.Hkv, self.G, 1, 1, 2)
@@ -130,6 +134,10 @@ class _Layout:
                 s5.masked_fill_(m, float("-inf"))
             else:
                 s5.add_(m)
+        if self.slopes is not None:  # ALiBi: - slope * |i + offset - j|
+            rows = torch.arange(i0, i1, device=s.device)[:, None] + self.offset
+            dist = (rows - torch.arange(k0, k1, device=s.device)).abs().to(s.dtype)
+            s5.sub_(self.slopes * dist)
         pos = torch.arange(i0, i1, device=s.device)[:, None] + self.offset  # (n, 1)
         # keys in [kb, k1) may be right of some row's band, keys in [k0, ka) left of it
         kb = max(k0, i0 + self.offset + self.right + 1)
@@ -182,12 +190,14 @@ def _exp_scores(s: Tensor) -> tuple[Tensor, Tensor, Tensor]:
 
 def _sdpa_args(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool,
                window: tuple[int, int], segments, softcap: float = 0.0, seeds=None,
-               dlse=None):
+               dlse=None, slopes=None):
     """(k, v, additive mask) for SDPA's fused CPU kernels, or None where they do not apply
     (a window or segments: the blockwise path skips the keys outside them; keyed dropout:
-    SDPA's draws from the global RNG; a cotangent for lse: SDPA's backward takes none)."""
+    SDPA's draws from the global RNG; a cotangent for lse: SDPA's backward takes none;
+    ALiBi: the bias would have to be materialised)."""
     if (not _USE_SDPA or _SDPA_BWD is None or q.device.type != "cpu" or max(window) >= 0
-            or segments is not None or softcap > 0 or seeds is not None or dlse is not None):
+            or segments is not None or softcap > 0 or seeds is not None or dlse is not None
+            or slopes is not None):
         return None
     if causal and q.shape[2] != k.shape[2]:  # SDPA's is_causal aligns top-left
         return None
@@ -212,16 +222,17 @@ def _sum_groups(x: Tensor, hkv: int) -> Tensor:
 
 def fwd(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool, scale: float,
         window: tuple[int, int] = (-1, -1), segments: tuple[Tensor, Tensor] | None = None,
-        softcap: float = 0.0, dropout: float = 0.0, seeds: Tensor | None = None):
+        softcap: float = 0.0, dropout: float = 0.0, seeds: Tensor | None = None,
+        slopes: Tensor | None = None):
     """o: (B, H, Nq, D) in q's dtype, lse: (B, H, Nq) fp32 (fp64 for fp64 inputs)."""
-    sdpa = _sdpa_args(q, k, v, mask, causal, window, segments, softcap, seeds)
+    sdpa = _sdpa_args(q, k, v, mask, causal, window, segments, softcap, seeds, slopes=slopes)
     if sdpa is not None:
         kr, vr, bias = sdpa
         o, lse = _SDPA_FWD(q, kr, vr, 0.0, causal, attn_mask=bias, scale=scale)
         if bias is not None:  # SDPA: o = 0 and lse = 0 on a row without keys; ours: -inf
             lse = lse.masked_fill(lse.eq(0) & o.eq(0).all(-1), float("-inf"))
         return o.contiguous(), lse.contiguous()
-    L = _Layout(q, k, mask, causal, scale, window, segments, softcap, dropout, seeds)
+    L = _Layout(q, k, mask, causal, scale, window, segments, softcap, dropout, seeds, slopes)
     kf, vf = k.to(L.acc), v.to(L.acc)
     o = lse = None
     for i0, i1, k0, k1 in L.blocks():
@@ -261,20 +272,21 @@ def bwd(
     dropout: float = 0.0,
     seeds: Tensor | None = None,
     dlse: Tensor | None = None,
+    slopes: Tensor | None = None,
 ):
     """dq: (B, H, Nq, D); dk, dv: (B, Hkv, Nk, D) summed over each kv head's query heads.
     ``dlse``: the cotangent of lse (B, H, Nq), or None.
 
     Always deterministic; ``deterministic`` is accepted for the shared backend contract.
     """
-    sdpa = _sdpa_args(q, k, v, mask, causal, window, segments, softcap, seeds, dlse)
+    sdpa = _sdpa_args(q, k, v, mask, causal, window, segments, softcap, seeds, dlse, slopes)
     if sdpa is not None:
         kr, vr, bias = sdpa
         lse = lse.masked_fill(lse == float("-inf"), 0.0)  # back to SDPA's convention
         dq, dk, dv = _SDPA_BWD(do, q, kr, vr, o, lse, 0.0, causal, attn_mask=bias, scale=scale)
         hkv = k.shape[1]
         return dq.contiguous(), _sum_groups(dk, hkv).contiguous(), _sum_groups(dv, hkv).contiguous()
-    L = _Layout(q, k, mask, causal, scale, window, segments, softcap, dropout, seeds)
+    L = _Layout(q, k, mask, causal, scale, window, segments, softcap, dropout, seeds, slopes)
     kf, vf = k.to(L.acc), v.to(L.acc)
     delta = (do.to(L.acc) * o.to(L.acc)).sum(-1, keepdim=True)  # (B, H, Nq, 1)
     if dlse is not None:  # d lse_i / d s_ij = P_ij: dS = P (dP - delta + dlse)
@@ -319,6 +331,7 @@ def jvp(
     softcap: float = 0.0,
     dropout: float = 0.0,
     seeds: Tensor | None = None,
+    slopes: Tensor | None = None,
 ):
     """Forward-mode: (o, lse, to, tlse); a ``None`` tangent means zero.
 
@@ -326,7 +339,7 @@ def jvp(
     ``*`` elementwise and ``Z`` the dropout factor (1 without dropout), ``o = (P * Z) v``
     and ``to = (P * tS * Z) v + (P * Z) tv - o * rowsum(P * tS)``; ``tlse = rowsum(P * tS)``.
     """
-    L = _Layout(q, k, mask, causal, scale, window, segments, softcap, dropout, seeds)
+    L = _Layout(q, k, mask, causal, scale, window, segments, softcap, dropout, seeds, slopes)
     kf, vf = k.to(L.acc), v.to(L.acc)
     tkf = tk.to(L.acc) if tk is not None else None
     tvf = tv.to(L.acc) if tv is not None else None

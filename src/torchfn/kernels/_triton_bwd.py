@@ -51,8 +51,10 @@ import triton.language as tl
 
 from torchfn.kernels._triton_dropout import _head_seed, _keep
 from torchfn.kernels._triton_fwd import (
+    _alibi,
     _bounds_mask,
     _head_desc,
+    _head_slope,
     _in_band,
     _key_bounds,
     _load_kv,
@@ -103,7 +105,7 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, m_base, lse2_base, delta_base, dq
                 seg_n=0, qseg_base=None, SEGMENTS: tl.constexpr = False,
                 cap2=1.0, SOFTCAP: tl.constexpr = False, seed0=0, seed1=0, drop_thresh=0,
                 drop_scale=1.0, start_n=0, BLOCK_N: tl.constexpr = 16,
-                DROPOUT: tl.constexpr = False):
+                DROPOUT: tl.constexpr = False, slope2=0.0, ALIBI: tl.constexpr = False):
     offs_m0 = tl.arange(0, BLOCK_M)
     for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + offs_m0
@@ -126,6 +128,8 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, m_base, lse2_base, delta_base, dq
         if MASK_KIND != 0:
             qkT = _mask_scores(qkT, m_base, offs_m[None, :], offs_n[:, None], smm, smn, Nq, Nk,
                                MASK_KIND)
+        if ALIBI:  # (the transposed tile: rows are keys)
+            qkT = _alibi(qkT, offs_m[None, :], offs_n[:, None], Nq, Nk, slope2)
         if CAUSAL_STAGE:
             qkT = tl.where(offs_n[:, None] <= offs_m[None, :] + (Nk - Nq), qkT, float("-inf"))
         if WINDOW:
@@ -222,8 +226,9 @@ def _attn_bwd_dkdv(
     QSEG=None, KSEG=None, RLO=None, RHI=None, SEGMENTS: tl.constexpr = False,
     cap2=1.0, SOFTCAP: tl.constexpr = False,
     SEED=None, drop_thresh=0, drop_scale=1.0, DROPOUT: tl.constexpr = False,
+    SLOPES=None, ALIBI: tl.constexpr = False,
 ):
-    tl.static_assert(not ((SOFTCAP or DROPOUT) and WARP_SPEC), "no warp specialization")
+    tl.static_assert(not ((SOFTCAP or DROPOUT or ALIBI) and WARP_SPEC), "no warp spec.")
     start_n = tl.program_id(0) * BLOCK_N
     off_bhk = tl.program_id(1)
     off_b = (off_bhk // HKV).to(tl.int64)
@@ -286,6 +291,7 @@ def _attn_bwd_dkdv(
             m_base = MASK + off_b * smb + off_h * smh
             dq_base = DQACC + row0 * HEAD_DIM
             seed0, seed1 = _head_seed(SEED, off_b * H + off_h, DROPOUT)
+            slope2 = _head_slope(SLOPES, off_b * H + off_h, ALIBI)
             if WINDOW:
                 dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, m_base, LSE2 + row0,
                                      DELTA + row0, dq_base, offs_n, offs_d, m_lo, m_mid, sqm, sdm,
@@ -293,7 +299,8 @@ def _attn_bwd_dkdv(
                                      BLOCK_M, HEAD_DIM, BLOCK_D, False, MASK_KIND, DOT_PREC,
                                      UPCAST, ELEM, DQ_ATOMIC, USE_TMA, EARLY_DP, win_l, win_r,
                                      True, seg_n, qseg_base, SEGMENTS, cap2, SOFTCAP, seed0,
-                                     seed1, drop_thresh, drop_scale, start_n, BLOCK_N, DROPOUT)
+                                     seed1, drop_thresh, drop_scale, start_n, BLOCK_N, DROPOUT,
+                                     slope2, ALIBI)
             elif IS_CAUSAL:
                 dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, m_base, LSE2 + row0,
                                      DELTA + row0, dq_base, offs_n, offs_d, m_lo, m_mid, sqm, sdm,
@@ -302,7 +309,8 @@ def _attn_bwd_dkdv(
                                      ELEM, DQ_ATOMIC, USE_TMA, EARLY_DP, cap2=cap2,
                                      SOFTCAP=SOFTCAP, seed0=seed0, seed1=seed1,
                                      drop_thresh=drop_thresh, drop_scale=drop_scale,
-                                     start_n=start_n, BLOCK_N=BLOCK_N, DROPOUT=DROPOUT)
+                                     start_n=start_n, BLOCK_N=BLOCK_N, DROPOUT=DROPOUT,
+                                     slope2=slope2, ALIBI=ALIBI)
             if not WINDOW:
                 dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, m_base, LSE2 + row0,
                                      DELTA + row0, dq_base, offs_n, offs_d, m_mid, Nq, sqm, sdm,
@@ -311,7 +319,8 @@ def _attn_bwd_dkdv(
                                      UPCAST, ELEM, DQ_ATOMIC, USE_TMA, EARLY_DP, cap2=cap2,
                                      SOFTCAP=SOFTCAP, seed0=seed0, seed1=seed1,
                                      drop_thresh=drop_thresh, drop_scale=drop_scale,
-                                     start_n=start_n, BLOCK_N=BLOCK_N, DROPOUT=DROPOUT)
+                                     start_n=start_n, BLOCK_N=BLOCK_N, DROPOUT=DROPOUT,
+                                     slope2=slope2, ALIBI=ALIBI)
 
     dk = dk * sm_scale
     _store_rows(DK + off_b * sdkb + off_hk * sdkh, dk.to(DK.dtype.element_ty), offs_n, offs_d,
@@ -329,7 +338,8 @@ def _dq_inner(dq, q, do, lse2, delta, k_base, v_base, m_base, offs_m, offs_d, lo
               USE_TMA: tl.constexpr, win_l=0, win_r=0, WINDOW: tl.constexpr = False,
               seg_m=0, kseg_base=None, SEGMENTS: tl.constexpr = False,
               cap2=1.0, SOFTCAP: tl.constexpr = False, seed0=0, seed1=0, drop_thresh=0,
-              drop_scale=1.0, DROPOUT: tl.constexpr = False):
+              drop_scale=1.0, DROPOUT: tl.constexpr = False, slope2=0.0,
+              ALIBI: tl.constexpr = False):
     offs_n0 = tl.arange(0, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
@@ -344,7 +354,8 @@ def _dq_inner(dq, q, do, lse2, delta, k_base, v_base, m_base, offs_m, offs_d, lo
         if SOFTCAP:
             qk, dcap = _soft_cap(qk, cap2)
         qk = _mask_tile(qk, m_base, offs_m, offs_n, smm, smn, Nq, Nk, BOUNDARY, IS_CAUSAL,
-                        MASK_KIND, win_l, win_r, WINDOW, seg_m, kseg_base, SEGMENTS)
+                        MASK_KIND, win_l, win_r, WINDOW, seg_m, kseg_base, SEGMENTS, slope2,
+                        ALIBI)
         keep = False
         if DROPOUT:
             keep = _keep(seed0, seed1, offs_m, start_n, drop_thresh, BLOCK_N)
@@ -411,8 +422,9 @@ def _attn_bwd_dq(
     QSEG=None, KSEG=None, RLO=None, RHI=None, SEGMENTS: tl.constexpr = False,
     cap2=1.0, SOFTCAP: tl.constexpr = False,
     SEED=None, drop_thresh=0, drop_scale=1.0, DROPOUT: tl.constexpr = False,
+    SLOPES=None, ALIBI: tl.constexpr = False,
 ):
-    tl.static_assert(not ((SOFTCAP or DROPOUT) and WARP_SPEC), "no warp specialization")
+    tl.static_assert(not ((SOFTCAP or DROPOUT or ALIBI) and WARP_SPEC), "no warp spec.")
     if IS_CAUSAL:  # the longest query blocks (last rows) first: better tail balance
         start_m = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
     else:
@@ -448,6 +460,7 @@ def _attn_bwd_dq(
     lo, hi = _key_bounds(start_m, Nq, Nk, win_l, win_r, RLO, RHI, off_b, offs_m, BLOCK_M,
                          BLOCK_N, IS_CAUSAL, WINDOW, SEGMENTS)
     seed0, seed1 = _head_seed(SEED, off_bh, DROPOUT)
+    slope2 = _head_slope(SLOPES, off_bh, ALIBI)
     if WARP_SPEC:  # the launcher sets it only with no user mask and no window
         tl.static_assert(MASK_KIND == 0, "WARP_SPEC: no mask")
         dq = _dq_inner_ws(dq, q, do, lse2, delta,
@@ -462,12 +475,12 @@ def _attn_bwd_dq(
                            off_hk, BLOCK_N, HEAD_DIM, BLOCK_D, False, IS_CAUSAL, MASK_KIND,
                            DOT_PREC, UPCAST, ELEM, USE_TMA, cap2=cap2, SOFTCAP=SOFTCAP,
                            seed0=seed0, seed1=seed1, drop_thresh=drop_thresh,
-                           drop_scale=drop_scale, DROPOUT=DROPOUT)
+                           drop_scale=drop_scale, DROPOUT=DROPOUT, slope2=slope2, ALIBI=ALIBI)
         dq = _dq_inner(dq, q, do, lse2, delta, k_base, v_base, m_base, offs_m, offs_d, lo, hi,
                        skn, svn, smm, smn, Nq, Nk, qk_scale, desc_k, desc_v, off_b, off_hk,
                        BLOCK_N, HEAD_DIM, BLOCK_D, True, IS_CAUSAL, MASK_KIND, DOT_PREC, UPCAST,
                        ELEM, USE_TMA, win_l, win_r, WINDOW, seg_m, kseg_base, SEGMENTS, cap2,
-                       SOFTCAP, seed0, seed1, drop_thresh, drop_scale, DROPOUT)
+                       SOFTCAP, seed0, seed1, drop_thresh, drop_scale, DROPOUT, slope2, ALIBI)
     dq = dq * sm_scale
     _store_rows(DQ + off_b * sdqb + off_h * sdqh, dq.to(DQ.dtype.element_ty), offs_m, offs_d,
                 sdqm, Nq, HEAD_DIM, BLOCK_D)

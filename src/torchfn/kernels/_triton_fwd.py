@@ -55,6 +55,11 @@ row sum, each score tile's P is zeroed where ``_keep`` drops it (from the head's
 ``SEED``, no stored mask); ``o`` is scaled by ``drop_scale`` (1 / keep rate) at the end.
 No pipelining or warp specialization with it.
 
+``ALIBI``: the head's slope (``SLOPES``, (B, H)) times the distance from the bottom-right
+diagonal, ``-slope * |i + Nk - Nq - j|``, is added to every tile's log2-unit scores with
+the user mask (``_alibi``), in every stage; no scale fold, pipelining or warp
+specialization with it.
+
 Import this module only through ``_triton_ops`` (Triton is optional; under
 ``TRITON_INTERPRET=1`` the kernels run on CPU).
 """
@@ -113,16 +118,37 @@ def _mask_scores(s, m_base, rows, cols, smm, smn, Nq, Nk, MASK_KIND: tl.constexp
 
 
 @triton.jit
+def _alibi(s, rows, cols, Nq, Nk, slope2):
+    """ALiBi on log2-unit scores: ``s - slope2 * |rows + Nk - Nq - cols|`` (``slope2`` =
+    slope * log2(e); rows / cols broadcast to s, in either orientation)."""
+    return s - slope2 * tl.abs(rows + (Nk - Nq) - cols).to(tl.float32)
+
+
+@triton.jit
+def _head_slope(SLOPES, off_bh, ALIBI: tl.constexpr):
+    """The (batch, head)'s ALiBi slope in log2 units (0.0 without ALiBi)."""
+    if ALIBI:
+        slope2 = tl.load(SLOPES + off_bh) * 1.4426950408889634
+    else:
+        slope2 = 0.0
+    return slope2
+
+
+@triton.jit
 def _mask_tile(s, m_base, offs_m, offs_n, smm, smn, Nq, Nk, BOUNDARY: tl.constexpr,
                IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
                win_l=0, win_r=0, WINDOW: tl.constexpr = False,
-               seg_m=0, kseg_base=None, SEGMENTS: tl.constexpr = False):
-    """(M, N) log2-unit scores with the user mask applied and, on a boundary tile, keys
-    past ``Nk`` (and, causal, past the bottom-right diagonal; ``WINDOW``, outside the
-    band; ``SEGMENTS``, of another segment than the row's ``seg_m``) at -inf."""
+               seg_m=0, kseg_base=None, SEGMENTS: tl.constexpr = False,
+               slope2=0.0, ALIBI: tl.constexpr = False):
+    """(M, N) log2-unit scores with the user mask (and ``ALIBI``'s bias) applied and, on a
+    boundary tile, keys past ``Nk`` (and, causal, past the bottom-right diagonal;
+    ``WINDOW``, outside the band; ``SEGMENTS``, of another segment than the row's
+    ``seg_m``) at -inf."""
     if MASK_KIND != 0:
         s = _mask_scores(s, m_base, offs_m[:, None], offs_n[None, :], smm, smn, Nq, Nk,
                          MASK_KIND)
+    if ALIBI:
+        s = _alibi(s, offs_m[:, None], offs_n[None, :], Nq, Nk, slope2)
     if BOUNDARY:
         s = _bounds_mask(s, offs_m, offs_n, Nq, Nk, IS_CAUSAL)
         if WINDOW:
@@ -305,7 +331,9 @@ def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, m_base, offs_m, offs_d, lo, hi,
                FOLD_SCALE: tl.constexpr, win_l=0, win_r=0, WINDOW: tl.constexpr = False,
                seg_m=0, kseg_base=None, SEGMENTS: tl.constexpr = False,
                cap2=1.0, SOFTCAP: tl.constexpr = False,
-               seed0=0, seed1=0, drop_thresh=0, DROPOUT: tl.constexpr = False):
+               seed0=0, seed1=0, drop_thresh=0, DROPOUT: tl.constexpr = False,
+               slope2=0.0, ALIBI: tl.constexpr = False):
+    tl.static_assert(not (ALIBI and FOLD_SCALE), "ALiBi: no scale fold")
     offs_n0 = tl.arange(0, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
@@ -332,7 +360,7 @@ def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, m_base, offs_m, offs_d, lo, hi,
                 qk, _ = _soft_cap(qk, cap2)
             qk = _mask_tile(qk, m_base, offs_m, offs_n, smm, smn, Nq, Nk, BOUNDARY,
                             IS_CAUSAL, MASK_KIND, win_l, win_r, WINDOW, seg_m, kseg_base,
-                            SEGMENTS)
+                            SEGMENTS, slope2, ALIBI)
             m_new, m_new_safe = _row_max(m_i, tl.max(qk, 1), BOUNDARY or MASK_KIND != 0)
             p = tl.math.exp2(qk - m_new_safe[:, None])
         alpha = tl.math.exp2(m_i - m_new_safe)
@@ -457,8 +485,10 @@ def _attn_fwd(
     QSEG=None, KSEG=None, RLO=None, RHI=None, SEGMENTS: tl.constexpr = False,
     cap2=1.0, SOFTCAP: tl.constexpr = False,
     SEED=None, drop_thresh=0, drop_scale=1.0, DROPOUT: tl.constexpr = False,
+    SLOPES=None, ALIBI: tl.constexpr = False,
 ):
     tl.static_assert(not (SOFTCAP and (FOLD_SCALE or WARP_SPEC)), "softcap: no scale fold")
+    tl.static_assert(not (ALIBI and (FOLD_SCALE or WARP_SPEC)), "ALiBi: no scale fold")
     tl.static_assert(not (DROPOUT and WARP_SPEC), "dropout: no warp specialization")
     if IS_CAUSAL:  # the longest query blocks (last rows) first: better tail balance
         start_m = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
@@ -492,6 +522,7 @@ def _attn_fwd(
     lo, hi = _key_bounds(start_m, Nq, Nk, win_l, win_r, RLO, RHI, off_b, offs_m, BLOCK_M,
                          BLOCK_N, IS_CAUSAL, WINDOW, SEGMENTS)
     seed0, seed1 = _head_seed(SEED, off_bh, DROPOUT)
+    slope2 = _head_slope(SLOPES, off_bh, ALIBI)
     if WARP_SPEC:  # the launcher sets it only with FOLD_SCALE, no user mask and no window
         tl.static_assert(FOLD_SCALE and MASK_KIND == 0, "WARP_SPEC: scale > 0, no mask")
         acc, l_i, m_i = _fwd_inner_ws(acc, l_i, m_i, q,
@@ -513,14 +544,15 @@ def _attn_fwd(
                                    off_b, off_hk, BLOCK_N, HEAD_DIM, BLOCK_D, False, IS_CAUSAL,
                                    MASK_KIND, DOT_PREC, UPCAST, USE_TMA, FOLD_SCALE,
                                    cap2=cap2, SOFTCAP=SOFTCAP, seed0=seed0, seed1=seed1,
-                                   drop_thresh=drop_thresh, DROPOUT=DROPOUT)
+                                   drop_thresh=drop_thresh, DROPOUT=DROPOUT, slope2=slope2,
+                                   ALIBI=ALIBI)
     if not WARP_SPEC:
         acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, m_base, offs_m, offs_d,
                                    lo, hi, skn, svn, smm, smn, Nq, Nk, qk_scale, desc_k, desc_v,
                                    off_b, off_hk, BLOCK_N, HEAD_DIM, BLOCK_D, True, IS_CAUSAL,
                                    MASK_KIND, DOT_PREC, UPCAST, USE_TMA, FOLD_SCALE, win_l,
                                    win_r, WINDOW, seg_m, kseg_base, SEGMENTS, cap2, SOFTCAP,
-                                   seed0, seed1, drop_thresh, DROPOUT)
+                                   seed0, seed1, drop_thresh, DROPOUT, slope2, ALIBI)
 
     # fully masked rows: l = 0 -> o = 0, lse = -inf
     empty = l_i == 0.0

@@ -21,6 +21,7 @@ import triton.language as tl
 
 from torchfn.kernels._triton_dropout import _head_seed, _keep
 from torchfn.kernels._triton_fwd import (
+    _head_slope,
     _key_bounds,
     _load_rows,
     _mask_tile,
@@ -42,7 +43,8 @@ def _jvp_inner(acc_o, acc_t, acc_s, l_i, m_i, q, tq,
                win_l=0, win_r=0, WINDOW: tl.constexpr = False,
                seg_m=0, kseg_base=None, SEGMENTS: tl.constexpr = False,
                cap2=1.0, SOFTCAP: tl.constexpr = False,
-               seed0=0, seed1=0, drop_thresh=0, DROPOUT: tl.constexpr = False):
+               seed0=0, seed1=0, drop_thresh=0, DROPOUT: tl.constexpr = False,
+               slope2=0.0, ALIBI: tl.constexpr = False):
     offs_n0 = tl.arange(0, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
@@ -67,7 +69,8 @@ def _jvp_inner(acc_o, acc_t, acc_s, l_i, m_i, q, tq,
             qk, dcap = _soft_cap(qk, cap2)
             ts = ts * dcap
         qk = _mask_tile(qk, m_base, offs_m, offs_n, smm, smn, Nq, Nk, BOUNDARY, IS_CAUSAL,
-                        MASK_KIND, win_l, win_r, WINDOW, seg_m, kseg_base, SEGMENTS)
+                        MASK_KIND, win_l, win_r, WINDOW, seg_m, kseg_base, SEGMENTS, slope2,
+                        ALIBI)
         m_new, m_new_safe = _row_max(m_i, tl.max(qk, 1), BOUNDARY or MASK_KIND != 0)
         p = tl.math.exp2(qk - m_new_safe[:, None])
         alpha = tl.math.exp2(m_i - m_new_safe)
@@ -113,6 +116,7 @@ def _attn_jvp(
     QSEG=None, KSEG=None, RLO=None, RHI=None, SEGMENTS: tl.constexpr = False,
     cap2=1.0, SOFTCAP: tl.constexpr = False,
     SEED=None, drop_thresh=0, drop_scale=1.0, DROPOUT: tl.constexpr = False,
+    SLOPES=None, ALIBI: tl.constexpr = False,
 ):
     if IS_CAUSAL:  # the longest query blocks (last rows) first: better tail balance
         start_m = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
@@ -150,19 +154,20 @@ def _attn_jvp(
     lo, hi = _key_bounds(start_m, Nq, Nk, win_l, win_r, RLO, RHI, off_b, offs_m, BLOCK_M,
                          BLOCK_N, IS_CAUSAL, WINDOW, SEGMENTS)
     seed0, seed1 = _head_seed(SEED, off_bh, DROPOUT)
+    slope2 = _head_slope(SLOPES, off_bh, ALIBI)
     if not WINDOW:  # the unmasked stage (the band's blocks are all masked)
         acc_o, acc_t, acc_s, l_i, m_i = _jvp_inner(
             acc_o, acc_t, acc_s, l_i, m_i, q, tq, k_base, v_base, tk_base, tv_base, m_base,
             offs_m, offs_d, 0, lo, skn, svn, stkn, stvn, smm, smn, Nq, Nk, qk_scale, sm_scale,
             BLOCK_N, HEAD_DIM, BLOCK_D, False, IS_CAUSAL, MASK_KIND, HAS_TQ, HAS_TK, HAS_TV,
             DOT_PREC, UPCAST, cap2=cap2, SOFTCAP=SOFTCAP, seed0=seed0, seed1=seed1,
-            drop_thresh=drop_thresh, DROPOUT=DROPOUT)
+            drop_thresh=drop_thresh, DROPOUT=DROPOUT, slope2=slope2, ALIBI=ALIBI)
     acc_o, acc_t, acc_s, l_i, m_i = _jvp_inner(
         acc_o, acc_t, acc_s, l_i, m_i, q, tq, k_base, v_base, tk_base, tv_base, m_base,
         offs_m, offs_d, lo, hi, skn, svn, stkn, stvn, smm, smn, Nq, Nk, qk_scale, sm_scale,
         BLOCK_N, HEAD_DIM, BLOCK_D, True, IS_CAUSAL, MASK_KIND, HAS_TQ, HAS_TK, HAS_TV,
         DOT_PREC, UPCAST, win_l, win_r, WINDOW, seg_m, kseg_base, SEGMENTS, cap2, SOFTCAP,
-        seed0, seed1, drop_thresh, DROPOUT)
+        seed0, seed1, drop_thresh, DROPOUT, slope2, ALIBI)
 
     empty = l_i == 0.0
     inv_l = 1.0 / tl.where(empty, 1.0, l_i)

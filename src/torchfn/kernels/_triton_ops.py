@@ -13,8 +13,9 @@ expanded to (B, H, Nq, Nk) (bool: True = attend; float: additive); o: (B, H, Nq,
 in q's dtype; lse: (B, H, Nq) float32 (natural log, -inf on fully masked rows).
 Each also takes ``window=(left, right)`` (normalised by ``_dispatch``, -1: unbounded) and
 ``segments=(q_ids, kv_ids)``, which select the band kernels (``WINDOW``, ``SEGMENTS``), and
-``softcap`` (> 0: ``SOFTCAP``), and ``dropout`` with ``seeds`` ((B, H, 2) int32 per-head
-keys: ``DROPOUT``, see ``_triton_dropout``).
+``softcap`` (> 0: ``SOFTCAP``), ``dropout`` with ``seeds`` ((B, H, 2) int32 per-head
+keys: ``DROPOUT``, see ``_triton_dropout``) and ``slopes`` ((B, H) ALiBi slopes:
+``ALIBI``).
 
 Block sizes (the tables and candidate lists are in ``_triton_configs``): on a GPU every
 kernel is tuned once per (kernel, N bucket, head dim, causal, mask kind, dtype) over a
@@ -353,14 +354,15 @@ def _ws_variant(tensors: list[Tensor], consts: dict[str, Any], ok: bool = True,
                 ragged: Callable[[int, int], bool] | None = None,
                 ) -> Callable[[int, int], dict[str, Any]] | None:
     """The warp-specialized variant's kwargs per block shape, or None where it does not
-    apply: a user mask, a window or segments, a softcap, dropout, ``ok`` False (kernel-specific
-    conditions), tensors descriptors cannot read, fp32 on a GPU (its 3xTF32 dots), or a
-    Triton without in-kernel descriptors. Whether the tuner tries it is
-    ``TORCHFN_TRITON_WS``'s call.
+    apply: a user mask, a window or segments, a softcap, dropout, ALiBi, ``ok`` False
+    (kernel-specific conditions), tensors descriptors cannot read, fp32 on a GPU (its
+    3xTF32 dots), or a Triton without in-kernel descriptors. Whether the tuner tries it
+    is ``TORCHFN_TRITON_WS``'s call.
     ``ragged(BLOCK_M, BLOCK_N)``: whether a non-causal launch still needs the bounds
     mask on every block (``WS_MASKED``)."""
     if not (ok and consts["MASK_KIND"] == 0 and not consts.get("WINDOW")
             and not consts.get("SOFTCAP") and not consts.get("DROPOUT")
+            and not consts.get("ALIBI")
             and hasattr(tl, "make_tensor_descriptor") and _descriptors_usable(tensors)):
         return None
     if any(t.stride(2) % (16 // t.element_size()) for t in tensors):  # even with one row:
@@ -415,7 +417,8 @@ def _mask_args(mask: Tensor | None, q: Tensor) -> tuple[Tensor, int, tuple[int, 
 
 def _common(q: Tensor, k: Tensor, mask: Tensor | None, causal: bool, scale: float,
             window: tuple[int, int] = (-1, -1), segments: tuple[Tensor, Tensor] | None = None,
-            softcap: float = 0.0, dropout: float = 0.0, seeds: Tensor | None = None):
+            softcap: float = 0.0, dropout: float = 0.0, seeds: Tensor | None = None,
+            slopes: Tensor | None = None):
     B, H, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
     mptr, mkind, ms = _mask_args(mask, q)
@@ -436,8 +439,10 @@ def _common(q: Tensor, k: Tensor, mask: Tensor | None, causal: bool, scale: floa
         consts.update(DROPOUT=True, SEED=seeds.contiguous(),
                       drop_thresh=_dropout.threshold(dropout),
                       drop_scale=_dropout.keep_scale(dropout))
+    if slopes is not None:  # ALiBi: per-(batch, head) slopes, the bias made in the kernels
+        consts.update(ALIBI=True, SLOPES=slopes.to(torch.float32).contiguous())
     key = (_bucket(max(Nq, Nk)), D, bool(causal), mkind, q.dtype, banded, segments is not None,
-           softcap > 0, seeds is not None)
+           softcap > 0, seeds is not None, slopes is not None)
     return B, H, Hkv, Nq, Nk, D, mptr, ms, consts, key
 
 
@@ -479,7 +484,7 @@ def _empty_fwd(q: Tensor) -> tuple[Tensor, Tensor]:
 def fwd(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool, scale: float,
         *, window: tuple[int, int] = (-1, -1), segments: tuple[Tensor, Tensor] | None = None,
         softcap: float = 0.0, dropout: float = 0.0, seeds: Tensor | None = None,
-        config: tuple[int, ...] | None = None,
+        slopes: Tensor | None = None, config: tuple[int, ...] | None = None,
         ) -> tuple[Tensor, Tensor]:
     """Forward: ``o = softmax(scale q k^T + mask) v`` and its row logsumexp ``lse`` (float32).
 
@@ -490,7 +495,8 @@ def fwd(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool, scal
     _ensure_mode(q.device)
     q, k, v = _c(q), _c(k), _c(v)
     B, H, Hkv, Nq, Nk, D, mptr, ms, consts, key = _common(q, k, mask, causal, scale, window,
-                                                          segments, softcap, dropout, seeds)
+                                                          segments, softcap, dropout, seeds,
+                                                          slopes)
     if B * H * Nq == 0 or Nk == 0:
         return _empty_fwd(q)
     o = torch.empty((B, H, Nq, D), dtype=_buf_dtype(q.dtype), device=q.device)
@@ -501,7 +507,7 @@ def fwd(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool, scal
             H, H // Hkv, Nq, Nk, float(scale) * 1.4426950408889634)
     # scale > 0 and no additive mask: the kernel takes the row max of the raw scores
     consts = dict(consts, FOLD_SCALE=float(scale) > 0 and consts["MASK_KIND"] != 2
-                  and softcap <= 0, **_seg_ranges(consts))
+                  and softcap <= 0 and slopes is None, **_seg_ranges(consts))
     grid = lambda bm, bn: (triton.cdiv(Nq, bm), B * H)
     tma = _tma_descriptors({"desc_q": q, "desc_k": k, "desc_v": v},
                            {"desc_q": "m", "desc_k": "n", "desc_v": "n"}, consts["BLOCK_D"])
@@ -516,7 +522,7 @@ def bwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Tensor,
         mask: Tensor | None, causal: bool, scale: float, deterministic: bool = True,
         *, window: tuple[int, int] = (-1, -1), segments: tuple[Tensor, Tensor] | None = None,
         softcap: float = 0.0, dropout: float = 0.0, seeds: Tensor | None = None,
-        dlse: Tensor | None = None,
+        dlse: Tensor | None = None, slopes: Tensor | None = None,
         config: tuple[tuple[int, ...], tuple[int, ...]] | None = None,
         ) -> tuple[Tensor, Tensor, Tensor]:
     """Backward from ``do`` (and ``dlse``, the cotangent of lse, or None): (dq, dk, dv) in
@@ -534,7 +540,8 @@ def bwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Tensor,
     _ensure_mode(q.device)
     q, k, v, o, do = _c(q), _c(k), _c(v), _c(o), _c(do)
     B, H, Hkv, Nq, Nk, D, mptr, ms, consts, key = _common(q, k, mask, causal, scale, window,
-                                                          segments, softcap, dropout, seeds)
+                                                          segments, softcap, dropout, seeds,
+                                                          slopes)
     buf = _buf_dtype(q.dtype)
     dq = torch.zeros((B, H, Nq, D), dtype=buf, device=q.device)
     dk = torch.zeros((B, Hkv, Nk, D), dtype=buf, device=q.device)
@@ -592,7 +599,7 @@ def jvp(q: Tensor, k: Tensor, v: Tensor, tq: Tensor | None, tk: Tensor | None,
         tv: Tensor | None, mask: Tensor | None, causal: bool, scale: float,
         *, window: tuple[int, int] = (-1, -1), segments: tuple[Tensor, Tensor] | None = None,
         softcap: float = 0.0, dropout: float = 0.0, seeds: Tensor | None = None,
-        config: tuple[int, ...] | None = None,
+        slopes: Tensor | None = None, config: tuple[int, ...] | None = None,
         ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Fused forward-mode: (o, lse, to, tlse) with ``to`` / ``tlse`` the tangents of ``o`` /
     ``lse``; None tangents are 0.
@@ -603,7 +610,8 @@ def jvp(q: Tensor, k: Tensor, v: Tensor, tq: Tensor | None, tk: Tensor | None,
     q, k, v = _c(q), _c(k), _c(v)
     tq, tk, tv = (None if t is None else _c(t) for t in (tq, tk, tv))
     B, H, Hkv, Nq, Nk, D, mptr, ms, consts, key = _common(q, k, mask, causal, scale, window,
-                                                          segments, softcap, dropout, seeds)
+                                                          segments, softcap, dropout, seeds,
+                                                          slopes)
     if B * H * Nq == 0 or Nk == 0:
         o, lse = _empty_fwd(q)
         return o, lse, torch.zeros_like(o), torch.zeros_like(lse)
