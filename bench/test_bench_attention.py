@@ -22,6 +22,9 @@ Groups, each torchfn next to its peer:
   ``dropout`` (mask recomputed blockwise from the key, never stored) vs the materialised
   attention with the same keyed mask (``reference_attention``) and SDPA's ``dropout_p``
   (torch's global RNG: a different mask, so it is timed, not compared).
+- ``alibi``: the same shapes at N=2048, causal, ALiBi slopes 2^-1..2^-8: torchfn's
+  ``alibi_slopes`` (the bias made per block) vs SDPA given the bias as an additive float
+  mask (H x N x N fp32, built once outside the timing, as SDPA users pass it).
 - ``per-sample grads``: ``vmap(grad)`` of a 2-layer pre-LN Transformer (d=64, 4 heads,
   N=64, causal, batch 32) with its attention from torchfn vs from SDPA. SDPA's CPU
   kernels have no batching rule, so functorch runs them in a per-sample loop (it warns
@@ -30,6 +33,7 @@ Groups, each torchfn next to its peer:
   loop of ``grad`` over the batch is the third entry.
 """
 
+import functools
 import warnings
 
 import pytest
@@ -39,6 +43,7 @@ from torch.func import grad, vmap
 
 from torchfn import random
 from torchfn.kernels import _torch_ops, attention, reference_attention
+from torchfn.kernels._reference import alibi_bias
 
 B, H, D = 4, 8, 64
 
@@ -217,6 +222,34 @@ def test_dropout(benchmark, impl, mode):
     benchmark.group = f"dropout N={SN} {mode}"
     ref = DROPOUT_IMPLS["eager keyed dropout"] if impl != "sdpa dropout_p" else None
     _time_against(benchmark, DROPOUT_IMPLS[impl], ref, mode, SN, seed=6, atol=1e-4)
+
+
+# ---------------------------------------------------------------- ALiBi
+
+SLOPES = 2.0 ** -torch.arange(1, H + 1, dtype=torch.float32)  # (H,)
+
+
+@functools.cache
+def _alibi_mask():
+    """(1, H, N, N) fp32: the ALiBi bias with the causal mask in it (128 MiB; made once)."""
+    causal = torch.ones(SN, SN, dtype=torch.bool).tril()
+    return alibi_bias(SLOPES[None], SN, SN).masked_fill(~causal, float("-inf"))
+
+
+ALIBI_IMPLS = {
+    "torchfn alibi_slopes": lambda q, k, v: attention(q, k, v, causal=True, alibi_slopes=SLOPES,
+                                                      backend="torch"),
+    "sdpa bias mask": lambda q, k, v: F.scaled_dot_product_attention(q, k, v,
+                                                                     attn_mask=_alibi_mask()),
+}
+
+
+@pytest.mark.parametrize("mode", ["forward", "forward+backward"])
+@pytest.mark.parametrize("impl", list(ALIBI_IMPLS))
+def test_alibi(benchmark, impl, mode):
+    benchmark.group = f"alibi N={SN} {mode}"
+    _time_against(benchmark, ALIBI_IMPLS[impl], ALIBI_IMPLS["sdpa bias mask"], mode, SN,
+                  seed=7, atol=1e-4)
 
 
 # ---------------------------------------------------------------- per-sample gradients

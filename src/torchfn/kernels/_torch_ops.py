@@ -70,8 +70,8 @@ class _Layout:
             self.right = 0
         banded = self.left >= 0 or self.right >= 0
         self.segments, self.softcap = segments, softcap
-        # ALiBi slopes (B, Hkv, G, 1, 1), in the rows' head order
-        self.slopes = None if slopes is None else slopes.to(self.acc).view(
+        # minus the ALiBi slopes (B, Hkv, G, 1, 1), in the rows' head order
+        self.neg_slopes = None if slopes is None else slopes.to(self.acc).neg().view(
             self.B, self.Hkv, self.G, 1, 1)
         self.seeds = None  # dropout keys (B, Hkv, G, 1, 1, 2), in the rows' head order
         if seeds is not None:
@@ -134,10 +134,10 @@ class _Layout:
                 s5.masked_fill_(m, float("-inf"))
             else:
                 s5.add_(m)
-        if self.slopes is not None:  # ALiBi: - slope * |i + offset - j|
+        if self.neg_slopes is not None:  # ALiBi: - slope * |i + offset - j|, in one pass
             rows = torch.arange(i0, i1, device=s.device)[:, None] + self.offset
             dist = (rows - torch.arange(k0, k1, device=s.device)).abs().to(s.dtype)
-            s5.sub_(self.slopes * dist)
+            s5.addcmul_(self.neg_slopes, dist)
         pos = torch.arange(i0, i1, device=s.device)[:, None] + self.offset  # (n, 1)
         # keys in [kb, k1) may be right of some row's band, keys in [k0, ka) left of it
         kb = max(k0, i0 + self.offset + self.right + 1)
