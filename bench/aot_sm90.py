@@ -117,27 +117,19 @@ def _compile(kind: str, head_dim: int, cfg: tuple[int, int, int, int], dtype: st
         consts[_OVERLAP[kind]] = True
     if ws:  # warp-specialized: descriptors made in the kernel, every block masked
         consts["WARP_SPEC"] = True  # (WS_MASKED's default: the costlier case, always built)
-    if window or segments:
+    # the options the launcher never warp-specializes; FOLD_SCALE: the forward's scale fold
+    options = {"window": (window or segments, {"WINDOW": True, "IS_CAUSAL": False}),
+               "softcap": (softcap, {"SOFTCAP": True, "FOLD_SCALE": False}),
+               "dropout": (dropout, {"DROPOUT": True}),
+               "alibi": (alibi, {"ALIBI": True, "FOLD_SCALE": False})}
+    for name, (on, flags) in options.items():
+        if not on:
+            continue
         if ws:
-            raise ValueError("the launcher never warp-specializes a windowed kernel")
-        consts.update(WINDOW=True, IS_CAUSAL=False)  # (causal is folded into the band)
+            raise ValueError(f"the launcher never warp-specializes a kernel with {name}")
+        # (a window folds causal into its band; only the forward has FOLD_SCALE)
+        consts.update({f: v for f, v in flags.items() if f != "FOLD_SCALE" or kind == "fwd"})
     consts["SEGMENTS"] = segments
-    if softcap:
-        if ws:
-            raise ValueError("the launcher never warp-specializes a soft-capped kernel")
-        consts["SOFTCAP"] = True
-        if kind == "fwd":
-            consts["FOLD_SCALE"] = False
-    if dropout:
-        if ws:
-            raise ValueError("the launcher never warp-specializes a kernel with dropout")
-        consts["DROPOUT"] = True
-    if alibi:
-        if ws:
-            raise ValueError("the launcher never warp-specializes a kernel with ALiBi")
-        consts["ALIBI"] = True
-        if kind == "fwd":
-            consts["FOLD_SCALE"] = False
     descs = {}
     if tma:
         consts["USE_TMA"] = True
