@@ -8,7 +8,10 @@
    silently returns zero.
 2. ``_Attention`` (``autograd.Function``, setup_context style) differentiates:
    forward -> fwd op, backward -> ``_AttentionBackward``, jvp -> the fused jvp op.
-   Its vmap rule is generated: every staticmethod only calls ops that have one.
+   Its vmap rule is generated: every staticmethod only calls ops that have one. With
+   ``return_lse`` its second output, lse, is differentiable too: its cotangent goes to
+   the bwd op (``dlse``), its tangent is the jvp op's ``tlse``; otherwise lse is marked
+   non-differentiable.
 3. ``_AttentionBackward``: forward -> bwd op; its own backward / jvp (second order:
    grad-of-grad, ``hessian``) differentiate the materialised vjp formula of
    ``_reference`` with ``torch.func``.
