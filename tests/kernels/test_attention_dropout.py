@@ -249,6 +249,38 @@ def test_triton_dropout_with_tma_descriptors(monkeypatch, rel_err):
     assert max(rel_err(a, b) for a, b in zip(ours, want)) <= 1e-5
 
 
+@pytest.mark.skipif(not HAS_TRITON, reason="triton or _triton_ops is missing")
+@pytest.mark.parametrize(
+    "fwd_cfg, bwd_cfg",
+    [((16, 16, 4, 1), ((16, 16, 4, 1), (16, 16, 4, 1))),
+     ((16, 64, 4, 1), ((64, 16, 4, 1), (16, 64, 4, 1))),
+     ((64, 32, 4, 1), ((32, 128, 4, 1), (128, 32, 4, 1)))],
+    ids=["16x16", "BM<BN", "BM>BN"],
+)
+def test_triton_mask_does_not_depend_on_the_block_shape(fwd_cfg, bwd_cfg, rel_err):
+    """Raw Triton ops at other tile shapes than the interpreter's (the GPU tuner picks
+    among many): the forward, dK/dV's transposed tile, dQ and the JVP all draw the spec's
+    mask, so each equals the float64 reference."""
+    from torchfn.kernels import _triton_ops as T
+    from torchfn.kernels._reference import attention_vjp
+
+    q, k, v, do = _inputs(1, 2, 1, 45, 83, 24, torch.float32, seed=4)
+    tangents = tuple(torch.randn_like(x) for x in (q, k, v))
+    seeds = _dropout.seeds(KEY, 1, 2)
+    kw = dict(dropout=0.3, seeds=seeds)
+    o, lse = T.fwd(q, k, v, None, True, 0.2, config=fwd_cfg, **kw)
+    grads = T.bwd(q, k, v, o, lse, do, None, True, 0.2, config=bwd_cfg, **kw)
+    _, _, to, _ = T.jvp(q, k, v, *tangents, None, True, 0.2, config=fwd_cfg, **kw)
+    q64, k64, v64, do64 = (x.double() for x in (q, k, v, do))
+    ref = lambda q, k, v: reference_attention(q, k, v, causal=True, scale=0.2,  # noqa: E731
+                                              dropout=0.3, key=KEY)
+    want = (ref(q64, k64, v64),
+            *attention_vjp(q64, k64, v64, do64, None, True, 0.2, dropout=0.3, seeds=seeds),
+            jvp(ref, (q64, k64, v64), tuple(t.double() for t in tangents))[1])
+    for a, b in zip((o, *grads, to), want):
+        assert rel_err(a, b) <= 1e-5
+
+
 # ------------------------------------------------------------------------- bad input
 @pytest.mark.parametrize("fn", [attention, reference_attention])
 def test_dropout_without_a_key_is_an_error(fn):
