@@ -44,6 +44,10 @@ key's query range).
 ``DROPOUT``: the forward's keep decisions, recomputed per tile (``_keep``; dK/dV
 transposes them): ``dV += (P * Z)^T dO`` and ``dS = P * (dP * Z - delta)`` with ``Z`` = 0
 where dropped, ``drop_scale`` where kept (``delta = rowsum(dO * O)`` already holds Z).
+
+``ALIBI``: the forward's bias (``_alibi``) on every recomputed tile, dK/dV's transposed.
+A cotangent for lse (``return_lse``) needs no kernel change: the launcher subtracts it
+from ``delta``.
 """
 
 import triton

@@ -14,6 +14,9 @@ Absent tangents (``HAS_T* = False``) are zero and cost nothing.
 ``DROPOUT``: with ``Z`` the forward's keep decisions times ``drop_scale``, ``o = (P Z) v``
 and ``to_i = sum_j P_ij Z_ij (tS_ij v_j + tv_j) - o_i * sum_j P_ij tS_ij``: ``acc_o`` and
 ``acc_t`` take the dropped P (scaled at the end), ``acc_s`` the whole one.
+
+``ALIBI``: the forward's bias on every tile; it is a constant, so the tangents are as
+without it.
 """
 
 import triton
