@@ -288,9 +288,14 @@ def bwd(
         return dq.contiguous(), _sum_groups(dk, hkv).contiguous(), _sum_groups(dv, hkv).contiguous()
     L = _Layout(q, k, mask, causal, scale, window, segments, softcap, dropout, seeds, slopes)
     kf, vf = k.to(L.acc), v.to(L.acc)
-    delta = (do.to(L.acc) * o.to(L.acc)).sum(-1, keepdim=True)  # (B, H, Nq, 1)
+    # delta = rowsum(dO * O) = rowsum(P * dP). From a fp16 / bf16 O it carries O's rounding,
+    # which dP - delta can magnify many times (small D); a block holds every key its rows
+    # see, so there it is summed exactly from P and dP instead
+    exact_delta = q.dtype in (torch.float16, torch.bfloat16)
+    delta = None if exact_delta else (do.to(L.acc) * o.to(L.acc)).sum(-1, keepdim=True)
     if dlse is not None:  # d lse_i / d s_ij = P_ij: dS = P (dP - delta + dlse)
-        delta = delta - dlse.to(L.acc).unsqueeze(-1)
+        dlse = dlse.to(L.acc).unsqueeze(-1)  # (B, H, Nq, 1)
+        delta = None if exact_delta else delta - dlse
     lse = _safe(lse.to(L.acc)).unsqueeze(-1)  # (B, H, Nq, 1)
     dq = torch.zeros(L.B, L.H, L.Nq, L.D, dtype=L.acc, device=q.device)
     dk = torch.zeros(L.B, L.Hkv, L.Nk, L.D, dtype=L.acc, device=q.device)
@@ -308,7 +313,13 @@ def bwd(
         dp = doc @ vf[:, :, k0:k1].transpose(-1, -2)
         if z is not None:
             dp.mul_(z)
-        ds = dp.sub_(L.rows_of(delta, i0, i1)).mul_(p)
+        if exact_delta:
+            d = (p * dp).sum(-1, keepdim=True)  # (B, Hkv, G*n, 1)
+            if dlse is not None:
+                d = d.sub_(L.rows_of(dlse, i0, i1))
+        else:
+            d = L.rows_of(delta, i0, i1)
+        ds = dp.sub_(d).mul_(p)
         if dcap is not None:  # through the softcap
             ds.mul_(dcap)
         dq[:, :, i0:i1] = L.unrows((ds @ kf[:, :, k0:k1]).mul_(scale), n)
