@@ -89,13 +89,13 @@ _TMA_DESCS = {
 def _compile(kind: str, head_dim: int, cfg: tuple[int, int, int, int], dtype: str,
              causal: bool = False, gqa: bool = False, window: bool = False,
              segments: bool = False, softcap: bool = False, dropout: bool = False,
-             alibi: bool = False):
+             alibi: bool = False, split: bool = False):
     """The Triton-compiled sm_90 kernel of one (kind, head dim, config, dtype); ``gqa``:
     the GQA group size is a runtime integer (the JIT makes it a constant when it is 1);
     ``window``: the sliding-window (band) kernel, which the launcher never warp-specializes;
     ``segments``: the band kernel with segment ids (document masking); ``softcap``: with
     logit soft-capping (no scale fold); ``dropout``: with keyed attention dropout;
-    ``alibi``: with the ALiBi bias (no scale fold)."""
+    ``alibi``: with the ALiBi bias (no scale fold); ``split``: the split-KV forward."""
     int_one = set() if gqa else _INT_ONE
     from torchfn.kernels._triton_configs import _OVERLAP
 
@@ -121,7 +121,8 @@ def _compile(kind: str, head_dim: int, cfg: tuple[int, int, int, int], dtype: st
     options = {"window": (window or segments, {"WINDOW": True, "IS_CAUSAL": False}),
                "softcap": (softcap, {"SOFTCAP": True, "FOLD_SCALE": False}),
                "dropout": (dropout, {"DROPOUT": True}),
-               "alibi": (alibi, {"ALIBI": True, "FOLD_SCALE": False})}
+               "alibi": (alibi, {"ALIBI": True, "FOLD_SCALE": False}),
+               "split": (split, {"SPLIT": True})}
     for name, (on, flags) in options.items():
         if not on:
             continue
@@ -243,7 +244,7 @@ def wgmma_overlap(sass: str, ops: tuple[str, ...] = ("MUFU",)) -> dict[str, tupl
 def compile_sm90(kind: str, head_dim: int, cfg: tuple[int, int, int, int],
                  dtype: str = "bf16", causal: bool = False, gqa: bool = False,
                  window: bool = False, segments: bool = False, softcap: bool = False,
-                 dropout: bool = False, alibi: bool = False) -> dict:
+                 dropout: bool = False, alibi: bool = False, split: bool = False) -> dict:
     """Compile one (kind, head dim, config) for sm_90: {'regs', 'spill', 'smem', 'warps',
     'setmaxnreg'}.
 
@@ -251,14 +252,34 @@ def compile_sm90(kind: str, head_dim: int, cfg: tuple[int, int, int, int],
     in ``_tma`` is that kernel with ``USE_TMA`` (tensor-descriptor loads), one ending in
     ``_ws`` the warp-specialized variant.
     """
+    if split and kind.removesuffix("_tma").removesuffix("_ovl") != "fwd":
+        raise ValueError(f"only the forward splits its keys, not {kind}")
     compiled = _compile(kind, head_dim, cfg, dtype, causal, gqa, window, segments, softcap,
-                        dropout, alibi)
+                        dropout, alibi, split)
     usage = _cuobjdump(compiled.asm["cubin"], "-res-usage")
     regs, stack = re.search(r"REG:(\d+)", usage), re.search(r"STACK:(\d+)", usage)
     sass = _cuobjdump(compiled.asm["cubin"], "-sass") if kind.endswith("_ws") else ""
     return {"regs": int(regs.group(1)), "spill": int(stack.group(1)) if stack else 0,
             "smem": compiled.metadata.shared, "warps": compiled.metadata.num_warps,
             "setmaxnreg": sass.count("SETMAXREG")}
+
+
+def compile_merge_sm90(head_dim: int, splits: int, dtype: str = "bf16") -> dict:
+    """Compile the split-KV merge kernel (``_triton_merge``) for sm_90: as ``compile_sm90``."""
+    from torchfn.kernels._triton_merge import _merge_splits as fn
+
+    consts = dict(HEAD_DIM=head_dim, BLOCK_D=max(16, 1 << (head_dim - 1).bit_length()),
+                  BLOCK_S=max(2, 1 << (splits - 1).bit_length()))
+    sig = {n: "constexpr" if n in consts else "*fp32" if n in ("O_PART", "LSE_PART", "LSE")
+           else f"*{dtype}" if n == "O" else "i32" for n in fn.arg_names}
+    src = ASTSource(fn=fn, signature=sig, constexprs={
+        (fn.arg_names.index(n),): v for n, v in consts.items()})
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                              options=dict(num_warps=4, num_stages=1))
+    usage = _cuobjdump(compiled.asm["cubin"], "-res-usage")
+    stack = re.search(r"STACK:(\d+)", usage)
+    return {"regs": int(re.search(r"REG:(\d+)", usage).group(1)),
+            "spill": int(stack.group(1)) if stack else 0, "smem": compiled.metadata.shared}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -286,6 +307,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="build the kernels with keyed attention dropout (not for the _ws kinds)")
     ap.add_argument("--alibi", action="store_true",
                     help="build the kernels with the ALiBi bias (not for the _ws kinds)")
+    ap.add_argument("--split", action="store_true",
+                    help="build the split-KV forward (only the fwd kinds but _ws)")
     ap.add_argument("--gqa", action="store_true",
                     help="build for a GQA group > 1 (a runtime integer, not the constant 1)")
     ap.add_argument("--dims", nargs="+", type=int, default=[64, 128])
@@ -323,7 +346,8 @@ def main(argv: list[str] | None = None) -> int:
                           + f" ovl={ovl}/{mufu}", flush=True)
                     continue
                 r = compile_sm90(name, d, cfg, args.dtype, args.causal, args.gqa, args.window,
-                                 args.segments, args.softcap, args.dropout, args.alibi)
+                                 args.segments, args.softcap, args.dropout, args.alibi,
+                                 args.split)
                 ws = name.endswith("_ws")
                 ok = r["spill"] == 0 and r["smem"] <= SMEM_LIMIT and (
                     not ws or (r["warps"] == 12 and r["setmaxnreg"] > 0))

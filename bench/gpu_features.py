@@ -9,6 +9,11 @@ Per case, forward and forward+backward, bf16, B=2, H=16, D=128, N=8192 (causal):
 * ``softcap``: causal with logit soft-capping at 30 (SDPA cannot: its peer is eager
   materialised attention, what one writes without a kernel; ~40 GB at this size);
 * ``causal``: plain causal, for scale;
+* ``decode``: first, forward only: one query per sequence against a long cache (B=8,
+  H=32 query heads over 8 kv heads, D=128, Nk 4k and 32k), where the split-KV forward
+  spreads the keys over the SMs. Peers: ``torchfn_nosplit`` (``TORCHFN_TRITON_SPLIT_KV=0``),
+  SDPA (GQA, its best backend) and flex; it reports GB/s of k and v read, the bound of a
+  decode step;
 * ``dropout``: causal with attention dropout 0.1, keyed (its peer is SDPA's ``dropout_p``,
   which draws another mask from torch's global RNG: timed, not compared; no flex, which
   has no dropout). Last, so the budget cuts it first.
@@ -93,6 +98,75 @@ def _eager_softcap(q, k, v, mask):
     return torch.softmax(s, -1).to(q.dtype) @ v
 
 
+DECODE = dict(B=8, H=32, Hkv=8, D=128, Nks=(4096, 32768))
+DECODE_DRY = dict(B=1, H=2, Hkv=1, D=16, Nks=(256,))
+
+
+def _split_env(split: str):
+    """torchfn's attention with ``TORCHFN_TRITON_SPLIT_KV=split`` for the call."""
+    from torchfn.kernels import attention
+
+    def fn(q, k, v):
+        os.environ["TORCHFN_TRITON_SPLIT_KV"] = split
+        try:
+            return attention(q, k, v, backend="triton")
+        finally:
+            os.environ.pop("TORCHFN_TRITON_SPLIT_KV")
+
+    return fn
+
+
+def run_decode(args, timer, flex, deadline) -> list[dict]:
+    """The decode rows: forward only, Nq = 1; ``torchfn`` with the split heuristic (forced
+    to 4 splits in a dry run, whose interpreter never splits by itself)."""
+    import torch
+    import torch.nn.functional as F
+
+    dry = args.dry_run
+    dev, dtype = ("cpu", torch.float32) if dry else ("cuda", torch.bfloat16)
+    c = DECODE_DRY if dry else DECODE
+    B, H, Hkv, D = c["B"], c["H"], c["Hkv"], c["D"]
+    rows = []
+    for Nk in c["Nks"]:
+        g = torch.Generator(device=dev).manual_seed(1)
+        q = torch.randn(B, H, 1, D, generator=g, device=dev, dtype=dtype)
+        k, v = (torch.randn(B, Hkv, Nk, D, generator=g, device=dev, dtype=dtype)
+                for _ in range(2))
+
+        providers = {"torchfn": _split_env("4" if dry else "auto"),
+                     "torchfn_nosplit": _split_env("0"),
+                     "sdpa": lambda q, k, v: F.scaled_dot_product_attention(q, k, v,
+                                                                            enable_gqa=True)}
+        if flex is not None:
+            providers["flex"] = lambda q, k, v: flex(q, k, v, enable_gqa=True)
+        ref = None
+        for prov, fn in providers.items():
+            row = {"case": f"decode-{Nk}", "provider": prov, "mode": "fwd", "B": B, "H": H,
+                   "N": Nk, "D": D, "pairs": B * H * Nk}
+            if time.time() > deadline:
+                rows.append(dict(row, error="budget"))
+                continue
+            try:
+                with torch.no_grad():
+                    out = fn(q, k, v).float()
+                    if prov == "sdpa":
+                        ref = out
+                    row["ms"] = timer(lambda fn=fn, q=q, k=k, v=v: fn(q, k, v))
+                row["out"] = out
+                row["tflops"] = round(4 * D * row["pairs"] / row["ms"] / 1e9, 1)
+                row["gbps"] = round(2 * k.numel() * k.element_size() / row["ms"] / 1e6, 1)
+                row["ms"] = round(row["ms"], 4)
+            except Exception as e:  # noqa: BLE001
+                row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+                traceback.print_exc()
+            rows.append(row)
+        for row in rows:
+            out = row.pop("out", None)
+            if out is not None and ref is not None and row["provider"] != "sdpa":
+                row["rel_diff"] = float((out - ref).norm() / ref.norm())
+    return rows
+
+
 def run(args) -> list[dict]:
     import torch
     import torch.nn.functional as F
@@ -117,7 +191,7 @@ def run(args) -> list[dict]:
     g = torch.Generator(device=dev).manual_seed(0)
     q, k, v, do = (torch.randn(B, H, N, D, generator=g, device=dev, dtype=dtype)
                    for _ in range(4))
-    rows = []
+    rows = run_decode(args, timer, flex, deadline)
     for name, (kw, dense, mask_mod) in _patterns(N, W, DOCS, dev).items():
         pairs = int(dense.sum()) * B * H
         if "dropout" in kw:
@@ -170,7 +244,8 @@ def run(args) -> list[dict]:
                 rows.append(row)
         for row in rows:  # torchfn's difference from the dense-mask (or causal) SDPA
             out = row.pop("out", None)
-            if out is not None and row["provider"] == "torchfn" and ref is not None:
+            if (out is not None and row["provider"] == "torchfn" and ref is not None
+                    and "rel_diff" not in row):
                 row["rel_diff"] = float((out.float() - ref).norm() / ref.norm())
     return rows
 
@@ -178,19 +253,19 @@ def run(args) -> list[dict]:
 def markdown(rows: list[dict], env: dict) -> str:
     lines = [f"GPU: {env.get('gpu')}; torch {env.get('torch')}; triton {env.get('triton')}", "",
              "| case | mode | provider | ms | TFLOP/s (attended pairs) | torchfn / best other "
-             "| rel diff |", "|---|---|---|---|---|---|---|"]
+             "| rel diff | GB/s (k, v) |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "ms" not in r:
             lines.append(f"| {r['case']} | {r['mode']} | {r['provider']} | "
-                         f"{r.get('error', '')} | | | |")
+                         f"{r.get('error', '')} | | | | |")
             continue
         others = [o["ms"] for o in rows if o["case"] == r["case"] and o["mode"] == r["mode"]
-                  and o["provider"] != "torchfn" and "ms" in o]
+                  and not o["provider"].startswith("torchfn") and "ms" in o]
         ratio = (f"{r['ms'] / min(others):.2f}x" if r["provider"] == "torchfn" and others
                  else "")
         diff = f"{r['rel_diff']:.1e}" if "rel_diff" in r else ""
         lines.append(f"| {r['case']} | {r['mode']} | {r['provider']} | {r['ms']} | "
-                     f"{r['tflops']} | {ratio} | {diff} |")
+                     f"{r['tflops']} | {ratio} | {diff} | {r.get('gbps', '')} |")
     return "\n".join(lines) + "\n"
 
 

@@ -142,6 +142,9 @@ out.update({kind + "+dropout": a.compile_sm90(kind, 128, cfg, causal=True, dropo
 out.update({kind + "+alibi": a.compile_sm90(kind, 128, cfg, causal=True, alibi=True)
             for kind, cfg in (("fwd_tma", (128, 128, 8, 3)), ("jvp", (64, 32, 4, 2)),
                               ("dkdv_tma", (32, 128, 8, 3)), ("dq", (128, 64, 8, 3)))})
+out.update({kind + "+split": a.compile_sm90(kind, 128, cfg, causal=True, split=True)
+            for kind, cfg in (("fwd_tma", (128, 128, 8, 3)), ("fwd", (128, 64, 8, 3)))})
+out["merge"] = a.compile_merge_sm90(128, 5)
 print(json.dumps(out))
 """
 
@@ -150,7 +153,8 @@ def test_window_segment_softcap_dropout_and_alibi_kernels_compile_on_sm90_withou
     # the band kernels (WINDOW) at each kernel's first D=128 table config, and with segment
     # ids at a config that fits (their labels cost registers: the tuner skips none, but
     # jvp's first config spills 16 B and dK/dV's first TMA config 32 B); dropout (its
-    # Philox hash costs registers too) at a config per kernel that fits; ALiBi at the first
+    # Philox hash costs registers too) at a config per kernel that fits; ALiBi at the first;
+    # the split-KV forward at its first tables' configs, and its merge kernel
     got = _probe(_WINDOW_PROBE)
     for kind, r in got.items():
         assert r["spill"] == 0 and r["smem"] <= 227 * 1024, (kind, r)

@@ -84,7 +84,7 @@ def _everything(fn, q, k, v, do, dlse, tangents):
 def _check(backend, case, dtype, tol, rel_err, blocks=None):
     """``blocks``: None (the defaults) or small block shapes, so the options also meet
     at block edges: torch, the query rows per block and whether SDPA may serve; Triton,
-    the interpreter's (BLOCK_M, BLOCK_N) of each kernel."""
+    the interpreter's (BLOCK_M, BLOCK_N) of each kernel and the forward's key splits."""
     (B, H, Hkv, Nq, Nk, D, seed), kw = case
     with pytest.MonkeyPatch.context() as mp:
         if backend == "torch" and blocks is not None:
@@ -94,7 +94,9 @@ def _check(backend, case, dtype, tol, rel_err, blocks=None):
         elif blocks is not None:
             from torchfn.kernels import _triton_ops
 
+            blocks, splits = blocks
             mp.setattr(_triton_ops, "_INTERP_CONFIGS", blocks)
+            mp.setenv("TORCHFN_TRITON_SPLIT_KV", str(splits))
         _compare(backend, (B, H, Hkv, Nq, Nk, D, seed), kw, dtype, tol, rel_err)
 
 
@@ -178,9 +180,12 @@ SMALL_BLOCKS = [
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton or _triton_ops is missing")
 @settings(max_examples=25, **SETTINGS)
-@given(case=cases(max_n=56), blocks=st.sampled_from(SMALL_BLOCKS))
-def test_triton_in_small_blocks_matches_float64_reference(case, blocks, rel_err):
-    _check("triton", case, torch.float32, 1e-5, rel_err, blocks=blocks)
+@given(case=cases(max_n=56), blocks=st.sampled_from(SMALL_BLOCKS),
+       splits=st.sampled_from([0, 2, 3]))
+def test_triton_in_small_blocks_matches_float64_reference(case, blocks, splits, rel_err):
+    """Also with the forward's keys split in 2 or 3 runs (split-KV): every option must
+    survive a run boundary, and a run that sees no key of a row."""
+    _check("triton", case, torch.float32, 1e-5, rel_err, blocks=(blocks, splits))
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton or _triton_ops is missing")

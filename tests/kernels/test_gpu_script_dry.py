@@ -67,7 +67,7 @@ def test_sweep_dry_run_times_every_kernel(tmp_path):
 
 
 def test_features_dry_run_times_every_case(tmp_path):
-    # bench/gpu_features.py (window / packed documents vs SDPA with a dense mask): a few
+    # bench/gpu_features.py (decode, window / packed documents vs SDPA with a dense mask): a few
     # seconds in the interpreter, so in the default run
     out = tmp_path / "features.json"
     env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "src"), TRITON_INTERPRET="1")
@@ -83,8 +83,9 @@ def test_features_dry_run_times_every_case(tmp_path):
                                    ("dropout", "torchfn"), ("dropout", "sdpa_dropout"),
                                    ("causal", "torchfn"), ("causal", "sdpa")]
             for m in ("fwd", "fwd_bwd")}
+    want |= {("decode-256", p, "fwd") for p in ("torchfn", "torchfn_nosplit", "sdpa")}
     assert timed == want
-    # torchfn gives its peer's output (fp32 in the dry run)
+    # torchfn gives its peer's output (fp32 in the dry run), split (4 runs) or not
     assert all(r["rel_diff"] < 1e-5 for r in rows if "rel_diff" in r)
-    assert len([r for r in rows if "rel_diff" in r]) == 4
-    assert (tmp_path / "features.md").read_text().count("| torchfn |") == 10
+    assert len([r for r in rows if "rel_diff" in r]) == 6
+    assert (tmp_path / "features.md").read_text().count("| torchfn |") == 11

@@ -5,7 +5,8 @@ import importlib
 
 import pytest
 
-MODULES = ["torchfn.kernels._dispatch", "torchfn.kernels._dropout", "torchfn.kernels._reference"]
+MODULES = ["torchfn.kernels._dispatch", "torchfn.kernels._dropout", "torchfn.kernels._reference",
+           "torchfn.kernels._split_kv"]
 
 
 @pytest.mark.parametrize("name", MODULES)

@@ -167,3 +167,14 @@ def test_default_directory_follows_xdg_cache_home(monkeypatch, tmp_path):
     assert _tune_cache.cache_dir() == tmp_path / "torchfn" / "tuning"
     monkeypatch.delenv("XDG_CACHE_HOME")
     assert _tune_cache.cache_dir() == _tune_cache.Path("~/.cache/torchfn/tuning").expanduser()
+
+
+def test_every_kernel_source_keys_the_cache():
+    """An edit to any Triton kernel file (or the split rule) starts a new cache file."""
+    import pathlib
+
+    from torchfn.kernels import _tune_cache
+
+    here = pathlib.Path(_tune_cache.__file__).parent
+    kernels = {p.name for p in here.glob("_triton_*.py")} | {"_split_kv.py"}
+    assert kernels <= set(_tune_cache._SOURCES), kernels - set(_tune_cache._SOURCES)

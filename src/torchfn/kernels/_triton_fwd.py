@@ -60,6 +60,13 @@ diagonal, ``-slope * |i + Nk - Nq - j|``, is added to every tile's log2-unit sco
 the user mask (``_alibi``), in every stage; no scale fold, pipelining or warp
 specialization with it.
 
+``SPLIT`` (split-KV, FlashDecoding; the launcher picks it when there are too few query
+blocks to fill the GPU, e.g. decoding with Nq = 1): a third grid axis splits the keys
+into runs of ``split_len`` (a multiple of BLOCK_N); each program covers only its run's
+share of both stages and writes its partial ``o`` (float32, normalised by its own row
+sum) and ``lse`` to (B, H, S, Nq, *) buffers, which the host merges by lse
+(``_triton_ops._merge_splits``). An empty share writes o = 0, lse = -inf.
+
 Import this module only through ``_triton_ops`` (Triton is optional; under
 ``TRITON_INTERPRET=1`` the kernels run on CPU).
 """
@@ -486,8 +493,10 @@ def _attn_fwd(
     cap2=1.0, SOFTCAP: tl.constexpr = False,
     SEED=None, drop_thresh=0, drop_scale=1.0, DROPOUT: tl.constexpr = False,
     SLOPES=None, ALIBI: tl.constexpr = False,
+    split_len=0, sos=0, SPLIT: tl.constexpr = False,
 ):
     tl.static_assert(not (SOFTCAP and (FOLD_SCALE or WARP_SPEC)), "softcap: no scale fold")
+    tl.static_assert(not (SPLIT and WARP_SPEC), "split keys: no warp specialization")
     tl.static_assert(not (ALIBI and (FOLD_SCALE or WARP_SPEC)), "ALiBi: no scale fold")
     tl.static_assert(not (DROPOUT and WARP_SPEC), "dropout: no warp specialization")
     if IS_CAUSAL:  # the longest query blocks (last rows) first: better tail balance
@@ -523,6 +532,13 @@ def _attn_fwd(
                          BLOCK_N, IS_CAUSAL, WINDOW, SEGMENTS)
     seed0, seed1 = _head_seed(SEED, off_bh, DROPOUT)
     slope2 = _head_slope(SLOPES, off_bh, ALIBI)
+    lo1, hi1 = 0, lo  # the unmasked stage's keys; the masked stage's are [lo, hi)
+    if SPLIT:  # this program's share of the keys only: [k0, k0 + split_len)
+        k0 = tl.program_id(2) * split_len
+        lo1 = tl.minimum(k0, lo)
+        hi1 = tl.minimum(k0 + split_len, lo)
+        lo = tl.maximum(lo, k0)
+        hi = tl.minimum(hi, k0 + split_len)
     if WARP_SPEC:  # the launcher sets it only with FOLD_SCALE, no user mask and no window
         tl.static_assert(FOLD_SCALE and MASK_KIND == 0, "WARP_SPEC: scale > 0, no mask")
         acc, l_i, m_i = _fwd_inner_ws(acc, l_i, m_i, q,
@@ -533,14 +549,14 @@ def _attn_fwd(
     elif WINDOW:
         pass  # nothing unmasked: the band's blocks come below
     elif PIPELINE and FOLD_SCALE and MASK_KIND == 0 and not DROPOUT:  # else the plain loop
-        if lo > 0:
+        if hi1 > lo1:
             acc, l_i, m_i = _fwd_inner_pipe(acc, l_i, m_i, q, k_base, v_base, desc_k, desc_v,
-                                            off_b, off_hk, offs_d, 0, lo, skn, svn, Nk,
+                                            off_b, off_hk, offs_d, lo1, hi1, skn, svn, Nk,
                                             qk_scale, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PREC,
                                             UPCAST, USE_TMA)
     else:
-        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, m_base, offs_m, offs_d, 0,
-                                   lo, skn, svn, smm, smn, Nq, Nk, qk_scale, desc_k, desc_v,
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, m_base, offs_m, offs_d,
+                                   lo1, hi1, skn, svn, smm, smn, Nq, Nk, qk_scale, desc_k, desc_v,
                                    off_b, off_hk, BLOCK_N, HEAD_DIM, BLOCK_D, False, IS_CAUSAL,
                                    MASK_KIND, DOT_PREC, UPCAST, USE_TMA, FOLD_SCALE,
                                    cap2=cap2, SOFTCAP=SOFTCAP, seed0=seed0, seed1=seed1,
@@ -563,5 +579,9 @@ def _attn_fwd(
         acc = acc / l_safe[:, None]
     lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
     o_base = O + off_b * sob + off_h * soh
+    lse_row = off_bh.to(tl.int64)
+    if SPLIT:  # partial results (B, H, S, Nq, *), merged by lse on the host
+        o_base += tl.program_id(2).to(tl.int64) * sos
+        lse_row = lse_row * tl.num_programs(2) + tl.program_id(2)
     _store_rows(o_base, acc.to(O.dtype.element_ty), offs_m, offs_d, som, Nq, HEAD_DIM, BLOCK_D)
-    tl.store(LSE + off_bh.to(tl.int64) * Nq + offs_m, lse, mask=offs_m < Nq)
+    tl.store(LSE + lse_row * Nq + offs_m, lse, mask=offs_m < Nq)

@@ -30,7 +30,12 @@ forward's ``PIPELINE``, dK/dV's ``EARLY_DP``) are tried last, not yet timed
 (``TORCHFN_TRITON_OVERLAP=0`` leaves them out), and after them, opt-in with
 ``TORCHFN_TRITON_WS=1``, the warp-specialized ones (``WARP_SPEC``: forward, dK/dV, dQ;
 see their modules). The tuner skips any candidate whose results differ from the first
-config's by more than rounding. fp32 dots never use plain TF32: 3xTF32 ("tf32x3") on
+config's by more than rounding. A forward with too few query blocks to fill the GPU
+(decoding) may split its keys (``SPLIT``, ``_split_kv``: FlashAttention-2's wave rule
+proposes a split count, the tuner times split against unsplit once per shape class and
+keeps the faster; ``TORCHFN_TRITON_SPLIT_KV``: "auto", "0" never, N forces N splits, the
+only way the interpreter splits); one launch of ``_triton_merge`` then merges the
+pieces by lse. fp32 dots never use plain TF32: 3xTF32 ("tf32x3") on
 the GPU, overridable with ``TORCHFN_TRITON_FP32_PRECISION=ieee``; exact in the
 interpreter.
 
@@ -54,7 +59,15 @@ import torch
 import triton
 import triton.language as tl
 
-from torchfn.kernels import _dropout, _triton_bwd, _triton_fwd, _triton_jvp, _tune_cache
+from torchfn.kernels import (
+    _dropout,
+    _split_kv,
+    _triton_bwd,
+    _triton_fwd,
+    _triton_jvp,
+    _triton_merge,
+    _tune_cache,
+)
 from torchfn.kernels._triton_configs import (
     _INTERP_CONFIGS,
     _OVERLAP,
@@ -74,7 +87,9 @@ __all__ = ["fwd", "bwd", "jvp", "tuned_configs", "is_interpreted"]
 
 
 _PRE_BLOCK_M = 64  # preprocess kernel (delta, lse2)
+_MAX_BLOCK_N = 128  # the widest key block of the GPU config tables (split-KV runs align)
 _TUNED: dict[tuple, Config] = {}
+_SPLIT_PICKS: dict[tuple, bool] = {}  # forward shape class -> split-KV timed faster
 
 
 def tuned_configs() -> dict[tuple, Config]:
@@ -499,23 +514,105 @@ def fwd(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool, scal
                                                           slopes)
     if B * H * Nq == 0 or Nk == 0:
         return _empty_fwd(q)
-    o = torch.empty((B, H, Nq, D), dtype=_buf_dtype(q.dtype), device=q.device)
-    lse = torch.empty((B, H, Nq), dtype=torch.float32, device=q.device)
-    args = (q, k, v, mptr, o, lse,
-            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-            v.stride(0), v.stride(1), v.stride(2), *ms, o.stride(0), o.stride(1), o.stride(2),
-            H, H // Hkv, Nq, Nk, float(scale) * 1.4426950408889634)
     # scale > 0 and no additive mask: the kernel takes the row max of the raw scores
     consts = dict(consts, FOLD_SCALE=float(scale) > 0 and consts["MASK_KIND"] != 2
                   and softcap <= 0 and slopes is None, **_seg_ranges(consts))
-    grid = lambda bm, bn: (triton.cdiv(Nq, bm), B * H)
     tma = _tma_descriptors({"desc_q": q, "desc_k": k, "desc_v": v},
                            {"desc_q": "m", "desc_k": "n", "desc_v": "n"}, consts["BLOCK_D"])
-    ws = _ws_variant([q, k, v], consts, ok=consts["FOLD_SCALE"],
-                     ragged=lambda bm, bn: Nk % bn != 0)
-    _launch("fwd", _triton_fwd._attn_fwd, grid, args, consts, (*key, tma is not None), config,
-            tma=tma, ws=ws, outputs=(o, lse))
-    return o.to(q.dtype), lse
+
+    def launch(splits: int, split_n: int) -> tuple[Tensor, Tensor]:
+        if splits > 1:  # partial results per key split, merged after
+            o = torch.empty((B, H, splits, Nq, D), dtype=torch.float32, device=q.device)
+            lse = torch.empty((B, H, splits, Nq), dtype=torch.float32, device=q.device)
+            kw = dict(consts, SPLIT=True, split_len=split_n, sos=o.stride(2))
+        else:
+            o = torch.empty((B, H, Nq, D), dtype=_buf_dtype(q.dtype), device=q.device)
+            lse = torch.empty((B, H, Nq), dtype=torch.float32, device=q.device)
+            kw = consts
+        args = (q, k, v, mptr, o, lse,
+                q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+                v.stride(0), v.stride(1), v.stride(2), *ms,
+                o.stride(0), o.stride(1), o.stride(-2),
+                H, H // Hkv, Nq, Nk, float(scale) * 1.4426950408889634)
+        grid = lambda bm, bn: (triton.cdiv(Nq, bm), B * H, splits)
+        ws = _ws_variant([q, k, v], kw, ok=kw["FOLD_SCALE"] and splits == 1,
+                         ragged=lambda bm, bn: Nk % bn != 0)
+        _launch("fwd", _triton_fwd._attn_fwd, grid, args, kw,
+                (*key, tma is not None, splits), config, tma=tma, ws=ws, outputs=(o, lse))
+        if splits > 1:
+            return _merge(o, lse, q.dtype)
+        return o.to(q.dtype), lse
+
+    splits, split_n = _splits(B * H, Nq, Nk, q.device, config)
+    if splits > 1 and not _split_wins((*key, tma is not None, splits), q.device, config,
+                                      lambda: launch(splits, split_n), lambda: launch(1, Nk)):
+        splits, split_n = 1, Nk
+    return launch(splits, split_n)
+
+
+def _split_wins(key: tuple, device: torch.device, config: tuple[int, ...] | None,
+                split: Callable[[], tuple[Tensor, Tensor]],
+                whole: Callable[[], tuple[Tensor, Tensor]]) -> bool:
+    """Whether the split-KV forward runs for this shape class: once per process on a GPU
+    with the tuner on, the two forwards are timed (each after its own config tuning) and
+    the faster kept, as for any untimed variant; the split one must first give the same
+    o and lse to rounding. Without the tuner (or a forced split count, or an explicit
+    config), the heuristic's split stands."""
+    if (not _autotune_enabled() or device.type != "cuda" or config is not None
+            or _split_kv.mode() != "auto"):
+        return True
+    if key not in _SPLIT_PICKS:
+        from triton.testing import do_bench
+
+        ref, got = whole(), split()  # compiles and tunes both
+        tol = 1e-4 if ref[0].dtype == torch.float32 else 2e-2
+        err = max(_rel_err(got[0], ref[0]), _rel_err(got[1], ref[1]))
+        if err > tol:
+            warnings.warn(f"torchfn: the split-KV Triton forward gave results {err:.1e} off "
+                          "the unsplit one's (relative); not used", RuntimeWarning,
+                          stacklevel=3)
+            _SPLIT_PICKS[key] = False
+        else:
+            t_split, t_whole = (do_bench(fn, warmup=10, rep=25, return_mode="median")
+                                for fn in (split, whole))
+            _SPLIT_PICKS[key] = t_split < t_whole
+    return _SPLIT_PICKS[key]
+
+
+def _merge(o_part: Tensor, lse_part: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """The split forward's (B, H, S, Nq, D) / (B, H, S, Nq) partial results -> (o, lse),
+    in one launch (``_triton_merge``; ``_split_kv.merge`` is the same in torch ops)."""
+    B, H, S, Nq, D = o_part.shape
+    o = torch.empty((B, H, Nq, D), dtype=_buf_dtype(dtype), device=o_part.device)
+    lse = torch.empty((B, H, Nq), dtype=torch.float32, device=o_part.device)
+    _triton_merge._merge_splits[(B * H * Nq,)](
+        o_part, lse_part, o, lse, S, Nq, H, o.stride(0), o.stride(1), o.stride(2),
+        HEAD_DIM=D, BLOCK_D=_block_d(D), BLOCK_S=max(2, triton.next_power_of_2(S)))
+    return o.to(dtype), lse
+
+
+def _splits(programs: int, Nq: int, Nk: int, device: torch.device,
+            config: tuple[int, ...] | None) -> tuple[int, int]:
+    """(key splits, keys per split) of a forward (``_split_kv``); (1, Nk): no split.
+
+    ``programs`` = batch x heads; the query blocks are counted at the forward's widest
+    tile (64 rows; all of Nq when it is one block anyway). The keys per split are a
+    multiple of every BLOCK_N the launch may use (the explicit config's, the
+    interpreter's, or the widest of the GPU tables).
+    """
+    mode = _split_kv.mode()
+    align = (config[1] if config is not None
+             else _INTERP_CONFIGS["fwd"][1] if is_interpreted() else _MAX_BLOCK_N)
+    if mode == "auto":
+        if is_interpreted() or device.type != "cuda":
+            return 1, Nk
+        n_sms = torch.cuda.get_device_properties(device).multi_processor_count
+        mode = _split_kv.num_splits(programs * triton.cdiv(Nq, 64), n_sms,
+                                    triton.cdiv(Nk, align))
+    if mode <= 1:
+        return 1, Nk
+    split_n, splits = _split_kv.split_len(Nk, mode, align)
+    return (splits, split_n) if splits > 1 else (1, Nk)
 
 
 def bwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Tensor,
