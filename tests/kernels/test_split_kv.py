@@ -217,3 +217,18 @@ def test_the_tuner_keeps_the_split_only_where_it_is_faster_and_right(t_split, t_
     # a forced count, an explicit config or the tuner off: the heuristic's split stands
     monkeypatch.setenv("TORCHFN_TRITON_AUTOTUNE", "0")
     assert _triton_ops._split_wins(("other",), cuda, None, split, whole) is True
+
+
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=needs_triton)])
+def test_ragged_cache_as_segment_ids_is_the_key_padding_mask(backend, monkeypatch, rel_err):
+    """The README's recipe for a KV cache of per-sequence lengths: ids 0 for the queries
+    and the valid keys, 1 for the padding, give the key padding mask's result (and let
+    the kernels skip the padding blocks); with the keys split in 3 on Triton."""
+    monkeypatch.setenv("TORCHFN_TRITON_SPLIT_KV", "3")
+    q, k, v = _decode_case(B=3, H=4, Hkv=2, Nq=1, Nk=300, seed=5)
+    lens = torch.tensor([300, 17, 160])
+    pad = torch.arange(300) >= lens[:, None]  # (B, Nk) True = padding
+    ids = (torch.zeros(3, 1, dtype=torch.long), pad.long())
+    got = attention(q, k, v, segment_ids=ids, backend=backend, return_lse=True)
+    want = attention(q, k, v, key_padding_mask=~pad, backend=backend, return_lse=True)
+    assert rel_err(got[0], want[0]) <= 1e-6 and rel_err(got[1], want[1]) <= 1e-6

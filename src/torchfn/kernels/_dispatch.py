@@ -360,7 +360,10 @@ def attention(
             broadcastable to (B, H, Nq, Nk) by the usual right-aligned rules, so a
             2-D mask is (Nq, Nk). Never materialised. A constant: it must not require
             grad, and its ``jvp`` tangent is ignored.
-        key_padding_mask: (B, Nk) bool, True = a real key; combined with ``mask``.
+        key_padding_mask: (B, Nk) bool, True = a real key; combined with ``mask``. For
+            a KV cache padded after each sequence's length (decoding, Nq = 1), pass
+            ``segment_ids=(zeros(B, Nq), (arange(Nk) >= lens[:, None]).long())``
+            instead: the same result, and the kernels skip the padding's key blocks.
         causal: query ``i`` attends key ``j`` iff ``j <= i + Nk - Nq``: aligned
             bottom-right as FlashAttention-2 (the queries are the *last* Nq
             positions). SDPA's ``is_causal`` aligns top-left; they agree iff Nq == Nk.
