@@ -288,9 +288,17 @@ def test_sdpa_kernels_serve_the_torch_backend_where_they_apply(data, monkeypatch
     q, k, v = data(16).qkv(1, 4, 2, 6, 6, 8)
     attention(q, k, v, causal=True, mask=data(17).bools(6, 6))
     assert calls == [1]
-    attention(q[:, :, :5], k, v, causal=True)  # bottom-right causal, Nq != Nk: blockwise
-    attention(q.half(), k.half(), v.half(), mask=torch.zeros(6, 6))  # fp32 bias: blockwise
-    assert calls == [1]
+    # bottom-right causal with Nq != Nk, ALiBi: the blockwise path, each (here one) query
+    # block through SDPA with its bias
+    attention(q[:, :, :5], k, v, causal=True)
+    attention(q, k, v, mask=data(17).bools(6, 6), alibi_slopes=torch.ones(4, dtype=q.dtype))
+    assert calls == [1, 1, 1]
+    # what SDPA cannot take, or a window / segments: the plain blockwise path
+    attention(q.half(), k.half(), v.half(), mask=torch.zeros(6, 6))  # fp32 bias on fp16
+    attention(q, k, v, softcap=5.0)
+    attention(q, k, v, dropout=0.5, key=torch.zeros(2, dtype=torch.int32))
+    attention(q, k, v, window=2)
+    assert calls == [1, 1, 1]
 
 
 def test_default_backend_on_cpu_is_torch(data, monkeypatch):

@@ -10,6 +10,11 @@ becomes an additive one, GQA repeats k / v, and the lse of a fully masked row is
 set to -inf. Everything else (CUDA without Triton, causal with Nq != Nk, an fp32
 mask on fp16 / bf16 inputs, and every ``jvp``) runs the blockwise path below.
 
+For fp32 / fp64 inputs the blockwise path still runs SDPA's fused kernels, one query
+block at a time, where its extras fit in an additive mask and the blocks are wide
+(ALiBi, causal with Nq != Nk: ``_sdpa_blocks``): each block's bias (mask, causal band,
+ALiBi) is made for that block alone, over the key range the block sees.
+
 Blockwise path: the queries are processed in row blocks; each block materialises
 its scores against every key its band reaches (causal, sliding window), so the
 softmax of a block is exact and memory is bounded by ``_SCORE_BUDGET`` scores per
@@ -63,7 +68,7 @@ class _Layout:
         self.B, self.H, self.Nq, self.D = q.shape
         self.Hkv, self.Nk = k.shape[1], k.shape[2]
         self.G = self.H // self.Hkv
-        self.acc = _acc_dtype(q.dtype)
+        self.acc, self.device = _acc_dtype(q.dtype), q.device
         self.offset = self.Nk - self.Nq  # bottom-right causal: key j <= i + offset
         self.left, self.right = window
         if causal:
@@ -125,7 +130,12 @@ class _Layout:
             if want_dcap:
                 dcap = 1 - t.square()
             s = t.mul_(self.softcap)
-        s5 = s.view(self.B, self.Hkv, self.G, i1 - i0, k1 - k0)
+        self.mask_(s.view(self.B, self.Hkv, self.G, i1 - i0, k1 - k0), i0, i1, k0, k1)
+        return (s, dcap) if want_dcap else s
+
+    def mask_(self, s5: Tensor, i0: int, i1: int, k0: int, k1: int) -> None:
+        """Add the mask, ALiBi, band and segments of rows [i0, i1) and keys [k0, k1) to
+        ``s5`` (B, Hkv, G, n, k1 - k0) in place (-inf where a key is not seen)."""
         if self.mask is not None:
             m = self.mask
             m = m[..., i0:i1, :] if m.size(3) > 1 else m
@@ -134,25 +144,34 @@ class _Layout:
                 s5.masked_fill_(m, float("-inf"))
             else:
                 s5.add_(m)
+        dev = s5.device
         if self.neg_slopes is not None:  # ALiBi: - slope * |i + offset - j|, in one pass
-            rows = torch.arange(i0, i1, device=s.device)[:, None] + self.offset
-            dist = (rows - torch.arange(k0, k1, device=s.device)).abs().to(s.dtype)
+            rows = torch.arange(i0, i1, device=dev)[:, None] + self.offset
+            dist = (rows - torch.arange(k0, k1, device=dev)).abs().to(s5.dtype)
             s5.addcmul_(self.neg_slopes, dist)
-        pos = torch.arange(i0, i1, device=s.device)[:, None] + self.offset  # (n, 1)
+        pos = torch.arange(i0, i1, device=dev)[:, None] + self.offset  # (n, 1)
         # keys in [kb, k1) may be right of some row's band, keys in [k0, ka) left of it
         kb = max(k0, i0 + self.offset + self.right + 1)
         if self.right >= 0 and kb < k1:
-            blocked = torch.arange(kb, k1, device=s.device) > pos + self.right
+            blocked = torch.arange(kb, k1, device=dev) > pos + self.right
             s5[..., kb - k0:].masked_fill_(blocked, float("-inf"))
         ka = min(k1, i1 - 1 + self.offset - self.left)
         if self.left >= 0 and k0 < ka:
-            blocked = torch.arange(k0, ka, device=s.device) < pos - self.left
+            blocked = torch.arange(k0, ka, device=dev) < pos - self.left
             s5[..., :ka - k0].masked_fill_(blocked, float("-inf"))
         if self.segments is not None:
             q_ids, kv_ids = self.segments
             other = q_ids[:, i0:i1, None] != kv_ids[:, None, k0:k1]  # (B, n, k1 - k0)
             s5.masked_fill_(other[:, None, None], float("-inf"))
-        return (s, dcap) if want_dcap else s
+
+    def bias(self, i0: int, i1: int, k0: int, k1: int) -> Tensor:
+        """(B, H, n, k1 - k0) additive bias of rows [i0, i1) and keys [k0, k1): everything
+        ``mask_`` adds, as SDPA's ``attn_mask`` (in the accumulation dtype)."""
+        n = i1 - i0
+        b = torch.zeros(self.B, self.Hkv, self.G, n, k1 - k0, dtype=self.acc,
+                        device=self.device)
+        self.mask_(b, i0, i1, k0, k1)
+        return b.view(self.B, self.H, n, k1 - k0)
 
     def dropout(self, i0: int, i1: int, k0: int, k1: int) -> Tensor | None:
         """(B, Hkv, G * n, k1 - k0): the keyed dropout factor of rows [i0, i1) and keys
@@ -213,6 +232,69 @@ def _sdpa_args(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: boo
     return k, v, mask
 
 
+def _sdpa_blocks(q: Tensor, mask: Tensor | None, window: tuple[int, int], segments,
+                 softcap: float, seeds, dlse=None) -> bool:
+    """Whether the blockwise path runs each query block through SDPA's fused CPU kernels,
+    with the block's mask, causal band and ALiBi as one additive bias (its key range
+    still cut to what the block sees): for ALiBi and bottom-right causal with Nq != Nk.
+    Not for softcap, keyed dropout or a cotangent for lse (SDPA has none of them), nor
+    fp16 / bf16, whose bias would have to be rounded to the inputs' dtype. Not for a
+    window or segments either: their blocks are narrow, and on 2 cores the plain
+    blockwise path was as fast (window) or 1.16x faster (packed documents)."""
+    return (_USE_SDPA and _SDPA_BWD is not None and q.device.type == "cpu"
+            and q.dtype in (torch.float32, torch.float64) and softcap <= 0
+            and seeds is None and dlse is None and max(window) < 0 and segments is None
+            and (mask is None or mask.dtype in (torch.bool, q.dtype, torch.float32)))
+
+
+def _sdpa_layout(L: _Layout) -> _Layout:
+    """Query blocks for the fused kernels: a bias of at most ``_SCORE_BUDGET`` elements
+    per block (on 2 cores 256-row blocks ran 1.4x faster than 512-row ones at N=2048)."""
+    L.rows = min(L.rows, max(16, _SCORE_BUDGET // max(1, L.B * L.H * L.Nk)))
+    return L
+
+
+def _repeat_kv(x: Tensor, groups: int) -> Tensor:
+    return x if groups == 1 else x.repeat_interleave(groups, 1)
+
+
+def _fwd_sdpa_blocks(L: _Layout, q: Tensor, k: Tensor, v: Tensor, scale: float):
+    """``fwd`` through SDPA's fused kernel, one query block at a time (``_sdpa_blocks``)."""
+    o = torch.zeros_like(q, memory_format=torch.contiguous_format)
+    lse = torch.full((L.B, L.H, L.Nq), float("-inf"), dtype=L.acc, device=q.device)
+    for i0, i1, k0, k1 in L.blocks():
+        if k1 <= k0:  # every row of the block is fully masked
+            continue
+        bias = L.bias(i0, i1, k0, k1)  # (B, H, n, k1 - k0)
+        ob, lb = _SDPA_FWD(q[:, :, i0:i1], _repeat_kv(k[:, :, k0:k1], L.G),
+                           _repeat_kv(v[:, :, k0:k1], L.G), 0.0, False, attn_mask=bias,
+                           scale=scale)
+        dead = bias.isneginf().all(-1)  # (B, H, n): rows that see no key
+        o[:, :, i0:i1] = ob.masked_fill_(dead[..., None], 0.0)
+        lse[:, :, i0:i1] = lb.masked_fill_(dead, float("-inf"))
+    return o, lse
+
+
+def _bwd_sdpa_blocks(L: _Layout, q, k, v, o, lse, do, scale: float):
+    """``bwd`` through SDPA's fused backward, one query block at a time."""
+    dq = torch.zeros_like(q, memory_format=torch.contiguous_format)
+    dk = torch.zeros(L.B, L.Hkv, L.Nk, L.D, dtype=k.dtype, device=k.device)
+    dv = torch.zeros_like(dk)
+    lse = lse.masked_fill(lse == float("-inf"), 0.0)  # SDPA's convention; P is 0 there
+    for i0, i1, k0, k1 in L.blocks():
+        if k1 <= k0:
+            continue
+        bias = L.bias(i0, i1, k0, k1)
+        dqb, dkb, dvb = _SDPA_BWD(do[:, :, i0:i1], q[:, :, i0:i1],
+                                  _repeat_kv(k[:, :, k0:k1], L.G), _repeat_kv(v[:, :, k0:k1], L.G),
+                                  o[:, :, i0:i1], lse[:, :, i0:i1], 0.0, False,
+                                  attn_mask=bias, scale=scale)
+        dq[:, :, i0:i1] = dqb
+        dk[:, :, k0:k1] += _sum_groups(dkb, L.Hkv)
+        dv[:, :, k0:k1] += _sum_groups(dvb, L.Hkv)
+    return dq, dk, dv
+
+
 def _sum_groups(x: Tensor, hkv: int) -> Tensor:
     """(B, H, Nk, D) -> (B, Hkv, Nk, D), summing the query heads of each kv head."""
     if x.shape[1] == hkv:
@@ -233,6 +315,8 @@ def fwd(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool, scal
             lse = lse.masked_fill(lse.eq(0) & o.eq(0).all(-1), float("-inf"))
         return o.contiguous(), lse.contiguous()
     L = _Layout(q, k, mask, causal, scale, window, segments, softcap, dropout, seeds, slopes)
+    if _sdpa_blocks(q, mask, window, segments, softcap, seeds):
+        return _fwd_sdpa_blocks(_sdpa_layout(L), q, k, v, scale)
     kf, vf = k.to(L.acc), v.to(L.acc)
     o = lse = None
     for i0, i1, k0, k1 in L.blocks():
@@ -287,6 +371,8 @@ def bwd(
         hkv = k.shape[1]
         return dq.contiguous(), _sum_groups(dk, hkv).contiguous(), _sum_groups(dv, hkv).contiguous()
     L = _Layout(q, k, mask, causal, scale, window, segments, softcap, dropout, seeds, slopes)
+    if _sdpa_blocks(q, mask, window, segments, softcap, seeds, dlse):
+        return _bwd_sdpa_blocks(_sdpa_layout(L), q, k, v, o, lse, do, scale)
     kf, vf = k.to(L.acc), v.to(L.acc)
     # delta = rowsum(dO * O) = rowsum(P * dP). From a fp16 / bf16 O it carries O's rounding,
     # which dP - delta can magnify many times (small D); a block holds every key its rows
