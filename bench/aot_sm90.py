@@ -252,8 +252,8 @@ def compile_sm90(kind: str, head_dim: int, cfg: tuple[int, int, int, int],
     in ``_tma`` is that kernel with ``USE_TMA`` (tensor-descriptor loads), one ending in
     ``_ws`` the warp-specialized variant.
     """
-    if split and kind.removesuffix("_tma").removesuffix("_ovl") != "fwd":
-        raise ValueError(f"only the forward splits its keys, not {kind}")
+    if split and kind.removesuffix("_tma").removesuffix("_ovl") not in ("fwd", "dq"):
+        raise ValueError(f"only the forward and dQ split their keys, not {kind}")
     compiled = _compile(kind, head_dim, cfg, dtype, causal, gqa, window, segments, softcap,
                         dropout, alibi, split)
     usage = _cuobjdump(compiled.asm["cubin"], "-res-usage")
@@ -308,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--alibi", action="store_true",
                     help="build the kernels with the ALiBi bias (not for the _ws kinds)")
     ap.add_argument("--split", action="store_true",
-                    help="build the split-KV forward (only the fwd kinds but _ws)")
+                    help="build the split-KV forward and dQ (only the fwd and dq kinds but _ws)")
     ap.add_argument("--gqa", action="store_true",
                     help="build for a GQA group > 1 (a runtime integer, not the constant 1)")
     ap.add_argument("--dims", nargs="+", type=int, default=[64, 128])

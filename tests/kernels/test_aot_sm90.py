@@ -143,7 +143,8 @@ out.update({kind + "+alibi": a.compile_sm90(kind, 128, cfg, causal=True, alibi=T
             for kind, cfg in (("fwd_tma", (128, 128, 8, 3)), ("jvp", (64, 32, 4, 2)),
                               ("dkdv_tma", (32, 128, 8, 3)), ("dq", (128, 64, 8, 3)))})
 out.update({kind + "+split": a.compile_sm90(kind, 128, cfg, causal=True, split=True)
-            for kind, cfg in (("fwd_tma", (128, 128, 8, 3)), ("fwd", (128, 64, 8, 3)))})
+            for kind, cfg in (("fwd_tma", (128, 128, 8, 3)), ("fwd", (128, 64, 8, 3)),
+                              ("dq", (128, 64, 8, 3)))})
 out["merge"] = a.compile_merge_sm90(128, 5)
 print(json.dumps(out))
 """
@@ -154,7 +155,7 @@ def test_window_segment_softcap_dropout_and_alibi_kernels_compile_on_sm90_withou
     # ids at a config that fits (their labels cost registers: the tuner skips none, but
     # jvp's first config spills 16 B and dK/dV's first TMA config 32 B); dropout (its
     # Philox hash costs registers too) at a config per kernel that fits; ALiBi at the first;
-    # the split-KV forward at its first tables' configs, and its merge kernel
+    # the split-KV forward and dQ at their first tables' configs, and the merge kernel
     got = _probe(_WINDOW_PROBE)
     for kind, r in got.items():
         assert r["spill"] == 0 and r["smem"] <= 227 * 1024, (kind, r)

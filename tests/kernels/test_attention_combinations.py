@@ -84,7 +84,8 @@ def _everything(fn, q, k, v, do, dlse, tangents):
 def _check(backend, case, dtype, tol, rel_err, blocks=None):
     """``blocks``: None (the defaults) or small block shapes, so the options also meet
     at block edges: torch, the query rows per block and whether SDPA may serve; Triton,
-    the interpreter's (BLOCK_M, BLOCK_N) of each kernel and the forward's key splits."""
+    the interpreter's (BLOCK_M, BLOCK_N) of each kernel and the key splits of the forward
+    and dQ."""
     (B, H, Hkv, Nq, Nk, D, seed), kw = case
     with pytest.MonkeyPatch.context() as mp:
         if backend == "torch" and blocks is not None:
@@ -183,8 +184,8 @@ SMALL_BLOCKS = [
 @given(case=cases(max_n=56), blocks=st.sampled_from(SMALL_BLOCKS),
        splits=st.sampled_from([0, 2, 3]))
 def test_triton_in_small_blocks_matches_float64_reference(case, blocks, splits, rel_err):
-    """Also with the forward's keys split in 2 or 3 runs (split-KV): every option must
-    survive a run boundary, and a run that sees no key of a row."""
+    """Also with the keys of the forward and of dQ split in 2 or 3 runs (split-KV): every
+    option must survive a run boundary, and a run that sees no key of a row."""
     _check("triton", case, torch.float32, 1e-5, rel_err, blocks=(blocks, splits))
 
 

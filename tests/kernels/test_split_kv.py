@@ -1,5 +1,5 @@
-"""Split-KV (FlashDecoding) forward: the split heuristic, the merge identity, and the
-Triton forward with its keys split equal to the unsplit one and to the float64 reference."""
+"""Split-KV (FlashDecoding): the split heuristic, the merge identity, and the Triton
+forward and dQ with their keys split equal to the unsplit ones and to float64."""
 
 import importlib.util
 import math
@@ -108,8 +108,8 @@ OPTIONS = {
 def test_split_forward_equals_the_unsplit_forward(name, splits, monkeypatch, rel_err):
     """Nq = 3 queries against 300 keys: o and lse with the keys in 2, 3 or 5 runs equal
     the unsplit kernel's to rounding, and the float64 reference; with causal, so do the
-    gradients (the backward reads the merged lse). Every option with every split count
-    and block shape: ``test_attention_combinations``."""
+    gradients (dQ split the same way, dK/dV from the merged lse). Every option with every
+    split count and block shape: ``test_attention_combinations``."""
     q, k, v = _decode_case()
     kw = dict(OPTIONS[name])
     if kw.get("mask") == "bool":

@@ -1,10 +1,11 @@
-"""Split-KV (FlashDecoding): how many key splits a Triton forward gets, and their merge.
+"""Split-KV (FlashDecoding): how many key splits a Triton forward or dQ gets; the merge.
 
-The forward runs one program per (query block, batch, head). With few query blocks
-(decoding: Nq = 1, or a few latents reading a long context) that is fewer programs than
-the GPU has SMs, and each streams every key alone. Splitting the keys into S runs gives
-S times the programs; each writes a partial ``o`` and ``lse`` and :func:`merge` combines
-them exactly (the same identity ring attention uses):
+The forward (and the backward's dQ kernel) runs one program per (query block, batch,
+head). With few query blocks (decoding: Nq = 1, or a few latents reading a long
+context) that is fewer programs than the GPU has SMs, and each streams every key alone.
+Splitting the keys into S runs gives S times the programs; each writes a partial ``o``
+and ``lse`` and :func:`merge` combines them exactly (the identity ring attention uses;
+dQ's partials are simply summed):
 
     lse = logsumexp_s lse_s,    o = sum_s exp(lse_s - lse) o_s
 

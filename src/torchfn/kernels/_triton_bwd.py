@@ -8,6 +8,9 @@ Three launches:
   query heads of its GQA group and over query blocks, recomputing ``P^T`` and
   accumulating ``dK``, ``dV`` in registers, so they come out summed over the group.
 * ``_attn_bwd_dq``: one program per (query block, batch, head); loops over key blocks.
+  With ``SPLIT`` (few query blocks: split-KV, as the forward's) a third grid axis splits
+  the key blocks into runs, and each program writes a partial float32 dQ that the host
+  sums.
 
 That is 7 matmuls per (query block, key block) pair: dK/dV take 4, dQ recomputes ``S``
 and ``dP`` for 3. With ``deterministic=False`` the dK/dV kernel also adds each
@@ -70,6 +73,7 @@ from torchfn.kernels._triton_fwd import (
     _same_segment,
     _segment_bounds,
     _soft_cap,
+    _split_bounds,
     _store_rows,
 )
 
@@ -427,8 +431,10 @@ def _attn_bwd_dq(
     cap2=1.0, SOFTCAP: tl.constexpr = False,
     SEED=None, drop_thresh=0, drop_scale=1.0, DROPOUT: tl.constexpr = False,
     SLOPES=None, ALIBI: tl.constexpr = False,
+    split_len=0, sdqs=0, SPLIT: tl.constexpr = False,
 ):
-    tl.static_assert(not ((SOFTCAP or DROPOUT or ALIBI) and WARP_SPEC), "no warp spec.")
+    tl.static_assert(not ((SOFTCAP or DROPOUT or ALIBI or SPLIT) and WARP_SPEC),
+                     "no warp spec.")
     if IS_CAUSAL:  # the longest query blocks (last rows) first: better tail balance
         start_m = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
     else:
@@ -465,6 +471,7 @@ def _attn_bwd_dq(
                          BLOCK_N, IS_CAUSAL, WINDOW, SEGMENTS)
     seed0, seed1 = _head_seed(SEED, off_bh, DROPOUT)
     slope2 = _head_slope(SLOPES, off_bh, ALIBI)
+    lo1, hi1, lo, hi = _split_bounds(lo, hi, split_len, SPLIT)
     if WARP_SPEC:  # the launcher sets it only with no user mask and no window
         tl.static_assert(MASK_KIND == 0, "WARP_SPEC: no mask")
         dq = _dq_inner_ws(dq, q, do, lse2, delta,
@@ -474,8 +481,8 @@ def _attn_bwd_dq(
                           UPCAST, ELEM)
     else:
         if not WINDOW:
-            dq = _dq_inner(dq, q, do, lse2, delta, k_base, v_base, m_base, offs_m, offs_d, 0,
-                           lo, skn, svn, smm, smn, Nq, Nk, qk_scale, desc_k, desc_v, off_b,
+            dq = _dq_inner(dq, q, do, lse2, delta, k_base, v_base, m_base, offs_m, offs_d, lo1,
+                           hi1, skn, svn, smm, smn, Nq, Nk, qk_scale, desc_k, desc_v, off_b,
                            off_hk, BLOCK_N, HEAD_DIM, BLOCK_D, False, IS_CAUSAL, MASK_KIND,
                            DOT_PREC, UPCAST, ELEM, USE_TMA, cap2=cap2, SOFTCAP=SOFTCAP,
                            seed0=seed0, seed1=seed1, drop_thresh=drop_thresh,
@@ -486,5 +493,8 @@ def _attn_bwd_dq(
                        ELEM, USE_TMA, win_l, win_r, WINDOW, seg_m, kseg_base, SEGMENTS, cap2,
                        SOFTCAP, seed0, seed1, drop_thresh, drop_scale, DROPOUT, slope2, ALIBI)
     dq = dq * sm_scale
-    _store_rows(DQ + off_b * sdqb + off_h * sdqh, dq.to(DQ.dtype.element_ty), offs_m, offs_d,
-                sdqm, Nq, HEAD_DIM, BLOCK_D)
+    dq_base = DQ + off_b * sdqb + off_h * sdqh
+    if SPLIT:  # a partial dQ (B, H, S, Nq, D), summed over S on the host
+        dq_base += tl.program_id(2).to(tl.int64) * sdqs
+    _store_rows(dq_base, dq.to(DQ.dtype.element_ty), offs_m, offs_d, sdqm, Nq, HEAD_DIM,
+                BLOCK_D)

@@ -236,6 +236,19 @@ def _window_bounds(start_m, Nq, Nk, win_l, win_r, BLOCK_M: tl.constexpr,
 
 
 @triton.jit
+def _split_bounds(lo, hi, split_len, SPLIT: tl.constexpr):
+    """(lo1, hi1, lo, hi): the unmasked stage's keys [lo1, hi1) = [0, lo) and the masked
+    stage's [lo, hi); with ``SPLIT`` (split-KV) both cut to this program's run of keys,
+    [k0, k0 + split_len) with k0 = program_id(2) * split_len."""
+    if SPLIT:
+        k0 = tl.program_id(2) * split_len
+        return (tl.minimum(k0, lo), tl.minimum(k0 + split_len, lo), tl.maximum(lo, k0),
+                tl.minimum(hi, k0 + split_len))
+    else:
+        return 0, lo, lo, hi
+
+
+@triton.jit
 def _bounds_mask(s, offs_m, offs_n, Nq, Nk, IS_CAUSAL: tl.constexpr):
     """(M, N) scores with keys past ``Nk`` (and, causal, past the bottom-right diagonal)
     at -inf."""
@@ -532,13 +545,7 @@ def _attn_fwd(
                          BLOCK_N, IS_CAUSAL, WINDOW, SEGMENTS)
     seed0, seed1 = _head_seed(SEED, off_bh, DROPOUT)
     slope2 = _head_slope(SLOPES, off_bh, ALIBI)
-    lo1, hi1 = 0, lo  # the unmasked stage's keys; the masked stage's are [lo, hi)
-    if SPLIT:  # this program's share of the keys only: [k0, k0 + split_len)
-        k0 = tl.program_id(2) * split_len
-        lo1 = tl.minimum(k0, lo)
-        hi1 = tl.minimum(k0 + split_len, lo)
-        lo = tl.maximum(lo, k0)
-        hi = tl.minimum(hi, k0 + split_len)
+    lo1, hi1, lo, hi = _split_bounds(lo, hi, split_len, SPLIT)
     if WARP_SPEC:  # the launcher sets it only with FOLD_SCALE, no user mask and no window
         tl.static_assert(FOLD_SCALE and MASK_KIND == 0, "WARP_SPEC: scale > 0, no mask")
         acc, l_i, m_i = _fwd_inner_ws(acc, l_i, m_i, q,

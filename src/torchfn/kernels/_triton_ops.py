@@ -30,14 +30,14 @@ forward's ``PIPELINE``, dK/dV's ``EARLY_DP``) are tried last, not yet timed
 (``TORCHFN_TRITON_OVERLAP=0`` leaves them out), and after them, opt-in with
 ``TORCHFN_TRITON_WS=1``, the warp-specialized ones (``WARP_SPEC``: forward, dK/dV, dQ;
 see their modules). The tuner skips any candidate whose results differ from the first
-config's by more than rounding. A forward with too few query blocks to fill the GPU
-(decoding) may split its keys (``SPLIT``, ``_split_kv``: FlashAttention-2's wave rule
-proposes a split count, the tuner times split against unsplit once per shape class and
-keeps the faster; ``TORCHFN_TRITON_SPLIT_KV``: "auto", "0" never, N forces N splits, the
-only way the interpreter splits); one launch of ``_triton_merge`` then merges the
-pieces by lse. fp32 dots never use plain TF32: 3xTF32 ("tf32x3") on
-the GPU, overridable with ``TORCHFN_TRITON_FP32_PRECISION=ieee``; exact in the
-interpreter.
+config's by more than rounding. A forward or dQ launch with too few query blocks to
+fill the GPU (decoding) may split its keys (``SPLIT``, ``_split_kv``: FlashAttention-2's
+wave rule proposes a split count, the tuner times split against unsplit once per shape
+class and keeps the faster; ``TORCHFN_TRITON_SPLIT_KV``: "auto", "0" never, N forces N
+splits, the only way the interpreter splits); one launch of ``_triton_merge`` merges the
+forward's pieces by lse, and dQ's are summed. fp32 dots never use plain TF32: 3xTF32
+("tf32x3") on the GPU, overridable with ``TORCHFN_TRITON_FP32_PRECISION=ieee``; exact
+in the interpreter.
 
 Example (GPU)::
 
@@ -551,13 +551,14 @@ def fwd(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool, scal
 
 
 def _split_wins(key: tuple, device: torch.device, config: tuple[int, ...] | None,
-                split: Callable[[], tuple[Tensor, Tensor]],
-                whole: Callable[[], tuple[Tensor, Tensor]]) -> bool:
-    """Whether the split-KV forward runs for this shape class: once per process on a GPU
-    with the tuner on, the two forwards are timed (each after its own config tuning) and
-    the faster kept, as for any untimed variant; the split one must first give the same
-    o and lse to rounding. Without the tuner (or a forced split count, or an explicit
-    config), the heuristic's split stands."""
+                split: Callable[[], tuple[Tensor, ...]],
+                whole: Callable[[], tuple[Tensor, ...]]) -> bool:
+    """Whether the split-KV kernel (forward or dQ) runs for this shape class: once per
+    process on a GPU with the tuner on, the split and unsplit launches are timed (each
+    after its own config tuning) and the faster kept, as for any untimed variant; the
+    split one must first give the same outputs (o and lse, or dq) to rounding. Without
+    the tuner (or with a forced split count, or an explicit config), the heuristic's
+    split stands."""
     if (not _autotune_enabled() or device.type != "cuda" or config is not None
             or _split_kv.mode() != "auto"):
         return True
@@ -566,9 +567,9 @@ def _split_wins(key: tuple, device: torch.device, config: tuple[int, ...] | None
 
         ref, got = whole(), split()  # compiles and tunes both
         tol = 1e-4 if ref[0].dtype == torch.float32 else 2e-2
-        err = max(_rel_err(got[0], ref[0]), _rel_err(got[1], ref[1]))
+        err = max(_rel_err(g, r) for g, r in zip(got, ref))
         if err > tol:
-            warnings.warn(f"torchfn: the split-KV Triton forward gave results {err:.1e} off "
+            warnings.warn(f"torchfn: a split-KV Triton kernel gave results {err:.1e} off "
                           "the unsplit one's (relative); not used", RuntimeWarning,
                           stacklevel=3)
             _SPLIT_PICKS[key] = False
@@ -680,16 +681,32 @@ def bwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Tensor,
             outputs=(dk, dv, dq_acc) if atomic else (dk, dv))
     if atomic:
         return (dq_acc * scale).to(q.dtype), dk.to(q.dtype), dv.to(q.dtype)
-    args_q = (q, k, v, mptr, do, lse2, delta, dq, *common,
-              dq.stride(0), dq.stride(1), dq.stride(2),
-              H, H // Hkv, Nq, Nk, qk_scale, float(scale))
-    grid_q = lambda bm, bn: (triton.cdiv(Nq, bm), B * H)
     tma_q = _tma_descriptors({"desc_k": k, "desc_v": v}, {"desc_k": "n", "desc_v": "n"}, bd)
-    ws_q = _ws_variant([q, k, v, do], consts, ragged=lambda bm, bn: Nk % bn != 0)
-    _launch("dq", _triton_bwd._attn_bwd_dq, grid_q, args_q, dict(consts, **_seg_ranges(consts)),
-            (*key, tma_q is not None),
-            None if config is None else config[1], tma=tma_q, ws=ws_q, outputs=(dq,))
-    return dq.to(q.dtype), dk.to(q.dtype), dv.to(q.dtype)
+    cfg_q = None if config is None else config[1]
+
+    def launch_dq(splits: int, split_n: int) -> Tensor:
+        if splits > 1:  # partial dQ per key split (split-KV, as the forward), summed after
+            out = torch.empty((B, H, splits, Nq, D), dtype=torch.float32, device=q.device)
+            kw = dict(consts, SPLIT=True, split_len=split_n, sdqs=out.stride(2))
+        else:
+            out, kw = dq, consts
+        args_q = (q, k, v, mptr, do, lse2, delta, out, *common,
+                  out.stride(0), out.stride(1), out.stride(-2),
+                  H, H // Hkv, Nq, Nk, qk_scale, float(scale))
+        grid_q = lambda bm, bn: (triton.cdiv(Nq, bm), B * H, splits)
+        ws_q = (_ws_variant([q, k, v, do], kw, ragged=lambda bm, bn: Nk % bn != 0)
+                if splits == 1 else None)
+        _launch("dq", _triton_bwd._attn_bwd_dq, grid_q, args_q,
+                dict(kw, **_seg_ranges(consts)), (*key, tma_q is not None, splits), cfg_q,
+                tma=tma_q, ws=ws_q, outputs=(out,))
+        return out.sum(2).to(q.dtype) if splits > 1 else out.to(q.dtype)
+
+    splits, split_n = _splits(B * H, Nq, Nk, q.device, cfg_q)
+    if splits > 1 and not _split_wins(("dq", *key, tma_q is not None, splits), q.device, cfg_q,
+                                      lambda: (launch_dq(splits, split_n),),
+                                      lambda: (launch_dq(1, Nk),)):
+        splits, split_n = 1, Nk
+    return launch_dq(splits, split_n), dk.to(q.dtype), dv.to(q.dtype)
 
 
 def jvp(q: Tensor, k: Tensor, v: Tensor, tq: Tensor | None, tk: Tensor | None,
