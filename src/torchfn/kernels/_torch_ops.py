@@ -227,9 +227,7 @@ def _sdpa_args(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: boo
         elif mask.dtype != q.dtype:  # keep an fp32 bias on fp16 / bf16 inputs exact
             return None
     groups = q.shape[1] // k.shape[1]
-    if groups > 1:
-        k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
-    return k, v, mask
+    return _reference._repeat_kv(k, groups), _reference._repeat_kv(v, groups), mask
 
 
 def _sdpa_blocks(q: Tensor, mask: Tensor | None, window: tuple[int, int], segments,
@@ -254,10 +252,6 @@ def _sdpa_layout(L: _Layout) -> _Layout:
     return L
 
 
-def _repeat_kv(x: Tensor, groups: int) -> Tensor:
-    return x if groups == 1 else x.repeat_interleave(groups, 1)
-
-
 def _fwd_sdpa_blocks(L: _Layout, q: Tensor, k: Tensor, v: Tensor, scale: float):
     """``fwd`` through SDPA's fused kernel, one query block at a time (``_sdpa_blocks``)."""
     o = torch.zeros_like(q, memory_format=torch.contiguous_format)
@@ -266,9 +260,8 @@ def _fwd_sdpa_blocks(L: _Layout, q: Tensor, k: Tensor, v: Tensor, scale: float):
         if k1 <= k0:  # every row of the block is fully masked
             continue
         bias = L.bias(i0, i1, k0, k1)  # (B, H, n, k1 - k0)
-        ob, lb = _SDPA_FWD(q[:, :, i0:i1], _repeat_kv(k[:, :, k0:k1], L.G),
-                           _repeat_kv(v[:, :, k0:k1], L.G), 0.0, False, attn_mask=bias,
-                           scale=scale)
+        kr, vr = (_reference._repeat_kv(x[:, :, k0:k1], L.G) for x in (k, v))
+        ob, lb = _SDPA_FWD(q[:, :, i0:i1], kr, vr, 0.0, False, attn_mask=bias, scale=scale)
         dead = bias.isneginf().all(-1)  # (B, H, n): rows that see no key
         o[:, :, i0:i1] = ob.masked_fill_(dead[..., None], 0.0)
         lse[:, :, i0:i1] = lb.masked_fill_(dead, float("-inf"))
@@ -284,11 +277,10 @@ def _bwd_sdpa_blocks(L: _Layout, q, k, v, o, lse, do, scale: float):
     for i0, i1, k0, k1 in L.blocks():
         if k1 <= k0:
             continue
-        bias = L.bias(i0, i1, k0, k1)
-        dqb, dkb, dvb = _SDPA_BWD(do[:, :, i0:i1], q[:, :, i0:i1],
-                                  _repeat_kv(k[:, :, k0:k1], L.G), _repeat_kv(v[:, :, k0:k1], L.G),
-                                  o[:, :, i0:i1], lse[:, :, i0:i1], 0.0, False,
-                                  attn_mask=bias, scale=scale)
+        kr, vr = (_reference._repeat_kv(x[:, :, k0:k1], L.G) for x in (k, v))
+        dqb, dkb, dvb = _SDPA_BWD(do[:, :, i0:i1], q[:, :, i0:i1], kr, vr, o[:, :, i0:i1],
+                                  lse[:, :, i0:i1], 0.0, False, attn_mask=L.bias(i0, i1, k0, k1),
+                                  scale=scale)
         dq[:, :, i0:i1] = dqb
         dk[:, :, k0:k1] += _sum_groups(dkb, L.Hkv)
         dv[:, :, k0:k1] += _sum_groups(dvb, L.Hkv)

@@ -89,7 +89,7 @@ __all__ = ["fwd", "bwd", "jvp", "tuned_configs", "is_interpreted"]
 _PRE_BLOCK_M = 64  # preprocess kernel (delta, lse2)
 _MAX_BLOCK_N = 128  # the widest key block of the GPU config tables (split-KV runs align)
 _TUNED: dict[tuple, Config] = {}
-_SPLIT_PICKS: dict[tuple, bool] = {}  # forward shape class -> split-KV timed faster
+_SPLIT_PICKS: dict[tuple, bool] = {}  # forward / dQ shape class -> split-KV timed faster
 
 
 def tuned_configs() -> dict[tuple, Config]:
@@ -543,16 +543,23 @@ def fwd(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool, scal
             return _merge(o, lse, q.dtype)
         return o.to(q.dtype), lse
 
-    splits, split_n = _splits(B * H, Nq, Nk, q.device, config)
-    if splits > 1 and not _split_wins((*key, tma is not None, splits), q.device, config,
+    return _with_splits(launch, ("fwd", *key, tma is not None), B * H, Nq, Nk, q.device,
+                        config)
+
+
+def _with_splits(launch: Callable[[int, int], Any], key: tuple, programs: int, Nq: int,
+                 Nk: int, device: torch.device, config: tuple[int, ...] | None) -> Any:
+    """``launch(splits, keys per split)`` (a forward or dQ) at the split count ``_splits``
+    proposes, or unsplit where the tuner timed the split slower (``_split_wins``)."""
+    splits, split_n = _splits(programs, Nq, Nk, device, config)
+    if splits > 1 and not _split_wins((*key, splits), device, config,
                                       lambda: launch(splits, split_n), lambda: launch(1, Nk)):
         splits, split_n = 1, Nk
     return launch(splits, split_n)
 
 
 def _split_wins(key: tuple, device: torch.device, config: tuple[int, ...] | None,
-                split: Callable[[], tuple[Tensor, ...]],
-                whole: Callable[[], tuple[Tensor, ...]]) -> bool:
+                split: Callable[[], Any], whole: Callable[[], Any]) -> bool:
     """Whether the split-KV kernel (forward or dQ) runs for this shape class: once per
     process on a GPU with the tuner on, the split and unsplit launches are timed (each
     after its own config tuning) and the faster kept, as for any untimed variant; the
@@ -566,6 +573,7 @@ def _split_wins(key: tuple, device: torch.device, config: tuple[int, ...] | None
         from triton.testing import do_bench
 
         ref, got = whole(), split()  # compiles and tunes both
+        ref, got = (x if isinstance(x, tuple) else (x,) for x in (ref, got))
         tol = 1e-4 if ref[0].dtype == torch.float32 else 2e-2
         err = max(_rel_err(g, r) for g, r in zip(got, ref))
         if err > tol:
@@ -594,7 +602,7 @@ def _merge(o_part: Tensor, lse_part: Tensor, dtype: torch.dtype) -> tuple[Tensor
 
 def _splits(programs: int, Nq: int, Nk: int, device: torch.device,
             config: tuple[int, ...] | None) -> tuple[int, int]:
-    """(key splits, keys per split) of a forward (``_split_kv``); (1, Nk): no split.
+    """(key splits, keys per split) of a forward or dQ (``_split_kv``); (1, Nk): no split.
 
     ``programs`` = batch x heads; the query blocks are counted at the forward's widest
     tile (64 rows; all of Nq when it is one block anyway). The keys per split are a
@@ -701,12 +709,9 @@ def bwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Tensor,
                 tma=tma_q, ws=ws_q, outputs=(out,))
         return out.sum(2).to(q.dtype) if splits > 1 else out.to(q.dtype)
 
-    splits, split_n = _splits(B * H, Nq, Nk, q.device, cfg_q)
-    if splits > 1 and not _split_wins(("dq", *key, tma_q is not None, splits), q.device, cfg_q,
-                                      lambda: (launch_dq(splits, split_n),),
-                                      lambda: (launch_dq(1, Nk),)):
-        splits, split_n = 1, Nk
-    return launch_dq(splits, split_n), dk.to(q.dtype), dv.to(q.dtype)
+    grad_q = _with_splits(launch_dq, ("dq", *key, tma_q is not None), B * H, Nq, Nk,
+                          q.device, cfg_q)
+    return grad_q, dk.to(q.dtype), dv.to(q.dtype)
 
 
 def jvp(q: Tensor, k: Tensor, v: Tensor, tq: Tensor | None, tk: Tensor | None,
