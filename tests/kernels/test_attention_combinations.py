@@ -194,3 +194,11 @@ def test_triton_in_small_blocks_matches_float64_reference(case, blocks, splits, 
 @given(case=cases(max_n=40), dtype=st.sampled_from([torch.float16, torch.bfloat16]))
 def test_triton_half_precision_with_every_option(case, dtype, rel_err):
     _check("triton", case, dtype, "peer", rel_err)
+
+
+@settings(max_examples=25, **SETTINGS)
+@given(case=cases(max_n=48), dtype=st.sampled_from([torch.float16, torch.bfloat16]))
+def test_torch_backend_half_precision_with_every_option(case, dtype, rel_err):
+    """The blockwise path in fp32 for fp16 / bf16 inputs: within 2x the materialised
+    reference's error in that dtype."""
+    _check("torch", case, dtype, "peer", rel_err)
