@@ -252,6 +252,50 @@ def test_alibi(benchmark, impl, mode):
                   seed=7, atol=1e-4)
 
 
+# ---------------------------------------------------------------- causal, Nq != Nk
+
+CQ, CK = 1024, 2048  # queries (the last CQ positions) and keys
+
+
+def _time_rect(benchmark, fn, ref_fn, mode, seed=8, atol=1e-5):
+    """``_time_against`` for (1, H, CQ, D) queries against (1, H, CK, D) keys."""
+    g = torch.Generator().manual_seed(seed)
+    q, do = (torch.randn(1, H, CQ, D, generator=g) for _ in range(2))
+    k, v = (torch.randn(1, H, CK, D, generator=g) for _ in range(2))
+    if mode == "forward":
+        with torch.no_grad():
+            out = benchmark.pedantic(fn, args=(q, k, v), rounds=3, warmup_rounds=1)
+            assert torch.allclose(out, ref_fn(q, k, v), atol=atol)
+        return
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    grads = benchmark.pedantic(lambda: torch.autograd.grad(fn(q, k, v), (q, k, v), do),
+                               rounds=2, warmup_rounds=1)
+    ref = torch.autograd.grad(ref_fn(q, k, v), (q, k, v), do)
+    assert all(torch.allclose(a, b, atol=10 * atol) for a, b in zip(grads, ref))
+
+
+@functools.cache
+def _bottom_right():
+    """(CQ, CK) bool: query i (at position i + CK - CQ) sees keys up to its position."""
+    return torch.arange(CK)[None, :] <= torch.arange(CQ)[:, None] + (CK - CQ)
+
+
+RECT_IMPLS = {
+    "torchfn causal": lambda q, k, v: attention(q, k, v, causal=True, backend="torch"),
+    "sdpa bottom-right mask": lambda q, k, v: F.scaled_dot_product_attention(
+        q, k, v, attn_mask=_bottom_right()),
+}
+
+
+@pytest.mark.parametrize("mode", ["forward", "forward+backward"])
+@pytest.mark.parametrize("impl", list(RECT_IMPLS))
+def test_causal_fewer_queries_than_keys(benchmark, impl, mode):
+    """Bottom-right causal with Nq != Nk (a chunk of queries after a prefix), which SDPA's
+    ``is_causal`` (top-left) cannot say: its users pass the mask."""
+    benchmark.group = f"causal Nq={CQ} Nk={CK} {mode}"
+    _time_rect(benchmark, RECT_IMPLS[impl], RECT_IMPLS["sdpa bottom-right mask"], mode)
+
+
 # ---------------------------------------------------------------- per-sample gradients
 
 D_MODEL, HEADS, N_TOK, BATCH, LAYERS = 64, 4, 64, 32, 2

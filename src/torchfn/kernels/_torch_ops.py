@@ -165,13 +165,21 @@ class _Layout:
             s5.masked_fill_(other[:, None, None], float("-inf"))
 
     def bias(self, i0: int, i1: int, k0: int, k1: int) -> Tensor:
-        """(B, H, n, k1 - k0) additive bias of rows [i0, i1) and keys [k0, k1): everything
-        ``mask_`` adds, as SDPA's ``attn_mask`` (in the accumulation dtype)."""
-        n = i1 - i0
-        b = torch.zeros(self.B, self.Hkv, self.G, n, k1 - k0, dtype=self.acc,
-                        device=self.device)
+        """(b, h, n, k1 - k0) additive bias of rows [i0, i1) and keys [k0, k1): everything
+        ``mask_`` adds, as SDPA's ``attn_mask`` (in the accumulation dtype). b is 1 or B and
+        h is 1 or H: only what the mask and ALiBi vary over is materialised (a causal band
+        alone is one (n, k1 - k0) matrix for every head)."""
+        n, kk = i1 - i0, k1 - k0
+        shape = [1, 1, 1, n, kk]
+        if self.mask is not None:
+            shape[:3] = [max(a, b) for a, b in zip(shape[:3], self.mask.shape[:3])]
+        if self.neg_slopes is not None:
+            shape[:3] = [self.B, self.Hkv, self.G]
+        if self.segments is not None:
+            shape[0] = self.B
+        b = torch.zeros(shape, dtype=self.acc, device=self.device)
         self.mask_(b, i0, i1, k0, k1)
-        return b.view(self.B, self.H, n, k1 - k0)
+        return b.view(shape[0], shape[1] * shape[2], n, kk)
 
     def dropout(self, i0: int, i1: int, k0: int, k1: int) -> Tensor | None:
         """(B, Hkv, G * n, k1 - k0): the keyed dropout factor of rows [i0, i1) and keys
