@@ -109,11 +109,13 @@ def test_forward_backward(benchmark, impl, n, causal):
 WN, WW = 4096, 256  # sequence length, window (keys per query, itself included)
 
 
-def _time_against(benchmark, fn, ref_fn, mode, n, seed, atol, scale=1.0):
-    """Time ``fn`` on (1, H, n, D) inputs, forward or forward+backward, and check it equals
-    ``ref_fn`` (skipped when ``ref_fn`` is None: a peer that computes something else)."""
+def _time_against(benchmark, fn, ref_fn, mode, n, seed, atol, scale=1.0, nk=None):
+    """Time ``fn`` on (1, H, n, D) inputs (keys and values: ``nk`` rows, default n), forward
+    or forward+backward, and check it equals ``ref_fn`` (skipped when ``ref_fn`` is None:
+    a peer that computes something else)."""
     g = torch.Generator().manual_seed(seed)
-    q, k, v, do = (torch.randn(1, H, n, D, generator=g) * scale for _ in range(4))
+    q, k, v, do = (torch.randn(1, H, m, D, generator=g) * scale
+                   for m in (n, nk or n, nk or n, n))
     if mode == "forward":
         with torch.no_grad():
             out = benchmark.pedantic(fn, args=(q, k, v), rounds=3, warmup_rounds=1)
@@ -257,23 +259,6 @@ def test_alibi(benchmark, impl, mode):
 CQ, CK = 1024, 2048  # queries (the last CQ positions) and keys
 
 
-def _time_rect(benchmark, fn, ref_fn, mode, seed=8, atol=1e-5):
-    """``_time_against`` for (1, H, CQ, D) queries against (1, H, CK, D) keys."""
-    g = torch.Generator().manual_seed(seed)
-    q, do = (torch.randn(1, H, CQ, D, generator=g) for _ in range(2))
-    k, v = (torch.randn(1, H, CK, D, generator=g) for _ in range(2))
-    if mode == "forward":
-        with torch.no_grad():
-            out = benchmark.pedantic(fn, args=(q, k, v), rounds=3, warmup_rounds=1)
-            assert torch.allclose(out, ref_fn(q, k, v), atol=atol)
-        return
-    q, k, v = (x.requires_grad_() for x in (q, k, v))
-    grads = benchmark.pedantic(lambda: torch.autograd.grad(fn(q, k, v), (q, k, v), do),
-                               rounds=2, warmup_rounds=1)
-    ref = torch.autograd.grad(ref_fn(q, k, v), (q, k, v), do)
-    assert all(torch.allclose(a, b, atol=10 * atol) for a, b in zip(grads, ref))
-
-
 @functools.cache
 def _bottom_right():
     """(CQ, CK) bool: query i (at position i + CK - CQ) sees keys up to its position."""
@@ -293,7 +278,8 @@ def test_causal_fewer_queries_than_keys(benchmark, impl, mode):
     """Bottom-right causal with Nq != Nk (a chunk of queries after a prefix), which SDPA's
     ``is_causal`` (top-left) cannot say: its users pass the mask."""
     benchmark.group = f"causal Nq={CQ} Nk={CK} {mode}"
-    _time_rect(benchmark, RECT_IMPLS[impl], RECT_IMPLS["sdpa bottom-right mask"], mode)
+    _time_against(benchmark, RECT_IMPLS[impl], RECT_IMPLS["sdpa bottom-right mask"], mode, CQ,
+                  seed=8, atol=1e-5, nk=CK)
 
 
 # ---------------------------------------------------------------- per-sample gradients
