@@ -28,7 +28,10 @@ always written. Results go to bench/RESULTS.md by hand.
 
 Providers: ``torchfn`` (raw ops with the library's defaults: deterministic backward, the
 autotuner choosing between tensor-descriptor (TMA) and pointer-load configs),
-``torchfn_atomic`` (``deterministic=False``: dQ by atomics), ``torchfn_ptr`` (pointer
+``torchfn_atomic`` (``deterministic=False``: dQ by atomics), ``torchfn_ordered`` (the
+deterministic backward with the ordered dQ forced, ``TORCHFN_TRITON_ORDERED_DQ=1``: 5
+matmuls, dQ added in turn by TMA bulk reduces; ``torchfn`` itself times it against the
+7-matmul backward once per shape class and keeps the faster), ``torchfn_ptr`` (pointer
 loads only, ``TORCHFN_TRITON_TMA=0``: what TMA adds), ``torchfn_api`` (the public
 function), SDPA's flash and cuDNN backends, and compiled FlexAttention. ``--ws`` swaps
 ``torchfn_ptr`` for ``torchfn_ws``: the tuner with the opt-in warp-specialized variants
@@ -295,6 +298,7 @@ def correctness_case(case, dry: bool) -> dict:
     o, lse = T.fwd(q, k, v, mask, causal, scale)
     dq, dk, dv = T.bwd(q, k, v, o, lse, do, mask, causal, scale)
     o2, lse2, to, _ = T.jvp(q, k, v, tq, tk, tv, mask, causal, scale)
+    ordered = _ordered_grads(q, k, v, o, lse, do, mask, causal, scale, dry)
     _sync(dry)
     row["kernel_s"] = round(time.time() - t0, 2)
 
@@ -309,6 +313,9 @@ def correctness_case(case, dry: bool) -> dict:
                   if fin.any() else 0.0 for x in (lse, lse2))
     ours = {"o": _rel(o, ro), "dq": _rel(dq, rdq), "dk": _rel(dk, rdk), "dv": _rel(dv, rdv),
             "to": _rel(to, rto), "o_jvp": _rel(o2, ro)}
+    if ordered is not None:  # the ordered dQ's backward: the same bounds as the default's
+        (odq, odk, odv), row["ordered_repeatable"], row["ordered_timeouts"] = ordered
+        ours.update(dq_ord=_rel(odq, rdq), dk_ord=_rel(odk, rdk), dv_ord=_rel(odv, rdv))
     nan = any(bool(t.isnan().any()) for t in (o, dq, dk, dv, to, lse))
     empty_ok = bool(torch.equal(lse.isfinite(), fin)) and all(
         bool((t[~fin] == 0).all()) for t in (o, dq, to))
@@ -326,6 +333,7 @@ def correctness_case(case, dry: bool) -> dict:
         # SDPA has no forward AD: bound `to` by the naive same-dtype JVP (or SDPA's o error)
         base["to"] = max(_rel(torch.nan_to_num(nto), rto), base["o"])
         base["o_jvp"] = base["o"]
+        base.update({n + "_ord": base[n] for n in ("dq", "dk", "dv")})
         row["sdpa_errors"] = base
         row["bound"] = {n: 2 * base[n] + 1e-6 for n in ours}
     row["fails"] = [n for n in ours if not ours[n] <= row["bound"][n]]
@@ -335,8 +343,30 @@ def correctness_case(case, dry: bool) -> dict:
         row["fails"].append("nan")
     if not empty_ok:
         row["fails"].append("empty_rows")
+    if ordered is not None and not (row["ordered_repeatable"] and not row["ordered_timeouts"]):
+        row["fails"].append("ordered_dq")
     row["pass"] = not row["fails"]
     return row
+
+
+def _ordered_grads(q, k, v, o, lse, do, mask, causal, scale, dry):
+    """(dq, dk, dv), bitwise equal on a rerun, no wait timed out: the ordered-dQ backward
+    (``TORCHFN_TRITON_ORDERED_DQ=1``) where it runs (sm_90+; the interpreter), else None."""
+    import torch
+
+    from torchfn.kernels import _triton_ops as T
+
+    if not dry and torch.cuda.get_device_capability()[0] < 9:
+        return None
+    old = os.environ.get("TORCHFN_TRITON_ORDERED_DQ", "auto")
+    os.environ["TORCHFN_TRITON_ORDERED_DQ"] = "1"
+    try:
+        runs = [T.bwd(q, k, v, o, lse, do, mask, causal, scale) for _ in range(3)]
+        timeouts = int(T._LAST_LOCKS[0][1].item()) if T._LAST_LOCKS else 0
+    finally:
+        os.environ["TORCHFN_TRITON_ORDERED_DQ"] = old
+    same = all(torch.equal(a, b) for run in runs[1:] for a, b in zip(runs[0], run))
+    return runs[0], same, timeouts
 
 
 # ============================================================================ warm phase
@@ -362,14 +392,17 @@ def warm_tasks(dry: bool, ws: bool = False) -> list[dict]:
                     + [(*c, False) for c in C._candidates(kind, dt, bd)]
                     + [tuple(c) for c in C._overlap_candidates(kind, dt, bd, "auto")])
 
-        fc, kc, qc, ac = (cands(kind) for kind in ("fwd", "dkdv", "dq", "dkdv_atomic"))
+        fc, kc, qc, ac, oc = (cands(kind) for kind in ("fwd", "dkdv", "dq", "dkdv_atomic",
+                                                        "dkdv_ordered"))
         common = {"dtype": dname, "D": D, "causal": causal}
         fwd = [dict(common, type="fwd", cfg=c) for c in fc]
         bwd = [dict(common, type="bwd", cfg=(kc[min(i, len(kc) - 1)], qc[min(i, len(qc) - 1)]),
                     fwd_cfg=fc[0]) for i in range(max(len(kc), len(qc)))]
         atomic = [dict(common, type="bwd_atomic", cfg=(c, qc[0]), fwd_cfg=fc[0]) for c in ac]
-        first += [fwd[0], bwd[0], atomic[0]]
-        rest += fwd[1:] + bwd[1:] + atomic[1:]
+        ordered = [dict(common, type="bwd_ordered", cfg=(c, qc[0]), fwd_cfg=fc[0])
+                   for c in oc]
+        first += [fwd[0], bwd[0], atomic[0], ordered[0]]
+        rest += fwd[1:] + bwd[1:] + atomic[1:] + ordered[1:]
         if ws and dt != _dtype("fp32"):
             wc = {kind: [(*c, False, False, True) for c in
                          C._GPU_WS_CONFIGS[kind].get(C._class(dt, bd), [])]
@@ -395,9 +428,14 @@ def warm_kernel(task: dict, dry: bool) -> None:
     q, k, v, do = (torch.randn(1, H, N, D, device=dev, dtype=dtype) for _ in range(4))
     cfg = tuple(task["cfg"]) if task["type"] == "fwd" else tuple(task["fwd_cfg"])
     o, lse = T.fwd(q, k, v, None, causal, D**-0.5, config=cfg)
-    if task["type"] in ("bwd", "bwd_atomic"):
+    if task["type"] in ("bwd", "bwd_atomic", "bwd_ordered"):
         pair = tuple(tuple(c) for c in task["cfg"])
-        T.bwd(q, k, v, o, lse, do, None, causal, D**-0.5, task["type"] == "bwd", config=pair)
+        os.environ["TORCHFN_TRITON_ORDERED_DQ"] = "1" if task["type"] == "bwd_ordered" else "0"
+        try:
+            T.bwd(q, k, v, o, lse, do, None, causal, D**-0.5, task["type"] != "bwd_atomic",
+                  config=pair)
+        finally:
+            os.environ["TORCHFN_TRITON_ORDERED_DQ"] = "auto"
     _sync(dry)
 
 
@@ -540,7 +578,12 @@ def _providers(dry: bool, ws: bool = False):
         fn, grads, ctx = raw_with(True)(q, k, v, do, causal, mode)
         return _with_env(fn, "TORCHFN_TRITON_WS", "1", "0"), grads, ctx
 
-    provs = {"torchfn": raw_with(True), "torchfn_atomic": raw_with(False)}
+    def raw_ordered(q, k, v, do, causal, mode):
+        fn, grads, ctx = raw_with(True)(q, k, v, do, causal, mode)
+        return _with_env(fn, "TORCHFN_TRITON_ORDERED_DQ", "1", "auto"), grads, ctx
+
+    provs = {"torchfn": raw_with(True), "torchfn_atomic": raw_with(False),
+             "torchfn_ordered": raw_ordered}
     if not ws:
         provs["torchfn_ptr"] = raw_ptr
     provs.update({"torchfn_api": api, "sdpa_flash": sdpa_with("FLASH_ATTENTION"),
@@ -582,8 +625,8 @@ def phase_bench(args) -> None:
             for name, build in provs.items():
                 if name == "torchfn_api" and N not in api_n:
                     continue
-                if name == "torchfn_atomic" and mode == "fwd":  # the same forward as torchfn
-                    continue
+                if name in ("torchfn_atomic", "torchfn_ordered") and mode == "fwd":
+                    continue  # the same forward as torchfn
                 meta = {"provider": name, "mode": mode, "dtype": dname, "D": D, "N": N, "B": B,
                         "H": H, "causal": causal}
                 _measure(args, args.part, meta,
@@ -1197,12 +1240,13 @@ def summarize(bench: list[dict], dry: bool) -> dict:
             sd = [x for x in (t("sdpa_flash"), t("sdpa_cudnn")) if x is not None]
             if ours and sd:
                 entry[f"{mode}_vs_best_sdpa"] = min(sd) / ours  # speed ratio, > 1: faster
-            atomic = t("torchfn_atomic") if mode == "fwd_bwd" else None
-            if mode == "bwd" and ms.get(("torchfn_atomic", "fwd_bwd", *k)) and t("torchfn", "fwd"):
-                fb_a, f = ms[("torchfn_atomic", "fwd_bwd", *k)], t("torchfn", "fwd")
-                atomic = fb_a - f if fb_a > f else None
-            if atomic and sd:
-                entry[f"{mode}_atomic_vs_best_sdpa"] = min(sd) / atomic
+            for variant in ("atomic", "ordered"):  # backward variants: torchfn's forward
+                x = t(f"torchfn_{variant}") if mode == "fwd_bwd" else None
+                fb_x, f = ms.get((f"torchfn_{variant}", "fwd_bwd", *k)), t("torchfn", "fwd")
+                if mode == "bwd" and fb_x and f:
+                    x = fb_x - f if fb_x > f else None
+                if x and sd:
+                    entry[f"{mode}_{variant}_vs_best_sdpa"] = min(sd) / x
             for variant in ("ptr", "ws"):
                 x = t(f"torchfn_{variant}")
                 if x and sd:
@@ -1212,8 +1256,8 @@ def summarize(bench: list[dict], dry: bool) -> dict:
         out.append(entry)
     agg = {}
     for mode in ("fwd", "fwd_bwd", "bwd", "fwd_ptr", "fwd_bwd_ptr", "bwd_ptr", "fwd_ws",
-                 "fwd_bwd_ws", "bwd_ws", "fwd_bwd_atomic",
-                 "bwd_atomic"):
+                 "fwd_bwd_ws", "bwd_ws", "fwd_bwd_atomic", "bwd_atomic", "fwd_bwd_ordered",
+                 "bwd_ordered"):
         vals = [e[f"{mode}_vs_best_sdpa"] for e in out if f"{mode}_vs_best_sdpa" in e]
         vals = [x for x in vals if x > 0]
         if vals:
@@ -1243,10 +1287,11 @@ def markdown(result: dict) -> str:
                      f"| {cell('to')} | {r['lse_err']:.1e} | "
                      f"{'yes' if r['pass'] else 'NO: ' + ','.join(r['fails'])} |")
     lines += ["", "### TFLOP/s (FlashAttention convention; fwd+bwd = 3.5x fwd flops)", "",
-              "| dtype | D | causal | N | mode | torchfn | torchfn atomic-dQ | torchfn no TMA "
-              "| torchfn api | SDPA flash | SDPA cuDNN | flex | torchfn +WS | torchfn / best SDPA "
-              "| atomic-dQ / best SDPA | +WS / best SDPA |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "| dtype | D | causal | N | mode | torchfn | torchfn atomic-dQ | torchfn ordered-dQ "
+              "| torchfn no TMA | torchfn api | SDPA flash | SDPA cuDNN | flex | torchfn +WS "
+              "| torchfn / best SDPA | atomic-dQ / best SDPA | ordered-dQ / best SDPA "
+              "| +WS / best SDPA |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     rows = [r for r in result["bench"] if "N" in r]
     idx = {(r["provider"], r["mode"], r["dtype"], r["D"], r["causal"], r["N"]): r for r in rows}
     keys = sorted({(r["dtype"], r["D"], r["causal"], r["N"], r["mode"]) for r in rows})
@@ -1260,12 +1305,13 @@ def markdown(result: dict) -> str:
                 return x, (f"{x:.0f}" if x >= 10 else f"{x:.2g}")
             return None, "skip" if "skipped" in r else "err"
 
-        vals = {p: val(p) for p in ("torchfn", "torchfn_atomic", "torchfn_ptr", "torchfn_api",
-                                    "sdpa_flash", "sdpa_cudnn", "flex", "torchfn_ws")}
+        vals = {p: val(p) for p in ("torchfn", "torchfn_atomic", "torchfn_ordered",
+                                    "torchfn_ptr", "torchfn_api", "sdpa_flash", "sdpa_cudnn",
+                                    "flex", "torchfn_ws")}
         best = max([v[0] for p, v in vals.items() if p.startswith("sdpa") and v[0]], default=None)
         ratio = f"{vals['torchfn'][0] / best:.2f}" if best and vals["torchfn"][0] else "-"
         ratios = [f"{vals[p][0] / best:.2f}" if best and vals[p][0] else "-"
-                  for p in ("torchfn_atomic", "torchfn_ws")]
+                  for p in ("torchfn_atomic", "torchfn_ordered", "torchfn_ws")]
         lines.append(f"| {dt} | {D} | {'yes' if c else 'no'} | {N} | {mode} | "
                      + " | ".join(v[1] for v in vals.values()) + f" | {ratio} | "
                      + " | ".join(ratios) + " |")

@@ -159,3 +159,43 @@ def test_window_segment_softcap_dropout_and_alibi_kernels_compile_on_sm90_withou
     got = _probe(_WINDOW_PROBE)
     for kind, r in got.items():
         assert r["spill"] == 0 and r["smem"] <= 227 * 1024, (kind, r)
+
+
+_ORDERED_PROBE = """
+import json, re, sys
+sys.path.insert(0, "bench")
+import aot_sm90 as a
+out = {}
+for name, kind, d, cfg, causal, dtype in (
+        ("tma", "dkdv_ordered_tma", 128, (32, 128, 8, 3), False, "bf16"),
+        ("causal", "dkdv_ordered", 128, (32, 128, 8, 3), True, "bf16"),
+        ("d64", "dkdv_ordered_tma", 64, (64, 128, 8, 3), True, "bf16"),
+        ("fp32", "dkdv_ordered", 64, (32, 32, 8, 2), False, "fp32"),
+        ("one_stage", "dkdv_ordered", 128, (32, 128, 8, 1), True, "bf16")):
+    c = a._compile(kind, d, cfg, dtype, causal)
+    usage = a._cuobjdump(c.asm["cubin"], "-res-usage")
+    stack = re.search(r"STACK:(\\d+)", usage)
+    ptx = c.asm["ptx"]
+    out[name] = {"spill": int(stack.group(1)) if stack else 0, "smem": c.metadata.shared,
+                 "reduce": ptx.count("cp.reduce.async.bulk.tensor"),
+                 "landed": ptx.count("cp.async.bulk.wait_group 0;"),
+                 "spin": ptx.count("ld.acquire.gpu.global.b32"),
+                 "ticket": ptx.count("atom.global.gpu.acq_rel.add"),
+                 "release": ptx.count("red.global.gpu.release.add")}
+print(json.dumps(out))
+"""
+
+
+def test_ordered_dq_builds_for_sm90_with_its_bulk_reduce_and_a_pipelined_loop():
+    # The ordered dQ's GPU-only half: each dQ tile leaves by a TMA bulk reduce, the lock
+    # moves only after an explicit full wait for it (not only for its read of shared
+    # memory) and with release semantics, the spin polls with acquire loads; no spills at
+    # the tuned configs (fp32 too). And the key loop is still software-pipelined: with 3
+    # stages it holds more tiles in shared memory than with 1 (Triton's own barrier op in
+    # the loop had silently turned the pipelining off).
+    got = _probe(_ORDERED_PROBE)
+    for name, r in got.items():
+        assert r["spill"] == 0 and r["smem"] <= 227 * 1024, (name, r)
+        assert r["reduce"] >= 1 and r["landed"] >= 1 and r["spin"] >= 1, (name, r)
+        assert r["ticket"] >= 1 and r["release"] >= 1, (name, r)
+    assert got["causal"]["smem"] > got["one_stage"]["smem"] + 16 * 1024

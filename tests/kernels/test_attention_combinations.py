@@ -84,8 +84,8 @@ def _everything(fn, q, k, v, do, dlse, tangents):
 def _check(backend, case, dtype, tol, rel_err, blocks=None):
     """``blocks``: None (the defaults) or small block shapes, so the options also meet
     at block edges: torch, the query rows per block and whether SDPA may serve; Triton,
-    the interpreter's (BLOCK_M, BLOCK_N) of each kernel and the key splits of the forward
-    and dQ."""
+    the interpreter's (BLOCK_M, BLOCK_N) of each kernel, the key splits of the forward
+    and dQ, and whether dQ is the ordered one."""
     (B, H, Hkv, Nq, Nk, D, seed), kw = case
     with pytest.MonkeyPatch.context() as mp:
         if backend == "torch" and blocks is not None:
@@ -95,9 +95,10 @@ def _check(backend, case, dtype, tol, rel_err, blocks=None):
         elif blocks is not None:
             from torchfn.kernels import _triton_ops
 
-            blocks, splits = blocks
+            blocks, splits, ordered = blocks
             mp.setattr(_triton_ops, "_INTERP_CONFIGS", blocks)
             mp.setenv("TORCHFN_TRITON_SPLIT_KV", str(splits))
+            mp.setenv("TORCHFN_TRITON_ORDERED_DQ", "1" if ordered else "0")
         _compare(backend, (B, H, Hkv, Nq, Nk, D, seed), kw, dtype, tol, rel_err)
 
 
@@ -173,20 +174,22 @@ def test_triton_with_every_option_matches_float64_reference(case, rel_err):
 # dK/dV's tile transposed to the forward's, so every edge and diagonal case comes up
 SMALL_BLOCKS = [
     {"fwd": (16, 16, 4, 1), "jvp": (16, 32, 4, 1), "dkdv": (16, 32, 4, 1),
-     "dkdv_atomic": (16, 32, 4, 1), "dq": (32, 16, 4, 1)},
+     "dkdv_atomic": (16, 32, 4, 1), "dkdv_ordered": (16, 32, 4, 1), "dq": (32, 16, 4, 1)},
     {"fwd": (32, 16, 4, 1), "jvp": (16, 16, 4, 1), "dkdv": (32, 16, 4, 1),
-     "dkdv_atomic": (32, 16, 4, 1), "dq": (16, 16, 4, 1)},
+     "dkdv_atomic": (32, 16, 4, 1), "dkdv_ordered": (32, 16, 4, 1), "dq": (16, 16, 4, 1)},
 ]
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton or _triton_ops is missing")
 @settings(max_examples=25, **SETTINGS)
 @given(case=cases(max_n=56), blocks=st.sampled_from(SMALL_BLOCKS),
-       splits=st.sampled_from([0, 2, 3]))
-def test_triton_in_small_blocks_matches_float64_reference(case, blocks, splits, rel_err):
+       splits=st.sampled_from([0, 2, 3]), ordered=st.booleans())
+def test_triton_in_small_blocks_matches_float64_reference(case, blocks, splits, ordered,
+                                                          rel_err):
     """Also with the keys of the forward and of dQ split in 2 or 3 runs (split-KV): every
-    option must survive a run boundary, and a run that sees no key of a row."""
-    _check("triton", case, torch.float32, 1e-5, rel_err, blocks=(blocks, splits))
+    option must survive a run boundary, and a run that sees no key of a row; and with
+    dQ added in turn by the dK/dV kernel (the ordered dQ, where it applies)."""
+    _check("triton", case, torch.float32, 1e-5, rel_err, blocks=(blocks, splits, ordered))
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton or _triton_ops is missing")

@@ -38,7 +38,8 @@ def test_bench_dry_run_is_complete(tmp_path, ws):
     providers = {r["provider"] for r in result["bench"] if "ms" in r}
     # --ws: the tuner with the warp-specialized variants in place of the pointer-load run
     variant = "torchfn_ws" if ws else "torchfn_ptr"
-    assert {"torchfn", "torchfn_atomic", variant, "torchfn_api", "sdpa_flash"} <= providers
+    assert {"torchfn", "torchfn_atomic", "torchfn_ordered", variant, "torchfn_api",
+            "sdpa_flash"} <= providers
     assert ("torchfn_ptr" if ws else "torchfn_ws") not in providers
     assert result["warm"]["compiled"] == result["warm"]["tasks"]  # the WS configs too
     if ws:

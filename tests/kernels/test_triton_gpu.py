@@ -3,6 +3,7 @@
 fp32 relative error <= 1e-5 (fp32 dots run as 3xTF32); fp16 / bf16 within 2x the
 error of ``F.scaled_dot_product_attention`` in the same dtype; a deterministic
 backward, and the same bounds for the atomic-dQ backward (``deterministic=False``);
+the ordered-dQ backward repeatable to the bit and equal to the 7-matmul one;
 the overlap variants (forward ``PIPELINE``, dK/dV ``EARLY_DP``) and the warp-specialized
 ones (``WARP_SPEC``) give the plain kernels' results.
 Compiled kernels (``TRITON_INTERPRET`` switched off for these tests) with
@@ -187,6 +188,42 @@ def test_gpu_backward_is_deterministic():
 
 
 # few configs: each compiles two kernels, and the GPU session's pytest has 300 s in all
+@pytest.mark.parametrize("dtype, D, causal, Hkv, Nq, Nk", [
+    (torch.bfloat16, 128, True, 8, 2048, 2048), (torch.bfloat16, 64, False, 8, 2048, 2048),
+    (torch.float16, 128, False, 2, 1000, 700)],
+    ids=["bf16-d128-causal", "bf16-d64", "fp16-d128-gqa-Nq>Nk"])
+def test_gpu_ordered_dq_is_repeatable_and_right(dtype, D, causal, Hkv, Nq, Nk, monkeypatch):
+    # the ordered dQ (sm_90+): TMA bulk reduces in turn, behind spin locks. The same bits
+    # on every run, no wait timed out, every lock at its count, and the 7-matmul
+    # backward's results to rounding (each within the usual bound of the reference).
+    # Non-causal shapes rotate (wave > 1), which the interpreter cannot run.
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("the ordered dQ needs TMA bulk reduces (sm_90+)")
+    from torchfn.kernels import _triton_ops
+
+    B, H = 2, 8
+    q, k, v, do, _, _ = make(B, H, Hkv, Nq, Nk, D, dtype, None)
+    scale = D ** -0.5
+    o, lse = _triton_ops.fwd(q, k, v, None, causal, scale)
+    monkeypatch.setenv("TORCHFN_TRITON_ORDERED_DQ", "1")
+    runs = [_triton_ops.bwd(q, k, v, o, lse, do, None, causal, scale) for _ in range(4)]
+    locks = _triton_ops._LAST_LOCKS[0]
+    assert locks[1].item() == 0
+    assert all(torch.equal(a, b) for run in runs[1:] for a, b in zip(runs[0], run))
+    monkeypatch.setenv("TORCHFN_TRITON_ORDERED_DQ", "0")
+    plain = _triton_ops.bwd(q, k, v, o, lse, do, None, causal, scale)
+    tol = FP32_TOL if dtype == torch.float32 else 2e-2
+    for a, b in zip(runs[0], plain):
+        assert rel_err(a, b.double()) <= tol  # (the plain one is held to the reference above)
+    (bm, bn, *_), = [c for key, c in _triton_ops.tuned_configs().items()
+                     if key[0] == "dkdv_ordered" and key[2] == D and key[3] == causal]
+    n_m, n_kb = -(-Nq // bm), -(-Nk // bn)
+    assert locks[0].item() == B * Hkv * n_kb  # every ticket taken
+    want = [sum(1 for kb in range(n_kb) if max(kb * bn - (Nk - Nq), 0) // bm <= mb)
+            if causal else n_kb for mb in range(n_m)]
+    assert locks[2:2 + B * H * n_m].view(B * H, n_m).tolist() == [want] * (B * H)
+
+
 @pytest.mark.parametrize("D, cfg", [(128, (32, 64, 4, 3, False)), (128, (32, 128, 8, 3, True))],
                          ids=["d128-ptr", "d128-tma"])
 def test_gpu_early_dp_gives_the_plain_order_gradients(D, cfg):

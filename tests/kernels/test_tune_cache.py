@@ -176,5 +176,5 @@ def test_every_kernel_source_keys_the_cache():
     from torchfn.kernels import _tune_cache
 
     here = pathlib.Path(_tune_cache.__file__).parent
-    kernels = {p.name for p in here.glob("_triton_*.py")} | {"_split_kv.py"}
+    kernels = {p.name for p in here.glob("_triton_*.py")} | {"_split_kv.py", "_ordered_dq.py"}
     assert kernels <= set(_tune_cache._SOURCES), kernels - set(_tune_cache._SOURCES)

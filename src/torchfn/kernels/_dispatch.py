@@ -405,8 +405,12 @@ def attention(
             ``"1"`` and triton.language is not loaded yet, this sets
             ``TRITON_INTERPRET=1`` for the process (later GPU Triton launches are then
             interpreted too), otherwise it raises :class:`AttentionBackendError`.
-        deterministic: ``True`` (default): the backward uses no atomics and gives
-            bitwise-identical gradients on every run. ``False`` lets the Triton backward
+        deterministic: ``True`` (default): bitwise-identical gradients on every run.
+            The Triton backward either recomputes for a separate dQ kernel (7 matmuls
+            per tile pair, no atomics) or, on sm_90+ where the tuner timed it faster,
+            adds dQ inside the dK/dV kernel in a fixed order (FlashAttention-3's
+            deterministic mode, 5 matmuls; atomics only as counters, never for the
+            sums; ``TORCHFN_TRITON_ORDERED_DQ``). ``False`` lets the Triton backward
             add dQ with float32 atomics (FlashAttention-2's scheme: 5 matmuls per tile
             pair instead of 7), so ``dq`` may differ in the last bits between runs.
             On an H200, forward+backward with atomics ran at 0.79-0.95x the speed of the

@@ -48,6 +48,14 @@ key's query range).
 transposes them): ``dV += (P * Z)^T dO`` and ``dS = P * (dP * Z - delta)`` with ``Z`` = 0
 where dropped, ``drop_scale`` where kept (``delta = rowsum(dO * O)`` already holds Z).
 
+``DQ_ORDERED`` (deterministic, sm_90+; ``_triton_ordered_dq``): dK/dV also adds each
+``scale dS K`` into a float32 dQ with a TMA bulk reduce, in an order that per-(head, query
+block) locks fix, and the dQ launch is skipped: 5 matmuls, bitwise reproducible
+(FlashAttention-3's deterministic mode). A program takes its key block from a ticket
+(causal: the highest first, so the key blocks add from the diagonal down); its causal
+query range starts at a whole query block; non-causal, it starts at query block ``a``,
+its place in the wave, and wraps around.
+
 ``ALIBI``: the forward's bias (``_alibi``) on every recomputed tile, dK/dV's transposed.
 A cotangent for lse (``return_lse``) needs no kernel change: the launcher subtracts it
 from ``delta``.
@@ -76,6 +84,15 @@ from torchfn.kernels._triton_fwd import (
     _split_bounds,
     _store_rows,
 )
+from torchfn.kernels._triton_ordered_dq import (
+    _add_tile,
+    _dq_turn,
+    _release,
+    _wait_turn,
+    _wave_slot,
+)
+
+LN2 = tl.constexpr(0.6931471805599453)  # qk_scale * LN2 = the softmax scale
 
 
 @triton.jit
@@ -113,10 +130,20 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, m_base, lse2_base, delta_base, dq
                 seg_n=0, qseg_base=None, SEGMENTS: tl.constexpr = False,
                 cap2=1.0, SOFTCAP: tl.constexpr = False, seed0=0, seed1=0, drop_thresh=0,
                 drop_scale=1.0, start_n=0, BLOCK_N: tl.constexpr = 16,
-                DROPOUT: tl.constexpr = False, slope2=0.0, ALIBI: tl.constexpr = False):
+                DROPOUT: tl.constexpr = False, slope2=0.0, ALIBI: tl.constexpr = False,
+                pend=0, has_pend=0, DQ_ORDERED: tl.constexpr = False,
+                TMA_REDUCE: tl.constexpr = True, ORDER_CAUSAL: tl.constexpr = False,
+                order=None, desc_dq=None):
+    """dK, dV += the query blocks [lo, hi) of one head. ``DQ_ORDERED``: also add each
+    ``dS K`` into dQ in turn (``_triton_ordered_dq``); ``order`` = (LOCKS, this head's
+    first lock, key block, key blocks, Nk - Nq, R, F, a, spin limit), ``pend`` /
+    ``has_pend``: the lock whose tile is still to be released (carried across calls).
+    Returns (dk, dv, pend, has_pend)."""
     offs_m0 = tl.arange(0, BLOCK_M)
     for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + offs_m0
+        if DQ_ORDERED:
+            lock = order[1] + start_m // BLOCK_M
         if USE_TMA:
             q = _load_tile(desc_q, off_b, off_h, start_m, BLOCK_M, BLOCK_D)  # (M, D)
             do = _load_tile(desc_do, off_b, off_h, start_m, BLOCK_M, BLOCK_D)
@@ -156,8 +183,14 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, m_base, lse2_base, delta_base, dq
         else:
             pT_lo = pT_drop.to(ELEM)
         dv = tl.dot(pT_lo, do, dv, input_precision=DOT_PREC)
+        if DQ_ORDERED:  # the previous tile's reduce has had two matmuls' time to land
+            if has_pend != 0:
+                _release(order[0], pend, TMA_REDUCE)
+            has_pend = 0
         if not EARLY_DP:
             dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)  # (N, M)
+        if DQ_ORDERED:  # polled now, read after two more matmuls
+            seen = tl.load(order[0] + 2 + lock, volatile=True)
         if DROPOUT:
             dpT = tl.where(keepT, dpT * drop_scale, 0.0)
         dsT = pT * (dpT - delta[None, :])
@@ -174,7 +207,15 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, m_base, lse2_base, delta_base, dq
             else:
                 tl.atomic_add(dq_ptrs, dq, sem="relaxed",
                               mask=(offs_m[:, None] < Nq) & (offs_d[None, :] < HEAD_DIM))
-    return dk, dv
+        if DQ_ORDERED:  # dQ[m] += scale dS K, when this key block's turn comes
+            dq = tl.dot(tl.trans(dsT), k, input_precision=DOT_PREC) * (qk_scale * LN2)  # (M, D)
+            turn = _dq_turn(start_m // BLOCK_M, order[2], order[3], order[4], order[5],
+                            order[6], order[7], ORDER_CAUSAL, BLOCK_M, BLOCK_N)
+            _wait_turn(order[0], lock, seen, turn, order[8], TMA_REDUCE)
+            _add_tile(desc_dq, off_b, off_h, start_m, dq, BLOCK_M, BLOCK_D, TMA_REDUCE)
+            pend = lock
+            has_pend = 1
+    return dk, dv, pend, has_pend
 
 
 @triton.jit
@@ -235,10 +276,23 @@ def _attn_bwd_dkdv(
     cap2=1.0, SOFTCAP: tl.constexpr = False,
     SEED=None, drop_thresh=0, drop_scale=1.0, DROPOUT: tl.constexpr = False,
     SLOPES=None, ALIBI: tl.constexpr = False,
+    LOCKS=None, desc_dq=None, DQ_ORDERED: tl.constexpr = False,
+    TMA_REDUCE: tl.constexpr = True, wave=1, spin_limit=1,
 ):
     tl.static_assert(not ((SOFTCAP or DROPOUT or ALIBI) and WARP_SPEC), "no warp spec.")
-    start_n = tl.program_id(0) * BLOCK_N
-    off_bhk = tl.program_id(1)
+    tl.static_assert(not (DQ_ORDERED and (WARP_SPEC or WINDOW or DQ_ATOMIC)),
+                     "DQ_ORDERED: no warp spec., window or atomics")
+    if DQ_ORDERED:  # which key block: a ticket, in the order programs start
+        n_kb = tl.cdiv(Nk, BLOCK_N)
+        ticket = tl.atomic_add(LOCKS, 1)
+        off_bhk = ticket // n_kb
+        j = ticket - off_bhk * n_kb
+        if IS_CAUSAL:  # the highest key block first: it adds first
+            j = n_kb - 1 - j
+        start_n = j * BLOCK_N
+    else:
+        start_n = tl.program_id(0) * BLOCK_N
+        off_bhk = tl.program_id(1)
     off_b = (off_bhk // HKV).to(tl.int64)
     off_hk = (off_bhk % HKV).to(tl.int64)
     ELEM = K.dtype.element_ty
@@ -271,12 +325,21 @@ def _attn_bwd_dkdv(
     elif IS_CAUSAL:
         shift = Nk - Nq
         m_lo = tl.maximum(start_n - shift, 0)  # first query that sees a key of this block
+        if DQ_ORDERED:  # whole query blocks, so that every key block's dQ tiles line up
+            m_lo = m_lo // BLOCK_M * BLOCK_M
         # queries from m_full on see every key of the block: no mask needed
         m_full = tl.maximum(tl.minimum(start_n + BLOCK_N - 1 - shift, Nq), m_lo)
         m_mid = m_lo + ((m_full - m_lo + BLOCK_M - 1) // BLOCK_M) * BLOCK_M
     else:
         m_lo = 0
         m_mid = 0
+    pend = tl.full([], 0, tl.int64)  # the ordered dQ's lock still to release, if has_pend
+    has_pend = tl.full([], 0, tl.int32)
+    if DQ_ORDERED:
+        n_m = tl.cdiv(Nq, BLOCK_M)
+        R, F, a = _wave_slot(ticket, off_bhk * n_kb, n_kb, wave)
+        if not IS_CAUSAL:  # the a-th of its wave starts at query block a, then wraps
+            m_mid = a * BLOCK_M
 
     if WARP_SPEC:  # the launcher sets it only with no user mask, no atomics, and with GQA
         # only where a group's heads are consecutive rows (head stride = Nq row strides)
@@ -300,35 +363,54 @@ def _attn_bwd_dkdv(
             dq_base = DQACC + row0 * HEAD_DIM
             seed0, seed1 = _head_seed(SEED, off_b * H + off_h, DROPOUT)
             slope2 = _head_slope(SLOPES, off_b * H + off_h, ALIBI)
+            if DQ_ORDERED:
+                order = (LOCKS, (off_b * H + off_h) * n_m, j, n_kb, Nk - Nq, R, F, a, spin_limit)
+            else:
+                order = None
             if WINDOW:
-                dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, m_base, LSE2 + row0,
-                                     DELTA + row0, dq_base, offs_n, offs_d, m_lo, m_mid, sqm, sdm,
-                                     smm, smn, Nq, Nk, qk_scale, desc_q, desc_do, off_b, off_h,
-                                     BLOCK_M, HEAD_DIM, BLOCK_D, False, MASK_KIND, DOT_PREC,
-                                     UPCAST, ELEM, DQ_ATOMIC, USE_TMA, EARLY_DP, win_l, win_r,
-                                     True, seg_n, qseg_base, SEGMENTS, cap2, SOFTCAP, seed0,
-                                     seed1, drop_thresh, drop_scale, start_n, BLOCK_N, DROPOUT,
-                                     slope2, ALIBI)
+                dk, dv, pend, has_pend = _dkdv_inner(
+                    dk, dv, k, v, q_base, do_base, m_base, LSE2 + row0, DELTA + row0, dq_base,
+                    offs_n, offs_d, m_lo, m_mid, sqm, sdm, smm, smn, Nq, Nk, qk_scale, desc_q,
+                    desc_do, off_b, off_h, BLOCK_M, HEAD_DIM, BLOCK_D, False, MASK_KIND, DOT_PREC,
+                    UPCAST, ELEM, DQ_ATOMIC, USE_TMA, EARLY_DP, win_l, win_r, True, seg_n,
+                    qseg_base, SEGMENTS, cap2, SOFTCAP, seed0, seed1, drop_thresh, drop_scale,
+                    start_n, BLOCK_N, DROPOUT, slope2, ALIBI, pend=pend, has_pend=has_pend,
+                    DQ_ORDERED=DQ_ORDERED, TMA_REDUCE=TMA_REDUCE, ORDER_CAUSAL=IS_CAUSAL,
+                    order=order, desc_dq=desc_dq)
             elif IS_CAUSAL:
-                dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, m_base, LSE2 + row0,
-                                     DELTA + row0, dq_base, offs_n, offs_d, m_lo, m_mid, sqm, sdm,
-                                     smm, smn, Nq, Nk, qk_scale, desc_q, desc_do, off_b, off_h,
-                                     BLOCK_M, HEAD_DIM, BLOCK_D, True, MASK_KIND, DOT_PREC, UPCAST,
-                                     ELEM, DQ_ATOMIC, USE_TMA, EARLY_DP, cap2=cap2,
-                                     SOFTCAP=SOFTCAP, seed0=seed0, seed1=seed1,
-                                     drop_thresh=drop_thresh, drop_scale=drop_scale,
-                                     start_n=start_n, BLOCK_N=BLOCK_N, DROPOUT=DROPOUT,
-                                     slope2=slope2, ALIBI=ALIBI)
+                dk, dv, pend, has_pend = _dkdv_inner(
+                    dk, dv, k, v, q_base, do_base, m_base, LSE2 + row0, DELTA + row0, dq_base,
+                    offs_n, offs_d, m_lo, m_mid, sqm, sdm, smm, smn, Nq, Nk, qk_scale, desc_q,
+                    desc_do, off_b, off_h, BLOCK_M, HEAD_DIM, BLOCK_D, True, MASK_KIND, DOT_PREC,
+                    UPCAST, ELEM, DQ_ATOMIC, USE_TMA, EARLY_DP, cap2=cap2, SOFTCAP=SOFTCAP,
+                    seed0=seed0, seed1=seed1, drop_thresh=drop_thresh, drop_scale=drop_scale,
+                    start_n=start_n, BLOCK_N=BLOCK_N, DROPOUT=DROPOUT, slope2=slope2, ALIBI=ALIBI,
+                    pend=pend, has_pend=has_pend, DQ_ORDERED=DQ_ORDERED, TMA_REDUCE=TMA_REDUCE,
+                    ORDER_CAUSAL=IS_CAUSAL, order=order, desc_dq=desc_dq)
             if not WINDOW:
-                dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, m_base, LSE2 + row0,
-                                     DELTA + row0, dq_base, offs_n, offs_d, m_mid, Nq, sqm, sdm,
-                                     smm, smn, Nq, Nk, qk_scale, desc_q, desc_do, off_b, off_h,
-                                     BLOCK_M, HEAD_DIM, BLOCK_D, False, MASK_KIND, DOT_PREC,
-                                     UPCAST, ELEM, DQ_ATOMIC, USE_TMA, EARLY_DP, cap2=cap2,
-                                     SOFTCAP=SOFTCAP, seed0=seed0, seed1=seed1,
-                                     drop_thresh=drop_thresh, drop_scale=drop_scale,
-                                     start_n=start_n, BLOCK_N=BLOCK_N, DROPOUT=DROPOUT,
-                                     slope2=slope2, ALIBI=ALIBI)
+                dk, dv, pend, has_pend = _dkdv_inner(
+                    dk, dv, k, v, q_base, do_base, m_base, LSE2 + row0, DELTA + row0, dq_base,
+                    offs_n, offs_d, m_mid, Nq, sqm, sdm, smm, smn, Nq, Nk, qk_scale, desc_q,
+                    desc_do, off_b, off_h, BLOCK_M, HEAD_DIM, BLOCK_D, False, MASK_KIND, DOT_PREC,
+                    UPCAST, ELEM, DQ_ATOMIC, USE_TMA, EARLY_DP, cap2=cap2, SOFTCAP=SOFTCAP,
+                    seed0=seed0, seed1=seed1, drop_thresh=drop_thresh, drop_scale=drop_scale,
+                    start_n=start_n, BLOCK_N=BLOCK_N, DROPOUT=DROPOUT, slope2=slope2, ALIBI=ALIBI,
+                    pend=pend, has_pend=has_pend, DQ_ORDERED=DQ_ORDERED, TMA_REDUCE=TMA_REDUCE,
+                    ORDER_CAUSAL=IS_CAUSAL, order=order, desc_dq=desc_dq)
+            if DQ_ORDERED and not IS_CAUSAL:  # (wrapped around)
+                dk, dv, pend, has_pend = _dkdv_inner(
+                    dk, dv, k, v, q_base, do_base, m_base, LSE2 + row0, DELTA + row0, dq_base,
+                    offs_n, offs_d, 0, m_mid, sqm, sdm, smm, smn, Nq, Nk, qk_scale, desc_q,
+                    desc_do, off_b, off_h, BLOCK_M, HEAD_DIM, BLOCK_D, False, MASK_KIND, DOT_PREC,
+                    UPCAST, ELEM, DQ_ATOMIC, USE_TMA, EARLY_DP, cap2=cap2, SOFTCAP=SOFTCAP,
+                    seed0=seed0, seed1=seed1, drop_thresh=drop_thresh, drop_scale=drop_scale,
+                    start_n=start_n, BLOCK_N=BLOCK_N, DROPOUT=DROPOUT, slope2=slope2, ALIBI=ALIBI,
+                    pend=pend, has_pend=has_pend, DQ_ORDERED=DQ_ORDERED, TMA_REDUCE=TMA_REDUCE,
+                    ORDER_CAUSAL=IS_CAUSAL, order=order, desc_dq=desc_dq)
+
+        if DQ_ORDERED:
+            if has_pend != 0:
+                _release(LOCKS, pend, TMA_REDUCE)
 
     dk = dk * sm_scale
     _store_rows(DK + off_b * sdkb + off_hk * sdkh, dk.to(DK.dtype.element_ty), offs_n, offs_d,

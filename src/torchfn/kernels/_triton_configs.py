@@ -43,7 +43,8 @@ class Config(NamedTuple):
 
 
 # the constexpr flag that ``Config.overlap`` sets, per kernel
-_OVERLAP = {"fwd": "PIPELINE", "dkdv": "EARLY_DP", "dkdv_atomic": "EARLY_DP"}
+_OVERLAP = {"fwd": "PIPELINE", "dkdv": "EARLY_DP", "dkdv_atomic": "EARLY_DP",
+            "dkdv_ordered": "EARLY_DP"}
 # the kernels with a warp-specialized variant (``Config.ws`` sets ``WARP_SPEC``)
 _WARP_SPEC = ("fwd", "dkdv", "dq")
 
@@ -98,6 +99,19 @@ _GPU_CONFIGS: dict[str, dict[str, list[tuple[int, int, int, int]]]] = {
         "fp32_d128": [(32, 16, 8, 2), (16, 16, 8, 2)],
         "fp32_d256": [(16, 16, 4, 1)],  # spills, as every config tried
     },
+    # dK/dV with the ordered dQ (deterministic, sm_90+; ``_ordered_dq``): the atomic
+    # one's dots, plus a float32 (BLOCK_M, D) tile in shared memory for the bulk reduce.
+    # Not timed yet. BLOCK_M <= BLOCK_N everywhere: the causal order then never waits
+    # in lockstep. Chosen from sm_90 AOT builds, causal and not, with and without TMA:
+    # (64, 128) spills at D=128, and (64, 64) there spills without TMA.
+    "dkdv_ordered": {
+        "d64": [(64, 128, 8, 3), (32, 64, 4, 3)],
+        "d128": [(32, 128, 8, 3), (32, 64, 8, 3)],
+        "d256": [(16, 32, 8, 2), (32, 32, 8, 2)],
+        "fp32": [(32, 32, 8, 2), (16, 32, 4, 2)],
+        "fp32_d128": [(16, 16, 8, 2)],
+        "fp32_d256": [(16, 16, 4, 1)],
+    },
     "dq": {
         "d64": [(128, 64, 8, 3), (64, 64, 4, 3), (128, 64, 4, 4)],
         "d128": [(128, 64, 8, 3), (64, 32, 4, 3), (64, 64, 4, 3)],
@@ -121,6 +135,10 @@ _GPU_TMA_CONFIGS: dict[str, dict[str, list[tuple[int, int, int, int]]]] = {
     "dkdv_atomic": {
         "d64": [(64, 128, 8, 3), (32, 128, 4, 3)],
         "d128": [(32, 128, 8, 3), (32, 64, 4, 3)],
+    },
+    "dkdv_ordered": {  # (not timed yet; as above)
+        "d64": [(64, 128, 8, 3)],
+        "d128": [(32, 128, 8, 3), (64, 64, 8, 3)],
     },
 }
 # The overlap variants (forward: PIPELINE, dK/dV: EARLY_DP), as (BLOCK_M, BLOCK_N, warps,
@@ -166,6 +184,7 @@ _INTERP_CONFIGS: dict[str, tuple[int, int, int, int]] = {
     "jvp": (64, 64, 4, 1),
     "dkdv": (32, 64, 4, 1),
     "dkdv_atomic": (32, 64, 4, 1),
+    "dkdv_ordered": (32, 64, 4, 1),
     "dq": (64, 32, 4, 1),
 }
 def _class(dtype: torch.dtype, block_d: int) -> str:

@@ -35,7 +35,11 @@ fill the GPU (decoding) may split its keys (``SPLIT``, ``_split_kv``: FlashAtten
 wave rule proposes a split count, the tuner times split against unsplit once per shape
 class and keeps the faster; ``TORCHFN_TRITON_SPLIT_KV``: "auto", "0" never, N forces N
 splits, the only way the interpreter splits); one launch of ``_triton_merge`` merges the
-forward's pieces by lse, and dQ's are summed. fp32 dots never use plain TF32: 3xTF32
+forward's pieces by lse, and dQ's are summed. On sm_90+ the deterministic backward may
+add dQ inside the dK/dV launch in a fixed order (the ordered dQ, ``_ordered_dq``; timed
+against the 7-matmul backward once per shape class with Nq >= Nk;
+``TORCHFN_TRITON_ORDERED_DQ``: "auto", "0", "1" = always, the interpreter's only way).
+fp32 dots never use plain TF32: 3xTF32
 ("tf32x3") on the GPU, overridable with ``TORCHFN_TRITON_FP32_PRECISION=ieee``; exact
 in the interpreter.
 
@@ -61,6 +65,7 @@ import triton.language as tl
 
 from torchfn.kernels import (
     _dropout,
+    _ordered_dq,
     _split_kv,
     _triton_bwd,
     _triton_fwd,
@@ -150,7 +155,9 @@ def _launch(kind: str, kernel: Any, grid: Callable[[int, int], tuple[int, ...]],
             reset: Callable[[], None] | None = None,
             tma: Callable[[int, int], dict[str, Any]] | None = None,
             ws: Callable[[int, int], dict[str, Any]] | None = None,
-            outputs: tuple[Tensor, ...] = ()) -> None:
+            outputs: tuple[Tensor, ...] = (),
+            extra: Callable[[Config, Callable[..., Any]], dict[str, Any]] | None = None,
+            ) -> None:
     """Launch ``kernel`` with a block config: given, interpreter-fixed, tuned or default.
 
     A config is (BLOCK_M, BLOCK_N, num_warps, num_stages[, tma[, overlap[, ws]]]) (see
@@ -160,7 +167,8 @@ def _launch(kind: str, kernel: Any, grid: Callable[[int, int], tuple[int, ...]],
     tensor-descriptor keyword arguments (None: TMA off or unusable for these tensors);
     ``ws(BLOCK_M, BLOCK_N)`` those of the warp-specialized variant (None: unusable).
     ``outputs``: what the kernel writes, which the tuner checks each candidate's
-    results on (``_tune``).
+    results on (``_tune``). ``extra(config, compile)``: more keyword arguments per
+    config; ``compile(**kwargs)`` gives the compiled kernel they would launch (GPU only).
     """
     mode = _tma_mode() if tma is not None else "0"
     kargs = _kernel_args(consts)
@@ -184,6 +192,10 @@ def _launch(kind: str, kernel: Any, grid: Callable[[int, int], tuple[int, ...]],
                        if kind == "dkdv" else "")
                     + f"; got {cfg!r} for inputs that do not qualify")
             kw = dict(kw, **ws(bm, bn))
+        if extra is not None:
+            kw = dict(kw, **extra(cfg, lambda **more: kernel.warmup(
+                *args, **kargs, **kw, **more, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps,
+                num_stages=stages, grid=grid(bm, bn))))
         with _scratch_allocator(args[0].device) if use_ws else contextlib.nullcontext():
             if is_interpreted():
                 kernel[grid(bm, bn)](*args, **kargs, **kw, BLOCK_M=bm, BLOCK_N=bn)
@@ -634,12 +646,16 @@ def bwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Tensor,
     """Backward from ``do`` (and ``dlse``, the cotangent of lse, or None): (dq, dk, dv) in
     the input dtype; dk/dv summed over GQA groups.
 
-    ``deterministic=True``: no atomics, bitwise reproducible, a separate dQ launch
-    (7 matmuls per tile pair). ``False``: dQ is accumulated with float32 atomics inside
+    ``deterministic=True``: bitwise reproducible. Either a separate dQ launch (7 matmuls
+    per tile pair, no atomics), or, on sm_90+ where the tuner timed it faster (or with
+    ``TORCHFN_TRITON_ORDERED_DQ=1``), the ordered dQ: the dK/dV launch adds each ``dS K``
+    into dQ by a TMA bulk reduce, one key block after another in a fixed order
+    (``_ordered_dq``; 5 matmuls). ``False``: dQ is accumulated with float32 atomics inside
     the dK/dV launch (5 matmuls), at the cost of run-to-run rounding differences in dq
     (and, on an H200, of speed: the atomics cost more than the two matmuls).
     ``config`` = (dkdv config, dq config) overrides tuning (the dq one is unused when
-    ``deterministic=False``); each may have the flags ``tma``, ``overlap`` (dK/dV) and
+    ``deterministic=False`` or the ordered dQ runs); each may have the flags ``tma``,
+    ``overlap`` (dK/dV) and
     ``ws`` (dQ; dK/dV when deterministic, and with GQA only for heads stored one after
     another).
     """
@@ -678,19 +694,57 @@ def bwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Tensor,
     grid_kv = lambda bm, bn: (triton.cdiv(Nk, bn), B * Hkv)
     bd = consts["BLOCK_D"]
     tma_kv = _tma_descriptors({"desc_q": q, "desc_do": do}, {"desc_q": "m", "desc_do": "m"}, bd)
+    consts_kv = dict(consts, **_seg_ranges(consts, by_key=True))
+    key_kv = (*key, tma_kv is not None)
+    cfg_kv = None if config is None else config[0]
+
+    def ordered() -> tuple[Tensor, Tensor, Tensor]:
+        return _bwd_ordered(args_kv, grid_kv, consts_kv, key_kv, cfg_kv, tma_kv, q.dtype,
+                            scale)
+
+    if deterministic and _ordered_applies(consts, q.device, Nq, Nk):
+        if _ordered_wins(key_kv, q.device, config, ordered,
+                         lambda: _bwd_plain(args_kv, grid_kv, consts_kv, key_kv, config,
+                                            tma_kv, q, k, v, do, mptr, lse2, delta, dq, common,
+                                            consts, key, scale)):
+            return ordered()
     # GQA: the group's heads are read as consecutive rows (one loop for the pass)
     flat = all(t.shape[1] == 1 or t.stride(1) == Nq * t.stride(2) for t in (q, do))
     ws_kv = _ws_variant([q, k, v, do], consts, ok=(H == Hkv or flat) and not atomic)
     _launch("dkdv_atomic" if atomic else "dkdv", _triton_bwd._attn_bwd_dkdv, grid_kv, args_kv,
-            dict(consts, DQ_ATOMIC=atomic, **_seg_ranges(consts, by_key=True)),
-            (*key, tma_kv is not None),
-            None if config is None else config[0],
+            dict(consts_kv, DQ_ATOMIC=atomic), key_kv, cfg_kv,
             reset=dq_acc.zero_ if atomic else None, tma=tma_kv, ws=ws_kv,
             outputs=(dk, dv, dq_acc) if atomic else (dk, dv))
     if atomic:
         return (dq_acc * scale).to(q.dtype), dk.to(q.dtype), dv.to(q.dtype)
+    return _dq_pass(q, k, v, do, mptr, lse2, delta, dq, common, consts, key, scale,
+                    None if config is None else config[1]), dk.to(q.dtype), dv.to(q.dtype)
+
+
+def _bwd_plain(args_kv, grid_kv, consts_kv, key_kv, config, tma_kv, q, k, v, do, mptr, lse2,
+               delta, dq, common, consts, key, scale) -> tuple[Tensor, Tensor, Tensor]:
+    """The 7-matmul deterministic backward (dK/dV, then the dQ pass), as ``bwd`` runs it
+    when the ordered dQ is not used: the ordered one's rival in ``_ordered_wins``."""
+    B, H, Nq, D = q.shape
+    Hkv = k.shape[1]
+    flat = all(t.shape[1] == 1 or t.stride(1) == Nq * t.stride(2) for t in (q, do))
+    ws_kv = _ws_variant([q, k, v, do], consts, ok=H == Hkv or flat)
+    dk, dv = args_kv[7], args_kv[8]
+    _launch("dkdv", _triton_bwd._attn_bwd_dkdv, grid_kv, args_kv, dict(consts_kv, DQ_ATOMIC=False),
+            key_kv, None if config is None else config[0], tma=tma_kv, ws=ws_kv,
+            outputs=(dk, dv))
+    return (_dq_pass(q, k, v, do, mptr, lse2, delta, dq, common, consts, key, scale,
+                     None if config is None else config[1]), dk.to(q.dtype), dv.to(q.dtype))
+
+
+def _dq_pass(q, k, v, do, mptr, lse2, delta, dq, common, consts, key, scale,
+             cfg_q) -> Tensor:
+    """The deterministic backward's dQ launch (split-KV where few query blocks)."""
+    B, H, Nq, D = q.shape
+    Hkv, Nk = k.shape[1], k.shape[2]
+    bd = consts["BLOCK_D"]
+    qk_scale = float(scale) * 1.4426950408889634
     tma_q = _tma_descriptors({"desc_k": k, "desc_v": v}, {"desc_k": "n", "desc_v": "n"}, bd)
-    cfg_q = None if config is None else config[1]
 
     def launch_dq(splits: int, split_n: int) -> Tensor:
         if splits > 1:  # partial dQ per key split (split-KV, as the forward), summed after
@@ -709,9 +763,118 @@ def bwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Tensor,
                 tma=tma_q, ws=ws_q, outputs=(out,))
         return out.sum(2).to(q.dtype) if splits > 1 else out.to(q.dtype)
 
-    grad_q = _with_splits(launch_dq, ("dq", *key, tma_q is not None), B * H, Nq, Nk,
-                          q.device, cfg_q)
-    return grad_q, dk.to(q.dtype), dv.to(q.dtype)
+    return _with_splits(launch_dq, ("dq", *key, tma_q is not None), B * H, Nq, Nk,
+                        q.device, cfg_q)
+
+
+# --------------------------------------------------------------------------- ordered dQ
+_ORDER_PICKS: dict[tuple, bool] = {}  # dK/dV shape class -> the ordered dQ timed faster
+_WAVES: dict[tuple, int] = {}  # (config, Nq blocks, device) -> rotation wave size
+_LAST_LOCKS: list[Tensor] = []  # the last ordered launch's counters ([1]: a wait gave up)
+
+
+def _ordered_applies(consts: dict[str, Any], device: torch.device, Nq: int, Nk: int) -> bool:
+    """Whether the ordered dQ may run here: ``TORCHFN_TRITON_ORDERED_DQ`` not "0", no
+    window or segments (their query ranges are not whole blocks), and a bulk reduce:
+    sm_90+ (the interpreter only with "1"). "auto" also needs Nq >= Nk: with more keys
+    the schedule queues (causal: the key blocks before the first query all start at
+    the first query block; non-causal: a few query blocks for many key blocks), where
+    the split-KV dQ is the better plan."""
+    mode = _ordered_dq.mode()
+    if mode == "0" or consts.get("WINDOW"):
+        return False
+    if is_interpreted():
+        return mode == "1"
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9 and (
+        mode == "1" or Nq >= Nk)
+
+
+def _ordered_wins(key: tuple, device: torch.device, config: Any,
+                  ordered: Callable[[], Any], plain: Callable[[], Any]) -> bool:
+    """Whether the ordered dQ runs for this shape class. "1": always. "auto": on a GPU
+    with the tuner on, once per process the ordered backward and the 7-matmul one are
+    run (each tuned), must agree to rounding, and the faster is kept; without the tuner
+    (or with an explicit config) the measured 7-matmul backward stays."""
+    if _ordered_dq.mode() == "1":
+        return True
+    if not _autotune_enabled() or device.type != "cuda" or config is not None:
+        return False
+    if key not in _ORDER_PICKS:
+        from triton.testing import do_bench
+
+        ref = [t.clone() for t in plain()]  # compiles and tunes both; dk, dv are shared
+        got = ordered()
+        tol = 1e-4 if ref[0].dtype == torch.float32 else 2e-2
+        err = max(_rel_err(g, r) for g, r in zip(got, ref))
+        gave_up = bool(_LAST_LOCKS and _LAST_LOCKS[0][1].item())
+        if err > tol or gave_up:
+            why = "a wait timed out" if gave_up else f"results {err:.1e} off (relative)"
+            warnings.warn(f"torchfn: the ordered-dQ Triton backward failed its check ({why});"
+                          " not used", RuntimeWarning, stacklevel=3)
+            _ORDER_PICKS[key] = False
+        else:
+            t_ord, t_plain = (do_bench(fn, warmup=10, rep=25, return_mode="median")
+                              for fn in (ordered, plain))
+            _ORDER_PICKS[key] = t_ord < t_plain
+    return _ORDER_PICKS[key]
+
+
+def _bwd_ordered(args_kv: tuple, grid_kv: Callable, consts_kv: dict[str, Any], key_kv: tuple,
+                 config: tuple[int, ...] | None, tma_kv: Callable | None, dtype: torch.dtype,
+                 scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    """The 5-matmul deterministic backward: dK/dV add dQ in turn (``DQ_ORDERED``)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    q, dk, dv = args_kv[0], args_kv[7], args_kv[8]
+    B, H, Nq, D = q.shape
+    Nk = args_kv[1].shape[2]
+    bd, causal, interp = consts_kv["BLOCK_D"], consts_kv["IS_CAUSAL"], is_interpreted()
+    # float32, scaled; rows padded to 16 bytes for the descriptor; zeroed by reset()
+    acc = torch.empty((B, H, Nq, -(-D // 4) * 4), dtype=torch.float32, device=q.device)[..., :D]
+    # [0]: tickets, [1]: a wait gave up, then a lock per (batch, head, query block)
+    locks = torch.empty(2 + B * H * triton.cdiv(Nq, 16), dtype=torch.int32, device=q.device)
+
+    def extra(cfg: Config, compile_: Callable[..., Any]) -> dict[str, Any]:
+        kw = dict(LOCKS=locks, DQ_ORDERED=True, TMA_REDUCE=not interp,
+                  spin_limit=64 if interp else 1 << 22,
+                  desc_dq=TensorDescriptor(acc, list(acc.shape), list(acc.stride()),
+                                           [1, 1, cfg.block_m, bd]))
+        kw["wave"] = 1 if causal or interp else _wave(cfg, compile_, kw, q.device, Nq,
+                                                                   Nk)
+        return kw
+
+    def reset() -> None:
+        acc.zero_()
+        locks.zero_()
+
+    args = args_kv[:9] + (acc,) + args_kv[10:]
+    _launch("dkdv_ordered", _triton_bwd._attn_bwd_dkdv, grid_kv, args, consts_kv, key_kv,
+            config, reset=reset, tma=tma_kv, outputs=(dk, dv, acc), extra=extra)
+    _LAST_LOCKS[:] = [locks]
+    if interp and locks[1].item():
+        raise RuntimeError("torchfn: an ordered-dQ wait timed out in the interpreter, where "
+                           "every earlier turn has run: the schedule is inconsistent")
+    return acc.to(dtype, memory_format=torch.contiguous_format), dk.to(dtype), dv.to(dtype)
+
+
+def _wave(cfg: Config, compile_: Callable[..., Any], kw: dict[str, Any],
+          device: torch.device, Nq: int, Nk: int) -> int:
+    """How many non-causal programs of a head rotate together: as many as the GPU runs
+    at once (``_ordered_dq.wave_size``, from the compiled kernel), at most the query
+    blocks. If the kernel cannot be inspected: one program per SM, which the GPU always
+    holds."""
+    n_m, n_kb = triton.cdiv(Nq, cfg.block_m), triton.cdiv(Nk, cfg.block_n)
+    at = (tuple(cfg), n_m, n_kb, device.index)
+    if at not in _WAVES:
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        try:
+            kernel = compile_(**kw, wave=1)
+            kernel._init_handles()
+            _WAVES[at] = _ordered_dq.wave_size(device, kernel.n_regs, kernel.metadata.shared,
+                                               cfg.warps, n_m, n_kb)
+        except Exception:  # noqa: BLE001 - an older Triton: the safe wave
+            _WAVES[at] = _ordered_dq.wave_cap(sms, n_m, n_kb)
+    return _WAVES[at]
 
 
 def jvp(q: Tensor, k: Tensor, v: Tensor, tq: Tensor | None, tk: Tensor | None,
