@@ -17,10 +17,11 @@ and the configs of ``_GPU_TMA_CONFIGS``: its streamed tiles come through tensor
 descriptors, which the GPU autotuner tries on sm_90+. ``fwd_ovl`` and ``dkdv_ovl`` are
 the overlap variants (``PIPELINE``, ``EARLY_DP``) with the configs of
 ``_GPU_OVERLAP_CONFIGS``, each with its own TMA flag. ``dkdv_ordered`` is dK/dV with the
-ordered dQ (``DQ_ORDERED``: TMA bulk reduces behind spin locks, ``_triton_ordered_dq``). ``fwd_ws``, ``dkdv_ws`` and
-``dq_ws`` are the warp-specialized variants (``WARP_SPEC``, ``_GPU_WS_CONFIGS``); for
-them ``warps`` is what Triton made of the 4 requested (12: a producer and two consumer
-warpgroups) and ``setmaxnreg`` counts the register hand-overs between them. A ``_ws``
+ordered dQ (``DQ_ORDERED``: TMA bulk reduces behind spin locks, ``_triton_ordered_dq``).
+``fwd_ws``, ``dkdv_ws`` and ``dq_ws`` are the warp-specialized variants (``WARP_SPEC``,
+``_GPU_WS_CONFIGS``); for them ``warps`` is what Triton made of the 4 requested (12: a
+producer and two consumer warpgroups) and ``setmaxnreg`` counts the register
+hand-overs between them. A ``_ws``
 candidate that Triton did not specialize (12 warps, ``setmaxnreg`` > 0) fails the check.
 
 It exits 1 when a candidate spills or overflows shared memory, so it can guard edits

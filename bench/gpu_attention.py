@@ -634,7 +634,9 @@ def phase_bench(args) -> None:
                          build(*x, mode), timer)
         del q, k, v, do
     _append(args.part, {"kind": "tuned", "configs": {repr(k_): v_ for k_, v_ in
-                                                     T.tuned_configs().items()}})
+                                                     T.tuned_configs().items()},
+                        # per dK/dV shape class: did the ordered dQ time faster?
+                        "ordered_dq": {repr(k_): v_ for k_, v_ in T._ORDER_PICKS.items()}})
 
 
 def _diff_vs_sdpa(q, k, v, do, causal, dname, D, N, dry) -> dict:

@@ -176,12 +176,24 @@ for name, kind, d, cfg, causal, dtype in (
     usage = a._cuobjdump(c.asm["cubin"], "-res-usage")
     stack = re.search(r"STACK:(\\d+)", usage)
     ptx = c.asm["ptx"]
-    out[name] = {"spill": int(stack.group(1)) if stack else 0, "smem": c.metadata.shared,
+    # each bulk reduce and what precedes it since the previous one: release, poll, spin
+    order = []
+    for seg in ptx.split("cp.reduce.async.bulk.tensor")[:-1]:
+        lines = [l.strip() for l in seg.splitlines()]
+        def last(pred, before=len(lines)):
+            return max((i for i, l in enumerate(lines[:before]) if pred(l)), default=-1)
+        spin = last(lambda l: l.startswith("SPIN"))
+        poll = last(lambda l: l.startswith("ld.relaxed.gpu.global.b32 %r"), spin)
+        rel = last(lambda l: "red.release.gpu.global.add" in l, poll)
+        mma = last(lambda l: "mma" in l and "sync.aligned" in l, rel)
+        order.append([mma, rel, poll, spin])
+    out[name] = {"order": order, "spill": int(stack.group(1)) if stack else 0,
+                 "smem": c.metadata.shared,
                  "reduce": ptx.count("cp.reduce.async.bulk.tensor"),
                  "landed": ptx.count("cp.async.bulk.wait_group 0;"),
                  "spin": ptx.count("ld.acquire.gpu.global.b32"),
                  "ticket": ptx.count("atom.global.gpu.acq_rel.add"),
-                 "release": ptx.count("red.global.gpu.release.add")}
+                 "release": ptx.count("red.release.gpu.global.add")}
 print(json.dumps(out))
 """
 
@@ -189,12 +201,19 @@ print(json.dumps(out))
 def test_ordered_dq_builds_for_sm90_with_its_bulk_reduce_and_a_pipelined_loop():
     # The ordered dQ's GPU-only half: each dQ tile leaves by a TMA bulk reduce, the lock
     # moves only after an explicit full wait for it (not only for its read of shared
-    # memory) and with release semantics, the spin polls with acquire loads; no spills at
+    # memory) and with release semantics, the spin polls with acquire loads, in this
+    # order within each step; no spills at
     # the tuned configs (fp32 too). And the key loop is still software-pipelined: with 3
     # stages it holds more tiles in shared memory than with 1 (Triton's own barrier op in
     # the loop had silently turned the pipelining off).
     got = _probe(_ORDERED_PROBE)
     for name, r in got.items():
+        # every reduce comes after its wait, the wait after the poll, the poll after the
+        # previous tile's release, and that after a matmul of the step (Triton orders
+        # these side effects by data only: it had moved the reduce before the wait, and
+        # the release to the top of the loop, where the last reduce had not landed)
+        assert r["order"] and all(0 <= m < rl < p < sp for m, rl, p, sp in r["order"]), (
+            name, r["order"])
         assert r["spill"] == 0 and r["smem"] <= 227 * 1024, (name, r)
         assert r["reduce"] >= 1 and r["landed"] >= 1 and r["spin"] >= 1, (name, r)
         assert r["ticket"] >= 1 and r["release"] >= 1, (name, r)

@@ -87,6 +87,7 @@ from torchfn.kernels._triton_fwd import (
 from torchfn.kernels._triton_ordered_dq import (
     _add_tile,
     _dq_turn,
+    _poll,
     _release,
     _wait_turn,
     _wave_slot,
@@ -184,13 +185,11 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, m_base, lse2_base, delta_base, dq
             pT_lo = pT_drop.to(ELEM)
         dv = tl.dot(pT_lo, do, dv, input_precision=DOT_PREC)
         if DQ_ORDERED:  # the previous tile's reduce has had two matmuls' time to land
-            if has_pend != 0:
-                _release(order[0], pend, TMA_REDUCE)
-            has_pend = 0
+            done = _release(order[0], pend, has_pend, TMA_REDUCE)
         if not EARLY_DP:
             dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)  # (N, M)
-        if DQ_ORDERED:  # polled now, read after two more matmuls
-            seen = tl.load(order[0] + 2 + lock, volatile=True)
+        if DQ_ORDERED:  # polled now (after the release), read after two more matmuls
+            seen = _poll(order[0], lock + done, TMA_REDUCE)
         if DROPOUT:
             dpT = tl.where(keepT, dpT * drop_scale, 0.0)
         dsT = pT * (dpT - delta[None, :])
@@ -211,10 +210,10 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, m_base, lse2_base, delta_base, dq
             dq = tl.dot(tl.trans(dsT), k, input_precision=DOT_PREC) * (qk_scale * LN2)  # (M, D)
             turn = _dq_turn(start_m // BLOCK_M, order[2], order[3], order[4], order[5],
                             order[6], order[7], ORDER_CAUSAL, BLOCK_M, BLOCK_N)
-            _wait_turn(order[0], lock, seen, turn, order[8], TMA_REDUCE)
-            _add_tile(desc_dq, off_b, off_h, start_m, dq, BLOCK_M, BLOCK_D, TMA_REDUCE)
-            pend = lock
-            has_pend = 1
+            seen, ready = _wait_turn(order[0], lock, seen, turn, order[8], TMA_REDUCE)
+            _add_tile(desc_dq, off_b, off_h, start_m + ready, dq, BLOCK_M, BLOCK_D, TMA_REDUCE)
+            pend = lock + ready
+            has_pend = 1 + ready
     return dk, dv, pend, has_pend
 
 
@@ -409,8 +408,7 @@ def _attn_bwd_dkdv(
                     ORDER_CAUSAL=IS_CAUSAL, order=order, desc_dq=desc_dq)
 
         if DQ_ORDERED:
-            if has_pend != 0:
-                _release(LOCKS, pend, TMA_REDUCE)
+            _release(LOCKS, pend, has_pend, TMA_REDUCE)
 
     dk = dk * sm_scale
     _store_rows(DK + off_b * sdkb + off_hk * sdkh, dk.to(DK.dtype.element_ty), offs_n, offs_d,

@@ -19,7 +19,10 @@ rules out a deadlock.
 
 A lock's release waits for the completion of the previous tile's reduce (not only for
 its read of shared memory), and is issued one step late, inside the next tile's
-matmuls, so the wait costs nothing in the common case.
+matmuls, so the wait costs nothing in the common case. Release, poll, wait and add
+pass opaque zeros along (each takes the previous one's as an input): Triton orders
+these side-effecting ops by their data only, and moved the add before the wait until
+they did (a test reads the order back from the sm_90 PTX).
 
 The interpreter has no bulk reduce: there ``TMA_REDUCE`` is off and the tile is read,
 added and written back through the same descriptor, which the locks make exclusive.
@@ -64,51 +67,92 @@ def _dq_turn(mb, kb, n_kb, shift, R, F, a, IS_CAUSAL: tl.constexpr,
 
 
 @triton.jit
-def _release(LOCKS, idx, GPU: tl.constexpr):
-    """Count the tile added under lock ``idx`` (of ``LOCKS + 2``) as done. On a GPU,
-    first wait until this thread's bulk reduces have completed (the writes landed, not
-    only the shared-memory reads Triton waits for before reusing the buffer), then a
-    barrier, so the lock moves after every thread's wait. Both in inline PTX: Triton's
-    own barrier op would stop the pipelining of the key loop around it."""
+def _release(LOCKS, idx, pending, GPU: tl.constexpr):
+    """If ``pending`` != 0, count the tile added under lock ``idx`` (of ``LOCKS + 2``) as
+    done; returns an opaque 0 (what comes after it takes it as an input, so no pass
+    reorders them).
+
+    On a GPU one inline-PTX block, predicated rather than under an ``if`` (Triton
+    hoisted the ``if`` to the top of the loop, where the previous tile's reduce has had
+    no time to land): wait until this thread's bulk reduces have completed (the writes
+    landed, not only the shared-memory reads Triton waits for before reusing the
+    buffer), a barrier, so the lock moves after every thread's wait, then thread 0's
+    release add. In PTX because Triton reacts to its own ops here: a barrier op in the
+    key loop stops its software pipelining, and a global atomic after the bulk reduce
+    makes it wait for the reduce to complete right away, every step."""
     if GPU:
-        tl.inline_asm_elementwise("cp.async.bulk.wait_group 0;\n\tbar.sync 0;\n\t"
-                                  "mov.u32 $0, 0;", "=r", [], dtype=tl.int32,
-                                  is_pure=False, pack=1)
-    tl.atomic_add(LOCKS + 2 + idx, 1, sem="release")
+        zero = tl.inline_asm_elementwise(
+            """{
+            .reg .pred %p<2>;
+            .reg .b32 %t;
+            setp.ne.s32 %p0, $2, 0;
+            @!%p0 bra SKIP${:uid};
+            cp.async.bulk.wait_group 0;
+            bar.sync 0;
+            mov.u32 %t, %tid.x;
+            setp.eq.u32 %p1, %t, 0;
+            @%p1 red.release.gpu.global.add.u32 [$1], 1;
+            SKIP${:uid}:
+            mov.u32 $0, 0;
+            }""",
+            "=r,l,r", [LOCKS + 2 + idx, pending], dtype=tl.int32, is_pure=False, pack=1)
+    else:
+        if pending != 0:
+            tl.atomic_add(LOCKS + 2 + idx, 1, sem="release")
+        zero = tl.full([], 0, tl.int32)
+    return zero
 
 
 @triton.jit
-def _wait_turn(LOCKS, idx, seen, turn, spin_limit, ASM_SPIN: tl.constexpr):
-    """Spin until lock ``idx`` has counted ``turn`` tiles. ``seen``: its value polled
-    earlier in the step (a relaxed load whose latency hid behind the matmuls). Gives up
-    after ``spin_limit`` polls, or once another program gave up (``ERR``, ``LOCKS[1]``),
-    and then sets ``ERR``.
+def _poll(LOCKS, idx, GPU: tl.constexpr):
+    """Lock ``idx``'s count now (relaxed): issued early in a step, its latency hides
+    behind the matmuls, and in the common case it already shows this program's turn."""
+    if GPU:
+        seen = tl.inline_asm_elementwise("ld.relaxed.gpu.global.b32 $0, [$1];", "=r,l",
+                                         [LOCKS + 2 + idx], dtype=tl.int32, is_pure=False,
+                                         pack=1)
+    else:
+        seen = tl.load(LOCKS + 2 + idx, volatile=True)
+    return seen
 
-    ``ASM_SPIN`` (GPU): the loop is one inline-PTX block, so the key loop around it has
-    no nested loop and Triton still software-pipelines it; the interpreter runs the same
-    loop in Triton."""
+
+@triton.jit
+def _wait_turn(LOCKS, idx, seen, turn, spin_limit, GPU: tl.constexpr):
+    """Spin until lock ``idx`` has counted ``turn`` tiles; returns (the count seen, an
+    opaque 0 for the add to take as an input, so it cannot move before the wait).
+    ``seen``: ``_poll``'s earlier value. Gives up after ``spin_limit`` polls, or once
+    another program gave up (``ERR``, ``LOCKS[1]``), and then sets ``ERR``.
+
+    In the common case ``seen`` already equals ``turn`` and nothing is polled: the add
+    that follows is issued only after that value came back (it takes the 0 as an
+    input), and the lock moved only after the previous tile's reduce had completed.
+    On a GPU the loop is one inline-PTX block (acquire loads): a Triton loop here would
+    stop the software pipelining of the key loop around it."""
     lock = LOCKS + 2 + idx
-    if ASM_SPIN:
-        seen = tl.inline_asm_elementwise(
+    if GPU:
+        seen, zero = tl.inline_asm_elementwise(
             """{
-            .reg .pred %p<3>;
+            .reg .pred %p<4>;
             .reg .b32 %n, %e;
             mov.b32 %n, 0;
-            mov.b32 $0, $3;
+            mov.b32 $0, $4;
             SPIN${:uid}:
-            setp.eq.s32 %p0, $0, $4;
+            setp.eq.s32 %p0, $0, $5;
             @%p0 bra DONE${:uid};
-            ld.acquire.gpu.global.b32 $0, [$1];
-            ld.volatile.global.b32 %e, [$2];
+            ld.acquire.gpu.global.b32 $0, [$2];
+            ld.relaxed.gpu.global.b32 %e, [$3];
             add.s32 %n, %n, 1;
-            setp.lt.s32 %p1, %n, $5;
+            setp.lt.s32 %p1, %n, $6;
             setp.eq.s32 %p2, %e, 0;
             and.pred %p1, %p1, %p2;
             @%p1 bra SPIN${:uid};
+            setp.ne.s32 %p3, $0, $5;
+            @%p3 red.relaxed.gpu.global.or.b32 [$3], 1;
             DONE${:uid}:
+            mov.u32 $1, 0;
             }""",
-            "=r,l,l,r,r,r", [lock, LOCKS + 1, seen, turn, spin_limit], dtype=tl.int32,
-            is_pure=False, pack=1)
+            "=r,=r,l,l,r,r,r", [lock, LOCKS + 1, seen, turn, spin_limit],
+            dtype=(tl.int32, tl.int32), is_pure=False, pack=1)
     else:
         polls = 0
         err = 0
@@ -116,8 +160,10 @@ def _wait_turn(LOCKS, idx, seen, turn, spin_limit, ASM_SPIN: tl.constexpr):
             seen = tl.atomic_add(lock, 0, sem="acquire")
             err = tl.load(LOCKS + 1, volatile=True)
             polls += 1
-    if seen != turn:  # gave up: flag it, and add anyway (the bulk reduce is atomic)
-        tl.atomic_xchg(LOCKS + 1, 1)
+        if seen != turn:  # gave up: flag it, and add anyway
+            tl.atomic_xchg(LOCKS + 1, 1)
+        zero = tl.full([], 0, tl.int32)
+    return seen, zero
 
 
 @triton.jit
