@@ -868,7 +868,7 @@ def _wave(cfg: Config, compile_: Callable[..., Any], kw: dict[str, Any],
     if at not in _WAVES:
         sms = torch.cuda.get_device_properties(device).multi_processor_count
         try:
-            kernel = compile_(**kw, wave=1)
+            kernel = compile_(**kw, wave=2)  # (not 1: the JIT would make 1 a constant)
             kernel._init_handles()
             _WAVES[at] = _ordered_dq.wave_size(device, kernel.n_regs, kernel.metadata.shared,
                                                cfg.warps, n_m, n_kb)
