@@ -17,7 +17,8 @@ and the configs of ``_GPU_TMA_CONFIGS``: its streamed tiles come through tensor
 descriptors, which the GPU autotuner tries on sm_90+. ``fwd_ovl`` and ``dkdv_ovl`` are
 the overlap variants (``PIPELINE``, ``EARLY_DP``) with the configs of
 ``_GPU_OVERLAP_CONFIGS``, each with its own TMA flag. ``dkdv_ordered`` is dK/dV with the
-ordered dQ (``DQ_ORDERED``: TMA bulk reduces behind spin locks, ``_triton_ordered_dq``).
+ordered dQ (``DQ_ORDERED``: TMA bulk reduces behind spin locks, ``_triton_ordered_dq``),
+``dkdv_reduce`` the same reduces without the locks (``deterministic=False``).
 ``fwd_ws``, ``dkdv_ws`` and ``dq_ws`` are the warp-specialized variants (``WARP_SPEC``,
 ``_GPU_WS_CONFIGS``); for them ``warps`` is what Triton made of the 4 requested (12: a
 producer and two consumer warpgroups) and ``setmaxnreg`` counts the register
@@ -76,6 +77,7 @@ def _kernel(kind: str):
         "dkdv": _triton_bwd._attn_bwd_dkdv,
         "dkdv_atomic": _triton_bwd._attn_bwd_dkdv,
         "dkdv_ordered": _triton_bwd._attn_bwd_dkdv,
+        "dkdv_reduce": _triton_bwd._attn_bwd_dkdv,
         "dq": _triton_bwd._attn_bwd_dq,
     }[kind]
 
@@ -86,6 +88,7 @@ _TMA_DESCS = {
     "dkdv": {"desc_q": "m", "desc_do": "m"},
     "dkdv_atomic": {"desc_q": "m", "desc_do": "m"},
     "dkdv_ordered": {"desc_q": "m", "desc_do": "m"},
+    "dkdv_reduce": {"desc_q": "m", "desc_do": "m"},
     "dq": {"desc_k": "n", "desc_v": "n"},
 }
 
@@ -117,8 +120,8 @@ def _compile(kind: str, head_dim: int, cfg: tuple[int, int, int, int], dtype: st
                   BLOCK_M=bm, BLOCK_N=bn)
     if kind == "dkdv_atomic":
         consts["DQ_ATOMIC"] = True
-    if kind == "dkdv_ordered":  # dQ by TMA bulk reduce, in turn (``_triton_ordered_dq``)
-        consts["DQ_ORDERED"] = True
+    if kind in ("dkdv_ordered", "dkdv_reduce"):  # dQ by TMA bulk reduce, in turn or not
+        consts["DQ_ORDERED"] = 1 if kind == "dkdv_ordered" else 2
     if ovl:
         consts[_OVERLAP[kind]] = True
     if ws:  # warp-specialized: descriptors made in the kernel, every block masked
@@ -162,9 +165,9 @@ def _compile(kind: str, head_dim: int, cfg: tuple[int, int, int, int], dtype: st
             if not alibi:
                 consts[name] = None
             sig[name] = "*fp32" if alibi else "constexpr"
-        elif name == "desc_dq" and kind == "dkdv_ordered":  # the float32 dQ accumulator
+        elif name == "desc_dq" and "DQ_ORDERED" in consts:  # the float32 dQ accumulator
             sig[name] = f"tensordesc<fp32[1, 1, {bm}, {block_d}]>"
-        elif name == "LOCKS" and kind == "dkdv_ordered":
+        elif name == "LOCKS" and "DQ_ORDERED" in consts:
             sig[name] = "*i32"
         elif name in ("LOCKS", "desc_dq"):  # unused: the launch passes None
             consts[name] = None

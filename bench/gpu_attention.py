@@ -28,7 +28,8 @@ always written. Results go to bench/RESULTS.md by hand.
 
 Providers: ``torchfn`` (raw ops with the library's defaults: deterministic backward, the
 autotuner choosing between tensor-descriptor (TMA) and pointer-load configs),
-``torchfn_atomic`` (``deterministic=False``: dQ by atomics), ``torchfn_ordered`` (the
+``torchfn_atomic`` (``deterministic=False``: dQ by atomics, FlashAttention-2's element
+atomics or, on sm_90, TMA bulk reduces, whichever the tuner timed faster), ``torchfn_ordered`` (the
 deterministic backward with the ordered dQ forced, ``TORCHFN_TRITON_ORDERED_DQ=1``: 5
 matmuls, dQ added in turn by TMA bulk reduces; ``torchfn`` itself times it against the
 7-matmul backward once per shape class and keeps the faster), ``torchfn_ptr`` (pointer
@@ -392,8 +393,8 @@ def warm_tasks(dry: bool, ws: bool = False) -> list[dict]:
                     + [(*c, False) for c in C._candidates(kind, dt, bd)]
                     + [tuple(c) for c in C._overlap_candidates(kind, dt, bd, "auto")])
 
-        fc, kc, qc, ac, oc = (cands(kind) for kind in ("fwd", "dkdv", "dq", "dkdv_atomic",
-                                                        "dkdv_ordered"))
+        fc, kc, qc, ac, oc, rc = (cands(kind) for kind in ("fwd", "dkdv", "dq", "dkdv_atomic",
+                                                            "dkdv_ordered", "dkdv_reduce"))
         common = {"dtype": dname, "D": D, "causal": causal}
         fwd = [dict(common, type="fwd", cfg=c) for c in fc]
         bwd = [dict(common, type="bwd", cfg=(kc[min(i, len(kc) - 1)], qc[min(i, len(qc) - 1)]),
@@ -401,8 +402,9 @@ def warm_tasks(dry: bool, ws: bool = False) -> list[dict]:
         atomic = [dict(common, type="bwd_atomic", cfg=(c, qc[0]), fwd_cfg=fc[0]) for c in ac]
         ordered = [dict(common, type="bwd_ordered", cfg=(c, qc[0]), fwd_cfg=fc[0])
                    for c in oc]
-        first += [fwd[0], bwd[0], atomic[0], ordered[0]]
-        rest += fwd[1:] + bwd[1:] + atomic[1:] + ordered[1:]
+        reduce = [dict(common, type="bwd_reduce", cfg=(c, qc[0]), fwd_cfg=fc[0]) for c in rc]
+        first += [fwd[0], bwd[0], atomic[0], ordered[0], reduce[0]]
+        rest += fwd[1:] + bwd[1:] + atomic[1:] + ordered[1:] + reduce[1:]
         if ws and dt != _dtype("fp32"):
             wc = {kind: [(*c, False, False, True) for c in
                          C._GPU_WS_CONFIGS[kind].get(C._class(dt, bd), [])]
@@ -428,12 +430,13 @@ def warm_kernel(task: dict, dry: bool) -> None:
     q, k, v, do = (torch.randn(1, H, N, D, device=dev, dtype=dtype) for _ in range(4))
     cfg = tuple(task["cfg"]) if task["type"] == "fwd" else tuple(task["fwd_cfg"])
     o, lse = T.fwd(q, k, v, None, causal, D**-0.5, config=cfg)
-    if task["type"] in ("bwd", "bwd_atomic", "bwd_ordered"):
+    if task["type"] in ("bwd", "bwd_atomic", "bwd_ordered", "bwd_reduce"):
         pair = tuple(tuple(c) for c in task["cfg"])
-        os.environ["TORCHFN_TRITON_ORDERED_DQ"] = "1" if task["type"] == "bwd_ordered" else "0"
+        in_dkdv = task["type"] in ("bwd_ordered", "bwd_reduce")  # dQ by bulk reduces
+        os.environ["TORCHFN_TRITON_ORDERED_DQ"] = "1" if in_dkdv else "0"
         try:
-            T.bwd(q, k, v, o, lse, do, None, causal, D**-0.5, task["type"] != "bwd_atomic",
-                  config=pair)
+            T.bwd(q, k, v, o, lse, do, None, causal, D**-0.5,
+                  task["type"] in ("bwd", "bwd_ordered"), config=pair)
         finally:
             os.environ["TORCHFN_TRITON_ORDERED_DQ"] = "auto"
     _sync(dry)

@@ -171,7 +171,8 @@ for name, kind, d, cfg, causal, dtype in (
         ("causal", "dkdv_ordered", 128, (32, 128, 8, 3), True, "bf16"),
         ("d64", "dkdv_ordered_tma", 64, (64, 128, 8, 3), True, "bf16"),
         ("fp32", "dkdv_ordered", 64, (32, 32, 8, 2), False, "fp32"),
-        ("one_stage", "dkdv_ordered", 128, (32, 128, 8, 1), True, "bf16")):
+        ("one_stage", "dkdv_ordered", 128, (32, 128, 8, 1), True, "bf16"),
+        ("unordered", "dkdv_reduce_tma", 128, (32, 128, 8, 3), True, "bf16")):
     c = a._compile(kind, d, cfg, dtype, causal)
     usage = a._cuobjdump(c.asm["cubin"], "-res-usage")
     stack = re.search(r"STACK:(\\d+)", usage)
@@ -207,6 +208,9 @@ def test_ordered_dq_builds_for_sm90_with_its_bulk_reduce_and_a_pipelined_loop():
     # stages it holds more tiles in shared memory than with 1 (Triton's own barrier op in
     # the loop had silently turned the pipelining off).
     got = _probe(_ORDERED_PROBE)
+    unordered = got.pop("unordered")  # deterministic=False: the reduces, no lock at all
+    assert unordered["reduce"] >= 1 and unordered["spill"] == 0, unordered
+    assert unordered["spin"] == unordered["release"] == 0, unordered
     for name, r in got.items():
         # every reduce comes after its wait, the wait after the poll, the poll after the
         # previous tile's release, and that after a matmul of the step (Triton orders

@@ -212,7 +212,8 @@ def shapes(draw):
 def test_ordered_backward_is_the_reference_and_counts_every_tile(shape, seed, rel_err):
     """fp32 within 1e-5 of float64; bitwise the same on a second run; the 7-matmul
     backward's dk, dv, dq to rounding; every ticket taken, no wait timed out (in the
-    interpreter a wrong turn would), and each lock counts its block's key blocks."""
+    interpreter a wrong turn would), and each lock counts its block's key blocks. And
+    ``deterministic=False``'s bulk reduces without locks, against float64."""
     with pytest.MonkeyPatch.context() as mp:
         _check_ordered(shape, seed, mp, rel_err)
 
@@ -240,6 +241,9 @@ def _check_ordered(shape, seed, monkeypatch, rel_err):
     locks = _triton_ops._LAST_LOCKS[0]
     again = _triton_ops.bwd(q, k, v, o, lse, do, m32, causal, scale)
     assert all(torch.equal(a, b) for a, b in zip(got, again))
+    # deterministic=False: the same bulk reduces without the locks
+    unordered = _triton_ops.bwd(q, k, v, o, lse, do, m32, causal, scale, False)
+    assert not _triton_ops._LAST_LOCKS[0][2:].any()  # no lock was counted
     monkeypatch.setenv("TORCHFN_TRITON_ORDERED_DQ", "0")
     plain = _triton_ops.bwd(q, k, v, o, lse, do, m32, causal, scale)
 
@@ -248,9 +252,10 @@ def _check_ordered(shape, seed, monkeypatch, rel_err):
         return (o * do64).sum()
 
     ref = torch.func.grad(loss, argnums=(0, 1, 2))(q64, k64, v64)
-    for name, a, b, c in zip("qkv", got, ref, plain):
+    for name, a, b, c, u in zip("qkv", got, ref, plain, unordered):
         assert rel_err(a, b) <= 1e-5, name
         assert rel_err(a, c) <= 1e-5, name
+        assert rel_err(u, b) <= 1e-5, name
     n_kb, n_m = -(-Nk // bn), -(-Nq // bm)
     assert locks[0].item() == B * Hkv * n_kb and locks[1].item() == 0
     want = _contributors(Nq, Nk, bm, bn, causal, B * Hkv, H // Hkv)
@@ -287,18 +292,18 @@ def test_the_tuner_keeps_the_ordered_dq_only_where_it_is_faster_and_right(t_ord,
     cuda = torch.device("cuda")
     if off:
         with pytest.warns(RuntimeWarning, match="ordered-dQ .* not used"):
-            assert _triton_ops._ordered_wins(("k",), cuda, None, ordered, plain) is want
+            assert _triton_ops._ordered_wins((True, "k"), cuda, None, ordered, plain) is want
     else:
-        assert _triton_ops._ordered_wins(("k",), cuda, None, ordered, plain) is want
+        assert _triton_ops._ordered_wins((True, "k"), cuda, None, ordered, plain) is want
     n = len(calls)
-    assert _triton_ops._ordered_wins(("k",), cuda, None, ordered, plain) is want  # kept
+    assert _triton_ops._ordered_wins((True, "k"), cuda, None, ordered, plain) is want  # kept
     assert len(calls) == n
-    assert _triton_ops._ordered_wins(("k2",), cuda, ((32, 64, 4, 3),) * 2, ordered,
+    assert _triton_ops._ordered_wins((True, "k2"), cuda, ((32, 64, 4, 3),) * 2, ordered,
                                      plain) is False
     monkeypatch.setenv("TORCHFN_TRITON_AUTOTUNE", "0")
-    assert _triton_ops._ordered_wins(("k3",), cuda, None, ordered, plain) is False
+    assert _triton_ops._ordered_wins((True, "k3"), cuda, None, ordered, plain) is False
     monkeypatch.setenv("TORCHFN_TRITON_ORDERED_DQ", "1")
-    assert _triton_ops._ordered_wins(("k4",), cuda, None, ordered, plain) is True
+    assert _triton_ops._ordered_wins((True, "k4"), cuda, None, ordered, plain) is True
 
 
 def test_every_listed_ordered_config_has_block_m_at_most_block_n():

@@ -48,13 +48,14 @@ key's query range).
 transposes them): ``dV += (P * Z)^T dO`` and ``dS = P * (dP * Z - delta)`` with ``Z`` = 0
 where dropped, ``drop_scale`` where kept (``delta = rowsum(dO * O)`` already holds Z).
 
-``DQ_ORDERED`` (deterministic, sm_90+; ``_triton_ordered_dq``): dK/dV also adds each
+``DQ_ORDERED`` = 1 (deterministic, sm_90+; ``_triton_ordered_dq``): dK/dV also adds each
 ``scale dS K`` into a float32 dQ with a TMA bulk reduce, in an order that per-(head, query
 block) locks fix, and the dQ launch is skipped: 5 matmuls, bitwise reproducible
-(FlashAttention-3's deterministic mode). A program takes its key block from a ticket
-(causal: the highest first, so the key blocks add from the diagonal down); its causal
-query range starts at a whole query block; non-causal, it starts at query block ``a``,
-its place in the wave, and wraps around.
+(FlashAttention-3's deterministic mode). ``DQ_ORDERED`` = 2 (``deterministic=False``):
+the same bulk reduces without the locks, in any order (FlashAttention-3's default). A
+program takes its key block from a ticket (causal: the highest first, so the key blocks
+add from the diagonal down); its causal query range starts at a whole query block;
+non-causal, it starts at query block ``a``, its place in the wave, and wraps around.
 
 ``ALIBI``: the forward's bias (``_alibi``) on every recomputed tile, dK/dV's transposed.
 A cotangent for lse (``return_lse``) needs no kernel change: the launcher subtracts it
@@ -132,12 +133,13 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, m_base, lse2_base, delta_base, dq
                 cap2=1.0, SOFTCAP: tl.constexpr = False, seed0=0, seed1=0, drop_thresh=0,
                 drop_scale=1.0, start_n=0, BLOCK_N: tl.constexpr = 16,
                 DROPOUT: tl.constexpr = False, slope2=0.0, ALIBI: tl.constexpr = False,
-                pend=0, has_pend=0, DQ_ORDERED: tl.constexpr = False,
+                pend=0, has_pend=0, DQ_ORDERED: tl.constexpr = 0,
                 TMA_REDUCE: tl.constexpr = True, ORDER_CAUSAL: tl.constexpr = False,
                 order=None, desc_dq=None):
     """dK, dV += the query blocks [lo, hi) of one head. ``DQ_ORDERED``: also add each
-    ``dS K`` into dQ in turn (``_triton_ordered_dq``); ``order`` = (LOCKS, this head's
-    first lock, key block, key blocks, Nk - Nq, R, F, a, spin limit), ``pend`` /
+    ``dS K`` into dQ, in turn (1, ``_triton_ordered_dq``) or in any order (2);
+    ``order`` = (LOCKS, this head's first lock, key block, key blocks, Nk - Nq, R, F, a,
+    spin limit), ``pend`` /
     ``has_pend``: the lock whose tile is still to be released (carried across calls).
     Returns (dk, dv, pend, has_pend)."""
     offs_m0 = tl.arange(0, BLOCK_M)
@@ -184,11 +186,11 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, m_base, lse2_base, delta_base, dq
         else:
             pT_lo = pT_drop.to(ELEM)
         dv = tl.dot(pT_lo, do, dv, input_precision=DOT_PREC)
-        if DQ_ORDERED:  # the previous tile's reduce has had two matmuls' time to land
+        if DQ_ORDERED == 1:  # the previous tile's reduce has had two matmuls' time to land
             done = _release(order[0], pend, has_pend, TMA_REDUCE)
         if not EARLY_DP:
             dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)  # (N, M)
-        if DQ_ORDERED:  # polled now (after the release), read after two more matmuls
+        if DQ_ORDERED == 1:  # polled now (after the release), read after two more matmuls
             seen = _poll(order[0], lock + done, TMA_REDUCE)
         if DROPOUT:
             dpT = tl.where(keepT, dpT * drop_scale, 0.0)
@@ -210,7 +212,10 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, m_base, lse2_base, delta_base, dq
             dq = tl.dot(tl.trans(dsT), k, input_precision=DOT_PREC) * (qk_scale * LN2)  # (M, D)
             turn = _dq_turn(start_m // BLOCK_M, order[2], order[3], order[4], order[5],
                             order[6], order[7], ORDER_CAUSAL, BLOCK_M, BLOCK_N)
-            seen, ready = _wait_turn(order[0], lock, seen, turn, order[8], TMA_REDUCE)
+            if DQ_ORDERED == 1:
+                seen, ready = _wait_turn(order[0], lock, seen, turn, order[8], TMA_REDUCE)
+            else:  # 2: in any order (the bulk reduce is atomic)
+                ready = tl.full([], 0, tl.int32)
             _add_tile(desc_dq, off_b, off_h, start_m + ready, dq, BLOCK_M, BLOCK_D, TMA_REDUCE)
             pend = lock + ready
             has_pend = 1 + ready
@@ -275,7 +280,7 @@ def _attn_bwd_dkdv(
     cap2=1.0, SOFTCAP: tl.constexpr = False,
     SEED=None, drop_thresh=0, drop_scale=1.0, DROPOUT: tl.constexpr = False,
     SLOPES=None, ALIBI: tl.constexpr = False,
-    LOCKS=None, desc_dq=None, DQ_ORDERED: tl.constexpr = False,
+    LOCKS=None, desc_dq=None, DQ_ORDERED: tl.constexpr = 0,
     TMA_REDUCE: tl.constexpr = True, wave=1, spin_limit=1,
 ):
     tl.static_assert(not ((SOFTCAP or DROPOUT or ALIBI) and WARP_SPEC), "no warp spec.")
@@ -407,7 +412,7 @@ def _attn_bwd_dkdv(
                     pend=pend, has_pend=has_pend, DQ_ORDERED=DQ_ORDERED, TMA_REDUCE=TMA_REDUCE,
                     ORDER_CAUSAL=IS_CAUSAL, order=order, desc_dq=desc_dq)
 
-        if DQ_ORDERED:
+        if DQ_ORDERED == 1:
             _release(LOCKS, pend, has_pend, TMA_REDUCE)
 
     dk = dk * sm_scale

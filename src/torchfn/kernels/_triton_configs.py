@@ -44,7 +44,7 @@ class Config(NamedTuple):
 
 # the constexpr flag that ``Config.overlap`` sets, per kernel
 _OVERLAP = {"fwd": "PIPELINE", "dkdv": "EARLY_DP", "dkdv_atomic": "EARLY_DP",
-            "dkdv_ordered": "EARLY_DP"}
+            "dkdv_ordered": "EARLY_DP", "dkdv_reduce": "EARLY_DP"}
 # the kernels with a warp-specialized variant (``Config.ws`` sets ``WARP_SPEC``)
 _WARP_SPEC = ("fwd", "dkdv", "dq")
 
@@ -141,6 +141,8 @@ _GPU_TMA_CONFIGS: dict[str, dict[str, list[tuple[int, int, int, int]]]] = {
         "d128": [(32, 128, 8, 3), (64, 64, 8, 3)],
     },
 }
+for _table in (_GPU_CONFIGS, _GPU_TMA_CONFIGS):  # the bulk reduces without the locks
+    _table["dkdv_reduce"] = _table["dkdv_ordered"]  # (deterministic=False): the same tiles
 # The overlap variants (forward: PIPELINE, dK/dV: EARLY_DP), as (BLOCK_M, BLOCK_N, warps,
 # stages, tma): not timed yet (no GPU since they were written), so the tuner tries them
 # last and the untuned default stays a measured config. Chosen around the sweep's
@@ -185,6 +187,7 @@ _INTERP_CONFIGS: dict[str, tuple[int, int, int, int]] = {
     "dkdv": (32, 64, 4, 1),
     "dkdv_atomic": (32, 64, 4, 1),
     "dkdv_ordered": (32, 64, 4, 1),
+    "dkdv_reduce": (32, 64, 4, 1),
     "dq": (64, 32, 4, 1),
 }
 def _class(dtype: torch.dtype, block_d: int) -> str:

@@ -686,8 +686,9 @@ def bwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Tensor,
               v.stride(0), v.stride(1), v.stride(2), *ms,
               do.stride(0), do.stride(1), do.stride(2))
     atomic = not deterministic
-    # atomic dQ: a float32 (B, H, Nq, D) accumulator, unscaled; else an unused pointer
-    dq_acc = torch.zeros((B, H, Nq, D), dtype=torch.float32, device=q.device) if atomic else dq
+    # atomic dQ: a float32 (B, H, Nq, D) accumulator, unscaled (zeroed before each launch);
+    # else an unused pointer
+    dq_acc = torch.empty((B, H, Nq, D), dtype=torch.float32, device=q.device) if atomic else dq
     args_kv = (q, k, v, mptr, do, lse2, delta, dk, dv, dq_acc, *common,
                dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
                H, Hkv, H // Hkv, Nq, Nk, qk_scale, float(scale))
@@ -698,27 +699,25 @@ def bwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Tensor,
     key_kv = (*key, tma_kv is not None)
     cfg_kv = None if config is None else config[0]
 
-    def ordered() -> tuple[Tensor, Tensor, Tensor]:
+    def in_dkdv() -> tuple[Tensor, Tensor, Tensor]:  # dQ by bulk reduce, ordered or not
         return _bwd_ordered(args_kv, grid_kv, consts_kv, key_kv, cfg_kv, tma_kv, q.dtype,
-                            scale)
+                            scale, ordered=deterministic)
 
-    if deterministic and _ordered_applies(consts, q.device, Nq, Nk):
-        if _ordered_wins(key_kv, q.device, config, ordered,
-                         lambda: _bwd_plain(args_kv, grid_kv, consts_kv, key_kv, config,
-                                            tma_kv, q, k, v, do, mptr, lse2, delta, dq, common,
-                                            consts, key, scale)):
-            return ordered()
-    # GQA: the group's heads are read as consecutive rows (one loop for the pass)
-    flat = all(t.shape[1] == 1 or t.stride(1) == Nq * t.stride(2) for t in (q, do))
-    ws_kv = _ws_variant([q, k, v, do], consts, ok=(H == Hkv or flat) and not atomic)
-    _launch("dkdv_atomic" if atomic else "dkdv", _triton_bwd._attn_bwd_dkdv, grid_kv, args_kv,
-            dict(consts_kv, DQ_ATOMIC=atomic), key_kv, cfg_kv,
-            reset=dq_acc.zero_ if atomic else None, tma=tma_kv, ws=ws_kv,
-            outputs=(dk, dv, dq_acc) if atomic else (dk, dv))
-    if atomic:
+    def element_atomics() -> tuple[Tensor, Tensor, Tensor]:  # FlashAttention-2's
+        _launch("dkdv_atomic", _triton_bwd._attn_bwd_dkdv, grid_kv, args_kv,
+                dict(consts_kv, DQ_ATOMIC=True), key_kv, cfg_kv, reset=dq_acc.zero_,
+                tma=tma_kv, outputs=(dk, dv, dq_acc))
         return (dq_acc * scale).to(q.dtype), dk.to(q.dtype), dv.to(q.dtype)
-    return _dq_pass(q, k, v, do, mptr, lse2, delta, dq, common, consts, key, scale,
-                    None if config is None else config[1]), dk.to(q.dtype), dv.to(q.dtype)
+
+    def two_kernels() -> tuple[Tensor, Tensor, Tensor]:
+        return _bwd_plain(args_kv, grid_kv, consts_kv, key_kv, config, tma_kv, q, k, v, do,
+                          mptr, lse2, delta, dq, common, consts, key, scale)
+
+    rival = two_kernels if deterministic else element_atomics
+    if _ordered_applies(consts, q.device, Nq, Nk) and _ordered_wins(
+            (deterministic, *key_kv), q.device, config, in_dkdv, rival):
+        return in_dkdv()
+    return rival()
 
 
 def _bwd_plain(args_kv, grid_kv, consts_kv, key_kv, config, tma_kv, q, k, v, do, mptr, lse2,
@@ -791,10 +790,12 @@ def _ordered_applies(consts: dict[str, Any], device: torch.device, Nq: int, Nk: 
 
 def _ordered_wins(key: tuple, device: torch.device, config: Any,
                   ordered: Callable[[], Any], plain: Callable[[], Any]) -> bool:
-    """Whether the ordered dQ runs for this shape class. "1": always. "auto": on a GPU
-    with the tuner on, once per process the ordered backward and the 7-matmul one are
-    run (each tuned), must agree to rounding, and the faster is kept; without the tuner
-    (or with an explicit config) the measured 7-matmul backward stays."""
+    """Whether dQ is added inside dK/dV by bulk reduces for this shape class (``key[0]``:
+    deterministic, so in turn; else in any order). "1": always. "auto": on a GPU with
+    the tuner on, once per process that backward and its rival (``plain``: the 7-matmul
+    one, or element atomics) are run (each tuned), must agree to rounding, and the
+    faster is kept; without the tuner (or with an explicit config) the measured rival
+    stays."""
     if _ordered_dq.mode() == "1":
         return True
     if not _autotune_enabled() or device.type != "cuda" or config is not None:
@@ -809,8 +810,9 @@ def _ordered_wins(key: tuple, device: torch.device, config: Any,
         gave_up = bool(_LAST_LOCKS and _LAST_LOCKS[0][1].item())
         if err > tol or gave_up:
             why = "a wait timed out" if gave_up else f"results {err:.1e} off (relative)"
-            warnings.warn(f"torchfn: the ordered-dQ Triton backward failed its check ({why});"
-                          " not used", RuntimeWarning, stacklevel=3)
+            name = "ordered-dQ" if key[0] else "bulk-reduce dQ"
+            warnings.warn(f"torchfn: the {name} Triton backward failed its check ({why}); "
+                          "not used", RuntimeWarning, stacklevel=3)
             _ORDER_PICKS[key] = False
         else:
             t_ord, t_plain = (do_bench(fn, warmup=10, rep=25, return_mode="median")
@@ -821,8 +823,9 @@ def _ordered_wins(key: tuple, device: torch.device, config: Any,
 
 def _bwd_ordered(args_kv: tuple, grid_kv: Callable, consts_kv: dict[str, Any], key_kv: tuple,
                  config: tuple[int, ...] | None, tma_kv: Callable | None, dtype: torch.dtype,
-                 scale: float) -> tuple[Tensor, Tensor, Tensor]:
-    """The 5-matmul deterministic backward: dK/dV add dQ in turn (``DQ_ORDERED``)."""
+                 scale: float, ordered: bool = True) -> tuple[Tensor, Tensor, Tensor]:
+    """The 5-matmul backward with dQ added by bulk reduces inside dK/dV: in turn,
+    deterministic (``DQ_ORDERED`` = 1), or with ``ordered=False`` in any order (2)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     q, dk, dv = args_kv[0], args_kv[7], args_kv[8]
@@ -835,7 +838,7 @@ def _bwd_ordered(args_kv: tuple, grid_kv: Callable, consts_kv: dict[str, Any], k
     locks = torch.empty(2 + B * H * triton.cdiv(Nq, 16), dtype=torch.int32, device=q.device)
 
     def extra(cfg: Config, compile_: Callable[..., Any]) -> dict[str, Any]:
-        kw = dict(LOCKS=locks, DQ_ORDERED=True, TMA_REDUCE=not interp,
+        kw = dict(LOCKS=locks, DQ_ORDERED=1 if ordered else 2, TMA_REDUCE=not interp,
                   spin_limit=64 if interp else 1 << 22,
                   desc_dq=TensorDescriptor(acc, list(acc.shape), list(acc.stride()),
                                            [1, 1, cfg.block_m, bd]))
@@ -848,8 +851,9 @@ def _bwd_ordered(args_kv: tuple, grid_kv: Callable, consts_kv: dict[str, Any], k
         locks.zero_()
 
     args = args_kv[:9] + (acc,) + args_kv[10:]
-    _launch("dkdv_ordered", _triton_bwd._attn_bwd_dkdv, grid_kv, args, consts_kv, key_kv,
-            config, reset=reset, tma=tma_kv, outputs=(dk, dv, acc), extra=extra)
+    _launch("dkdv_ordered" if ordered else "dkdv_reduce", _triton_bwd._attn_bwd_dkdv, grid_kv,
+            args, consts_kv, key_kv, config, reset=reset, tma=tma_kv, outputs=(dk, dv, acc),
+            extra=extra)
     _LAST_LOCKS[:] = [locks]
     if interp and locks[1].item():
         raise RuntimeError("torchfn: an ordered-dQ wait timed out in the interpreter, where "
