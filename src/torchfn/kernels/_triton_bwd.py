@@ -391,20 +391,19 @@ def _attn_bwd_dkdv(
                     start_n=start_n, BLOCK_N=BLOCK_N, DROPOUT=DROPOUT, slope2=slope2, ALIBI=ALIBI,
                     pend=pend, has_pend=has_pend, DQ_ORDERED=DQ_ORDERED, TMA_REDUCE=TMA_REDUCE,
                     ORDER_CAUSAL=IS_CAUSAL, order=order, desc_dq=desc_dq)
-            if not WINDOW:
+            # the unmasked rows [m_mid, Nq); a rotated (non-causal) ordered dQ then wraps
+            # round to [0, m_mid)
+            for r in tl.static_range(0 if WINDOW else (2 if DQ_ORDERED and not IS_CAUSAL
+                                                       else 1)):
+                if r == 0:
+                    lo = m_mid
+                    hi = Nq
+                else:
+                    lo = 0
+                    hi = m_mid
                 dk, dv, pend, has_pend = _dkdv_inner(
                     dk, dv, k, v, q_base, do_base, m_base, LSE2 + row0, DELTA + row0, dq_base,
-                    offs_n, offs_d, m_mid, Nq, sqm, sdm, smm, smn, Nq, Nk, qk_scale, desc_q,
-                    desc_do, off_b, off_h, BLOCK_M, HEAD_DIM, BLOCK_D, False, MASK_KIND, DOT_PREC,
-                    UPCAST, ELEM, DQ_ATOMIC, USE_TMA, EARLY_DP, cap2=cap2, SOFTCAP=SOFTCAP,
-                    seed0=seed0, seed1=seed1, drop_thresh=drop_thresh, drop_scale=drop_scale,
-                    start_n=start_n, BLOCK_N=BLOCK_N, DROPOUT=DROPOUT, slope2=slope2, ALIBI=ALIBI,
-                    pend=pend, has_pend=has_pend, DQ_ORDERED=DQ_ORDERED, TMA_REDUCE=TMA_REDUCE,
-                    ORDER_CAUSAL=IS_CAUSAL, order=order, desc_dq=desc_dq)
-            if DQ_ORDERED and not IS_CAUSAL:  # (wrapped around)
-                dk, dv, pend, has_pend = _dkdv_inner(
-                    dk, dv, k, v, q_base, do_base, m_base, LSE2 + row0, DELTA + row0, dq_base,
-                    offs_n, offs_d, 0, m_mid, sqm, sdm, smm, smn, Nq, Nk, qk_scale, desc_q,
+                    offs_n, offs_d, lo, hi, sqm, sdm, smm, smn, Nq, Nk, qk_scale, desc_q,
                     desc_do, off_b, off_h, BLOCK_M, HEAD_DIM, BLOCK_D, False, MASK_KIND, DOT_PREC,
                     UPCAST, ELEM, DQ_ATOMIC, USE_TMA, EARLY_DP, cap2=cap2, SOFTCAP=SOFTCAP,
                     seed0=seed0, seed1=seed1, drop_thresh=drop_thresh, drop_scale=drop_scale,

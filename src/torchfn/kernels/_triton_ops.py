@@ -582,22 +582,34 @@ def _split_wins(key: tuple, device: torch.device, config: tuple[int, ...] | None
             or _split_kv.mode() != "auto"):
         return True
     if key not in _SPLIT_PICKS:
-        from triton.testing import do_bench
-
-        ref, got = whole(), split()  # compiles and tunes both
-        ref, got = (x if isinstance(x, tuple) else (x,) for x in (ref, got))
-        tol = 1e-4 if ref[0].dtype == torch.float32 else 2e-2
-        err = max(_rel_err(g, r) for g, r in zip(got, ref))
-        if err > tol:
-            warnings.warn(f"torchfn: a split-KV Triton kernel gave results {err:.1e} off "
-                          "the unsplit one's (relative); not used", RuntimeWarning,
-                          stacklevel=3)
-            _SPLIT_PICKS[key] = False
-        else:
-            t_split, t_whole = (do_bench(fn, warmup=10, rep=25, return_mode="median")
-                                for fn in (split, whole))
-            _SPLIT_PICKS[key] = t_split < t_whole
+        _SPLIT_PICKS[key] = _checked_and_faster(split, whole, "a split-KV Triton kernel")
     return _SPLIT_PICKS[key]
+
+
+def _checked_and_faster(variant: Callable[[], Any], rival: Callable[[], Any], what: str,
+                        failed: Callable[[], str | None] = lambda: None) -> bool:
+    """Whether ``variant`` may replace ``rival``: both run (each compiling and tuning its
+    kernels), their outputs must agree to rounding (``|d| / |ref|`` <= 1e-4 for fp32,
+    2e-2 for fp16 / bf16) and ``failed()`` must find nothing, else a warning names
+    ``what`` and the variant is not used; then both are timed and the faster wins."""
+    from triton.testing import do_bench
+
+    def outputs(fn: Callable[[], Any]) -> tuple[Tensor, ...]:
+        out = fn()
+        return out if isinstance(out, tuple) else (out,)
+
+    ref = [t.clone() for t in outputs(rival)]  # (a rival may share buffers with the variant)
+    got = outputs(variant)
+    tol = 1e-4 if ref[0].dtype == torch.float32 else 2e-2
+    err = max(_rel_err(g, r) for g, r in zip(got, ref))
+    why = failed() or (f"results {err:.1e} off (relative)" if err > tol else None)
+    if why:
+        warnings.warn(f"torchfn: {what} failed its check ({why}); not used", RuntimeWarning,
+                      stacklevel=4)
+        return False
+    t_variant, t_rival = (do_bench(fn, warmup=10, rep=25, return_mode="median")
+                          for fn in (variant, rival))
+    return t_variant < t_rival
 
 
 def _merge(o_part: Tensor, lse_part: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
@@ -801,23 +813,9 @@ def _ordered_wins(key: tuple, device: torch.device, config: Any,
     if not _autotune_enabled() or device.type != "cuda" or config is not None:
         return False
     if key not in _ORDER_PICKS:
-        from triton.testing import do_bench
-
-        ref = [t.clone() for t in plain()]  # compiles and tunes both; dk, dv are shared
-        got = ordered()
-        tol = 1e-4 if ref[0].dtype == torch.float32 else 2e-2
-        err = max(_rel_err(g, r) for g, r in zip(got, ref))
-        gave_up = bool(_LAST_LOCKS and _LAST_LOCKS[0][1].item())
-        if err > tol or gave_up:
-            why = "a wait timed out" if gave_up else f"results {err:.1e} off (relative)"
-            name = "ordered-dQ" if key[0] else "bulk-reduce dQ"
-            warnings.warn(f"torchfn: the {name} Triton backward failed its check ({why}); "
-                          "not used", RuntimeWarning, stacklevel=3)
-            _ORDER_PICKS[key] = False
-        else:
-            t_ord, t_plain = (do_bench(fn, warmup=10, rep=25, return_mode="median")
-                              for fn in (ordered, plain))
-            _ORDER_PICKS[key] = t_ord < t_plain
+        _ORDER_PICKS[key] = _checked_and_faster(
+            ordered, plain, f"the {'ordered-dQ' if key[0] else 'bulk-reduce dQ'} Triton backward",
+            lambda: ("a wait timed out" if _LAST_LOCKS and _LAST_LOCKS[0][1].item() else None))
     return _ORDER_PICKS[key]
 
 
