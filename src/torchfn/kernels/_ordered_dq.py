@@ -25,9 +25,11 @@ Why nobody waits, in lockstep (every program one tile per step):
 >>> [turn(mb, a=1, R=3, F=0, causal=False) for mb in range(4)]  # 3 programs, a = 0, 1, 2
 [2, 0, 1, 1]
 
-``TORCHFN_TRITON_ORDERED_DQ``: "auto" (default: on a GPU the tuner times the ordered
-backward against the 7-matmul one once per shape class and keeps the faster), "0"
-(never), "1" (always where it applies; the only way the interpreter uses it).
+``TORCHFN_TRITON_ORDERED_DQ``: "auto" (default: on sm_90+, with Nq >= Nk, the tuner
+times the ordered backward against the 7-matmul one once per shape class and keeps the
+faster; for ``deterministic=False``, the same bulk reduces without the locks against
+element atomics), "0" (never), "1" (always where it applies; the only way the
+interpreter uses it).
 """
 
 from __future__ import annotations

@@ -662,14 +662,14 @@ def bwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Tensor,
     per tile pair, no atomics), or, on sm_90+ where the tuner timed it faster (or with
     ``TORCHFN_TRITON_ORDERED_DQ=1``), the ordered dQ: the dK/dV launch adds each ``dS K``
     into dQ by a TMA bulk reduce, one key block after another in a fixed order
-    (``_ordered_dq``; 5 matmuls). ``False``: dQ is accumulated with float32 atomics inside
-    the dK/dV launch (5 matmuls), at the cost of run-to-run rounding differences in dq
-    (and, on an H200, of speed: the atomics cost more than the two matmuls).
-    ``config`` = (dkdv config, dq config) overrides tuning (the dq one is unused when
-    ``deterministic=False`` or the ordered dQ runs); each may have the flags ``tma``,
-    ``overlap`` (dK/dV) and
-    ``ws`` (dQ; dK/dV when deterministic, and with GQA only for heads stored one after
-    another).
+    (``_ordered_dq``; 5 matmuls). ``False``: dQ is accumulated inside the dK/dV launch
+    in any order (5 matmuls), at the cost of run-to-run rounding differences in dq: by
+    float32 atomics (on an H200 slower than the deterministic backward: the atomics cost
+    more than the two matmuls), or on sm_90+ where the tuner timed it faster by the
+    ordered dQ's bulk reduces without its locks. ``config`` = (dkdv config, dq config)
+    overrides tuning (the dq one is unused when ``deterministic=False`` or the ordered
+    dQ runs); each may have the flags ``tma``, ``overlap`` (dK/dV) and ``ws`` (dQ; dK/dV
+    when deterministic, and with GQA only for heads stored one after another).
     """
     _ensure_mode(q.device)
     q, k, v, o, do = _c(q), _c(k), _c(v), _c(o), _c(do)
@@ -779,14 +779,16 @@ def _dq_pass(q, k, v, do, mptr, lse2, delta, dq, common, consts, key, scale,
 
 
 # --------------------------------------------------------------------------- ordered dQ
-_ORDER_PICKS: dict[tuple, bool] = {}  # dK/dV shape class -> the ordered dQ timed faster
-_WAVES: dict[tuple, int] = {}  # (config, Nq blocks, device) -> rotation wave size
+_ORDER_PICKS: dict[tuple, bool] = {}  # (deterministic, dK/dV shape class) -> the bulk
+# reduces inside dK/dV timed faster than their rival
+_WAVES: dict[tuple, int] = {}  # (config, query blocks, key blocks, device) -> wave size
 _LAST_LOCKS: list[Tensor] = []  # the last ordered launch's counters ([1]: a wait gave up)
 
 
 def _ordered_applies(consts: dict[str, Any], device: torch.device, Nq: int, Nk: int) -> bool:
-    """Whether the ordered dQ may run here: ``TORCHFN_TRITON_ORDERED_DQ`` not "0", no
-    window or segments (their query ranges are not whole blocks), and a bulk reduce:
+    """Whether dQ may be added inside dK/dV by bulk reduces here (the ordered dQ, or
+    without its locks for ``deterministic=False``): ``TORCHFN_TRITON_ORDERED_DQ`` not
+    "0", no window or segments (their query ranges are not whole blocks), and a bulk reduce:
     sm_90+ (the interpreter only with "1"). "auto" also needs Nq >= Nk: with more keys
     the schedule queues (causal: the key blocks before the first query all start at
     the first query block; non-causal: a few query blocks for many key blocks), where
@@ -840,8 +842,10 @@ def _bwd_ordered(args_kv: tuple, grid_kv: Callable, consts_kv: dict[str, Any], k
                   spin_limit=64 if interp else 1 << 22,
                   desc_dq=TensorDescriptor(acc, list(acc.shape), list(acc.stride()),
                                            [1, 1, cfg.block_m, bd]))
-        kw["wave"] = 1 if causal or interp else _wave(cfg, compile_, kw, q.device, Nq,
-                                                                   Nk)
+        if causal or interp:  # (the interpreter runs one program after another)
+            kw["wave"] = 1
+        else:
+            kw["wave"] = _wave(cfg, compile_, kw, q.device, Nq, Nk)
         return kw
 
     def reset() -> None:
@@ -861,10 +865,10 @@ def _bwd_ordered(args_kv: tuple, grid_kv: Callable, consts_kv: dict[str, Any], k
 
 def _wave(cfg: Config, compile_: Callable[..., Any], kw: dict[str, Any],
           device: torch.device, Nq: int, Nk: int) -> int:
-    """How many non-causal programs of a head rotate together: as many as the GPU runs
-    at once (``_ordered_dq.wave_size``, from the compiled kernel), at most the query
-    blocks. If the kernel cannot be inspected: one program per SM, which the GPU always
-    holds."""
+    """How many tickets rotate together (non-causal): as many programs as the GPU runs
+    at once (``_ordered_dq.wave_size``, from the compiled kernel; ``wave_cap`` keeps a
+    head's share within its query blocks). If the kernel cannot be inspected: one
+    program per SM, which the GPU always holds."""
     n_m, n_kb = triton.cdiv(Nq, cfg.block_m), triton.cdiv(Nk, cfg.block_n)
     at = (tuple(cfg), n_m, n_kb, device.index)
     if at not in _WAVES:
