@@ -381,35 +381,30 @@ def _attn_bwd_dkdv(
                     start_n, BLOCK_N, DROPOUT, slope2, ALIBI, pend=pend, has_pend=has_pend,
                     DQ_ORDERED=DQ_ORDERED, TMA_REDUCE=TMA_REDUCE, ORDER_CAUSAL=IS_CAUSAL,
                     order=order, desc_dq=desc_dq)
-            elif IS_CAUSAL:
-                dk, dv, pend, has_pend = _dkdv_inner(
-                    dk, dv, k, v, q_base, do_base, m_base, LSE2 + row0, DELTA + row0, dq_base,
-                    offs_n, offs_d, m_lo, m_mid, sqm, sdm, smm, smn, Nq, Nk, qk_scale, desc_q,
-                    desc_do, off_b, off_h, BLOCK_M, HEAD_DIM, BLOCK_D, True, MASK_KIND, DOT_PREC,
-                    UPCAST, ELEM, DQ_ATOMIC, USE_TMA, EARLY_DP, cap2=cap2, SOFTCAP=SOFTCAP,
-                    seed0=seed0, seed1=seed1, drop_thresh=drop_thresh, drop_scale=drop_scale,
-                    start_n=start_n, BLOCK_N=BLOCK_N, DROPOUT=DROPOUT, slope2=slope2, ALIBI=ALIBI,
-                    pend=pend, has_pend=has_pend, DQ_ORDERED=DQ_ORDERED, TMA_REDUCE=TMA_REDUCE,
-                    ORDER_CAUSAL=IS_CAUSAL, order=order, desc_dq=desc_dq)
-            # the unmasked rows [m_mid, Nq); a rotated (non-causal) ordered dQ then wraps
-            # round to [0, m_mid)
-            for r in tl.static_range(0 if WINDOW else (2 if DQ_ORDERED and not IS_CAUSAL
-                                                       else 1)):
-                if r == 0:
-                    lo = m_mid
-                    hi = Nq
-                else:
-                    lo = 0
-                    hi = m_mid
-                dk, dv, pend, has_pend = _dkdv_inner(
-                    dk, dv, k, v, q_base, do_base, m_base, LSE2 + row0, DELTA + row0, dq_base,
-                    offs_n, offs_d, lo, hi, sqm, sdm, smm, smn, Nq, Nk, qk_scale, desc_q,
-                    desc_do, off_b, off_h, BLOCK_M, HEAD_DIM, BLOCK_D, False, MASK_KIND, DOT_PREC,
-                    UPCAST, ELEM, DQ_ATOMIC, USE_TMA, EARLY_DP, cap2=cap2, SOFTCAP=SOFTCAP,
-                    seed0=seed0, seed1=seed1, drop_thresh=drop_thresh, drop_scale=drop_scale,
-                    start_n=start_n, BLOCK_N=BLOCK_N, DROPOUT=DROPOUT, slope2=slope2, ALIBI=ALIBI,
-                    pend=pend, has_pend=has_pend, DQ_ORDERED=DQ_ORDERED, TMA_REDUCE=TMA_REDUCE,
-                    ORDER_CAUSAL=IS_CAUSAL, order=order, desc_dq=desc_dq)
+            # stage 0: causal, the masked diagonal rows [m_lo, m_mid); 1: the unmasked rows
+            # [m_mid, Nq); 2: a rotated (non-causal) ordered dQ wraps round to [0, m_mid)
+            for r in tl.static_range(3):
+                if not WINDOW and ((r == 0 and IS_CAUSAL) or r == 1
+                                   or (r == 2 and DQ_ORDERED and not IS_CAUSAL)):
+                    if r == 0:
+                        lo = m_lo
+                        hi = m_mid
+                    elif r == 1:
+                        lo = m_mid
+                        hi = Nq
+                    else:
+                        lo = 0
+                        hi = m_mid
+                    dk, dv, pend, has_pend = _dkdv_inner(
+                        dk, dv, k, v, q_base, do_base, m_base, LSE2 + row0, DELTA + row0,
+                        dq_base, offs_n, offs_d, lo, hi, sqm, sdm, smm, smn, Nq, Nk, qk_scale,
+                        desc_q, desc_do, off_b, off_h, BLOCK_M, HEAD_DIM, BLOCK_D, r == 0,
+                        MASK_KIND, DOT_PREC, UPCAST, ELEM, DQ_ATOMIC, USE_TMA, EARLY_DP,
+                        cap2=cap2, SOFTCAP=SOFTCAP, seed0=seed0, seed1=seed1,
+                        drop_thresh=drop_thresh, drop_scale=drop_scale, start_n=start_n,
+                        BLOCK_N=BLOCK_N, DROPOUT=DROPOUT, slope2=slope2, ALIBI=ALIBI, pend=pend,
+                        has_pend=has_pend, DQ_ORDERED=DQ_ORDERED, TMA_REDUCE=TMA_REDUCE,
+                        ORDER_CAUSAL=IS_CAUSAL, order=order, desc_dq=desc_dq)
 
         if DQ_ORDERED == 1:
             _release(LOCKS, pend, has_pend, TMA_REDUCE)
