@@ -363,7 +363,7 @@ def test_per_sample_grads_transformer(benchmark, impl):
     fn = PER_SAMPLE[impl]()
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="There is a performance drop")
-        grads = benchmark.pedantic(fn, args=(params, x, y), rounds=2, warmup_rounds=1)
+        grads = benchmark.pedantic(fn, args=(params, x, y), rounds=10, warmup_rounds=2)
         ref = per_sample_loop(sdpa_attention)(params, x[:2], y[:2])
     for a, b in zip(torch.utils._pytree.tree_leaves(grads), torch.utils._pytree.tree_leaves(ref)):
         assert a.shape[0] == BATCH and torch.allclose(a[:2], b, atol=1e-4)

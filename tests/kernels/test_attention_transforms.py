@@ -147,6 +147,33 @@ def test_vmap_forward_in_dims_and_batched_mask(case, rel_err):
         assert rel_err(out[i], ref) <= case["tol"]
 
 
+def test_grad_of_vmap_and_vmap_of_vmap(case, rel_err):
+    """vmap inside grad (the vmap rule applies the Functions again under grad) and vmap of
+    vmap (it folds twice) == loops."""
+    q, k, v = case["qkv"]
+    normal, w, ours, ref = case["normal"], case["w"], case["ours"], case["ref"]
+    ks = normal(2, B, HKV, NK, D)
+
+    def batched(q, ks):
+        return (vmap(ours, in_dims=(None, 0, None))(q, ks, v) * w).sum()
+
+    def looped(q, ks):
+        return sum((ref(q, ks[i], v) * w.double()).sum() for i in range(ks.shape[0]))
+
+    got = grad(batched, argnums=(0, 1))(q, ks)
+    want = grad(looped, argnums=(0, 1))(q.double(), ks.double())
+    for a, b in zip(got, want):
+        assert rel_err(a, b) <= case["tol"]
+    assert got[1][1].abs().amax() > 0  # the second sample's keys get a gradient
+
+    qs = normal(2, 3, *q.shape)
+    out = vmap(vmap(ours, in_dims=(0, None, None)), in_dims=(0, None, None))(qs, k, v)
+    assert out.shape == (2, 3, *q.shape)
+    for i in range(2):
+        for j in range(3):
+            assert rel_err(out[i, j], ref(qs[i, j], k, v)) <= case["tol"]
+
+
 def test_jacrev(case, rel_err):
     q, k, v = case["qkv"]
     # a small output (B, H, Nq) keeps the number of vmapped cotangents down
