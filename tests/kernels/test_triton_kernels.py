@@ -585,8 +585,9 @@ def test_early_dp_gives_the_same_gradients(causal, mask, deterministic, tma, mon
 
 @given(
     b_h_hkv=st.sampled_from([(1, 1, 1), (2, 2, 1), (1, 4, 2)]),
-    Nq=st.integers(1, 120),
-    Nk=st.integers(1, 120),
+    # up to 6 blocks of 16 a side: zero, one or many full key blocks before the diagonal
+    Nq=st.integers(1, 96),
+    Nk=st.integers(1, 96),
     D=st.sampled_from([8, 20, 32, 48]),
     causal=st.booleans(),
     blocks=st.sampled_from([(16, 16), (16, 32), (32, 16)]),
