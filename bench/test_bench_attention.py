@@ -31,6 +31,11 @@ Groups, each torchfn next to its peer:
   "There is a performance drop because we have not yet implemented the batching rule
   for aten::_scaled_dot_product_flash_attention_for_cpu[_backward]"); a plain Python
   loop of ``grad`` over the batch is the third entry.
+- ``hvp``: a Hessian-vector product ``jvp(grad(loss))`` in q (B=1, H=8, D=64, N=2048,
+  causal): torchfn (second order a block of query rows at a time) vs the materialised
+  ``reference_attention`` under the same transforms (SDPA has no forward-mode AD), and
+  vs torchfn with the whole formula as one block, as before the row blocks. Peak memory
+  is printed for each.
 """
 
 import functools
@@ -39,7 +44,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.func import grad, vmap
+from torch.func import grad, jvp, vmap
 
 from torchfn import random
 from torchfn.kernels import _torch_ops, attention, reference_attention
@@ -367,3 +372,47 @@ def test_per_sample_grads_transformer(benchmark, impl):
         ref = per_sample_loop(sdpa_attention)(params, x[:2], y[:2])
     for a, b in zip(torch.utils._pytree.tree_leaves(grads), torch.utils._pytree.tree_leaves(ref)):
         assert a.shape[0] == BATCH and torch.allclose(a[:2], b, atol=1e-4)
+
+
+# ---------------------------------------------------------------- Hessian-vector product
+
+HN = 2048
+
+
+def _hvp_of(attn):
+    g = torch.Generator().manual_seed(9)
+    q, k, v, w, t = (torch.randn(1, H, HN, D, generator=g) for _ in range(5))
+
+    def loss(q):
+        return (attn(q, k, v) * w).sum()
+
+    return lambda: jvp(grad(loss), (q,), (t,))[1]
+
+
+def _torchfn_causal(q, k, v):
+    return attention(q, k, v, causal=True, backend="torch")
+
+
+HVP_IMPLS = {
+    "torchfn row blocks": lambda: _hvp_of(_torchfn_causal),
+    "torchfn whole formula": lambda: _hvp_of(_torchfn_causal),
+    "materialised reference": lambda: _hvp_of(
+        lambda q, k, v: reference_attention(q, k, v, causal=True)),
+}
+
+
+@pytest.mark.parametrize("impl", list(HVP_IMPLS))
+def test_hvp(benchmark, impl, monkeypatch):
+    from torchfn.kernels import _second_order
+    from torchfn.train import PeakMemory
+
+    benchmark.group = f"hvp jvp(grad) N={HN}"
+    if impl == "torchfn whole formula":
+        monkeypatch.setattr(_second_order, "_BUDGET", 1 << 40)
+    fn = HVP_IMPLS[impl]()
+    with PeakMemory() as mem:
+        out = fn()
+    print(f"\n{impl}: peak {mem.peak / 2**20:.0f} MiB")
+    timed = benchmark.pedantic(fn, rounds=3, warmup_rounds=0)
+    ref = HVP_IMPLS["materialised reference"]()()
+    assert torch.allclose(out, ref, rtol=1e-3, atol=1e-3) and torch.equal(out, timed)

@@ -13,7 +13,7 @@ import torch
 from torch.func import grad, hessian, jacfwd, jacrev, jvp, vmap
 
 from torchfn import random
-from torchfn.kernels import _dropout, attention, reference_attention
+from torchfn.kernels import _dropout, _second_order, attention, reference_attention
 
 # B=1, H=2 query heads on Hkv=1 kv head (GQA), Nq <= Nk=7, odd D, causal + bool mask
 # (and, in the window variants, a sliding window of 2 keys left of the diagonal)
@@ -253,6 +253,36 @@ def test_grad_of_grad(case, rel_err):
     ref = grad(outer(case["ref"], case["w"].double(), u.double()), argnums=(0, 1, 2))(
         q.double(), k.double(), v.double()
     )
+    for a, b in zip(ours, ref):
+        assert rel_err(a, b) <= case["tol2"]
+
+
+def test_hvp_and_grad_of_grad_one_query_row_at_a_time(case, rel_err, monkeypatch):
+    """With the second-order formula run one query row per block (``_second_order``),
+    a Hessian-vector product (forward-over-reverse) and grad-of-grad == the reference's:
+    row offsets of the causal band, window, ALiBi, dropout and segments all carried."""
+    monkeypatch.setattr(_second_order, "_BUDGET", 1)
+    q, k, v = case["qkv"]
+    normal, w = case["normal"], case["w"]
+    tangents = (normal(*q.shape), normal(*k.shape), normal(*v.shape))
+
+    def hvp(fn, w, primals, tangents):
+        return jvp(grad(loss_of(fn, w), argnums=(0, 1, 2)), primals, tangents)[1]
+
+    ours = hvp(case["ours"], w, (q, k, v), tangents)
+    ref = hvp(case["ref"], w.double(), (q.double(), k.double(), v.double()),
+              tuple(t.double() for t in tangents))
+    for a, b in zip(ours, ref):
+        assert rel_err(a, b) <= case["tol2"]
+    assert ref[1].abs().amax() > 0  # k's second derivative is not trivially zero
+
+    def outer(fn, w, u):
+        inner = grad(loss_of(fn, w), argnums=(0, 1, 2))
+        return lambda q, k, v: sum((g * c).sum() for g, c in zip(inner(q, k, v), u))
+
+    ours = grad(outer(case["ours"], w, tangents), argnums=(0, 1, 2))(q, k, v)
+    ref = grad(outer(case["ref"], w.double(), [t.double() for t in tangents]),
+               argnums=(0, 1, 2))(q.double(), k.double(), v.double())
     for a, b in zip(ours, ref):
         assert rel_err(a, b) <= case["tol2"]
 

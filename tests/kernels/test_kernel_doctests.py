@@ -6,7 +6,8 @@ import importlib
 import pytest
 
 MODULES = ["torchfn.kernels._dispatch", "torchfn.kernels._dropout", "torchfn.kernels._reference",
-           "torchfn.kernels._split_kv", "torchfn.kernels._ordered_dq"]
+           "torchfn.kernels._split_kv", "torchfn.kernels._ordered_dq",
+           "torchfn.kernels._second_order"]
 
 
 @pytest.mark.parametrize("name", MODULES)

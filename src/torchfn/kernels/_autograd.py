@@ -16,7 +16,8 @@
    non-differentiable.
 3. ``_AttentionBackward``: forward -> bwd op; its own backward / jvp (second order:
    grad-of-grad, ``hessian``) differentiate the materialised vjp formula of
-   ``_reference`` with ``torch.func``.
+   ``_reference`` with ``torch.func``, a block of query rows at a time
+   (``_second_order``).
 4. ``_AttentionCompiled``: a twin of ``_Attention`` without ``jvp`` (dynamo does not
    trace an ``autograd.Function`` that defines one) and without second order, used under
    ``torch.compile``. Inside a ``torch.func`` transform that is itself being compiled
@@ -29,7 +30,7 @@ import importlib
 import torch
 from torch import Tensor
 
-from . import _reference
+from . import _reference, _second_order
 
 _LIB = "torchfn"
 
@@ -341,18 +342,13 @@ class _AttentionCompiled(torch.autograd.Function):
         return dq, dk, dv, *_NO_GRADS
 
 
-def _vjp_formula(ctx):
-    """The materialised (q, k, v, do) -> (dq, dk, dv) and its saved primals."""
+def _second_order_args(ctx) -> tuple[tuple, dict]:
+    """The backward's saved primals (q, k, v, do[, dlse]) and attention options."""
     q, k, v, do, mask, q_ids, kv_ids, seeds, dlse, slopes = ctx.saved_tensors
-    causal, scale, window, softcap = ctx.causal, ctx.scale, ctx.window, ctx.softcap
-    segments = None if q_ids is None else (q_ids, kv_ids)
-    dropout = ctx.dropout
-
-    def vjp(q, k, v, do, dlse=None):
-        return _reference.attention_vjp(q, k, v, do, mask, causal, scale, window, segments,
-                                        softcap, dropout, seeds, dlse, slopes)
-
-    return vjp, (q, k, v, do) if dlse is None else (q, k, v, do, dlse)
+    args = dict(mask=mask, causal=ctx.causal, scale=ctx.scale, window=ctx.window,
+                segments=None if q_ids is None else (q_ids, kv_ids), softcap=ctx.softcap,
+                dropout=ctx.dropout, seeds=seeds, slopes=slopes)
+    return ((q, k, v, do) if dlse is None else (q, k, v, do, dlse)), args
 
 
 class _AttentionBackward(torch.autograd.Function):
@@ -384,17 +380,15 @@ class _AttentionBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, gq, gk, gv):
-        fn, primals = _vjp_formula(ctx)
-        _, pullback = torch.func.vjp(fn, *primals)
-        rq, rk, rv, rdo, *rdlse = pullback((gq, gk, gv))
+        primals, args = _second_order_args(ctx)
+        rq, rk, rv, rdo, *rdlse = _second_order.vjp(primals, (gq, gk, gv), **args)
         return rq, rk, rv, None, None, rdo, *(None,) * 12, (rdlse or [None])[0], None
 
     @staticmethod
     def jvp(ctx, *t):  # t: the tangents of the inputs (q, k, v, o, lse, do, ..., dlse, slopes)
-        fn, primals = _vjp_formula(ctx)
-        tangents = tuple(torch.zeros_like(p) if x is None else x
-                         for p, x in zip(primals, (t[0], t[1], t[2], t[5], t[18])))
-        return torch.func.jvp(fn, primals, tangents)[1]
+        primals, args = _second_order_args(ctx)
+        tangents = (t[0], t[1], t[2], t[5], t[18])[: len(primals)]
+        return _second_order.jvp(primals, tangents, **args)
 
 
 def attention(

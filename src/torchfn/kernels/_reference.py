@@ -14,13 +14,15 @@ from . import _dropout
 NO_WINDOW = (-1, -1)
 
 
-def band(nq: int, nk: int, causal: bool, window: tuple[int, int], device=None) -> Tensor | None:
+def band(nq: int, nk: int, causal: bool, window: tuple[int, int], device=None,
+         shift: int | None = None) -> Tensor | None:
     """The (Nq, Nk) bool matrix of allowed (query, key) pairs set by ``causal`` and
     ``window``, or None when they allow every pair.
 
-    Query ``i`` sits at position ``i + Nk - Nq`` (bottom-right aligned); it sees key
-    ``j`` iff ``j <= pos`` (causal), ``j >= pos - left`` and ``j <= pos + right``
-    (``window = (left, right)``, -1 = unbounded).
+    Query ``i`` sits at position ``i + shift``, by default ``i + Nk - Nq`` (bottom-right
+    aligned; a block of rows passes its own); it sees key ``j`` iff ``j <= pos``
+    (causal), ``j >= pos - left`` and ``j <= pos + right`` (``window = (left, right)``,
+    -1 = unbounded).
 
     >>> band(3, 3, False, (1, 0)).int()
     tensor([[1, 0, 0],
@@ -32,7 +34,7 @@ def band(nq: int, nk: int, causal: bool, window: tuple[int, int], device=None) -
         right = 0
     if left < 0 and right < 0:
         return None
-    pos = torch.arange(nq, device=device)[:, None] + (nk - nq)  # (Nq, 1)
+    pos = torch.arange(nq, device=device)[:, None] + (nk - nq if shift is None else shift)
     j = torch.arange(nk, device=device)  # (Nk,)
     ok = torch.ones(nq, nk, dtype=torch.bool, device=device)
     if left >= 0:
@@ -77,15 +79,16 @@ def segment_ranges(rows: Tensor, cols: Tensor) -> tuple[Tensor, Tensor]:
     return lo, hi
 
 
-def alibi_bias(slopes: Tensor, nq: int, nk: int) -> Tensor:
+def alibi_bias(slopes: Tensor, nq: int, nk: int, shift: int | None = None) -> Tensor:
     """(B, H, Nq, Nk) ALiBi bias ``-slope * |i + Nk - Nq - j|`` from (B, H) ``slopes``
-    (FlashAttention's ``alibi_slopes``; distances from the bottom-right aligned diagonal).
+    (FlashAttention's ``alibi_slopes``; distances from the bottom-right aligned diagonal;
+    ``shift`` replaces ``Nk - Nq`` for a block of rows, as in :func:`band`).
 
     >>> alibi_bias(torch.tensor([[0.5]]), 2, 3)
     tensor([[[[-0.5000, -0.0000, -0.5000],
               [-1.0000, -0.5000, -0.0000]]]])
     """
-    pos = torch.arange(nq, device=slopes.device)[:, None] + (nk - nq)
+    pos = torch.arange(nq, device=slopes.device)[:, None] + (nk - nq if shift is None else shift)
     dist = (pos - torch.arange(nk, device=slopes.device)).abs().to(slopes.dtype)  # (Nq, Nk)
     return -slopes[:, :, None, None] * dist
 
@@ -93,9 +96,10 @@ def alibi_bias(slopes: Tensor, nq: int, nk: int) -> Tensor:
 def _probs(
     q: Tensor, k: Tensor, mask: Tensor | None, causal: bool, scale: float,
     window: tuple[int, int] = NO_WINDOW, segments: tuple[Tensor, Tensor] | None = None,
-    softcap: float = 0.0, slopes: Tensor | None = None,
+    softcap: float = 0.0, slopes: Tensor | None = None, shift: int | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Softmax probabilities (B, H, Nq, Nk) and logsumexp (B, H, Nq); k: (B, H, Nk, D).
+    ``shift``: the position of query 0 (default Nk - Nq; see :func:`band`).
 
     ``mask`` is bool (True = attend) or additive, broadcastable to (B, H, Nq, Nk).
     ``softcap`` > 0: the scaled scores become ``softcap * tanh(s / softcap)`` before the
@@ -108,8 +112,8 @@ def _probs(
     if mask is not None:
         s = s.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else s + mask
     if slopes is not None:
-        s = s + alibi_bias(slopes.to(s.dtype), s.shape[-2], s.shape[-1])
-    allowed = band(s.shape[-2], s.shape[-1], causal, window, s.device)
+        s = s + alibi_bias(slopes.to(s.dtype), s.shape[-2], s.shape[-1], shift)
+    allowed = band(s.shape[-2], s.shape[-1], causal, window, s.device, shift)
     if allowed is not None:
         s = s.masked_fill(~allowed, float("-inf"))
     if segments is not None:
@@ -122,12 +126,13 @@ def _probs(
     return p, lse.squeeze(-1).masked_fill(dead.squeeze(-1), float("-inf"))
 
 
-def dropped(p: Tensor, dropout: float, seeds: Tensor | None) -> Tensor:
+def dropped(p: Tensor, dropout: float, seeds: Tensor | None, row0: int = 0) -> Tensor:
     """Probabilities (B, H, Nq, Nk) after keyed dropout (``seeds``: (B, H, 2), or None
-    for none): dropped ones are 0, kept ones scaled by 1 / keep rate (``_dropout``)."""
+    for none): dropped ones are 0, kept ones scaled by 1 / keep rate (``_dropout``).
+    ``row0``: the index of p's first row among all queries (a block of rows)."""
     if seeds is None:
         return p
-    rows = torch.arange(p.shape[-2], device=p.device)[:, None]
+    rows = torch.arange(row0, row0 + p.shape[-2], device=p.device)[:, None]
     kept = _dropout.keep(seeds[:, :, None, None, :], rows, 0, p.shape[-1],
                          _dropout.threshold(dropout))
     return p * kept.to(p.dtype) * _dropout.keep_scale(dropout)
@@ -168,9 +173,13 @@ def attention_vjp(
     seeds: Tensor | None = None,
     dlse: Tensor | None = None,
     slopes: Tensor | None = None,
+    rows: tuple[int, int] | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) = vjp of attention at (q, k, v) with cotangent ``do`` (and ``dlse``
     for the logsumexp, (B, H, Nq); None: zero), in plain torch ops.
+
+    ``rows = (row0, nq)``: q, do, dlse (and mask, segments) are the rows ``row0 ..``
+    of ``nq`` queries; then dq is those rows' and dk, dv their share of the sums.
 
     It is itself differentiable (forward and reverse), which is what grad-of-grad,
     ``hessian`` and ``jacfwd(jacrev(.))`` through the fused kernels use.
@@ -182,9 +191,12 @@ def attention_vjp(
     hkv = k.shape[1]
     g = q.shape[1] // hkv
     kr, vr = _repeat_kv(k, g), _repeat_kv(v, g)
-    p, _ = _probs(q, kr, mask, causal, scale, window, segments, softcap, slopes)  # (B,H,Nq,Nk)
-    dv = dropped(p, dropout, seeds).transpose(-1, -2) @ do  # (B, H, Nk, D)
-    dp = dropped(do @ vr.transpose(-1, -2), dropout, seeds)  # o = dropped(P) v
+    row0, shift = 0, None
+    if rows is not None:
+        row0, shift = rows[0], rows[0] + k.shape[2] - rows[1]
+    p, _ = _probs(q, kr, mask, causal, scale, window, segments, softcap, slopes, shift)
+    dv = dropped(p, dropout, seeds, row0).transpose(-1, -2) @ do  # (B, H, Nk, D)
+    dp = dropped(do @ vr.transpose(-1, -2), dropout, seeds, row0)  # o = dropped(P) v
     delta = (dp * p).sum(-1, keepdim=True)  # rowsum(do * o)
     if dlse is not None:  # d lse / d s = p
         delta = delta - dlse.to(acc).unsqueeze(-1)

@@ -1,0 +1,115 @@
+"""Second-order attention derivatives in O(B * H * rows * Nk) memory, not O(Nq * Nk).
+
+The fused backward's own derivatives (grad-of-grad; its jvp, which Hessian-vector
+products ``jvp(grad(f))`` and ``hessian`` run) differentiate ``_reference``'s
+materialised vjp formula with ``torch.func``. That formula is row-separable: given all
+keys, dq's rows are each query's own, and dk, dv are sums over the queries. So it runs
+on blocks of query rows, each with its (B, H, rows, Nk) scores of at most ``_BUDGET``
+elements, and the derivatives of the sums are the sums of the blocks' derivatives:
+
+- ``vjp``: each block's pullback of ``(gq[rows], gk, gv)``; the cotangents of q and do
+  are the blocks' rows, those of k and v the sum over blocks.
+- ``jvp``: each block's pushforward of ``(tq[rows], tk, tv, tdo[rows])``; dq's tangent
+  is the blocks' rows, dk's and dv's the sum.
+
+Forward mode frees each block before the next, so an HVP's peak holds one block's
+scores. Problems that fit the budget run as one block, the materialised formula itself.
+
+Example::
+
+    >>> import torch
+    >>> q = k = v = do = torch.randn(1, 2, 6, 4, dtype=torch.float64)
+    >>> args = dict(mask=None, causal=True, scale=0.5, window=(-1, -1), segments=None,
+    ...             softcap=0.0, dropout=0.0, seeds=None, slopes=None)
+    >>> tangents = (torch.ones_like(q), None, None, None)
+    >>> tdq, tdk, tdv = jvp((q, k, v, do), tangents, budget=2 * 2 * 6, **args)  # 3 blocks
+    >>> tdq.shape, tdk.shape
+    (torch.Size([1, 2, 6, 4]), torch.Size([1, 2, 6, 4]))
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from . import _reference
+
+_BUDGET = 1 << 22  # score elements per block: 16 MiB of fp32 per (B, H, rows, Nk) tensor
+
+
+def row_blocks(b: int, h: int, nq: int, nk: int, budget: int | None = None):
+    """[(i0, i1), ...]: query rows in blocks of at most ``budget`` score elements each
+    (at least one row a block).
+
+    >>> row_blocks(1, 2, 5, 4, budget=16)
+    [(0, 2), (2, 4), (4, 5)]
+    """
+    rows = max(1, (_BUDGET if budget is None else budget) // max(1, b * h * nk))
+    return [(i0, min(nq, i0 + rows)) for i0 in range(0, nq, rows)]
+
+
+def _block_formula(i0: int, i1: int, nq: int, mask, causal, scale, window, segments,
+                   softcap, dropout, seeds, slopes) -> Callable:
+    """The vjp formula of query rows [i0, i1): (q[rows], k, v, do[rows][, dlse[rows]])
+    -> (dq[rows], dk share, dv share)."""
+    whole = (i0, i1) == (0, nq)
+    if mask is not None and mask.shape[2] > 1 and not whole:
+        mask = mask[:, :, i0:i1]
+    if segments is not None and not whole:
+        segments = (segments[0][:, i0:i1], segments[1])
+
+    def formula(q, k, v, do, dlse=None):
+        return _reference.attention_vjp(q, k, v, do, mask, causal, scale, window, segments,
+                                        softcap, dropout, seeds, dlse, slopes,
+                                        rows=None if whole else (i0, nq))
+
+    return formula
+
+
+def _blocks(primals: tuple, budget: int | None):
+    q, k = primals[0], primals[1]
+    return row_blocks(q.shape[0], q.shape[1], q.shape[2], k.shape[2], budget)
+
+
+def _rows(x: Tensor | None, i0: int, i1: int) -> Tensor | None:
+    return None if x is None else x[:, :, i0:i1]
+
+
+def _block_of(xs: tuple, i0: int, i1: int) -> tuple:
+    """(q, k, v, do[, dlse])-shaped ``xs`` with the rows [i0, i1) of all but k and v."""
+    return tuple(x if j in (1, 2) else _rows(x, i0, i1) for j, x in enumerate(xs))
+
+
+def vjp(primals: tuple, cotangents: tuple, *, budget: int | None = None, **args) -> tuple:
+    """The vjp of (q, k, v, do[, dlse]) -> (dq, dk, dv) at ``primals`` for the
+    cotangents (gq, gk, gv): one cotangent per primal. ``args``: the attention options
+    (mask compact 4-D, causal, scale, window, segments, softcap, dropout, seeds,
+    slopes)."""
+    gq, gk, gv = cotangents
+    nq = primals[0].shape[2]
+    per_row, shared = [], None
+    for i0, i1 in _blocks(primals, budget):
+        formula = _block_formula(i0, i1, nq, **args)
+        _, pullback = torch.func.vjp(formula, *_block_of(primals, i0, i1))
+        r = pullback((_rows(gq, i0, i1), gk, gv))
+        per_row.append([r[0], *r[3:]])  # q, do[, dlse]
+        shared = r[1:3] if shared is None else (shared[0] + r[1], shared[1] + r[2])
+    rq, *rest = (torch.cat(xs, dim=2) for xs in zip(*per_row))
+    return (rq, *shared, *rest)
+
+
+def jvp(primals: tuple, tangents: tuple, *, budget: int | None = None, **args) -> tuple:
+    """The jvp of (q, k, v, do[, dlse]) -> (dq, dk, dv) at ``primals`` along
+    ``tangents`` (one per primal; None: zero): (tdq, tdk, tdv)."""
+    tangents = tuple(torch.zeros_like(p) if t is None else t for p, t in zip(primals, tangents))
+    nq = primals[0].shape[2]
+    tdq, tdk, tdv = [], None, None
+    for i0, i1 in _blocks(primals, budget):
+        formula = _block_formula(i0, i1, nq, **args)
+        _, (tq, tk, tv) = torch.func.jvp(formula, _block_of(primals, i0, i1),
+                                         _block_of(tangents, i0, i1))
+        tdq.append(tq)
+        tdk, tdv = (tk, tv) if tdk is None else (tdk + tk, tdv + tv)
+    return torch.cat(tdq, dim=2), tdk, tdv
