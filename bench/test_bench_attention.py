@@ -36,6 +36,10 @@ Groups, each torchfn next to its peer:
   ``reference_attention`` under the same transforms (SDPA has no forward-mode AD), and
   vs torchfn with the whole formula as one block, as before the row blocks. Peak memory
   is printed for each.
+- ``jvp``: forward-mode AD through attention, ``jvp`` in (q, k, v) at the same shapes:
+  torchfn's fused JVP (blockwise, the tangent's softmax terms carried with the
+  output's) vs the materialised ``reference_attention`` under ``jvp``. SDPA has no
+  forward-mode AD at all.
 """
 
 import functools
@@ -416,3 +420,34 @@ def test_hvp(benchmark, impl, monkeypatch):
     timed = benchmark.pedantic(fn, rounds=3, warmup_rounds=0)
     ref = HVP_IMPLS["materialised reference"]()()
     assert torch.allclose(out, ref, rtol=1e-3, atol=1e-3) and torch.equal(out, timed)
+
+
+# ---------------------------------------------------------------- forward-mode AD
+
+
+def _jvp_of(attn):
+    g = torch.Generator().manual_seed(10)
+    primals = tuple(torch.randn(1, H, HN, D, generator=g) for _ in range(3))
+    tangents = tuple(torch.randn(1, H, HN, D, generator=g) for _ in range(3))
+    return lambda: jvp(attn, primals, tangents)
+
+
+JVP_IMPLS = {
+    "torchfn fused jvp": lambda: _jvp_of(_torchfn_causal),
+    "materialised reference": lambda: _jvp_of(
+        lambda q, k, v: reference_attention(q, k, v, causal=True)),
+}
+
+
+@pytest.mark.parametrize("impl", list(JVP_IMPLS))
+def test_jvp(benchmark, impl):
+    from torchfn.train import PeakMemory
+
+    benchmark.group = f"jvp N={HN}"
+    fn = JVP_IMPLS[impl]()
+    with PeakMemory() as mem:
+        out = fn()
+    print(f"\n{impl}: peak {mem.peak / 2**20:.0f} MiB")
+    benchmark.pedantic(fn, rounds=3, warmup_rounds=0)
+    ref = JVP_IMPLS["materialised reference"]()()
+    assert all(torch.allclose(a, b, rtol=1e-4, atol=1e-4) for a, b in zip(out, ref))
