@@ -1,12 +1,16 @@
 """Second-order attention derivatives a block of query rows at a time (``_second_order``):
 the same derivatives as the whole materialised formula, in a fraction of its memory."""
 
+import functools
+
+import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from torch.func import grad, jvp
+from torch.func import grad, jacrev, jvp, vmap
 
-from torchfn.kernels import _second_order, attention
+from torchfn import random
+from torchfn.kernels import _second_order, attention, reference_attention
 from torchfn.train import PeakMemory
 
 
@@ -71,9 +75,11 @@ def test_blocked_derivatives_equal_the_whole_formulas(problem):
             torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
 
 
-def test_hessian_vector_product_holds_one_block_of_scores(monkeypatch):
-    """An HVP through attention in blocks of 64 rows of N = 512: the same result, and its
-    peak memory a fraction of the whole formula's (about ten N x N score tensors)."""
+@pytest.mark.parametrize("mode", ["hvp", "grad-of-grad"])
+def test_second_order_holds_one_block_of_scores(mode, monkeypatch):
+    """An HVP (forward over reverse) and grad-of-grad (reverse over reverse) through
+    attention in blocks of 64 rows of N = 512: the same result, and a peak memory a
+    fraction of the whole formula's (about ten N x N score tensors)."""
     B, H, N, D = 1, 2, 512, 8
     g = torch.Generator().manual_seed(0)
     q, k, v, w, t = (torch.randn(B, H, N, D, generator=g, dtype=torch.float64)
@@ -82,14 +88,79 @@ def test_hessian_vector_product_holds_one_block_of_scores(monkeypatch):
     def loss(q):
         return (attention(q, k, v, causal=True, backend="torch") * w).sum()
 
-    def hvp(budget):
+    def second_order(budget):
         monkeypatch.setattr(_second_order, "_BUDGET", budget)
         with PeakMemory() as mem:
-            out = jvp(grad(loss), (q,), (t,))[1]
+            if mode == "hvp":
+                out = jvp(grad(loss), (q,), (t,))[1]
+            else:
+                out = grad(lambda q: (grad(loss)(q) * t).sum())(q)
         return out, mem.peak / (B * H * N * N * 8)  # in N x N float64 score tensors
 
-    whole, whole_peak = hvp(1 << 40)
-    blocked, blocked_peak = hvp(B * H * 64 * N)
+    whole, whole_peak = second_order(1 << 40)
+    blocked, blocked_peak = second_order(B * H * 64 * N)
     torch.testing.assert_close(blocked, whole, rtol=1e-10, atol=1e-10)
     assert whole_peak > 4  # the test can fail: the whole formula holds several (N, N)
     assert blocked_peak < whole_peak / 4
+
+
+@pytest.mark.parametrize("options", ["mask", "segments-alibi", "dropout-window"])
+def test_third_order_through_the_block_pullbacks(options, monkeypatch):
+    """Third derivatives, reverse and forward over grad-of-grad, one query row a block:
+    the block pullbacks' own backward and jvp (they recompute the block, its option
+    tensors passed in, not captured) == reference."""
+    monkeypatch.setattr(_second_order, "_BUDGET", 1)
+    g = torch.Generator().manual_seed(3)
+
+    def normal(*shape):
+        return torch.randn(*shape, generator=g, dtype=torch.float64)
+
+    q, k, v = normal(1, 2, 4, 3), normal(1, 1, 5, 3), normal(1, 1, 5, 3)  # GQA, Nq < Nk
+    w, u, u2, t = normal(1, 2, 4, 3), normal(1, 2, 4, 3), normal(1, 2, 4, 3), normal(1, 2, 4, 3)
+    kw = dict(mask=torch.rand(1, 1, 4, 5, generator=g) < 0.8)
+    if options == "segments-alibi":
+        kw = dict(segment_ids=(torch.tensor([[0, 1, 1, 1]]), torch.tensor([[0, 0, 1, 1, 1]])),
+                  alibi_slopes=torch.tensor([0.5, 0.25]))
+    elif options == "dropout-window":
+        kw = dict(dropout=0.3, key=random.key(5), window=(2, None))
+
+    def grad_of_grad(attn):
+        def loss(q):
+            return (attn(q, k, v, causal=True, **kw) * w).sum()
+
+        return grad(lambda q: (grad(loss)(q) * u).sum())
+
+    def third(attn):  # (reverse over grad-of-grad, forward over it)
+        gg = grad_of_grad(attn)
+        return grad(lambda q: (gg(q) * u2).sum())(q), jvp(gg, (q,), (t,))[1]
+
+    results = [third(functools.partial(attention, backend="torch")), third(reference_attention)]
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
+    assert results[1][0].abs().amax() > 0 and results[1][1].abs().amax() > 0
+
+
+def test_reverse_over_reverse_hessian_and_per_sample_grad_of_grad(monkeypatch):
+    """``jacrev(jacrev)`` and ``vmap`` over grad-of-grad vmap the block pullbacks (their
+    generated vmap rule), one query row a block: == the reference's."""
+    monkeypatch.setattr(_second_order, "_BUDGET", 1)
+    g = torch.Generator().manual_seed(4)
+
+    def normal(*shape):
+        return torch.randn(*shape, generator=g, dtype=torch.float64)
+
+    q, k, v, w, qs = normal(1, 2, 4, 3), normal(1, 1, 5, 3), normal(1, 1, 5, 3), \
+        normal(1, 2, 4, 3), normal(3, 1, 2, 4, 3)
+    mask = torch.rand(1, 1, 4, 5, generator=g) < 0.8
+
+    def both(attn):
+        def loss(q):
+            return (attn(q, k, v, mask=mask, causal=True) * w).sum()
+
+        grad_of_grad = grad(lambda q: (grad(loss)(q) * w).sum())
+        return jacrev(jacrev(loss))(q), vmap(grad_of_grad)(qs)
+
+    ours, ref = both(functools.partial(attention, backend="torch")), both(reference_attention)
+    for a, b in zip(ours, ref):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+    assert ref[0].shape == (1, 2, 4, 3) * 2 and ref[1].abs().amax() > 0

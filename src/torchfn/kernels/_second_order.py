@@ -8,12 +8,16 @@ on blocks of query rows, each with its (B, H, rows, Nk) scores of at most ``_BUD
 elements, and the derivatives of the sums are the sums of the blocks' derivatives:
 
 - ``vjp``: each block's pullback of ``(gq[rows], gk, gv)``; the cotangents of q and do
-  are the blocks' rows, those of k and v the sum over blocks.
+  are the blocks' rows, those of k and v the sum over blocks. Each pullback is a
+  Function (``_BlockPullback``) that saves only its inputs: grad-of-grad's outer level
+  records the pullbacks (functorch differentiates with ``create_graph``), and would
+  otherwise keep every block's intermediates until its backward ends.
 - ``jvp``: each block's pushforward of ``(tq[rows], tk, tv, tdo[rows])``; dq's tangent
-  is the blocks' rows, dk's and dv's the sum.
+  is the blocks' rows, dk's and dv's the sum. Forward mode frees each block before the
+  next.
 
-Forward mode frees each block before the next, so an HVP's peak holds one block's
-scores. Problems that fit the budget run as one block, the materialised formula itself.
+So an HVP's or grad-of-grad's peak holds one block's scores. Problems that fit the
+budget run as one block, the materialised formula itself.
 
 Example::
 
@@ -50,22 +54,37 @@ def row_blocks(b: int, h: int, nq: int, nk: int, budget: int | None = None):
     return [(i0, min(nq, i0 + rows)) for i0 in range(0, nq, rows)]
 
 
-def _block_formula(i0: int, i1: int, nq: int, mask, causal, scale, window, segments,
-                   softcap, dropout, seeds, slopes) -> Callable:
-    """The vjp formula of query rows [i0, i1): (q[rows], k, v, do[rows][, dlse[rows]])
-    -> (dq[rows], dk share, dv share)."""
+def _block_formula(i0: int, i1: int, nq: int, causal: bool, scale: float,
+                   window: tuple[int, int], softcap: float, dropout: float) -> Callable:
+    """The vjp formula of query rows [i0, i1), given the option tensors:
+    ``(mask, q_ids, kv_ids, seeds, slopes) -> ((q[rows], k, v, do[rows][, dlse[rows]])
+    -> (dq[rows], dk share, dv share))``. The tensors come in as arguments, never
+    captured, so that a Function can take them as inputs (a tensor captured from an
+    outer transform level must not reach a lower one)."""
     whole = (i0, i1) == (0, nq)
-    if mask is not None and mask.shape[2] > 1 and not whole:
-        mask = mask[:, :, i0:i1]
-    if segments is not None and not whole:
-        segments = (segments[0][:, i0:i1], segments[1])
 
-    def formula(q, k, v, do, dlse=None):
-        return _reference.attention_vjp(q, k, v, do, mask, causal, scale, window, segments,
-                                        softcap, dropout, seeds, dlse, slopes,
-                                        rows=None if whole else (i0, nq))
+    def with_options(mask, q_ids, kv_ids, seeds, slopes):
+        if mask is not None and mask.shape[2] > 1 and not whole:
+            mask = mask[:, :, i0:i1]
+        segments = None
+        if q_ids is not None:
+            segments = (q_ids if whole else q_ids[:, i0:i1], kv_ids)
 
-    return formula
+        def formula(q, k, v, do, dlse=None):
+            return _reference.attention_vjp(q, k, v, do, mask, causal, scale, window,
+                                            segments, softcap, dropout, seeds, dlse, slopes,
+                                            rows=None if whole else (i0, nq))
+
+        return formula
+
+    return with_options
+
+
+def _split_args(args: dict) -> tuple[dict, tuple]:
+    """The options as (non-tensor keywords for ``_block_formula``, option tensors)."""
+    segments = args["segments"] or (None, None)
+    statics = {n: args[n] for n in ("causal", "scale", "window", "softcap", "dropout")}
+    return statics, (args["mask"], *segments, args["seeds"], args["slopes"])
 
 
 def _blocks(primals: tuple, budget: int | None):
@@ -82,6 +101,49 @@ def _block_of(xs: tuple, i0: int, i1: int) -> tuple:
     return tuple(x if j in (1, 2) else _rows(x, i0, i1) for j, x in enumerate(xs))
 
 
+_N_OPTIONS = 5  # mask, q_ids, kv_ids, seeds, slopes
+
+
+def _pull(make: Callable, n: int, *xs) -> tuple:
+    """The pullback of ``make(*options)`` at the primals ``xs[:n]`` of the cotangents
+    after them; the last ``_N_OPTIONS`` of ``xs`` are the option tensors."""
+    formula = make(*xs[-_N_OPTIONS:])
+    return torch.func.vjp(formula, *xs[:n])[1](xs[n:-_N_OPTIONS])
+
+
+class _BlockPullback(torch.autograd.Function):
+    """One block's pullback, ``_pull``, saving only its inputs: a reverse pass over it
+    (grad-of-grad's outer level) recomputes the block's scores instead of keeping the
+    intermediates of every block until it ends."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(make, n, *xs):
+        return _pull(make, n, *xs)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.make, ctx.n = inputs[:2]
+        ctx.save_for_backward(*inputs[2:])
+        ctx.save_for_forward(*inputs[2:])
+
+    @staticmethod
+    def backward(ctx, *grads):
+        *xs, = ctx.saved_tensors
+        xs, options = xs[:-_N_OPTIONS], xs[-_N_OPTIONS:]
+        _, pullback = torch.func.vjp(lambda *xs: _pull(ctx.make, ctx.n, *xs, *options), *xs)
+        return (None, None, *pullback(grads), *(None,) * _N_OPTIONS)
+
+    @staticmethod
+    def jvp(ctx, _make, _n, *tangents):
+        *xs, = ctx.saved_tensors
+        xs, options = xs[:-_N_OPTIONS], xs[-_N_OPTIONS:]
+        tangents = tuple(torch.zeros_like(x) if t is None else t for x, t in zip(xs, tangents))
+        return torch.func.jvp(lambda *xs: _pull(ctx.make, ctx.n, *xs, *options), tuple(xs),
+                              tangents)[1]
+
+
 def vjp(primals: tuple, cotangents: tuple, *, budget: int | None = None, **args) -> tuple:
     """The vjp of (q, k, v, do[, dlse]) -> (dq, dk, dv) at ``primals`` for the
     cotangents (gq, gk, gv): one cotangent per primal. ``args``: the attention options
@@ -89,11 +151,12 @@ def vjp(primals: tuple, cotangents: tuple, *, budget: int | None = None, **args)
     slopes)."""
     gq, gk, gv = cotangents
     nq = primals[0].shape[2]
+    statics, options = _split_args(args)
     per_row, shared = [], None
     for i0, i1 in _blocks(primals, budget):
-        formula = _block_formula(i0, i1, nq, **args)
-        _, pullback = torch.func.vjp(formula, *_block_of(primals, i0, i1))
-        r = pullback((_rows(gq, i0, i1), gk, gv))
+        make = _block_formula(i0, i1, nq, **statics)
+        block = (*_block_of(primals, i0, i1), _rows(gq, i0, i1), gk, gv)
+        r = _BlockPullback.apply(make, len(primals), *block, *options)
         per_row.append([r[0], *r[3:]])  # q, do[, dlse]
         shared = r[1:3] if shared is None else (shared[0] + r[1], shared[1] + r[2])
     rq, *rest = (torch.cat(xs, dim=2) for xs in zip(*per_row))
@@ -105,9 +168,10 @@ def jvp(primals: tuple, tangents: tuple, *, budget: int | None = None, **args) -
     ``tangents`` (one per primal; None: zero): (tdq, tdk, tdv)."""
     tangents = tuple(torch.zeros_like(p) if t is None else t for p, t in zip(primals, tangents))
     nq = primals[0].shape[2]
+    statics, options = _split_args(args)
     tdq, tdk, tdv = [], None, None
     for i0, i1 in _blocks(primals, budget):
-        formula = _block_formula(i0, i1, nq, **args)
+        formula = _block_formula(i0, i1, nq, **statics)(*options)
         _, (tq, tk, tv) = torch.func.jvp(formula, _block_of(primals, i0, i1),
                                          _block_of(tangents, i0, i1))
         tdq.append(tq)
