@@ -34,8 +34,8 @@ Groups, each torchfn next to its peer:
 - ``hvp``: a Hessian-vector product ``jvp(grad(loss))`` in q (B=1, H=8, D=64, N=2048,
   causal): torchfn (second order a block of query rows at a time) vs the materialised
   ``reference_attention`` under the same transforms (SDPA has no forward-mode AD), and
-  vs torchfn with the whole formula as one block, as before the row blocks. Peak memory
-  is printed for each.
+  vs torchfn with the whole formula as one block, as before the row blocks; and the
+  same product as grad-of-grad (reverse over reverse). Peak memory is printed for each.
 - ``jvp``: forward-mode AD through attention, ``jvp`` in (q, k, v) at the same shapes:
   torchfn's fused JVP (blockwise, the tangent's softmax terms carried with the
   output's) vs the materialised ``reference_attention`` under ``jvp``. SDPA has no
@@ -383,13 +383,15 @@ def test_per_sample_grads_transformer(benchmark, impl):
 HN = 2048
 
 
-def _hvp_of(attn):
+def _hvp_of(attn, mode="hvp"):
     g = torch.Generator().manual_seed(9)
     q, k, v, w, t = (torch.randn(1, H, HN, D, generator=g) for _ in range(5))
 
     def loss(q):
         return (attn(q, k, v) * w).sum()
 
+    if mode == "grad-of-grad":  # the same product, reverse over reverse
+        return lambda: grad(lambda q: (grad(loss)(q) * t).sum())(q)
     return lambda: jvp(grad(loss), (q,), (t,))[1]
 
 
@@ -398,27 +400,28 @@ def _torchfn_causal(q, k, v):
 
 
 HVP_IMPLS = {
-    "torchfn row blocks": lambda: _hvp_of(_torchfn_causal),
-    "torchfn whole formula": lambda: _hvp_of(_torchfn_causal),
-    "materialised reference": lambda: _hvp_of(
-        lambda q, k, v: reference_attention(q, k, v, causal=True)),
+    "torchfn row blocks": lambda mode: _hvp_of(_torchfn_causal, mode),
+    "torchfn whole formula": lambda mode: _hvp_of(_torchfn_causal, mode),
+    "materialised reference": lambda mode: _hvp_of(
+        lambda q, k, v: reference_attention(q, k, v, causal=True), mode),
 }
 
 
+@pytest.mark.parametrize("mode", ["hvp", "grad-of-grad"])
 @pytest.mark.parametrize("impl", list(HVP_IMPLS))
-def test_hvp(benchmark, impl, monkeypatch):
+def test_hvp(benchmark, impl, mode, monkeypatch):
     from torchfn.kernels import _second_order
     from torchfn.train import PeakMemory
 
-    benchmark.group = f"hvp jvp(grad) N={HN}"
+    benchmark.group = f"{mode} N={HN}"
     if impl == "torchfn whole formula":
         monkeypatch.setattr(_second_order, "_BUDGET", 1 << 40)
-    fn = HVP_IMPLS[impl]()
+    fn = HVP_IMPLS[impl](mode)
     with PeakMemory() as mem:
         out = fn()
-    print(f"\n{impl}: peak {mem.peak / 2**20:.0f} MiB")
+    print(f"\n{impl} {mode}: peak {mem.peak / 2**20:.0f} MiB")
     timed = benchmark.pedantic(fn, rounds=3, warmup_rounds=0)
-    ref = HVP_IMPLS["materialised reference"]()()
+    ref = HVP_IMPLS["materialised reference"](mode)()
     assert torch.allclose(out, ref, rtol=1e-3, atol=1e-3) and torch.equal(out, timed)
 
 
