@@ -22,6 +22,13 @@ def test_row_blocks_cover_every_row_once_within_the_budget(b, h, nq, nk, budget)
     assert all(i1 - i0 == 1 or b * h * (i1 - i0) * nk <= budget for i0, i1 in blocks)
 
 
+def test_accelerators_take_blocks_16x_larger():
+    q, k = torch.empty(1, 8, 4096, 64, device="meta"), torch.empty(1, 8, 4096, 64, device="meta")
+    on_gpu = _second_order._blocks((q, k), None)  # meta: not the CPU, so the GPU budget
+    on_cpu = _second_order._blocks((torch.empty(q.shape), k), None)
+    assert len(on_cpu) == 32 and len(on_gpu) == 2  # 128 and 2048 rows of 4096 keys x 8 heads
+
+
 @st.composite
 def problems(draw):
     """float64 primals (q, k, v, do[, dlse]), matching tangents / cotangents, and options."""

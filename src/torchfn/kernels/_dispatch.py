@@ -432,8 +432,8 @@ def attention(
     forward mode (``jvp``, ``jacfwd``) a fused JVP, ``vmap`` folds the mapped dim into
     the batch. Second order (grad-of-grad, Hessian-vector products ``jvp(grad(f))``,
     ``hessian``) differentiates the materialised backward formula a block of query
-    rows at a time, each block at most 2^22 scores: O(B * H * rows * Nk) memory, not
-    O(B * H * Nq * Nk). Under ``torch.compile`` forward mode is unavailable.
+    rows at a time, each block at most 2^22 scores (2^26 on a GPU): O(B * H * rows * Nk)
+    memory, not O(B * H * Nq * Nk). Under ``torch.compile`` forward mode is unavailable.
 
     >>> import torch
     >>> q = torch.ones(2, 4, 8, 16)

@@ -5,7 +5,8 @@ products ``jvp(grad(f))`` and ``hessian`` run) differentiate ``_reference``'s
 materialised vjp formula with ``torch.func``. That formula is row-separable: given all
 keys, dq's rows are each query's own, and dk, dv are sums over the queries. So it runs
 on blocks of query rows, each with its (B, H, rows, Nk) scores of at most ``_BUDGET``
-elements, and the derivatives of the sums are the sums of the blocks' derivatives:
+elements (16x that on a GPU), and the derivatives of the sums are the sums of the
+blocks' derivatives:
 
 - ``vjp``: each block's pullback of ``(gq[rows], gk, gv)``; the cotangents of q and do
   are the blocks' rows, those of k and v the sum over blocks. Each pullback is a
@@ -41,6 +42,9 @@ from torch import Tensor
 from . import _reference
 
 _BUDGET = 1 << 22  # score elements per block: 16 MiB of fp32 per (B, H, rows, Nk) tensor
+# on a GPU 16x that (256 MiB a tensor, ~2.5 GiB at the peak): a block is ~20 kernel
+# launches, and at 2^22 scores B * H = 32, N = 16k would take 2048 blocks (untimed)
+_GPU_FACTOR = 16
 
 
 def row_blocks(b: int, h: int, nq: int, nk: int, budget: int | None = None):
@@ -89,6 +93,8 @@ def _split_args(args: dict) -> tuple[dict, tuple]:
 
 def _blocks(primals: tuple, budget: int | None):
     q, k = primals[0], primals[1]
+    if budget is None and q.device.type != "cpu":
+        budget = _BUDGET * _GPU_FACTOR
     return row_blocks(q.shape[0], q.shape[1], q.shape[2], k.shape[2], budget)
 
 
