@@ -136,17 +136,15 @@ class _BlockPullback(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        *xs, = ctx.saved_tensors
-        xs, options = xs[:-_N_OPTIONS], xs[-_N_OPTIONS:]
+        xs, options = ctx.saved_tensors[:-_N_OPTIONS], ctx.saved_tensors[-_N_OPTIONS:]
         _, pullback = torch.func.vjp(lambda *xs: _pull(ctx.make, ctx.n, *xs, *options), *xs)
         return (None, None, *pullback(grads), *(None,) * _N_OPTIONS)
 
     @staticmethod
     def jvp(ctx, _make, _n, *tangents):
-        *xs, = ctx.saved_tensors
-        xs, options = xs[:-_N_OPTIONS], xs[-_N_OPTIONS:]
+        xs, options = ctx.saved_tensors[:-_N_OPTIONS], ctx.saved_tensors[-_N_OPTIONS:]
         tangents = tuple(torch.zeros_like(x) if t is None else t for x, t in zip(xs, tangents))
-        return torch.func.jvp(lambda *xs: _pull(ctx.make, ctx.n, *xs, *options), tuple(xs),
+        return torch.func.jvp(lambda *xs: _pull(ctx.make, ctx.n, *xs, *options), xs,
                               tangents)[1]
 
 
