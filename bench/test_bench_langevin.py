@@ -11,11 +11,14 @@ Run (under a minute):
   model.apply(params, x)`` written for one example (a ``torchfn.Model``); keyed noise.
 - ``torchfn-module``: the same sampler on ``lambda x: net(x).squeeze(-1)`` (the
   ``nn.Module`` called directly), to separate the sampler from ``functional_call``.
+- ``torchfn-batched`` / ``torchfn-module-batched``: the same two energies applied to the
+  whole batch, ``langevin(..., batched=True)``: no ``vmap``.
 - ``plain``: what one writes by hand -- ``x.requires_grad_()``, ``torch.autograd.grad(
   net(x).sum(), x)``, ``torch.randn`` noise, update.
 
-The gap is mostly the keyed noise (threefry in eager torch ops; drawn in blocks of
-steps) and ``vmap``'s per-op overhead at these tiny sizes.
+The gap of the per-example entries is ``vmap``'s per-op overhead at these tiny sizes
+(the keyed noise is drawn in blocks of steps: about 1 us a step); ``batched=True``
+removes it.
 """
 
 import pytest
@@ -48,14 +51,18 @@ def plain_langevin(net, x0, steps, eta):
 def run(impl, net, model, params, x0, key):
     if impl == "plain":
         return plain_langevin(net, x0, STEPS, ETA)
-    if impl == "torchfn":
-        energy = lambda x: model.apply(params, x).squeeze(-1)
-    else:
+    if impl.startswith("torchfn-module"):
         energy = lambda x: net(x).squeeze(-1)
-    return langevin(energy, x0, key, steps=STEPS, step_size=ETA)
+    else:
+        energy = lambda x: model.apply(params, x).squeeze(-1)
+    return langevin(energy, x0, key, steps=STEPS, step_size=ETA,
+                    batched=impl.endswith("batched"))
 
 
-@pytest.mark.parametrize("impl", ["torchfn", "torchfn-module", "plain"])
+IMPLS = ["torchfn", "torchfn-module", "torchfn-batched", "torchfn-module-batched", "plain"]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("size", sorted(SIZES))
 def test_langevin(benchmark, impl, size):
     benchmark.group = f"langevin {STEPS} steps, batch {BATCH}, MLP {size}"

@@ -139,6 +139,39 @@ def test_differentiable_chain_matches_finite_differences():
     )
 
 
+def test_batched_energy_equals_the_per_example_one():
+    """``batched=True`` with the same energy written for the batch gives the same chains:
+    the fast path, ``vmap`` over keys, and the differentiable chain's gradient."""
+    g = torch.Generator().manual_seed(1)
+    w1 = torch.randn(16, 3, generator=g, dtype=torch.float64)
+    w2 = torch.randn(16, generator=g, dtype=torch.float64)
+
+    def one(w2):
+        return lambda x: (w2 * torch.nn.functional.silu(w1 @ x)).sum() + 0.1 * (x**2).sum()
+
+    def batch(w2):  # (B, 3) -> (B,)
+        return lambda x: (torch.nn.functional.silu(x @ w1.T) * w2).sum(-1) + 0.1 * (x**2).sum(-1)
+
+    x0 = torch.randn(5, 3, generator=g, dtype=torch.float64)
+    kw = dict(steps=4, step_size=0.05)
+    per_example = langevin(one(w2), x0, random.key(1), **kw)
+    batched = langevin(batch(w2), x0, random.key(1), batched=True, **kw)
+    torch.testing.assert_close(batched, per_example, rtol=1e-12, atol=1e-12)
+    assert not torch.equal(batched, x0)
+
+    keys = random.split(random.key(2), 3)
+    looped = torch.stack([langevin(one(w2), x0, k, **kw) for k in keys])
+    mapped = torch.func.vmap(lambda k: langevin(batch(w2), x0, k, batched=True, **kw))(keys)
+    torch.testing.assert_close(mapped, looped, rtol=1e-12, atol=1e-12)
+
+    def loss(energy_of, batched):
+        return lambda w2: langevin(energy_of(w2), x0, random.key(3), differentiable=True,
+                                   batched=batched, **kw).square().sum()
+
+    torch.testing.assert_close(torch.func.grad(loss(batch, True))(w2),
+                               torch.func.grad(loss(one, False))(w2), rtol=1e-10, atol=1e-12)
+
+
 def test_image_shaped_input_and_float64():
     energy = lambda x: (x.mean(dim=(1, 2)) ** 2).sum() + 0.5 * (x**2).mean()  # (C, H, W) -> ()
     x0 = torch.rand(3, 2, 4, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
@@ -158,6 +191,11 @@ def test_bad_input():
         langevin(lambda x: x**2, x0, k, steps=1, step_size=0.1)
     with pytest.raises(ValueError, match=r"shape \(1,\)"):
         langevin(lambda x: x.sum(0, keepdim=True), x0, k, steps=1, step_size=0.1)
+    with pytest.raises(ValueError, match=r"with batched=True, energy_fn must return one energy "
+                       r"per example, shape \(4,\) .* got shape \(\)"):
+        langevin(e, x0, k, steps=1, step_size=0.1, batched=True)  # per-example energy
+    with pytest.raises(TypeError, match="batched must be a bool, got int"):
+        langevin(e, x0, k, steps=1, step_size=0.1, batched=1)
     with pytest.raises(ValueError, match="step_size must be > 0, got -0.1"):
         langevin(e, x0, k, steps=1, step_size=-0.1)
     with pytest.raises(ValueError, match="step_size must be > 0, got 0"):

@@ -1,4 +1,5 @@
-"""Langevin dynamics on an energy written for one example, batched over chains."""
+"""Langevin dynamics on an energy written for one example, batched over chains (or on
+an energy that takes the whole batch, ``batched=True``)."""
 
 from __future__ import annotations
 
@@ -29,16 +30,34 @@ def _scalar_energy(energy_fn: Callable[[Tensor], Tensor]) -> Callable[[Tensor], 
     return energy
 
 
-def _energy_grad_fast(energy: Callable[[Tensor], Tensor], x: Tensor) -> Tensor:
-    """Per-example grads with one plain backward of the summed batch energy.
+def _batch_energy(energy_fn: Callable[[Tensor], Tensor]) -> Callable[[Tensor], Tensor]:
+    """``energy_fn`` on the batch, checked to give one floating energy per example."""
 
-    ``vmap`` makes the energies of different examples independent, so d(sum_b E(x_b))/dx_b
-    = dE(x_b)/dx_b. Only valid with no torch.func transform active.
+    def energy(x: Tensor) -> Tensor:
+        e = energy_fn(x)
+        if not isinstance(e, Tensor) or tuple(e.shape) != (x.shape[0],):
+            got = f"shape {tuple(e.shape)}" if isinstance(e, Tensor) else type(e).__name__
+            raise ValueError(
+                f"with batched=True, energy_fn must return one energy per example, shape "
+                f"({x.shape[0]},) for an input of shape {tuple(x.shape)}, got {got}"
+            )
+        if not e.dtype.is_floating_point:
+            raise TypeError(f"energy_fn must return floating-point energies, got {e.dtype}")
+        return e
+
+    return energy
+
+
+def _energy_grad_fast(energies: Callable[[Tensor], Tensor], x: Tensor) -> Tensor:
+    """Per-example grads with one plain backward of the summed batch energies
+    (``energies``: (B, ...) -> (B,), each example's energy from its own row).
+
+    The examples' energies are independent, so d(sum_b E(x_b))/dx_b = dE(x_b)/dx_b.
+    Only valid with no torch.func transform active.
     """
     with torch.enable_grad():
         x = x.detach().requires_grad_(True)
-        e = vmap(energy)(x)  # (B,)
-        (g,) = torch.autograd.grad(e.sum(), x)
+        (g,) = torch.autograd.grad(energies(x).sum(), x)
     return g
 
 
@@ -54,11 +73,17 @@ def langevin(
     clamp: tuple[float, float] | None = None,
     return_chain: bool = False,
     differentiable: bool = False,
+    batched: bool = False,
 ) -> Tensor:
     """Run ``steps`` Langevin updates on a batch of chains ``x0: (B, ...)``.
 
     ``energy_fn(x)`` takes ONE example ``x: (...)`` and returns its scalar energy; the
-    sampler batches it with ``vmap``. With ``z ~ N(0, I)`` fresh at each step:
+    sampler batches it with ``vmap``. With ``batched=True`` it takes the whole batch
+    ``(B, ...)`` and returns ``(B,)`` energies instead, each depending on its own example
+    only (an ``nn.Module`` energy usually does; batch norm in train mode does not); the
+    sampler then skips ``vmap``, whose per-op cost dominates at small sizes (on 2 CPU
+    cores an MLP energy's steps ran 1.3-1.6x faster). With ``z ~ N(0, I)`` fresh at
+    each step:
 
     * ``noise_std=None`` (unadjusted Langevin algorithm, ULA)::
 
@@ -84,7 +109,8 @@ def langevin(
     where negatives are constants). Outside torch.func transforms the per-step gradient is
     then one ``torch.autograd.grad`` of the summed energies (valid because the energy is
     written per example and batched with ``vmap``; about 2x faster than ``vmap(grad)``);
-    inside them (``vmap`` over keys, ...) it is ``vmap(grad(energy_fn))``. With
+    inside them (``vmap`` over keys, ...) it is ``vmap(grad(energy_fn))`` (``batched``:
+    ``grad`` of the summed energies). With
     ``differentiable=True`` the chain is kept in the graph (``vmap(grad)`` with
     double-backward), so the output is differentiable with respect to ``x0`` and the
     energy's parameters, under ``torch.autograd`` or ``torch.func.grad`` -- memory grows
@@ -101,6 +127,7 @@ def langevin(
         clamp: ``None`` or ``(lo, hi)`` with ``lo < hi``.
         return_chain: return every state.
         differentiable: keep the chain differentiable (see above).
+        batched: ``energy_fn`` takes the batch and returns one energy per example.
 
     Returns:
         ``(B, ...)`` final states, or ``(steps + 1, B, ...)`` with ``chain[0] = x0``.
@@ -129,16 +156,22 @@ def langevin(
         if len(clamp) != 2 or not clamp[0] < clamp[1]:
             raise ValueError(f"clamp must be None or (lo, hi) with lo < hi, got {clamp!r}")
 
+    if not isinstance(batched, bool):
+        raise TypeError(f"batched must be a bool, got {type(batched).__name__}")
+
     energy = _scalar_energy(energy_fn)
+    energies = _batch_energy(energy_fn) if batched else vmap(energy)  # (B, ...) -> (B,)
     std = (2.0 * step_size) ** 0.5 if noise_std is None else float(noise_std)
     functorch = differentiable or torch._C._are_functorch_transforms_active()
-    grad_fn = vmap(grad(energy)) if functorch else None
+    grad_fn = None
+    if functorch:  # batched: each energy depends on its own row, so grad of the sum
+        grad_fn = grad(lambda x: energies(x).sum()) if batched else vmap(grad(energy))
 
     x = x0 if differentiable else x0.detach()  # (B, ...)
     noise = NoiseStream(key, tuple(x.shape), steps, x.dtype, x.device)
     chain = [x] if return_chain else None
     for t in range(steps):
-        g = grad_fn(x) if functorch else _energy_grad_fast(energy, x)  # (B, ...)
+        g = grad_fn(x) if functorch else _energy_grad_fast(energies, x)  # (B, ...)
         if not differentiable:
             g = g.detach()
         if grad_clip is not None:
