@@ -207,7 +207,7 @@ def shapes(draw):
 
 
 @needs_triton
-@settings(max_examples=30, **SETTINGS)
+@settings(max_examples=16, **SETTINGS)  # ~1.6 s each in the interpreter
 @given(shape=shapes(), seed=st.integers(0, 2**16))
 def test_ordered_backward_is_the_reference_and_counts_every_tile(shape, seed, rel_err):
     """fp32 within 1e-5 of float64; bitwise the same on a second run; the 7-matmul
