@@ -287,6 +287,35 @@ def test_hvp_and_grad_of_grad_one_query_row_at_a_time(case, rel_err, monkeypatch
         assert rel_err(a, b) <= case["tol2"]
 
 
+def test_raw_ops_vmap_rules_equal_loops():
+    """The custom ops' own vmap rules (what ``_AttentionCompiled`` and the fused jvp
+    under ``jacfwd`` reach), called with their optional arguments left out, a mask
+    batched and k shared: == a loop of the ops."""
+    from torchfn.kernels._autograd import attention_bwd, attention_fwd, attention_jvp
+
+    g = torch.Generator().manual_seed(5)
+    q, do, tq = (torch.randn(3, 2, 2, 4, 5, generator=g, dtype=torch.float64) for _ in "abc")
+    k, v = (torch.randn(2, 1, 6, 5, generator=g, dtype=torch.float64) for _ in "kv")
+    mask = torch.rand(3, 1, 1, 4, 6, generator=g) < 0.7  # (V, b = 1 of B = 2, h, Nq, Nk)
+    scale = 0.4
+
+    def fwd(q, mask):
+        return attention_fwd(q, k, v, mask, True, scale, "torch")
+
+    def bwd(q, mask, do):
+        o, lse = fwd(q, mask)
+        return attention_bwd(q, k, v, o, lse, do, mask, True, scale, "torch")
+
+    def tangent(q, mask, tq):
+        return attention_jvp(q, k, v, tq, None, None, mask, True, scale, "torch")
+
+    for fn, args in ((fwd, (q, mask)), (bwd, (q, mask, do)), (tangent, (q, mask, tq))):
+        mapped = torch.func.vmap(fn)(*args)
+        for i in range(q.shape[0]):
+            for a, b in zip(mapped, fn(*(x[i] for x in args))):
+                torch.testing.assert_close(a[i], b, rtol=1e-12, atol=1e-12)
+
+
 def test_opcheck(case):
     """The raw custom ops pass torch.library.opcheck (schema, fake tensors, aot dispatch)."""
     q, k, v = case["qkv"]

@@ -196,11 +196,6 @@ def _fold_mask(mask: Tensor | None, bdim: int | None, size: int, batch: int):
     return mask.reshape(size * batch, *mask.shape[2:])
 
 
-def _dim(in_dims, i: int) -> int | None:
-    """The vmapped dim of argument ``i`` (None when it was left at its default)."""
-    return in_dims[i] if i < len(in_dims) else None
-
-
 def _segments(q_ids: Tensor | None, kv_ids: Tensor | None):
     return None if q_ids is None else (q_ids.contiguous(), kv_ids.contiguous())
 
@@ -210,56 +205,34 @@ def _unfold(x: Tensor, size: int) -> Tensor:
 
 
 def _fold_args(info, in_dims: tuple, args: tuple, mask_at: int) -> list:
-    """A Function's arguments with each tensor's vmapped dim folded into the batch dim
-    (argument 0 is q, ``mask_at`` the compact mask); other arguments as they are."""
+    """An op's or Function's arguments with each tensor's vmapped dim folded into the
+    batch dim (argument 0 is q, ``mask_at`` the compact mask); others as they are."""
     n = info.batch_size
     out = [_fold(x, d, n) if isinstance(x, Tensor) else x for x, d in zip(args, in_dims)]
     out[mask_at] = _fold_mask(args[mask_at], in_dims[mask_at], n, out[0].shape[0] // n)
     return out
 
 
+# Each op's rule folds every tensor argument's vmapped dim into the batch (``_fold_args``;
+# trailing arguments left at their defaults have no in_dims entry) and unfolds the outputs.
+
+
 @torch.library.register_vmap(f"{_LIB}::attention_fwd")
-def _(info, in_dims, q, k, v, mask, causal, scale, backend, window_left=-1, window_right=-1,
-      q_ids=None, kv_ids=None, softcap=0.0, dropout=0.0, seeds=None, slopes=None):
-    n = info.batch_size
-    qd, kd, vd, md = in_dims[:4]
-    q, k, v = _fold(q, qd, n), _fold(k, kd, n), _fold(v, vd, n)
-    mask = _fold_mask(mask, md, n, q.shape[0] // n)
-    q_ids, kv_ids = _fold(q_ids, _dim(in_dims, 9), n), _fold(kv_ids, _dim(in_dims, 10), n)
-    seeds, slopes = _fold(seeds, _dim(in_dims, 13), n), _fold(slopes, _dim(in_dims, 14), n)
-    o, lse = attention_fwd(q, k, v, mask, causal, scale, backend, window_left, window_right,
-                           q_ids, kv_ids, softcap, dropout, seeds, slopes)
-    return (_unfold(o, n), _unfold(lse, n)), (0, 0)
+def _(info, in_dims, *args):
+    outs = attention_fwd(*_fold_args(info, in_dims, args, mask_at=3))
+    return tuple(_unfold(x, info.batch_size) for x in outs), (0, 0)
 
 
 @torch.library.register_vmap(f"{_LIB}::attention_bwd")
-def _(info, in_dims, q, k, v, o, lse, do, mask, causal, scale, backend, deterministic=True,
-      window_left=-1, window_right=-1, q_ids=None, kv_ids=None, softcap=0.0, dropout=0.0,
-      seeds=None, dlse=None, slopes=None):
-    n = info.batch_size
-    q, k, v, o, lse, do = (_fold(x, d, n) for x, d in zip((q, k, v, o, lse, do), in_dims))
-    mask = _fold_mask(mask, in_dims[6], n, q.shape[0] // n)
-    q_ids, kv_ids = _fold(q_ids, _dim(in_dims, 13), n), _fold(kv_ids, _dim(in_dims, 14), n)
-    seeds, dlse = _fold(seeds, _dim(in_dims, 17), n), _fold(dlse, _dim(in_dims, 18), n)
-    slopes = _fold(slopes, _dim(in_dims, 19), n)
-    grads = attention_bwd(q, k, v, o, lse, do, mask, causal, scale, backend, deterministic,
-                          window_left, window_right, q_ids, kv_ids, softcap, dropout, seeds,
-                          dlse, slopes)
-    return tuple(_unfold(g, n) for g in grads), (0, 0, 0)
+def _(info, in_dims, *args):
+    grads = attention_bwd(*_fold_args(info, in_dims, args, mask_at=6))
+    return tuple(_unfold(g, info.batch_size) for g in grads), (0, 0, 0)
 
 
 @torch.library.register_vmap(f"{_LIB}::attention_jvp")
-def _(info, in_dims, q, k, v, tq, tk, tv, mask, causal, scale, backend, window_left=-1,
-      window_right=-1, q_ids=None, kv_ids=None, softcap=0.0, dropout=0.0, seeds=None,
-      slopes=None):
-    n = info.batch_size
-    q, k, v, tq, tk, tv = (_fold(x, d, n) for x, d in zip((q, k, v, tq, tk, tv), in_dims))
-    mask = _fold_mask(mask, in_dims[6], n, q.shape[0] // n)
-    q_ids, kv_ids = _fold(q_ids, _dim(in_dims, 12), n), _fold(kv_ids, _dim(in_dims, 13), n)
-    seeds, slopes = _fold(seeds, _dim(in_dims, 16), n), _fold(slopes, _dim(in_dims, 17), n)
-    outs = attention_jvp(q, k, v, tq, tk, tv, mask, causal, scale, backend, window_left,
-                         window_right, q_ids, kv_ids, softcap, dropout, seeds, slopes)
-    return tuple(_unfold(x, n) for x in outs), (0, 0, 0, 0)
+def _(info, in_dims, *args):
+    outs = attention_jvp(*_fold_args(info, in_dims, args, mask_at=6))
+    return tuple(_unfold(x, info.batch_size) for x in outs), (0, 0, 0, 0)
 
 
 # ---------------------------------------------------------------- autograd
