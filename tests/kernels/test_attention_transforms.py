@@ -241,18 +241,20 @@ def test_hessian(case, rel_err):
     assert torch.allclose(ours, ours.T, atol=10 * case["tol2"])
 
 
+def gradient_dot(fn, w, dirs):
+    """(q, k, v) -> the gradient of ``loss_of(fn, w)`` dotted with ``dirs(q, k, v)``:
+    a scalar whose gradient is a second derivative (grad-of-grad)."""
+    inner = grad(loss_of(fn, w), argnums=(0, 1, 2))
+    return lambda q, k, v: sum((g * c).sum() for g, c in zip(inner(q, k, v), dirs(q, k, v)))
+
+
 def test_grad_of_grad(case, rel_err):
     q, k, v = case["qkv"]
     u = case["normal"](*q.shape)
-
-    def outer(fn, w, u):
-        inner = grad(loss_of(fn, w), argnums=(0, 1, 2))
-        return lambda q, k, v: sum((g * c).sum() for g, c in zip(inner(q, k, v), (u, k, v)))
-
-    ours = grad(outer(case["ours"], case["w"], u), argnums=(0, 1, 2))(q, k, v)
-    ref = grad(outer(case["ref"], case["w"].double(), u.double()), argnums=(0, 1, 2))(
-        q.double(), k.double(), v.double()
-    )
+    ours = grad(gradient_dot(case["ours"], case["w"], lambda q, k, v: (u, k, v)),
+                argnums=(0, 1, 2))(q, k, v)
+    ref = grad(gradient_dot(case["ref"], case["w"].double(), lambda q, k, v: (u.double(), k, v)),
+               argnums=(0, 1, 2))(q.double(), k.double(), v.double())
     for a, b in zip(ours, ref):
         assert rel_err(a, b) <= case["tol2"]
 
@@ -276,12 +278,9 @@ def test_hvp_and_grad_of_grad_one_query_row_at_a_time(case, rel_err, monkeypatch
         assert rel_err(a, b) <= case["tol2"]
     assert ref[1].abs().amax() > 0  # k's second derivative is not trivially zero
 
-    def outer(fn, w, u):
-        inner = grad(loss_of(fn, w), argnums=(0, 1, 2))
-        return lambda q, k, v: sum((g * c).sum() for g, c in zip(inner(q, k, v), u))
-
-    ours = grad(outer(case["ours"], w, tangents), argnums=(0, 1, 2))(q, k, v)
-    ref = grad(outer(case["ref"], w.double(), [t.double() for t in tangents]),
+    ours = grad(gradient_dot(case["ours"], w, lambda *_: tangents), argnums=(0, 1, 2))(q, k, v)
+    doubles = tuple(t.double() for t in tangents)
+    ref = grad(gradient_dot(case["ref"], w.double(), lambda *_: doubles),
                argnums=(0, 1, 2))(q.double(), k.double(), v.double())
     for a, b in zip(ours, ref):
         assert rel_err(a, b) <= case["tol2"]
