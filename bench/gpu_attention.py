@@ -356,6 +356,7 @@ def _ordered_grads(q, k, v, o, lse, do, mask, causal, scale, dry):
     import torch
 
     from torchfn.kernels import _triton_ops as T
+    from torchfn.kernels import _triton_ordered_bwd as O
 
     if not dry and torch.cuda.get_device_capability()[0] < 9:
         return None
@@ -363,7 +364,7 @@ def _ordered_grads(q, k, v, o, lse, do, mask, causal, scale, dry):
     os.environ["TORCHFN_TRITON_ORDERED_DQ"] = "1"
     try:
         runs = [T.bwd(q, k, v, o, lse, do, mask, causal, scale) for _ in range(3)]
-        timeouts = int(T._LAST_LOCKS[0][1].item()) if T._LAST_LOCKS else 0
+        timeouts = int(O._LAST_LOCKS[0][1].item()) if O._LAST_LOCKS else 0
     finally:
         os.environ["TORCHFN_TRITON_ORDERED_DQ"] = old
     same = all(torch.equal(a, b) for run in runs[1:] for a, b in zip(runs[0], run))
@@ -600,6 +601,7 @@ def phase_bench(args) -> None:
     import torch
 
     from torchfn.kernels import _triton_ops as T
+    from torchfn.kernels import _triton_ordered_bwd as O
 
     dry, dev = args.dry_run, _device(args.dry_run)
     timer = _timer(dry)
@@ -639,7 +641,7 @@ def phase_bench(args) -> None:
     _append(args.part, {"kind": "tuned", "configs": {repr(k_): v_ for k_, v_ in
                                                      T.tuned_configs().items()},
                         # per dK/dV shape class: did the ordered dQ time faster?
-                        "ordered_dq": {repr(k_): v_ for k_, v_ in T._ORDER_PICKS.items()}})
+                        "ordered_dq": {repr(k_): v_ for k_, v_ in O._ORDER_PICKS.items()}})
 
 
 def _diff_vs_sdpa(q, k, v, do, causal, dname, D, N, dry) -> dict:

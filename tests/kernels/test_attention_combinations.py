@@ -93,10 +93,10 @@ def _check(backend, case, dtype, tol, rel_err, blocks=None):
             mp.setattr(_torch_ops, "_SCORE_BUDGET", rows * B * H * Nk)
             mp.setattr(_torch_ops, "_USE_SDPA", sdpa)
         elif blocks is not None:
-            from torchfn.kernels import _triton_ops
+            from torchfn.kernels import _triton_configs
 
             blocks, splits, ordered = blocks
-            mp.setattr(_triton_ops, "_INTERP_CONFIGS", blocks)
+            mp.setattr(_triton_configs, "_INTERP_CONFIGS", blocks)
             mp.setenv("TORCHFN_TRITON_SPLIT_KV", str(splits))
             mp.setenv("TORCHFN_TRITON_ORDERED_DQ", "1" if ordered else "0")
         _compare(backend, (B, H, Hkv, Nq, Nk, D, seed), kw, dtype, tol, rel_err)

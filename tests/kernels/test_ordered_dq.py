@@ -219,7 +219,7 @@ def test_ordered_backward_is_the_reference_and_counts_every_tile(shape, seed, re
 
 
 def _check_ordered(shape, seed, monkeypatch, rel_err):
-    from torchfn.kernels import _triton_ops
+    from torchfn.kernels import _triton_configs, _triton_ops, _triton_ordered_bwd
 
     B, H, Hkv, Nq, Nk, D, causal, (bm, bn), mask_kind = shape
     g = torch.Generator().manual_seed(seed)
@@ -234,16 +234,16 @@ def _check_ordered(shape, seed, monkeypatch, rel_err):
     scale = D ** -0.5
     q, k, v, do = (x.float() for x in (q64, k64, v64, do64))
     m32 = mask.float() if mask is not None and mask.is_floating_point() else mask
-    monkeypatch.setitem(_triton_ops._INTERP_CONFIGS, "dkdv_ordered", (bm, bn, 4, 1))
+    monkeypatch.setitem(_triton_configs._INTERP_CONFIGS, "dkdv_ordered", (bm, bn, 4, 1))
     o, lse = _triton_ops.fwd(q, k, v, m32, causal, scale)
     monkeypatch.setenv("TORCHFN_TRITON_ORDERED_DQ", "1")
     got = _triton_ops.bwd(q, k, v, o, lse, do, m32, causal, scale)
-    locks = _triton_ops._LAST_LOCKS[0]
+    locks = _triton_ordered_bwd._LAST_LOCKS[0]
     again = _triton_ops.bwd(q, k, v, o, lse, do, m32, causal, scale)
     assert all(torch.equal(a, b) for a, b in zip(got, again))
     # deterministic=False: the same bulk reduces without the locks
     unordered = _triton_ops.bwd(q, k, v, o, lse, do, m32, causal, scale, False)
-    assert not _triton_ops._LAST_LOCKS[0][2:].any()  # no lock was counted
+    assert not _triton_ordered_bwd._LAST_LOCKS[0][2:].any()  # no lock was counted
     monkeypatch.setenv("TORCHFN_TRITON_ORDERED_DQ", "0")
     plain = _triton_ops.bwd(q, k, v, o, lse, do, m32, causal, scale)
 
@@ -277,10 +277,10 @@ def test_the_tuner_keeps_the_ordered_dq_only_where_it_is_faster_and_right(t_ord,
     7-matmul backward stays; "1" forces the ordered one."""
     import triton.testing
 
-    from torchfn.kernels import _triton_ops
+    from torchfn.kernels import _triton_ordered_bwd
 
-    monkeypatch.setattr(_triton_ops, "_ORDER_PICKS", {})
-    monkeypatch.setattr(_triton_ops, "_LAST_LOCKS", [])
+    monkeypatch.setattr(_triton_ordered_bwd, "_ORDER_PICKS", {})
+    monkeypatch.setattr(_triton_ordered_bwd, "_LAST_LOCKS", [])
     monkeypatch.delenv("TORCHFN_TRITON_ORDERED_DQ", raising=False)
     monkeypatch.delenv("TORCHFN_TRITON_AUTOTUNE", raising=False)
     grads = tuple(torch.randn(2, 3, 5, 8) for _ in range(3))
@@ -292,18 +292,18 @@ def test_the_tuner_keeps_the_ordered_dq_only_where_it_is_faster_and_right(t_ord,
     cuda = torch.device("cuda")
     if off:
         with pytest.warns(RuntimeWarning, match="ordered-dQ .* not used"):
-            assert _triton_ops._ordered_wins((True, "k"), cuda, None, ordered, plain) is want
+            assert _triton_ordered_bwd.wins((True, "k"), cuda, None, ordered, plain) is want
     else:
-        assert _triton_ops._ordered_wins((True, "k"), cuda, None, ordered, plain) is want
+        assert _triton_ordered_bwd.wins((True, "k"), cuda, None, ordered, plain) is want
     n = len(calls)
-    assert _triton_ops._ordered_wins((True, "k"), cuda, None, ordered, plain) is want  # kept
+    assert _triton_ordered_bwd.wins((True, "k"), cuda, None, ordered, plain) is want  # kept
     assert len(calls) == n
-    assert _triton_ops._ordered_wins((True, "k2"), cuda, ((32, 64, 4, 3),) * 2, ordered,
+    assert _triton_ordered_bwd.wins((True, "k2"), cuda, ((32, 64, 4, 3),) * 2, ordered,
                                      plain) is False
     monkeypatch.setenv("TORCHFN_TRITON_AUTOTUNE", "0")
-    assert _triton_ops._ordered_wins((True, "k3"), cuda, None, ordered, plain) is False
+    assert _triton_ordered_bwd.wins((True, "k3"), cuda, None, ordered, plain) is False
     monkeypatch.setenv("TORCHFN_TRITON_ORDERED_DQ", "1")
-    assert _triton_ops._ordered_wins((True, "k4"), cuda, None, ordered, plain) is True
+    assert _triton_ordered_bwd.wins((True, "k4"), cuda, None, ordered, plain) is True
 
 
 def test_every_listed_ordered_config_has_block_m_at_most_block_n():
@@ -321,10 +321,10 @@ def test_per_sample_gradients_through_the_ordered_dq_equal_the_loop(monkeypatch,
     """``vmap(grad)`` through ``attention`` folds the vmapped dim into the batch: the
     ordered dQ then runs over B x H heads at once, and must give each example's own
     gradients (a lock or a ticket shared across examples would mix them)."""
-    from torchfn.kernels import _triton_ops, attention
+    from torchfn.kernels import _triton_ordered_bwd, attention
 
     monkeypatch.setenv("TORCHFN_TRITON_ORDERED_DQ", "1")
-    monkeypatch.setattr(_triton_ops, "_LAST_LOCKS", [])
+    monkeypatch.setattr(_triton_ordered_bwd, "_LAST_LOCKS", [])
     g = torch.Generator().manual_seed(0)
     q = torch.randn(3, 2, 40, 16, generator=g)
     k, v = (torch.randn(3, 1, 50, 16, generator=g) for _ in "kv")
@@ -335,7 +335,8 @@ def test_per_sample_gradients_through_the_ordered_dq_equal_the_loop(monkeypatch,
 
     grad = torch.func.grad(loss, argnums=(0, 1, 2))
     per_sample = torch.func.vmap(grad)(q, k, v)
-    assert _triton_ops._LAST_LOCKS and _triton_ops._LAST_LOCKS[0][0].item() > 0  # it ran
+    locks = _triton_ordered_bwd._LAST_LOCKS
+    assert locks and locks[0][0].item() > 0  # it ran
     loop = [grad(q[i], k[i], v[i]) for i in range(3)]
     for got, want in zip(per_sample, zip(*loop)):
         assert rel_err(got, torch.stack(want)) <= 1e-6

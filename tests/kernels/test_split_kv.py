@@ -142,10 +142,10 @@ def test_split_forward_equals_the_unsplit_forward(name, splits, monkeypatch, rel
 @needs_triton
 def test_one_query_against_many_keys_in_many_splits(monkeypatch, rel_err):
     """Decoding: Nq = 1, 64 splits of 16 keys with a 16-wide key block."""
-    from torchfn.kernels import _triton_ops
+    from torchfn.kernels import _triton_configs, _triton_ops
 
-    monkeypatch.setattr(_triton_ops, "_INTERP_CONFIGS",
-                        dict(_triton_ops._INTERP_CONFIGS, fwd=(16, 16, 4, 1)))
+    monkeypatch.setattr(_triton_configs, "_INTERP_CONFIGS",
+                        dict(_triton_configs._INTERP_CONFIGS, fwd=(16, 16, 4, 1)))
     monkeypatch.setenv("TORCHFN_TRITON_SPLIT_KV", "64")
     q, k, v = _decode_case(B=1, H=2, Hkv=1, Nq=1, Nk=1000, D=16, seed=4)
     assert _triton_ops._splits(2, 1, 1000, q.device, None) == (63, 16)

@@ -1,6 +1,6 @@
 """How the Triton launcher picks block configs and TMA loads (no kernel is compiled).
 
-``_launch`` is driven with a recording stand-in kernel and the GPU branch forced on
+``_triton_launch.launch`` is driven with a recording stand-in kernel and the GPU branch forced on
 (``is_interpreted`` patched to False), so the candidate lists, their order, the
 ``TORCHFN_TRITON_TMA`` modes, the untimed overlap and warp-specialized variants and
 explicit configs are checked on a CPU. That the kernels give the same result with
@@ -20,7 +20,7 @@ import pytest  # noqa: E402
 pytest.importorskip("triton", reason="triton is not installed")
 
 from torchfn.kernels import _triton_configs as C  # noqa: E402
-from torchfn.kernels import _triton_ops as T  # noqa: E402
+from torchfn.kernels import _triton_launch as T  # noqa: E402
 from torchfn.kernels._triton_configs import Config  # noqa: E402
 
 
@@ -42,7 +42,7 @@ class _Recorder:
 
 @pytest.fixture
 def gpu_branch(monkeypatch):
-    """Run ``_launch``'s GPU branch with a recorded tuner (first-is-fastest by default)."""
+    """Run ``launch``'s GPU branch with a recorded tuner (first-is-fastest by default)."""
     monkeypatch.setattr(T, "is_interpreted", lambda: False)
     monkeypatch.setattr(T, "_TUNED", {})
     monkeypatch.setenv("TORCHFN_TRITON_TUNE_CACHE", "0")  # (test_tune_cache covers it)
@@ -52,7 +52,7 @@ def gpu_branch(monkeypatch):
         seen["cands"] = list(cands)
         return cands[0]
 
-    monkeypatch.setattr(T, "_tune", tune)
+    monkeypatch.setattr(T, "tune", tune)
     return seen
 
 
@@ -61,7 +61,7 @@ def _launch(kind, dtype, block_d, config=None, tma_usable=True, ws_usable=False)
     x = torch.zeros(1, dtype=dtype)
     tma = (lambda bm, bn: {"USE_TMA": True}) if tma_usable else None
     ws = (lambda bm, bn: {"WARP_SPEC": True}) if ws_usable else None
-    T._launch(kind, kernel, lambda bm, bn: (1,), (x,), {"BLOCK_D": block_d},
+    T.launch(kind, kernel, lambda bm, bn: (1,), (x,), {"BLOCK_D": block_d},
               ("key", block_d, dtype), config, tma=tma, ws=ws)
     return kernel.launches
 
@@ -102,7 +102,7 @@ def test_overlap_variants_follow_the_tma_mode(kind, dtype, block_d, gpu_branch, 
     # the tuner picked a variant: it is launched with its flag (and its TMA flag)
     monkeypatch.setenv("TORCHFN_TRITON_TMA", "auto")
     monkeypatch.setattr(T, "_TUNED", {})
-    monkeypatch.setattr(T, "_tune", lambda run, cands, *rest: cands[-1])
+    monkeypatch.setattr(T, "tune", lambda run, cands, *rest: cands[-1])
     assert _launch(kind, dtype, block_d) == [ovl[-1]]
 
 
@@ -220,7 +220,7 @@ def test_warp_specialized_variants_come_last_where_usable(kind, block_d, gpu_bra
     assert len({k[:-2] for k in T.tuned_configs()}) == 2
     # the tuner picked one: launched with WARP_SPEC and without host descriptors
     monkeypatch.setattr(T, "_TUNED", {})
-    monkeypatch.setattr(T, "_tune", lambda run, cands, *rest: cands[-1])
+    monkeypatch.setattr(T, "tune", lambda run, cands, *rest: cands[-1])
     assert _launch(kind, torch.bfloat16, block_d, ws_usable=True) == [ws[-1]]
     # never for fp32 (3xTF32 dots); a bad value is a clear error
     assert C._ws_candidates(kind, torch.float32, block_d) == []
@@ -240,7 +240,7 @@ def test_interpreter_uses_tma_only_when_forced(monkeypatch):
     x = torch.zeros(1, 2, 8, 32)
     for mode, usable in (("auto", False), ("0", False), ("1", True)):
         monkeypatch.setenv("TORCHFN_TRITON_TMA", mode)
-        assert (T._tma_descriptors({"desc_q": x}, {"desc_q": "m"}, 32) is not None) == usable
+        assert (T.tma_descriptors({"desc_q": x}, {"desc_q": "m"}, 32) is not None) == usable
 
 
 def test_tma_and_overlap_lists_are_well_formed():
@@ -290,11 +290,11 @@ def test_tuner_finds_the_fastest_config_through_a_clock_ramp(ramp, monkeypatch):
     gpu = _FakeGPU(true_ms, ramp)
     monkeypatch.setattr(triton.testing, "do_bench", gpu.do_bench)
     cands = [fastest, Config(32, 32, 4, 2), *list(true_ms)[1:]]  # one does not compile
-    assert T._tune(gpu.run, cands) == fastest
+    assert T.tune(gpu.run, cands) == fastest
     # a single config that runs is returned without timing
     gpu = _FakeGPU(true_ms, ramp)
     monkeypatch.setattr(triton.testing, "do_bench", gpu.do_bench)
-    assert T._tune(gpu.run, [Config(32, 32, 4, 2), fastest]) == fastest and gpu.calls == 0
+    assert T.tune(gpu.run, [Config(32, 32, 4, 2), fastest]) == fastest and gpu.calls == 0
 
 
 @pytest.mark.parametrize("dtype, err, kept", [(torch.bfloat16, 1e-3, True),
@@ -317,14 +317,14 @@ def test_tuner_skips_a_config_whose_results_are_off(dtype, err, kept, monkeypatc
         out.copy_(ref * (1 + err) if cfg == fast else ref)  # a relative error of `err`
 
     if kept:
-        assert T._tune(run, [first, fast], (out,), "fwd") == fast
+        assert T.tune(run, [first, fast], (out,), "fwd") == fast
     else:
         with pytest.warns(RuntimeWarning, match=r"fwd config \(128, 128, 4, 2, .*off.*skipped"):
-            assert T._tune(run, [first, fast], (out,), "fwd") == first
+            assert T.tune(run, [first, fast], (out,), "fwd") == first
     # non-finite results where the first config's are finite: always skipped
     out_nan = torch.empty(4)
     with pytest.warns(RuntimeWarning, match="inf off"):
-        picked = T._tune(lambda c: (gpu.run(c), out_nan.fill_(1.0 if c == first else
+        picked = T.tune(lambda c: (gpu.run(c), out_nan.fill_(1.0 if c == first else
                                                                float("nan"))),
                          [first, fast], (out_nan,), "fwd")
     assert picked == first
@@ -333,7 +333,7 @@ def test_tuner_skips_a_config_whose_results_are_off(dtype, err, kept, monkeypatc
 def test_tuner_error_when_no_config_runs(monkeypatch):
     gpu = _FakeGPU({}, 0)
     with pytest.raises(RuntimeError, match="no Triton attention config could run"):
-        T._tune(gpu.run, [Config(32, 32, 4, 2)])
+        T.tune(gpu.run, [Config(32, 32, 4, 2)])
 
 
 def test_untuned_launch_falls_back_when_a_config_does_not_fit(monkeypatch):
@@ -359,7 +359,7 @@ def test_untuned_launch_falls_back_when_a_config_does_not_fit(monkeypatch):
 
     x = torch.zeros(1, dtype=torch.bfloat16)
     for _ in range(2):
-        T._launch("fwd", SmallGPU(), lambda bm, bn: (1,), (x,), {"BLOCK_D": 128}, ("k",),
+        T.launch("fwd", SmallGPU(), lambda bm, bn: (1,), (x,), {"BLOCK_D": 128}, ("k",),
                   None, tma=None)
     assert launches == [cands[0][:2], cands[1][:2], cands[1][:2]]
     assert list(T.tuned_configs().values()) == [Config(*cands[1])]

@@ -200,7 +200,7 @@ def test_gpu_ordered_dq_is_repeatable_and_right(dtype, D, causal, Hkv, Nq, Nk, m
     # Non-causal shapes rotate (wave > 1), which the interpreter cannot run.
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("the ordered dQ needs TMA bulk reduces (sm_90+)")
-    from torchfn.kernels import _triton_ops
+    from torchfn.kernels import _triton_ops, _triton_ordered_bwd
 
     B, H = 2, 8
     q, k, v, do, _, _ = make(B, H, Hkv, Nq, Nk, D, dtype, None)
@@ -208,7 +208,7 @@ def test_gpu_ordered_dq_is_repeatable_and_right(dtype, D, causal, Hkv, Nq, Nk, m
     o, lse = _triton_ops.fwd(q, k, v, None, causal, scale)
     monkeypatch.setenv("TORCHFN_TRITON_ORDERED_DQ", "1")
     runs = [_triton_ops.bwd(q, k, v, o, lse, do, None, causal, scale) for _ in range(4)]
-    locks = _triton_ops._LAST_LOCKS[0]
+    locks = _triton_ordered_bwd._LAST_LOCKS[0]
     assert locks[1].item() == 0
     assert all(torch.equal(a, b) for run in runs[1:] for a, b in zip(runs[0], run))
     monkeypatch.setenv("TORCHFN_TRITON_ORDERED_DQ", "0")

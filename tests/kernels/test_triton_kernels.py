@@ -27,6 +27,7 @@ from hypothesis import strategies as st  # noqa: E402
 pytest.importorskip("triton", reason="triton is not installed")
 
 from torchfn.kernels import _triton_fwd  # noqa: E402
+from torchfn.kernels import _triton_launch as L  # noqa: E402
 from torchfn.kernels import _triton_ops as T  # noqa: E402
 
 FP32_TOL = 1e-5
@@ -530,7 +531,7 @@ def test_tma_matches_reference(B, H, Hkv, Nq, Nk, D, dtype, causal, mask, determ
     # interpreter emulates TMA on the CPU)
     monkeypatch.setenv("TORCHFN_TRITON_TMA", "1")
     x = torch.zeros(B, H, Nq, D, dtype=dtype)
-    assert T._tma_descriptors({"desc_q": x}, {"desc_q": "m"}, T._block_d(D)) is not None
+    assert L.tma_descriptors({"desc_q": x}, {"desc_q": "m"}, T._block_d(D)) is not None
     check(B, H, Hkv, Nq, Nk, D, dtype, causal, mask, deterministic=deterministic)
 
 
@@ -615,7 +616,7 @@ def test_property_overlap_variants_are_the_plain_kernels(b_h_hkv, Nq, Nk, D, cau
     assert all(torch.equal(a, b) for a, b in zip(late, early))
     # and the warp-specialized variants (one masked loop, in-kernel descriptors), where
     # descriptors can read the rows (16-byte multiples: not fp16 with D = 20)
-    if not T._descriptors_usable([q]) or (D * q.element_size()) % 16:
+    if not L.descriptors_usable([q]) or (D * q.element_size()) % 16:
         return
     ws = T.fwd(q, k, v, None, causal, scale, config=(bm, bn, 4, 1, False, False, True))
     assert all(torch.equal(a, b) for a, b in zip(plain, ws))
@@ -700,7 +701,7 @@ def test_warp_specialized_config_on_inputs_it_cannot_take(what):
 def test_tma_is_skipped_for_unaligned_strides(monkeypatch):
     monkeypatch.setenv("TORCHFN_TRITON_TMA", "1")
     x = torch.zeros(1, 2, 8, 18)  # fp32 rows of 72 bytes: not a multiple of 16
-    assert T._tma_descriptors({"desc_q": x}, {"desc_q": "m"}, 32) is None
+    assert L.tma_descriptors({"desc_q": x}, {"desc_q": "m"}, 32) is None
     q, k, v, do, _, _ = make_inputs(1, 2, 1, 30, 40, 18, torch.float32, 9)
     o, lse = T.fwd(q, k, v, None, True, 0.3)  # falls back to pointer loads
     assert rel_err(o, reference(q.double(), k.double(), v.double(), None, True, 0.3)[0]) \

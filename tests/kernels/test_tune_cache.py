@@ -19,7 +19,7 @@ import pytest  # noqa: E402
 pytest.importorskip("triton", reason="triton is not installed")
 
 from torchfn.kernels import _triton_configs as C  # noqa: E402
-from torchfn.kernels import _triton_ops as T  # noqa: E402
+from torchfn.kernels import _triton_launch as T  # noqa: E402
 from torchfn.kernels import _tune_cache  # noqa: E402
 from torchfn.kernels._triton_configs import Config  # noqa: E402
 
@@ -54,7 +54,7 @@ def gpu(monkeypatch, tmp_path):
     monkeypatch.delenv("TORCHFN_TRITON_AUTOTUNE", raising=False)
     monkeypatch.setattr(_tune_cache, "_loaded", {})
     g = _GPU()
-    monkeypatch.setattr(T, "_tune", g.tune)
+    monkeypatch.setattr(T, "tune", g.tune)
     new_process(monkeypatch)
     return g
 
@@ -66,7 +66,7 @@ def new_process(monkeypatch):
 
 def launch(gpu, n_bucket=4096):
     x = torch.zeros(1, dtype=DTYPE)
-    T._launch(KIND, gpu, lambda bm, bn: (1,), (x,), {"BLOCK_D": BLOCK_D},
+    T.launch(KIND, gpu, lambda bm, bn: (1,), (x,), {"BLOCK_D": BLOCK_D},
               (n_bucket, BLOCK_D, False, 0, DTYPE, True), None,
               tma=lambda bm, bn: {"USE_TMA": True})
     return gpu.launches[-1]

@@ -65,7 +65,7 @@ blocks to fill the GPU, e.g. decoding with Nq = 1): a third grid axis splits the
 into runs of ``split_len`` (a multiple of BLOCK_N); each program covers only its run's
 share of both stages and writes its partial ``o`` (float32, normalised by its own row
 sum) and ``lse`` to (B, H, S, Nq, *) buffers, which the host merges by lse
-(``_triton_ops._merge_splits``). An empty share writes o = 0, lse = -inf.
+(``_triton_merge._merge_splits``). An empty share writes o = 0, lse = -inf.
 
 Import this module only through ``_triton_ops`` (Triton is optional; under
 ``TRITON_INTERPRET=1`` the kernels run on CPU).

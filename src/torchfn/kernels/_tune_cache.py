@@ -40,8 +40,8 @@ import torch
 from torchfn.kernels._triton_configs import Config
 
 _SOURCES = ("_triton_fwd.py", "_triton_bwd.py", "_triton_jvp.py", "_triton_configs.py",
-            "_triton_ops.py", "_triton_merge.py", "_split_kv.py", "_triton_dropout.py",
-            "_triton_ordered_dq.py", "_ordered_dq.py")
+            "_triton_ops.py", "_triton_launch.py", "_triton_ordered_bwd.py", "_triton_merge.py",
+            "_split_kv.py", "_triton_dropout.py", "_triton_ordered_dq.py", "_ordered_dq.py")
 _FORMAT = 1
 _loaded: dict[Path, dict[str, list]] = {}  # path -> entries, read once per process
 _warned: set[Path] = set()
