@@ -291,6 +291,43 @@ def test_causal_fewer_queries_than_keys(benchmark, impl, mode):
                   seed=8, atol=1e-5, nk=CK)
 
 
+# ---------------------------------------------------------------- values with their own head dim
+
+MLA_N, MLA_D, MLA_DV = 1024, 192, 128  # DeepSeek's MLA: 192-dim queries/keys, 128-dim values
+
+
+def _mla_qkv(requires_grad: bool, seed=10):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v, do = (torch.randn(1, H, MLA_N, d, generator=g)
+                   for d in (MLA_D, MLA_D, MLA_DV, MLA_DV))
+    return tuple(x.requires_grad_(requires_grad) for x in (q, k, v)), do
+
+
+MLA_IMPLS = {
+    "torchfn Dv != D": lambda q, k, v: attention(q, k, v, causal=True, backend="torch"),
+    "sdpa Dv != D": lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True),
+}
+
+
+@pytest.mark.parametrize("mode", ["forward", "forward+backward"])
+@pytest.mark.parametrize("impl", list(MLA_IMPLS))
+def test_value_head_dim(benchmark, impl, mode):
+    """D = 192, Dv = 128: torchfn zero-pads v to 192 and runs its usual path; SDPA's CPU
+    kernels take Dv != D too (no padding)."""
+    benchmark.group = f"Dv != D (MLA 192/128) N={MLA_N} {mode}"
+    fn, ref = MLA_IMPLS[impl], MLA_IMPLS["sdpa Dv != D"]
+    (q, k, v), do = _mla_qkv(mode != "forward")
+    if mode == "forward":
+        with torch.no_grad():
+            out = benchmark.pedantic(fn, args=(q, k, v), rounds=3, warmup_rounds=1)
+            assert out.shape[-1] == MLA_DV and torch.allclose(out, ref(q, k, v), atol=1e-5)
+        return
+    grads = benchmark.pedantic(lambda: torch.autograd.grad(fn(q, k, v), (q, k, v), do),
+                               rounds=2, warmup_rounds=1)
+    want = torch.autograd.grad(ref(q, k, v), (q, k, v), do)
+    assert all(torch.allclose(a, b, atol=1e-4) for a, b in zip(grads, want))
+
+
 # ---------------------------------------------------------------- per-sample gradients
 
 D_MODEL, HEADS, N_TOK, BATCH, LAYERS = 64, 4, 64, 32, 2

@@ -48,7 +48,18 @@ def qkv():
         (
             lambda q, k, v: (q, k, v[:, :, :5]),
             ValueError,
-            r"v must have k's shape .*\(2, 2, 6, 8\), got \(2, 2, 5, 8\)",
+            r"v must have k's \(B, Hkv, Nk\) = \(2, 2, 6\) \(any head dim Dv\), "
+            r"got shape \(2, 2, 5, 8\)",
+        ),
+        (
+            lambda q, k, v: (q, k, v[0]),
+            ValueError,
+            r"v must be 4-D \(B, Hkv, Nk, Dv\), got shape \(2, 6, 8\)",
+        ),
+        (
+            lambda q, k, v: (q, k, torch.ones(2, 2, 6, 257)),
+            ValueError,
+            r"head dim Dv must be in 1..256, got 257",
         ),
         (
             lambda q, k, v: (q, k[:1], v[:1]),

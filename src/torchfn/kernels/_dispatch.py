@@ -46,7 +46,7 @@ def _check_qkv(q: Tensor, k: Tensor, v: Tensor) -> None:
         if not isinstance(x, Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
         if x.dim() != 4:
-            want = "(B, H, Nq, D)" if name == "q" else "(B, Hkv, Nk, D)"
+            want = {"q": "(B, H, Nq, D)", "k": "(B, Hkv, Nk, D)", "v": "(B, Hkv, Nk, Dv)"}[name]
             raise ValueError(f"{name} must be 4-D {want}, got shape {tuple(x.shape)}")
         if x.dtype not in _FLOATS:
             raise TypeError(
@@ -58,16 +58,18 @@ def _check_qkv(q: Tensor, k: Tensor, v: Tensor) -> None:
         if x.device != q.device:
             raise ValueError(f"{name} must be on q's device ({q.device}), got {x.device}")
     B, H, Nq, D = q.shape
-    if k.shape != v.shape:
+    if k.shape[:3] != v.shape[:3]:
         raise ValueError(
-            f"v must have k's shape (B, Hkv, Nk, D) = {tuple(k.shape)}, got {tuple(v.shape)}"
+            f"v must have k's (B, Hkv, Nk) = {tuple(k.shape[:3])} (any head dim Dv), "
+            f"got shape {tuple(v.shape)}"
         )
     if k.shape[0] != B:
         raise ValueError(f"k must have batch size B = {B} (from q), got {k.shape[0]}")
     if k.shape[3] != D:
         raise ValueError(f"k must have head dim D = {D} (from q), got {k.shape[3]}")
-    if not 1 <= D <= 256:
-        raise ValueError(f"head dim D must be in 1..256, got {D}")
+    for name, d in (("D", D), ("Dv", v.shape[3])):
+        if not 1 <= d <= 256:
+            raise ValueError(f"head dim {name} must be in 1..256, got {d}")
     Hkv = k.shape[1]
     if Hkv == 0 or H % Hkv:
         raise ValueError(
@@ -354,8 +356,13 @@ def attention(
 
     Args:
         q: (B, H, Nq, D) queries; float16, bfloat16, float32 (float64: torch backend).
-        k, v: (B, Hkv, Nk, D) keys and values, q's dtype and device. ``H % Hkv == 0``
-            (GQA / MQA): query head ``h`` reads kv head ``h // (H // Hkv)``. D <= 256.
+        k: (B, Hkv, Nk, D) keys, q's dtype and device. ``H % Hkv == 0`` (GQA / MQA):
+            query head ``h`` reads kv head ``h // (H // Hkv)``. D <= 256.
+        v: (B, Hkv, Nk, Dv) values, as k but with its own head dim Dv <= 256 (as SDPA
+            and FlexAttention allow; MLA uses D = 192, Dv = 128). Dv != D zero-pads
+            the narrower of the two to the wider before the kernels: exact (the padded
+            products are 0), every option and transform included, at the FLOPs of
+            the wider head dim.
         mask: bool (True = attend, as in SDPA) or additive float (q's dtype or float32),
             broadcastable to (B, H, Nq, Nk) by the usual right-aligned rules, so a
             2-D mask is (Nq, Nk). Never materialised. A constant: it must not require
@@ -424,7 +431,7 @@ def attention(
             exact gradients and tangents.
 
     Returns:
-        (B, H, Nq, D) in q's dtype. A row with no allowed key returns 0 (never NaN)
+        (B, H, Nq, Dv) in q's dtype. A row with no allowed key returns 0 (never NaN)
         and gets zero gradients. With ``return_lse``: ``(o, lse)``, lse (B, H, Nq) in
         float32 (float64 for float64 inputs), -inf on a row with no allowed key.
 
@@ -440,12 +447,38 @@ def attention(
     >>> k = v = torch.ones(2, 2, 8, 16)  # GQA: 2 kv heads for 4 query heads
     >>> attention(q, k, v, causal=True).shape
     torch.Size([2, 4, 8, 16])
+    >>> attention(q, k, torch.ones(2, 2, 8, 12)).shape  # values with their own head dim
+    torch.Size([2, 4, 8, 12])
     """
     args = _prepare(q, k, v, mask, key_padding_mask, causal, scale, backend, window,
                     segment_ids, softcap, dropout, key, alibi_slopes)
     for name, flag in (("deterministic", deterministic), ("return_lse", return_lse)):
         if not isinstance(flag, bool):
             raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
-    return _autograd.attention(q, k, v, args.mask, args.causal, args.scale, args.backend,
-                               deterministic, args.window, args.segments, args.softcap,
-                               args.dropout, args.seeds, return_lse, args.slopes)
+    dv = v.shape[-1]
+    q, k, v = _pad_head_dims(q, k, v)
+    out = _autograd.attention(q, k, v, args.mask, args.causal, args.scale, args.backend,
+                              deterministic, args.window, args.segments, args.softcap,
+                              args.dropout, args.seeds, return_lse, args.slopes)
+    o = out[0] if return_lse else out  # (B, H, Nq, max(D, Dv))
+    if o.shape[-1] != dv:
+        o = o[..., :dv]  # (B, H, Nq, Dv)
+        out = (o, out[1]) if return_lse else o
+    return out
+
+
+def _pad_head_dims(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Zero-pad the narrower of D (q, k) and Dv (v) to the wider; the caller crops o back
+    to Dv. Exact: the padded columns add products that are exactly 0 to the scores,
+    and o's padded columns (D > Dv) are 0 and cut off, so their cotangents are 0 too.
+
+    >>> q = k = torch.ones(1, 1, 2, 4)
+    >>> [t.shape[-1] for t in _pad_head_dims(q, k, torch.ones(1, 1, 2, 3))]
+    [4, 4, 4]
+    """
+    d, dv = q.shape[-1], v.shape[-1]
+    if dv < d:
+        v = torch.nn.functional.pad(v, (0, d - dv))
+    elif d < dv:
+        q, k = (torch.nn.functional.pad(x, (0, dv - d)) for x in (q, k))
+    return q, k, v
