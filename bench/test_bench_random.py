@@ -68,3 +68,45 @@ def test_torch_randint_bits_eager(benchmark):
         warmup_rounds=1,
     )
     assert out.shape == (N,)
+
+
+# Small draws (4096 floats: a batch of noise for a small model): per-call overhead, not
+# throughput. A draw that fits one chunk takes the in-place eager path; "out-of-place"
+# forces the path such draws took before (what vmap / grad wrappers still take).
+SMALL = (128, 32)
+
+
+def _out_of_place(monkeypatch):
+    from torchfn.core import _threefry
+
+    monkeypatch.setattr(_threefry, "one_chunk", lambda n: False)
+
+
+@pytest.mark.parametrize("impl", ["torchfn", "torchfn out-of-place", "torch.randn"])
+def test_small_normal_eager(benchmark, key, impl, monkeypatch):
+    benchmark.group = "normal-4096-eager"
+    want = random.normal(key, SMALL)
+    if impl == "torch.randn":
+        out = benchmark.pedantic(torch.randn, args=SMALL, rounds=200, warmup_rounds=10)
+        assert out.shape == want.shape
+        return
+    if impl == "torchfn out-of-place":
+        _out_of_place(monkeypatch)
+    out = benchmark.pedantic(random.normal, args=(key, SMALL), rounds=200, warmup_rounds=10)
+    assert torch.equal(out, want)  # both paths give the same bits
+
+
+@pytest.mark.parametrize("impl", ["torchfn", "torchfn out-of-place", "torch.randint"])
+def test_small_bits_eager(benchmark, key, impl, monkeypatch):
+    benchmark.group = "bits-4096-eager"
+    want = random.bits(key, SMALL, torch.int32)
+    if impl == "torch.randint":
+        out = benchmark.pedantic(torch.randint, args=(0, 2**31 - 1, SMALL),
+                                 kwargs={"dtype": torch.int32}, rounds=200, warmup_rounds=10)
+        assert out.shape == want.shape
+        return
+    if impl == "torchfn out-of-place":
+        _out_of_place(monkeypatch)
+    out = benchmark.pedantic(random.bits, args=(key, SMALL, torch.int32), rounds=200,
+                             warmup_rounds=10)
+    assert torch.equal(out, want)

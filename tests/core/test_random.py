@@ -275,6 +275,30 @@ def test_chunked_eager_path_equals_traced_path(monkeypatch, key, serial):
         assert torch.equal(eager, traced), name
 
 
+@given(n=st.one_of(st.integers(1, 70), st.integers(32700, 32800)), seed=st.integers(0, 2**32 - 1))
+def test_numpy_hash_of_one_chunk_equals_the_torch_paths(n, seed):
+    """Plain CPU draws of one chunk (n <= 32767) hash in numpy: the same bits as the
+    torch hash that vmap takes, and the chunked one just past the bound, for every
+    sampler that maps the words differently (and both sides of the bound)."""
+    keys = torch.stack([random.key(seed), random.key(seed + 1)])
+    fns = {
+        "bits32": lambda k: random.bits(k, (n,), torch.int32),
+        "bits64": lambda k: random.bits(k, (n,), torch.int64),
+        "uniform": lambda k: random.uniform(k, (n,)),
+        "uniform_f64": lambda k: random.uniform(k, (n,), torch.float64),
+        "normal": lambda k: random.normal(k, (n,)),
+        "normal_bf16": lambda k: random.normal(k, (n,), torch.bfloat16),
+        "bernoulli": lambda k: random.bernoulli(k, 0.3, (n,)),
+    }
+    assert _threefry.one_chunk(n) == (n <= 32767)
+    for name, f in fns.items():
+        eager = torch.stack([f(k) for k in keys])
+        assert torch.equal(eager, vmap(f)(keys)), name
+    y0, y1 = _threefry.counter_words_np(*keys[0].tolist(), n)
+    z0, z1 = _threefry.counter_words(keys[0, 0], keys[0, 1], n)
+    assert torch.equal(y0, z0) and torch.equal(y1, z1)
+
+
 def test_chunk_counter_high_word(key):
     """Counters past 2**32 carry into the high word, as JAX's uint64 iota."""
     base = torch.arange(16, dtype=torch.int32)

@@ -66,7 +66,9 @@ KEY_DTYPE = torch.int32
 
 _FLOATS = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 _SQRT2 = math.sqrt(2.0)
-_FAST_MIN = 1 << 17  # below this many elements the chunked eager path does not pay
+# Over several chunks the chunked eager path pays from here on (normal's finish runs per
+# chunk); a draw that fits one chunk hashes in numpy (``_threefry.one_chunk``).
+_FAST_MIN = 1 << 17
 
 
 # --------------------------------------------------------------------------- checks
@@ -315,16 +317,20 @@ def fold_in(key: Tensor, data: int | Tensor) -> Tensor:
 def _generate(k: Tensor, shape: tuple[int, ...], out_dtype: torch.dtype, finish) -> Tensor:
     """Hash the counters ``0..prod(shape)-1`` and map the words with ``finish(y0, y1)``.
 
-    Large plain-eager CPU draws take the chunked in-place path (cache-sized
-    passes); everything else (vmap, grad wrappers, torch.compile, GPU, where the
-    allocator or the compiler makes temporaries cheap) the out-of-place one.
+    Plain-eager CPU draws that fit one chunk hash in numpy (cheaper calls), large ones
+    take the chunked in-place path (cache-sized passes); everything else (vmap, grad
+    wrappers, torch.compile, GPU, where the allocator or the compiler makes
+    temporaries cheap) the out-of-place one.
 
     ``finish`` may modify ``y0``/``y1`` in place (they are private temporaries)
     and returns a flat tensor of ``out_dtype``.
     """
     n = math.prod(shape)
     k0, k1 = k[0], k[1]
-    if n >= _FAST_MIN and k.device.type == "cpu" and _plain(k):
+    if _tf.one_chunk(n) and _small_cpu(k):  # numpy's ops cost less to call than torch's
+        k0, k1 = k.tolist()
+        out = finish(*_tf.counter_words_np(k0, k1, n))
+    elif n >= _FAST_MIN and k.device.type == "cpu" and _plain(k):
         out = torch.empty(n, dtype=out_dtype, device=k.device)
         _tf.counter_bits_chunked(k0, k1, n, lambda x0, x1, t: finish(x0, x1), out)
     else:
@@ -572,17 +578,26 @@ _ERFINV_TAIL = (
 )
 
 
+_CONSTANTS: dict[tuple, tuple[Tensor, ...]] = {}  # eager: (coeffs, dtype, device) -> 0-d
+
+
 def _horner_(coeffs: tuple[float, ...], w: Tensor) -> Tensor:
     """``c0 * w**8 + ... + c8`` in float32, each step ``c + p * w`` a fused
     multiply-add (``addcmul``) like XLA's, computed in a new tensor ``p``."""
-    cs = torch.tensor(coeffs, dtype=w.dtype, device=w.device)
-    p = torch.addcmul(cs[1], w, cs[0])
-    if _plain(w):
+    if _plain(w):  # 0-d coefficients made once: indexing one tensor costs an op each
+        at = (coeffs, w.dtype, w.device)
+        if at not in _CONSTANTS:
+            _CONSTANTS[at] = tuple(torch.tensor(c, dtype=w.dtype, device=w.device)
+                                   for c in coeffs)
+        cs = _CONSTANTS[at]
+        p = torch.addcmul(cs[1], w, cs[0])
         for i in range(2, len(coeffs)):
             torch.addcmul(cs[i], p, w, out=p)
-    else:
-        for i in range(2, len(coeffs)):
-            p = torch.addcmul(cs[i], p, w)
+        return p
+    cs = torch.tensor(coeffs, dtype=w.dtype, device=w.device)  # traced / batched / GPU
+    p = torch.addcmul(cs[1], w, cs[0])
+    for i in range(2, len(coeffs)):
+        p = torch.addcmul(cs[i], p, w)
     return p
 
 
