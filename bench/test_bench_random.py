@@ -110,3 +110,15 @@ def test_small_bits_eager(benchmark, key, impl, monkeypatch):
     out = benchmark.pedantic(random.bits, args=(key, SMALL, torch.int32), rounds=200,
                              warmup_rounds=10)
     assert torch.equal(out, want)
+
+
+@pytest.mark.parametrize("impl", ["torchfn", "tensor path"])
+def test_split_256(benchmark, key, impl, monkeypatch):
+    """One key per example of a batch of 256: numpy hashes it now; "tensor path" is the
+    out-of-place torch hash such splits took before (and take under transforms)."""
+    benchmark.group = "split-256"
+    want = random.split(key, 256)
+    if impl == "tensor path":
+        _out_of_place(monkeypatch)
+    out = benchmark.pedantic(random.split, args=(key, 256), rounds=200, warmup_rounds=10)
+    assert torch.equal(out, want)

@@ -299,6 +299,16 @@ def test_numpy_hash_of_one_chunk_equals_the_torch_paths(n, seed):
     assert torch.equal(y0, z0) and torch.equal(y1, z1)
 
 
+@pytest.mark.parametrize("n", [1, 10, 11, 64, 300, 32767, 32768])
+def test_split_is_the_same_on_every_path(key, n):
+    """A split of a CPU key hashes in Python (n <= 10), numpy (one chunk) or torch ops
+    (beyond, and under transforms): the same keys, and a prefix of a larger split."""
+    got = random.split(key, n)
+    y0, y1 = _threefry.counter_words(key[0], key[1], n)  # the tensor path
+    assert torch.equal(got, torch.stack([y0, y1], dim=-1))
+    assert torch.equal(random.split(key, n + 1)[:n], got)
+
+
 def test_chunk_counter_high_word(key):
     """Counters past 2**32 carry into the high word, as JAX's uint64 iota."""
     base = torch.arange(16, dtype=torch.int32)

@@ -127,7 +127,9 @@ def _plain(t: Tensor) -> bool:
     return not torch._C._functorch.is_functorch_wrapped_tensor(t)
 
 
-_PY_MAX = 64  # split/fold_in of up to this many keys hash in Python on a CPU key
+# a split of a CPU key into up to this many keys hashes in Python (13 us for one, ~5 us
+# more per key); above, up to one chunk, in numpy (66 us for any number up to 256)
+_PY_MAX = 10
 
 
 def _small_cpu(t: Tensor) -> bool:
@@ -250,8 +252,11 @@ def split(key: Tensor, num: int | Sequence[int] = 2) -> Tensor:
     if isinstance(num, int) and num < 1:
         raise ValueError(f"split: num must be >= 1, got {num}")
     n = math.prod(shape)
-    if n <= _PY_MAX and _small_cpu(key):  # same bits, ~20x faster than tensor ops
+    if _small_cpu(key) and _tf.one_chunk(n):  # same bits as tensor ops, 5-25x faster
         k0, k1 = key.tolist()
+        if n > _PY_MAX:
+            y0, y1 = _tf.counter_words_np(k0, k1, n)
+            return torch.stack([y0, y1], dim=-1).reshape(*shape, 2)
         words = [_tf.threefry2x32_py(k0, k1, 0, i) for i in range(n)]
         out = torch.tensor([[_tf.as_i32(a), _tf.as_i32(b)] for a, b in words], dtype=KEY_DTYPE)
         return out.reshape(*shape, 2)
