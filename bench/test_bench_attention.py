@@ -42,6 +42,7 @@ Groups, each torchfn next to its peer:
   forward-mode AD at all.
 """
 
+import contextlib
 import functools
 import warnings
 
@@ -491,3 +492,42 @@ def test_jvp(benchmark, impl):
     benchmark.pedantic(fn, rounds=3, warmup_rounds=0)
     ref = JVP_IMPLS["materialised reference"]()()
     assert all(torch.allclose(a, b, rtol=1e-4, atol=1e-4) for a, b in zip(out, ref))
+
+
+# ---------------------------------------------------------------- small attentions: overhead
+
+TINY = (1, 4, 64, 16)  # B, H, N, D: a small model's attention, where Python overhead is the cost
+
+
+def _tiny(requires_grad: bool, batch: int = 1, seed=11):
+    g = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(batch * TINY[0], *TINY[1:], generator=g).requires_grad_(
+        requires_grad) for _ in range(3))
+
+
+def _tiny_step(attn, mode):
+    if mode == "forward (no grad)":
+        q, k, v = _tiny(False)
+        return lambda: attn(q, k, v, True), lambda out, ref: torch.allclose(out, ref, atol=1e-5)
+    if mode == "forward+backward":
+        q, k, v = _tiny(True)
+        return (lambda: torch.autograd.grad(attn(q, k, v, True).sum(), (q, k, v)),
+                lambda out, ref: all(torch.allclose(a, b, atol=1e-5) for a, b in zip(out, ref)))
+    q, k, v = _tiny(False, batch=8)  # per-sample gradients of 8 examples
+    loss = lambda q, k, v: attn(q[None], k[None], v[None], True).sum()  # noqa: E731
+    fn = vmap(grad(loss, argnums=(0, 1, 2)))
+    return (lambda: fn(q, k, v),
+            lambda out, ref: all(torch.allclose(a, b, atol=1e-5) for a, b in zip(out, ref)))
+
+
+@pytest.mark.parametrize("mode", ["forward (no grad)", "forward+backward", "vmap(grad) x8"])
+@pytest.mark.parametrize("impl", ["torchfn", "sdpa"])
+def test_small_attention_overhead(benchmark, impl, mode):
+    benchmark.group = f"small attention {TINY} {mode}"
+    step, same = _tiny_step(IMPLS[impl], mode)
+    with torch.no_grad() if mode.startswith("forward (") else contextlib.nullcontext():
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="There is a performance drop")
+            out = benchmark.pedantic(step, rounds=300, warmup_rounds=20)
+            ref = _tiny_step(IMPLS["sdpa"], mode)[0]()
+    assert same(out, ref)
