@@ -90,3 +90,26 @@ def test_call_uses_the_body_only_in_plain_eager_mode(monkeypatch):
     assert seen == ["body"] and o_meta.device.type == "meta"  # meta: the op's fake impl
     o_op, lse_op = _autograd.attention_fwd(*args)
     assert torch.equal(o, o_op) and torch.equal(lse, lse_op)
+
+
+def test_the_backward_is_differentiable_only_when_asked(monkeypatch):
+    """A plain backward runs the op; with ``create_graph`` it runs ``_AttentionBackward``,
+    whose own derivative must equal the reference's (grad-of-grad)."""
+    calls = []
+    apply = _autograd._AttentionBackward.apply
+    monkeypatch.setattr(_autograd._AttentionBackward, "apply",
+                        lambda *a, **kw: (calls.append(1), apply(*a, **kw))[1])
+    q, k, v = (x.requires_grad_() for x in _qkv())
+    w = _qkv(seed=2)[0]
+    loss = lambda fn: (fn(q, k, v, causal=True) * w).sum()  # noqa: E731
+    plain = torch.autograd.grad(loss(attention), (q, k, v))
+    assert not calls
+    grads = torch.autograd.grad(loss(attention), (q, k, v), create_graph=True)
+    assert calls
+    ref = torch.autograd.grad(loss(reference_attention), (q, k, v), create_graph=True)
+    for a, b, c in zip(plain, grads, ref):
+        assert (a - c).abs().max() <= 1e-12 and (b - c).abs().max() <= 1e-12
+    gg = torch.autograd.grad(sum((g * g).sum() for g in grads), (q, k, v))
+    gg_ref = torch.autograd.grad(sum((g * g).sum() for g in ref), (q, k, v))
+    for a, b in zip(gg, gg_ref):
+        assert (a - b).abs().max() <= 1e-10
