@@ -24,7 +24,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import numpy as np
 import torch
 from torch import Tensor
 
@@ -109,6 +108,8 @@ def counter_words_np(k0: int, k1: int, n: int) -> tuple[Tensor, Tensor]:
     where the ~110 elementwise ops' fixed cost is the whole price: numpy's is ~4x lower
     than torch's. Returns int32 CPU tensors over fresh numpy buffers (the caller's to
     overwrite)."""
+    import numpy as np  # here: torchfn.kernels imports this module and needs only torch
+
     u32 = np.uint32
     k0, k1 = k0 & 0xFFFFFFFF, k1 & 0xFFFFFFFF
     ks = (k0, k1, k0 ^ k1 ^ _PARITY)

@@ -43,6 +43,7 @@ import torch
 from torch import Tensor
 
 from torchfn.core import _threefry as _tf
+from torchfn.core._eager import plain as _plain  # only then: out= buffers, dynamic shapes
 
 __all__ = [
     "key",
@@ -115,16 +116,6 @@ def _check_float_dtype(dtype: object, fn: str) -> torch.dtype:
         )
     return dtype  # type: ignore[return-value]
 
-
-def _plain(t: Tensor) -> bool:
-    """True in plain eager mode: a real tensor, not being traced (torch.compile,
-    make_fx, fake tensors), not a functorch (vmap/grad) wrapper. Only then may a
-    sampler use ``out=`` buffers or data-dependent shapes."""
-    if torch.compiler.is_compiling() or type(t) is not Tensor:
-        return False
-    if torch.utils._python_dispatch._get_current_dispatch_mode() is not None:
-        return False
-    return not torch._C._functorch.is_functorch_wrapped_tensor(t)
 
 
 # a split of a CPU key into up to this many keys hashes in Python (13 us for one, ~5 us

@@ -40,6 +40,8 @@ import torch
 from torch import Tensor
 from torch.autograd import forward_ad
 
+from torchfn.core._eager import plain
+
 from . import _reference, _second_order
 
 _LIB = "torchfn"
@@ -87,9 +89,7 @@ def _call(op, *args):
     under ``torch.compile``, ``make_fx`` and other dispatch modes, for meta / fake
     tensors, and for a ``torch.func`` wrapper (its vmap rule)."""
     q = args[0]
-    if (type(q) is Tensor and q.device.type != "meta" and not torch.compiler.is_compiling()
-            and torch.utils._python_dispatch._get_current_dispatch_mode() is None
-            and not torch._C._functorch.is_functorch_wrapped_tensor(q)):
+    if plain(q) and q.device.type != "meta":
         return _BODIES[op](*args)
     return op(*args)
 
