@@ -230,7 +230,8 @@ def reference_attention(
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Materialised attention with exactly the semantics of :func:`attention`.
 
-    q: (B, H, Nq, D), k / v: (B, Hkv, Nk, D) -> o: (B, H, Nq, D), and lse: (B, H, Nq)
+    q: (B, H, Nq, D), k: (B, Hkv, Nk, D), v: (B, Hkv, Nk, Dv) -> o: (B, H, Nq, Dv) (Dv
+    as it is, no padding), and lse: (B, H, Nq)
     (logsumexp of the scaled, masked scores; -inf for fully masked rows) when
     ``return_lse``. Arguments are validated as in :func:`attention`, and ``dropout``
     with ``key`` drops exactly the probabilities :func:`attention` drops. Any float
