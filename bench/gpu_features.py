@@ -16,7 +16,11 @@ Per case, forward and forward+backward, bf16, B=2, H=16, D=128, N=8192 (causal):
   decode step;
 * ``dropout``: causal with attention dropout 0.1, keyed (its peer is SDPA's ``dropout_p``,
   which draws another mask from torch's global RNG: timed, not compared; no flex, which
-  has no dropout). Last, so the budget cuts it first.
+  has no dropout).
+* ``mla``: values with their own head dim, causal, B=2, H=16, N=4096, D=192, Dv=128
+  (DeepSeek's MLA): torchfn zero-pads v to 192 (BLOCK_D 256); peers SDPA and flex, which
+  take Dv != D as it is. What padding costs, and whether native Dv in the kernels would
+  pay. Last, so the budget cuts it first.
 
 Providers: ``torchfn`` (the public ``attention``, autotuned), ``sdpa_mask`` (SDPA given the
 same pattern as a dense bool mask: the only way to say it to SDPA), ``sdpa`` (plain
@@ -167,6 +171,70 @@ def run_decode(args, timer, flex, deadline) -> list[dict]:
     return rows
 
 
+MLA = dict(B=2, H=16, N=4096, D=192, DV=128)
+MLA_DRY = dict(B=1, H=2, N=64, D=24, DV=16)
+
+
+def run_mla(args, timer, flex, deadline) -> list[dict]:
+    """The ``mla`` rows: causal attention with Dv != D, forward and forward+backward."""
+    import torch
+    import torch.nn.functional as F
+
+    from torchfn.kernels import attention
+
+    dry = args.dry_run
+    dev, dtype = ("cpu", torch.float32) if dry else ("cuda", torch.bfloat16)
+    c = MLA_DRY if dry else MLA
+    B, H, N, D, DV = c["B"], c["H"], c["N"], c["D"], c["DV"]
+    g = torch.Generator(device=dev).manual_seed(2)
+    q, k = (torch.randn(B, H, N, D, generator=g, device=dev, dtype=dtype) for _ in range(2))
+    v, do = (torch.randn(B, H, N, DV, generator=g, device=dev, dtype=dtype) for _ in range(2))
+    providers = {"torchfn": lambda q, k, v: attention(q, k, v, causal=True, backend="triton"),
+                 "sdpa": lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True)}
+    if flex is not None:
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        bm = create_block_mask(lambda b, h, i, j: j <= i, None, None, N, N, device=dev)
+        providers["flex"] = lambda q, k, v: flex(q, k, v, block_mask=bm)
+    pairs = B * H * N * (N + 1) // 2
+    rows, ref = [], None
+    # torchfn tunes its BLOCK_D 256 kernels here first (tens of seconds of compiling):
+    # start only with a minute of budget left, so that the caller's hard timeout never
+    # cuts the run before the files are written
+    late = time.time() > deadline - (0 if dry else 60)
+    for prov, fn in providers.items():
+        for mode in ("fwd", "fwd_bwd"):
+            row = {"case": "mla", "provider": prov, "mode": mode, "B": B, "H": H, "N": N,
+                   "D": D, "pairs": pairs}
+            if late or time.time() > deadline:
+                rows.append(dict(row, error="budget"))
+                continue
+            try:
+                if mode == "fwd":
+                    with torch.no_grad():
+                        out = fn(q, k, v).float()
+                        row["ms"] = timer(lambda fn=fn: fn(q, k, v))
+                    if prov == "sdpa":
+                        ref = out
+                    row["out"] = out
+                else:
+                    xs = tuple(x.detach().clone().requires_grad_() for x in (q, k, v))
+                    row["ms"] = timer(lambda fn=fn, xs=xs: torch.autograd.grad(fn(*xs), xs, do))
+                # FLOPs of the unpadded problem: 2 (D + Dv) per pair forward, 2.5x backward
+                flops = 2 * (D + DV) * pairs * (3.5 if mode == "fwd_bwd" else 1.0)
+                row["tflops"] = round(flops / row["ms"] / 1e9, 1)
+                row["ms"] = round(row["ms"], 3)
+            except Exception as e:  # noqa: BLE001
+                row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+                traceback.print_exc()
+            rows.append(row)
+    for row in rows:
+        out = row.pop("out", None)
+        if out is not None and ref is not None and row["provider"] == "torchfn":
+            row["rel_diff"] = float((out - ref).norm() / ref.norm())
+    return rows
+
+
 def run(args) -> list[dict]:
     import torch
     import torch.nn.functional as F
@@ -247,7 +315,7 @@ def run(args) -> list[dict]:
             if (out is not None and row["provider"] == "torchfn" and ref is not None
                     and "rel_diff" not in row):
                 row["rel_diff"] = float((out.float() - ref).norm() / ref.norm())
-    return rows
+    return rows + run_mla(args, timer, flex, deadline)
 
 
 def markdown(rows: list[dict], env: dict) -> str:

@@ -85,8 +85,10 @@ def test_features_dry_run_times_every_case(tmp_path):
                                    ("causal", "torchfn"), ("causal", "sdpa")]
             for m in ("fwd", "fwd_bwd")}
     want |= {("decode-256", p, "fwd") for p in ("torchfn", "torchfn_nosplit", "sdpa")}
+    want |= {("mla", p, m) for p in ("torchfn", "sdpa") for m in ("fwd", "fwd_bwd")}
     assert timed == want
-    # torchfn gives its peer's output (fp32 in the dry run), split (4 runs) or not
+    # torchfn gives its peer's output (fp32 in the dry run), split (4 runs) or not, and
+    # with Dv != D (padded)
     assert all(r["rel_diff"] < 1e-5 for r in rows if "rel_diff" in r)
-    assert len([r for r in rows if "rel_diff" in r]) == 6
-    assert (tmp_path / "features.md").read_text().count("| torchfn |") == 11
+    assert len([r for r in rows if "rel_diff" in r]) == 7
+    assert (tmp_path / "features.md").read_text().count("| torchfn |") == 13
