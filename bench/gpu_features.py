@@ -120,6 +120,21 @@ def _split_env(split: str):
     return fn
 
 
+def _failed(row: dict, e: Exception) -> None:
+    row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+    traceback.print_exc()
+
+
+def _rel_diffs(rows: list[dict], ref, providers) -> None:
+    """Each row of one of ``providers`` that kept its output gets its relative difference
+    from ``ref``; every kept output is dropped (not JSON)."""
+    for row in rows:
+        out = row.pop("out", None)
+        if (out is not None and ref is not None and row["provider"] in providers
+                and "rel_diff" not in row):
+            row["rel_diff"] = float((out.float() - ref).norm() / ref.norm())
+
+
 def run_decode(args, timer, flex, deadline) -> list[dict]:
     """The decode rows: forward only, Nq = 1; ``torchfn`` with the split heuristic (forced
     to 4 splits in a dry run, whose interpreter never splits by itself)."""
@@ -161,13 +176,9 @@ def run_decode(args, timer, flex, deadline) -> list[dict]:
                 row["gbps"] = round(2 * k.numel() * k.element_size() / row["ms"] / 1e6, 1)
                 row["ms"] = round(row["ms"], 4)
             except Exception as e:  # noqa: BLE001
-                row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
-                traceback.print_exc()
+                _failed(row, e)
             rows.append(row)
-        for row in rows:
-            out = row.pop("out", None)
-            if out is not None and ref is not None and row["provider"] != "sdpa":
-                row["rel_diff"] = float((out - ref).norm() / ref.norm())
+        _rel_diffs(rows, ref, ("torchfn", "torchfn_nosplit", "flex"))
     return rows
 
 
@@ -225,13 +236,9 @@ def run_mla(args, timer, flex, deadline) -> list[dict]:
                 row["tflops"] = round(flops / row["ms"] / 1e9, 1)
                 row["ms"] = round(row["ms"], 3)
             except Exception as e:  # noqa: BLE001
-                row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
-                traceback.print_exc()
+                _failed(row, e)
             rows.append(row)
-    for row in rows:
-        out = row.pop("out", None)
-        if out is not None and ref is not None and row["provider"] == "torchfn":
-            row["rel_diff"] = float((out - ref).norm() / ref.norm())
+    _rel_diffs(rows, ref, ("torchfn",))
     return rows
 
 
@@ -307,14 +314,9 @@ def run(args) -> list[dict]:
                     row["tflops"] = round(flops / row["ms"] / 1e9, 1)
                     row["ms"] = round(row["ms"], 3)
                 except Exception as e:  # noqa: BLE001
-                    row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
-                    traceback.print_exc()
+                    _failed(row, e)
                 rows.append(row)
-        for row in rows:  # torchfn's difference from the dense-mask (or causal) SDPA
-            out = row.pop("out", None)
-            if (out is not None and row["provider"] == "torchfn" and ref is not None
-                    and "rel_diff" not in row):
-                row["rel_diff"] = float((out.float() - ref).norm() / ref.norm())
+        _rel_diffs(rows, ref, ("torchfn",))  # from the dense-mask (or causal) SDPA
     return rows + run_mla(args, timer, flex, deadline)
 
 
