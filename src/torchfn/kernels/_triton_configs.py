@@ -1,5 +1,5 @@
 """Launch configs of the Triton attention kernels: the measured tables and the candidate
-lists the GPU autotuner tries, in order (no Triton import; ``_triton_ops`` launches them).
+lists the GPU autotuner tries, in order (no Triton import; ``_triton_launch`` launches them).
 
 A config is ``Config(BLOCK_M, BLOCK_N, warps, stages, tma, overlap, ws)``. Per kernel
 and class (dtype and padded head dim, ``_class``), the tuner tries, on sm_90+ with TMA

@@ -11,7 +11,7 @@ the ragged end, which apply the causal / bounds mask. Causal is bottom-right
 aligned: query ``i`` sees key ``j`` iff ``j <= i + (Nk - Nq)``; key blocks past
 the diagonal are never visited.
 
-``USE_TMA`` (sm_90+, tuned against pointer loads, see ``_triton_ops``) reads q, k and v
+``USE_TMA`` (sm_90+, tuned against pointer loads, see ``_triton_launch``) reads q, k and v
 through 4-D tensor descriptors, i.e. the Hopper TMA engine, instead of per-thread
 pointer loads; the descriptor's bounds zero-fill rows past N and dims past D, as the
 masked loads do.
