@@ -21,6 +21,7 @@ from torch.func import grad, vmap
 from torchfn import random
 from torchfn.core import _threefry
 from torchfn.core import random as random_impl
+from torchfn.core.random import _bits, _erfinv
 
 GOLDEN = json.loads((pathlib.Path(__file__).parent / "data" / "jax_golden.json").read_text())
 CASES = GOLDEN["cases"]
@@ -255,7 +256,7 @@ def test_chunked_eager_path_equals_traced_path(monkeypatch, key, serial):
     monkeypatch.setattr(_threefry, "_SERIAL_MAX_THREADS", 1 << 20 if serial else 0)
     monkeypatch.setattr(_threefry, "_CHUNK", 256)
     monkeypatch.setattr(_threefry, "_CHUNK_SERIAL", 256)
-    monkeypatch.setattr(random_impl, "_FAST_MIN", 1)
+    monkeypatch.setattr(_bits, "_FAST_MIN", 1)
     shape = (3, 341)  # 4 chunks, the last partial
     fns = {
         "bits": lambda k: random.bits(k, shape, torch.int32),
@@ -325,7 +326,7 @@ def test_exact_sqrt_matches_correctly_rounded():
     lo, hi = torch.tensor([5.0, 40.0]).view(torch.int32).tolist()
     x = torch.arange(lo, hi, 97, dtype=torch.int32).view(torch.float32)  # every 97th float
     ref = torch.from_numpy(np.sqrt(x.double().numpy()).astype(np.float32))
-    assert torch.equal(random_impl._sqrt(x), ref)
+    assert torch.equal(_erfinv._sqrt(x), ref)
 
 
 def test_threefry_known_answer():
@@ -344,7 +345,7 @@ def test_threefry_known_answer():
 def test_pure_global_rng_untouched(key, monkeypatch):
     monkeypatch.setattr(_threefry, "_CHUNK", 256)
     monkeypatch.setattr(_threefry, "_CHUNK_SERIAL", 256)
-    monkeypatch.setattr(random_impl, "_FAST_MIN", 1)
+    monkeypatch.setattr(_bits, "_FAST_MIN", 1)
     state = torch.get_rng_state()
     random.normal(key, (1000,))  # chunked eager path
     random.uniform(key, (5,), minval=-1.0, maxval=2.0)
@@ -362,7 +363,7 @@ def test_pure_global_rng_untouched(key, monkeypatch):
 def test_arguments_not_mutated(key, monkeypatch):
     monkeypatch.setattr(_threefry, "_CHUNK", 256)
     monkeypatch.setattr(_threefry, "_CHUNK_SERIAL", 256)
-    monkeypatch.setattr(random_impl, "_FAST_MIN", 1)
+    monkeypatch.setattr(_bits, "_FAST_MIN", 1)
     before = key.clone()
     p = torch.full((4,), 0.3)
     logits = torch.randn(3, 5, generator=torch.Generator().manual_seed(0))
@@ -508,13 +509,19 @@ def test_device_follows_key(key):
 # ----------------------------------------------------------------------------- distributions
 
 seeds = st.integers(min_value=0, max_value=2**63 - 1)
+# False-alarm rate of each goodness-of-fit check. Hypothesis draws new seeds on every
+# dev run (CI's profile is derandomized), so over thousands of runs a 1e-4 level fires on
+# a sound generator: seed 22257452's first 50 float32 uniforms (JAX's bits) have
+# KS p = 2e-5. The mean and variance bounds beside them (5-6 sigma, the same
+# false-alarm scale) still catch a 10% scale or a 0.1 shift at n = 4000.
+ALPHA = 1e-6
 
 
 @given(seed=seeds, n=st.integers(2000, 5000))
 def test_uniform_distribution(seed, n):
     u = random.uniform(random.key(seed), (n,), torch.float64).numpy()
     assert u.min() >= 0.0 and u.max() < 1.0
-    assert scipy.stats.kstest(u, "uniform").pvalue > 1e-4, f"seed={seed}"
+    assert scipy.stats.kstest(u, "uniform").pvalue > ALPHA, f"seed={seed}"
     assert abs(u.mean() - 0.5) < 5 * math.sqrt(1 / 12 / n)
 
 
@@ -522,7 +529,7 @@ def test_uniform_distribution(seed, n):
 def test_normal_distribution(seed, rows, cols):
     z = random.normal(random.key(seed), (rows, cols)).double().numpy().ravel()
     n = z.size
-    assert scipy.stats.kstest(z, "norm").pvalue > 1e-4, f"seed={seed}"
+    assert scipy.stats.kstest(z, "norm").pvalue > ALPHA, f"seed={seed}"
     assert abs(z.mean()) < 5 / math.sqrt(n)
     assert abs(z.var() - 1) < 6 * math.sqrt(2 / n)
 
@@ -531,7 +538,7 @@ def test_normal_distribution(seed, rows, cols):
 def test_normal_other_dtypes(seed, dtype):
     z = random.normal(random.key(seed), (4000,), dtype)
     assert z.dtype == dtype and torch.isfinite(z).all()
-    assert scipy.stats.kstest(z.double().numpy(), "norm").pvalue > 1e-4, f"seed={seed}"
+    assert scipy.stats.kstest(z.double().numpy(), "norm").pvalue > ALPHA, f"seed={seed}"
 
 
 @given(seed=seeds, p=st.floats(0.05, 0.95))
@@ -555,7 +562,7 @@ def test_randint_chi_square(seed, lo, span, dtype):
     x = random.randint(random.key(seed), (n,), lo, lo + span, dtype)
     assert x.dtype == dtype and x.min() >= lo and x.max() < lo + span
     counts = torch.bincount((x.long() - lo), minlength=span).numpy()
-    assert scipy.stats.chisquare(counts).pvalue > 1e-4, f"seed={seed}"
+    assert scipy.stats.chisquare(counts).pvalue > ALPHA, f"seed={seed}"
 
 
 @given(seed=seeds, k=st.integers(2, 8))
@@ -565,7 +572,7 @@ def test_categorical_chi_square(seed, k):
     n = 3000
     s = random.categorical(random.key(seed), probs.log().float(), shape=(n,))
     counts = torch.bincount(s, minlength=k).numpy()
-    assert scipy.stats.chisquare(counts, probs.numpy() * n).pvalue > 1e-4, f"seed={seed}"
+    assert scipy.stats.chisquare(counts, probs.numpy() * n).pvalue > ALPHA, f"seed={seed}"
 
 
 def test_categorical_axis_and_neg_inf(key):
@@ -595,7 +602,7 @@ def test_truncated_normal_distribution(seed):
     lo, hi = -0.5, 1.7
     z = random.truncated_normal(random.key(seed), lo, hi, (3000,)).double().numpy()
     assert z.min() > lo and z.max() < hi
-    assert scipy.stats.kstest(z, scipy.stats.truncnorm(lo, hi).cdf).pvalue > 1e-4, f"seed={seed}"
+    assert scipy.stats.kstest(z, scipy.stats.truncnorm(lo, hi).cdf).pvalue > ALPHA, f"seed={seed}"
 
 
 def test_truncated_normal_tensor_bounds(key):
@@ -612,7 +619,7 @@ def test_choice_weighted_chi_square(seed, n):
     draws = random.choice(random.key(seed), n, (2000,), p=w)
     counts = torch.bincount(draws, minlength=n).numpy()
     expected = np.arange(1, n + 1) / (n * (n + 1) / 2) * 2000
-    assert scipy.stats.chisquare(counts, expected).pvalue > 1e-4, f"seed={seed}"
+    assert scipy.stats.chisquare(counts, expected).pvalue > ALPHA, f"seed={seed}"
     rows = random.choice(random.key(seed), torch.arange(2.0 * n).reshape(n, 2), (n,), replace=False)
     assert sorted(rows[:, 0].tolist()) == [2.0 * i for i in range(n)]
 
@@ -620,7 +627,7 @@ def test_choice_weighted_chi_square(seed, n):
 @given(seed=seeds)
 def test_gumbel_distribution(seed):
     g = random.gumbel(random.key(seed), (3000,)).double().numpy()
-    assert scipy.stats.kstest(g, "gumbel_r").pvalue > 1e-4, f"seed={seed}"
+    assert scipy.stats.kstest(g, "gumbel_r").pvalue > ALPHA, f"seed={seed}"
 
 
 # ----------------------------------------------------------------------------- bad input
@@ -834,6 +841,13 @@ def test_all_is_public_api():
 
 def test_docstring_examples():
     import doctest
+    import importlib
+    import pkgutil
 
-    failures, tried = doctest.testmod(random_impl, verbose=False, optionflags=doctest.ELLIPSIS)[:2]
-    assert tried > 10 and failures == 0
+    tried = failures = 0
+    for info in pkgutil.iter_modules(random_impl.__path__, random_impl.__name__ + "."):
+        module = importlib.import_module(info.name)
+        f, t = doctest.testmod(module, verbose=False, optionflags=doctest.ELLIPSIS)[:2]
+        failures, tried = failures + f, tried + t
+    f, t = doctest.testmod(random_impl, verbose=False, optionflags=doctest.ELLIPSIS)[:2]
+    assert tried + t > 10 and failures + f == 0
