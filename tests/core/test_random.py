@@ -329,6 +329,18 @@ def test_exact_sqrt_matches_correctly_rounded():
     assert torch.equal(_erfinv._sqrt(x), ref)
 
 
+@pytest.mark.parametrize("n", [64, 8192, 8193])
+@pytest.mark.parametrize("tails", [0, 3])
+def test_erfinv_eager_branches_equal_the_traced_one(key, n, tails):
+    """Plain CPU erf_inv takes one polynomial (no tail), selects between two (up to
+    _SELECT_MAX values) or indexes the tail (above); all equal the where() of vmap."""
+    x = random.uniform(key, (n,), minval=-0.99, maxval=0.99)  # no tail
+    x[: 2 * tails : 2] = torch.linspace(0.9967, 0.999999, tails)  # |x| > 0.9966: tail
+    x[1 : 2 * tails : 2] = -torch.linspace(0.9967, 0.999999, tails)
+    traced = vmap(_erfinv._erfinv_xla)(x[None])[0]
+    assert torch.equal(_erfinv._erfinv_xla(x), traced)
+
+
 def test_threefry_known_answer():
     """Random123's published Threefry-2x32-20 test vector (key and counter all ones)."""
     ones = torch.tensor(-1, dtype=torch.int32)

@@ -35,6 +35,11 @@ _ERFINV_TAIL = (
 )
 
 
+# Up to this many values the CPU path computes both polynomials and selects, rather
+# than index the tail: normal() at 512-4096 values takes 0.91-0.96x the time (the
+# indexing ops cost more than the extra polynomial); above, indexing wins.
+_SELECT_MAX = 1 << 13
+
 _CONSTANTS: dict[tuple, tuple[Tensor, ...]] = {}  # eager: (coeffs, dtype, device) -> 0-d
 
 
@@ -81,9 +86,14 @@ def _erfinv_xla(x: Tensor) -> Tensor:
             w.log1p_()
         w.neg_()  # -log(1 - x^2) >= 0
         tail = w >= 5.0  # |x| > 0.9966: ~0.3% of normal samples
-        w_tail = w[tail]
-        p = _horner_(_ERFINV_CENTRAL, w.sub_(2.5))
-        if w_tail.numel():
+        if not bool(tail.any()):  # most small draws: one polynomial, no indexing
+            p = _horner_(_ERFINV_CENTRAL, w.sub_(2.5))
+        elif w.numel() <= _SELECT_MAX:  # both polynomials everywhere beat boolean indexing
+            p_tail = _horner_(_ERFINV_TAIL, _sqrt(w).sub_(3.0))
+            p = torch.where(tail, p_tail, _horner_(_ERFINV_CENTRAL, w.sub_(2.5)))
+        else:
+            w_tail = w[tail]
+            p = _horner_(_ERFINV_CENTRAL, w.sub_(2.5))
             p[tail] = _horner_(_ERFINV_TAIL, _sqrt(w_tail).sub_(3.0))
     else:  # traced / batched / GPU: no data-dependent shapes
         w = w.log1p().neg()
