@@ -34,6 +34,7 @@ _EXPORTS: dict[str, str] = {
     "CheckpointError": "torchfn.core.checkpoint",
     "load_metadata": "torchfn.core.checkpoint",
     "remat": "torchfn.core.remat",
+    "scan": "torchfn.core.scan",
     # training
     "TrainState": "torchfn.train",
     "make_train_step": "torchfn.train",

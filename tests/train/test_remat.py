@@ -174,3 +174,22 @@ def test_bad_input():
         torchfn.remat(3)
     with pytest.raises(TypeError, match="floating-point tensors"):
         torchfn.remat(lambda x: x.long())(torch.ones(2))
+
+
+def test_an_input_returned_unchanged_gets_its_gradient():
+    """fn may return an argument as-is (a scan carry passing its parameters on)."""
+    w = torch.randn(3, 3, generator=torch.Generator().manual_seed(0))
+    x = torch.ones(3)
+
+    def f(w, x):
+        return w, torch.tanh(w @ x)
+
+    def loss(w, f):
+        w_out, y = f(w, x)
+        return (w_out * 2).sum() + y.pow(2).sum()
+
+    got = torch.func.grad(loss)(w, torchfn.remat(f))
+    assert torch.allclose(got, torch.func.grad(loss)(w, f), atol=1e-6)
+    w_req = w.clone().requires_grad_()
+    loss(w_req, torchfn.remat(f)).backward()
+    assert torch.allclose(w_req.grad, got, atol=1e-6)

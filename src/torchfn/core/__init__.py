@@ -4,6 +4,8 @@
 - ``random``: explicit counter-based PRNG keys (public as ``torchfn.random``).
 - ``module``: ``Model``, any ``nn.Module`` as pure ``init`` / ``apply``.
 - ``checkpoint``: ``save`` / ``load`` of whole pytrees as one safetensors file.
+- ``scan``: a carry-threading loop with stacked outputs (``jax.lax.scan``).
+- ``remat``: recompute activations in the backward, under ``torch.func`` too.
 
 Nothing is imported here, so importing one piece stays cheap; use the flat
 names on ``torchfn`` (``torchfn.Model``, ``torchfn.save``, ...).

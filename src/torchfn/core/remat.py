@@ -91,7 +91,11 @@ class _Remat(torch.autograd.Function):
     @staticmethod
     def forward(call: _Call, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         with _NoCapturedGrads(tensors):
-            return call.run(*tensors)
+            out = call.run(*tensors)
+        # an input passed through unchanged (a scan carry's parameters) goes out as a
+        # view: autograd cannot save an input that is also returned as-is
+        inputs = {id(t) for t in tensors}
+        return tuple(o.view_as(o) if id(o) in inputs else o for o in out)
 
     @staticmethod
     def setup_context(ctx, inputs, output):

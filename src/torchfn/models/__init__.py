@@ -4,6 +4,7 @@ from torchfn.models._cnn import BasicBlock, ConvNet, ResNet
 from torchfn.models._denoiser import MLPDenoiser, fourier_features, timestep_embedding
 from torchfn.models._energy import MLPEnergy
 from torchfn.models._mlp import MLP
+from torchfn.models._rnn import GRU, LSTM
 from torchfn.models._transformer import MultiHeadAttention, TransformerBlock, TransformerEncoder
 from torchfn.models._vae import MLPVAE
 
@@ -22,4 +23,7 @@ __all__ = [
     "TransformerBlock",
     "MultiHeadAttention",
     "MLPVAE",
+    # recurrent nets with forward-mode AD (_rnn)
+    "LSTM",
+    "GRU",
 ]

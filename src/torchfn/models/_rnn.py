@@ -1,0 +1,240 @@
+"""LSTM and GRU as a ``torchfn.scan`` of plain ops, with ``nn.LSTM`` / ``nn.GRU``'s
+parameters, names, shapes and numerics.
+
+Why not ``nn.LSTM``: its fused CPU kernel has no forward-mode derivative, so ``jvp``,
+``jacfwd`` and ``hessian`` through it raise. These modules are the same function
+written step by step (the input projection of every step is one matmul up front),
+so every ``torch.func`` transform goes through them. A state dict loads either way.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from torchfn.core.scan import scan
+
+__all__ = ["LSTM", "GRU"]
+
+
+def _lstm_cell(w_hh: Tensor, b_hh: Tensor | None):
+    def step(carry, gx):  # gx: (B, 4H) = x W_ih^T + b_ih for this step
+        h, c = carry  # (B, H) each
+        gates = gx + h @ w_hh.T
+        if b_hh is not None:
+            gates = gates + b_hh
+        i, f, g, o = gates.chunk(4, dim=-1)  # PyTorch's gate order
+        c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
+        h = torch.sigmoid(o) * torch.tanh(c)
+        return (h, c), h
+
+    return step
+
+
+def _gru_cell(w_hh: Tensor, b_hh: Tensor | None):
+    def step(h, gx):  # h: (B, H), gx: (B, 3H)
+        gh = h @ w_hh.T
+        if b_hh is not None:
+            gh = gh + b_hh
+        x_r, x_z, x_n = gx.chunk(3, dim=-1)
+        h_r, h_z, h_n = gh.chunk(3, dim=-1)
+        r = torch.sigmoid(x_r + h_r)
+        z = torch.sigmoid(x_z + h_z)
+        n = torch.tanh(x_n + r * h_n)
+        h = (1 - z) * n + z * h
+        return h, h
+
+    return step
+
+
+class _Recurrent(nn.Module):
+    _GATES = 0
+    _NAME = ""
+
+    def __init__(self, input_size: int, hidden_size: int, num_layers: int = 1,
+                 bias: bool = True, batch_first: bool = False, dropout: float = 0.0,
+                 bidirectional: bool = False) -> None:
+        super().__init__()
+        for name, v in (("input_size", input_size), ("hidden_size", hidden_size),
+                        ("num_layers", num_layers)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{self._NAME}: {name} must be an int >= 1, got {v!r}")
+        for name, v in (("bias", bias), ("batch_first", batch_first),
+                        ("bidirectional", bidirectional)):
+            if not isinstance(v, bool):
+                raise TypeError(f"{self._NAME}: {name} must be a bool, got {type(v).__name__}")
+        if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not (
+            0.0 <= dropout < 1.0
+        ):
+            raise ValueError(f"{self._NAME}: dropout must be in [0, 1), got {dropout!r}")
+        self.input_size, self.hidden_size, self.num_layers = input_size, hidden_size, num_layers
+        self.bias, self.batch_first, self.bidirectional = bias, batch_first, bidirectional
+        self.dropout = float(dropout)
+        self.num_directions = 2 if bidirectional else 1
+        G, H = self._GATES * hidden_size, hidden_size
+        for layer in range(num_layers):
+            width = input_size if layer == 0 else H * self.num_directions
+            for suffix in ("", "_reverse")[: self.num_directions]:
+                self.register_parameter(f"weight_ih_l{layer}{suffix}",
+                                        nn.Parameter(torch.empty(G, width)))
+                self.register_parameter(f"weight_hh_l{layer}{suffix}",
+                                        nn.Parameter(torch.empty(G, H)))
+                if bias:
+                    self.register_parameter(f"bias_ih_l{layer}{suffix}",
+                                            nn.Parameter(torch.empty(G)))
+                    self.register_parameter(f"bias_hh_l{layer}{suffix}",
+                                            nn.Parameter(torch.empty(G)))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Uniform in ``±1/sqrt(hidden_size)``, as ``nn.LSTM`` / ``nn.GRU``."""
+        bound = 1.0 / math.sqrt(self.hidden_size)
+        for p in self.parameters():
+            nn.init.uniform_(p, -bound, bound)
+
+    def extra_repr(self) -> str:
+        return (f"{self.input_size}, {self.hidden_size}, num_layers={self.num_layers}, "
+                f"bias={self.bias}, batch_first={self.batch_first}, dropout={self.dropout}, "
+                f"bidirectional={self.bidirectional}")
+
+    # ------------------------------------------------------------------ shapes
+    def _inputs(self, x: object) -> tuple[Tensor, bool]:
+        """``x`` as ``(T, B, input_size)`` and whether it came without a batch dim."""
+        if not isinstance(x, Tensor) or not x.is_floating_point():
+            got = x.dtype if isinstance(x, Tensor) else type(x).__name__
+            raise TypeError(f"{self._NAME}: input must be a float tensor, got {got}")
+        layout = "(B, T, input_size)" if self.batch_first else "(T, B, input_size)"
+        if x.dim() not in (2, 3) or x.shape[-1] != self.input_size:
+            raise ValueError(
+                f"{self._NAME}: input must be {layout} or (T, input_size) with "
+                f"input_size={self.input_size}, got shape {tuple(x.shape)}"
+            )
+        if x.dim() == 2:
+            return x.unsqueeze(1), True  # (T, 1, F)
+        return (x.transpose(0, 1) if self.batch_first else x), False  # (T, B, F)
+
+    def _state(self, s: object, name: str, B: int, unbatched: bool, like: Tensor) -> Tensor:
+        """An initial state as ``(num_layers * num_directions, B, H)``."""
+        LD, H = self.num_layers * self.num_directions, self.hidden_size
+        if s is None:
+            return like.new_zeros(LD, B, H)
+        want = (LD, H) if unbatched else (LD, B, H)
+        if not isinstance(s, Tensor) or tuple(s.shape) != want:
+            got = tuple(s.shape) if isinstance(s, Tensor) else type(s).__name__
+            raise ValueError(f"{self._NAME}: {name} must have shape {want} "
+                             f"(num_layers * num_directions, {'' if unbatched else 'B, '}"
+                             f"hidden_size), got {got}")
+        if s.dtype != like.dtype or s.device != like.device:
+            raise ValueError(f"{self._NAME}: {name} must have the input's dtype and device "
+                             f"({like.dtype}, {like.device}), got {s.dtype}, {s.device}")
+        return s.unsqueeze(1) if unbatched else s
+
+    def _weights(self, layer: int, reverse: bool) -> tuple[Tensor, ...]:
+        sfx = f"l{layer}{'_reverse' if reverse else ''}"
+        get = lambda n: getattr(self, f"{n}_{sfx}") if self.bias or "weight" in n else None  # noqa: E731
+        return get("weight_ih"), get("weight_hh"), get("bias_ih"), get("bias_hh")
+
+    def _run(self, x: Tensor, init: list, cell) -> tuple[Tensor, list]:
+        """All layers and directions: ``x`` ``(T, B, F)`` -> ``(T, B, D * H)``, last states."""
+        finals = []
+        for layer in range(self.num_layers):
+            outs = []
+            for d in range(self.num_directions):
+                w_ih, w_hh, b_ih, b_hh = self._weights(layer, reverse=d == 1)
+                gx = x @ w_ih.T  # (T, B, G*H): every step's input projection at once
+                if b_ih is not None:
+                    gx = gx + b_ih
+                carry, ys = scan(cell(w_hh, b_hh), init[layer * self.num_directions + d], gx,
+                                 reverse=d == 1)
+                outs.append(ys)  # (T, B, H)
+                finals.append(carry)
+            x = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+            if self.dropout > 0 and layer < self.num_layers - 1:
+                x = F.dropout(x, self.dropout, self.training)  # keyed inside Model.apply
+        return x, finals
+
+    def _output(self, y: Tensor, unbatched: bool) -> Tensor:
+        if unbatched:
+            return y.squeeze(1)  # (T, D*H)
+        return y.transpose(0, 1) if self.batch_first else y
+
+
+class LSTM(_Recurrent):
+    """``nn.LSTM`` (no ``proj_size``) as a scan of plain ops: works under ``jvp``,
+    ``jacfwd`` and ``hessian`` as well as ``grad``, ``vmap`` and ``torch.compile``.
+
+    Same constructor arguments, parameter names and shapes, initialisation and outputs
+    as ``nn.LSTM``; ``load_state_dict`` takes an ``nn.LSTM``'s state dict and the other
+    way round. Dropout between layers is keyed inside ``torchfn.Model.apply``.
+
+    Shapes (``D`` = 2 if bidirectional else 1, ``L`` = num_layers):
+      input: ``(T, B, input_size)`` (``(B, T, input_size)`` with ``batch_first``) or
+      ``(T, input_size)``; ``hx``: optional ``(h_0, c_0)``, each ``(D * L, B, H)``
+      (``(D * L, H)`` unbatched). Returns ``output`` ``(T, B, D * H)`` (batch-first or
+      unbatched as the input) and ``(h_n, c_n)``, each ``(D * L, B, H)``.
+
+    Example::
+
+        >>> import torch, torchfn
+        >>> model = torchfn.Model(LSTM(3, 8, num_layers=2, batch_first=True))
+        >>> params = model.init(torchfn.random.key(0))
+        >>> out, (h, c) = model.apply(params, torch.randn(4, 10, 3))    # (B, T, F)
+        >>> out.shape, h.shape
+        (torch.Size([4, 10, 8]), torch.Size([2, 4, 8]))
+        >>> x, dx = torch.randn(10, 3), torch.randn(10, 3)
+        >>> _, dout = torch.func.jvp(lambda x: model.apply(params, x)[0], (x,), (dx,))
+        >>> dout.shape                                                    # nn.LSTM: raises
+        torch.Size([10, 8])
+    """
+
+    _GATES = 4
+    _NAME = "LSTM"
+
+    def forward(self, input: Tensor, hx: tuple[Tensor, Tensor] | None = None):
+        x, unbatched = self._inputs(input)  # (T, B, F)
+        if hx is not None and (not isinstance(hx, (tuple, list)) or len(hx) != 2):
+            raise TypeError(f"LSTM: hx must be a pair (h_0, c_0), got {type(hx).__name__}")
+        h0 = self._state(None if hx is None else hx[0], "h_0", x.shape[1], unbatched, x)
+        c0 = self._state(None if hx is None else hx[1], "c_0", x.shape[1], unbatched, x)
+        y, finals = self._run(x, list(zip(h0, c0)), _lstm_cell)
+        h_n = torch.stack([h for h, _ in finals])  # (D*L, B, H)
+        c_n = torch.stack([c for _, c in finals])
+        if unbatched:
+            h_n, c_n = h_n.squeeze(1), c_n.squeeze(1)
+        return self._output(y, unbatched), (h_n, c_n)
+
+
+class GRU(_Recurrent):
+    """``nn.GRU`` as a scan of plain ops: works under ``jvp``, ``jacfwd`` and
+    ``hessian`` as well as ``grad``, ``vmap`` and ``torch.compile``.
+
+    Same constructor arguments, parameter names and shapes, initialisation and outputs
+    as ``nn.GRU`` (gates r, z, n; ``n = tanh(x W_in + b_in + r * (h W_hn + b_hn))``).
+
+    Shapes (``D`` = 2 if bidirectional else 1, ``L`` = num_layers):
+      input: ``(T, B, input_size)`` (``(B, T, input_size)`` with ``batch_first``) or
+      ``(T, input_size)``; ``hx``: optional ``h_0`` ``(D * L, B, H)`` (``(D * L, H)``
+      unbatched). Returns ``output`` ``(T, B, D * H)`` and ``h_n`` ``(D * L, B, H)``.
+
+    Example::
+
+        >>> import torch, torchfn
+        >>> model = torchfn.Model(GRU(3, 8, bidirectional=True))
+        >>> params = model.init(torchfn.random.key(0))
+        >>> out, h = model.apply(params, torch.randn(10, 4, 3))          # (T, B, F)
+        >>> out.shape, h.shape
+        (torch.Size([10, 4, 16]), torch.Size([2, 4, 8]))
+    """
+
+    _GATES = 3
+    _NAME = "GRU"
+
+    def forward(self, input: Tensor, hx: Tensor | None = None):
+        x, unbatched = self._inputs(input)  # (T, B, F)
+        h0 = self._state(hx, "hx", x.shape[1], unbatched, x)
+        y, finals = self._run(x, list(h0), _gru_cell)
+        h_n = torch.stack(finals)  # (D*L, B, H)
+        return self._output(y, unbatched), (h_n.squeeze(1) if unbatched else h_n)
