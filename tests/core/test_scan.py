@@ -167,6 +167,8 @@ def test_remat_step_gives_the_same_gradients(key):
         (lambda c, x: (c, x), torch.zeros(2), None, -1, "length must be an int >= 0"),
         (lambda c, x: (c + 1, torch.zeros(int(c) + 1)), torch.tensor(0), None, 3,
          "outputs y of one structure and shape"),
+        (lambda c, x: (c + 1, (c,) if int(c) else c), torch.tensor(0), None, 3,
+         r"outputs y of one structure at every step; step 1 returned PyTreeSpec\(\(\*,\)\)"),
     ],
 )
 def test_bad_input_gets_a_clear_error(f, init, xs, length, match):

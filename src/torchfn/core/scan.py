@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import optree
 import torch
 from torch import Tensor
 
@@ -42,24 +43,51 @@ def _leading(xs: PyTree) -> int | None:
 
 
 def _signature(carry: PyTree) -> tuple:
-    leaves, spec = _tree.flatten(carry)
-    return spec, [(tuple(x.shape), x.dtype) if isinstance(x, Tensor) else type(x)
-                  for x in leaves]
+    leaves, spec = optree.tree_flatten(carry)
+    return spec, [(x.shape, x.dtype) if isinstance(x, Tensor) else type(x) for x in leaves]
 
 
 def _check_carry(want: tuple, carry: PyTree, step: int) -> None:
-    got = _signature(carry)
-    if got[0] != want[0]:
+    leaves, spec = optree.tree_flatten(carry)
+    if spec != want[0]:
         raise ValueError(
             f"scan: f must return a carry with the structure of init; step {step} "
-            f"returned {_tree._short(got[0])}, init is {_tree._short(want[0])}"
+            f"returned {_tree._short(spec)}, init is {_tree._short(want[0])}"
         )
-    for i, (a, b) in enumerate(zip(want[1], got[1])):
+    for i, (a, x) in enumerate(zip(want[1], leaves)):
+        b = (x.shape, x.dtype) if isinstance(x, Tensor) else type(x)
         if a != b:
+            show = lambda s: (tuple(s[0]), s[1]) if isinstance(s, tuple) else s  # noqa: E731
             raise ValueError(
                 f"scan: f must keep each carry leaf's shape and dtype; step {step} "
-                f"changed leaf {i} from {a} to {b}"
+                f"changed leaf {i} from {show(a)} to {show(b)}"
             )
+
+
+def _stack_outputs(ys: list) -> PyTree:
+    """Stack the per-step outputs leaf by leaf (one structure and shape at every step)."""
+    columns, spec0 = optree.tree_flatten(ys[0])
+    columns = [[leaf] for leaf in columns]
+    for step, y in enumerate(ys[1:], start=1):
+        leaves, spec = optree.tree_flatten(y)
+        if spec != spec0:
+            raise ValueError(
+                f"scan: f must return outputs y of one structure at every step; step "
+                f"{step} returned {_tree._short(spec)}, step 0 {_tree._short(spec0)}"
+            )
+        for column, leaf in zip(columns, leaves):
+            column.append(leaf)
+    stacked = []
+    for i, column in enumerate(columns):
+        column = [torch.as_tensor(x) for x in column]
+        shapes = {tuple(x.shape) for x in column}
+        if len(shapes) > 1:
+            raise ValueError(
+                f"scan: f must return outputs y of one structure and shape at every "
+                f"step; output leaf {i} has shapes {sorted(shapes)}"
+            )
+        stacked.append(torch.stack(column))
+    return optree.tree_unflatten(spec0, stacked)
 
 
 def _empty_outputs(f, init: PyTree, xs: PyTree) -> PyTree:
@@ -142,9 +170,14 @@ def scan(
     if n == 0:
         return init, _empty_outputs(f, init, xs)
     want = _signature(init)
+    if xs is not None:
+        # one unbind per leaf, not a select per step: T selects would each send a whole
+        # (T, ...) zero tensor back in the backward (O(T^2)); unbind's backward is a stack
+        x_leaves, x_spec = optree.tree_flatten(xs)
+        x_steps = [leaf.unbind(0) for leaf in x_leaves]
     carry, ys = init, []
     for step, t in enumerate(range(n - 1, -1, -1) if reverse else range(n)):
-        x = None if xs is None else _tree.map(lambda leaf: leaf[t], xs)  # noqa: B023
+        x = None if xs is None else optree.tree_unflatten(x_spec, [s[t] for s in x_steps])
         out = f(carry, x)
         if not isinstance(out, tuple) or len(out) != 2:
             raise TypeError(f"scan: f must return a (carry, y) pair, step {step} returned "
@@ -156,8 +189,4 @@ def scan(
         ys.reverse()
     if all(y is None for y in ys):
         return carry, None
-    try:
-        return carry, _tree.stack(ys)
-    except ValueError as err:
-        raise ValueError(f"scan: f must return outputs y of one structure and shape at "
-                         f"every step ({err})") from None
+    return carry, _stack_outputs(ys)

@@ -20,34 +20,39 @@ from torchfn.core.scan import scan
 __all__ = ["LSTM", "GRU"]
 
 
-def _lstm_cell(w_hh: Tensor, b_hh: Tensor | None):
-    def step(carry, gx):  # gx: (B, 4H) = x W_ih^T + b_ih for this step
+def _lstm(x: Tensor, w_ih: Tensor, w_hh: Tensor, b_ih: Tensor | None, b_hh: Tensor | None):
+    """The input projection of every step at once, ``(T, B, 4H)``, and one LSTM step."""
+    gx = F.linear(x, w_ih, None if b_ih is None else b_ih + b_hh)  # both biases folded in
+    w_t = w_hh.T  # (H, 4H)
+
+    def step(carry, gx):  # gx: (B, 4H), this step's x W_ih^T + b_ih + b_hh
         h, c = carry  # (B, H) each
-        gates = gx + h @ w_hh.T
-        if b_hh is not None:
-            gates = gates + b_hh
-        i, f, g, o = gates.chunk(4, dim=-1)  # PyTorch's gate order
-        c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
-        h = torch.sigmoid(o) * torch.tanh(c)
+        gates = torch.addmm(gx, h, w_t)  # (B, 4H): i, f, g, o (PyTorch's order)
+        i, f, _, o = torch.sigmoid(gates).chunk(4, dim=-1)  # one op for three gates
+        H = h.shape[-1]
+        g = torch.tanh(gates[..., 2 * H : 3 * H])
+        c = torch.addcmul(f * c, i, g)
+        h = o * torch.tanh(c)
         return (h, c), h
 
-    return step
+    return gx, step
 
 
-def _gru_cell(w_hh: Tensor, b_hh: Tensor | None):
-    def step(h, gx):  # h: (B, H), gx: (B, 3H)
-        gh = h @ w_hh.T
-        if b_hh is not None:
-            gh = gh + b_hh
-        x_r, x_z, x_n = gx.chunk(3, dim=-1)
-        h_r, h_z, h_n = gh.chunk(3, dim=-1)
-        r = torch.sigmoid(x_r + h_r)
-        z = torch.sigmoid(x_z + h_z)
-        n = torch.tanh(x_n + r * h_n)
-        h = (1 - z) * n + z * h
+def _gru(x: Tensor, w_ih: Tensor, w_hh: Tensor, b_ih: Tensor | None, b_hh: Tensor | None):
+    """The input projection of every step at once, ``(T, B, 3H)``, and one GRU step
+    (``b_hh`` stays in the step: its n part is scaled by r)."""
+    gx = F.linear(x, w_ih, b_ih)
+    w_t = w_hh.T  # (H, 3H)
+
+    def step(h, gx):  # h: (B, H), gx: (B, 3H), this step's x W_ih^T + b_ih
+        gh = h @ w_t if b_hh is None else torch.addmm(b_hh, h, w_t)  # (B, 3H): r, z, n
+        H = h.shape[-1]
+        r, z = torch.sigmoid(gx[..., : 2 * H] + gh[..., : 2 * H]).chunk(2, dim=-1)
+        n = torch.tanh(torch.addcmul(gx[..., 2 * H :], r, gh[..., 2 * H :]))
+        h = torch.lerp(n, h, z)  # (1 - z) * n + z * h
         return h, h
 
-    return step
+    return gx, step
 
 
 class _Recurrent(nn.Module):
@@ -143,12 +148,9 @@ class _Recurrent(nn.Module):
         for layer in range(self.num_layers):
             outs = []
             for d in range(self.num_directions):
-                w_ih, w_hh, b_ih, b_hh = self._weights(layer, reverse=d == 1)
-                gx = x @ w_ih.T  # (T, B, G*H): every step's input projection at once
-                if b_ih is not None:
-                    gx = gx + b_ih
-                carry, ys = scan(cell(w_hh, b_hh), init[layer * self.num_directions + d], gx,
-                                 reverse=d == 1)
+                gx, step = cell(x, *self._weights(layer, reverse=d == 1))  # (T, B, G*H)
+                i = layer * self.num_directions + d
+                carry, ys = scan(step, init[i], gx, reverse=d == 1)
                 outs.append(ys)  # (T, B, H)
                 finals.append(carry)
             x = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
@@ -199,7 +201,7 @@ class LSTM(_Recurrent):
             raise TypeError(f"LSTM: hx must be a pair (h_0, c_0), got {type(hx).__name__}")
         h0 = self._state(None if hx is None else hx[0], "h_0", x.shape[1], unbatched, x)
         c0 = self._state(None if hx is None else hx[1], "c_0", x.shape[1], unbatched, x)
-        y, finals = self._run(x, list(zip(h0, c0)), _lstm_cell)
+        y, finals = self._run(x, list(zip(h0, c0)), _lstm)
         h_n = torch.stack([h for h, _ in finals])  # (D*L, B, H)
         c_n = torch.stack([c for _, c in finals])
         if unbatched:
@@ -235,6 +237,6 @@ class GRU(_Recurrent):
     def forward(self, input: Tensor, hx: Tensor | None = None):
         x, unbatched = self._inputs(input)  # (T, B, F)
         h0 = self._state(hx, "hx", x.shape[1], unbatched, x)
-        y, finals = self._run(x, list(h0), _gru_cell)
+        y, finals = self._run(x, list(h0), _gru)
         h_n = torch.stack(finals)  # (D*L, B, H)
         return self._output(y, unbatched), (h_n.squeeze(1) if unbatched else h_n)
