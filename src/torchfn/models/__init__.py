@@ -6,11 +6,13 @@ from torchfn.models._energy import MLPEnergy
 from torchfn.models._mlp import MLP
 from torchfn.models._rnn import GRU, LSTM
 from torchfn.models._transformer import MultiHeadAttention, TransformerBlock, TransformerEncoder
+from torchfn.models._unet import UNet
 from torchfn.models._vae import MLPVAE
 
 __all__ = [
-    # diffusion denoiser and EBM energy (_denoiser, _energy)
+    # diffusion denoisers and EBM energy (_denoiser, _unet, _energy)
     "MLPDenoiser",
+    "UNet",
     "fourier_features",
     "timestep_embedding",
     "MLPEnergy",
