@@ -1,4 +1,4 @@
-"""examples/ddpm_2d.py and examples/ebm_2d.py run end to end on a tiny config."""
+"""examples/ddpm_2d.py, ddpm_digits.py and ebm_2d.py run end to end on a tiny config."""
 
 import importlib.util
 import json
@@ -72,3 +72,19 @@ def test_ebm_2d_tiny(tmp_path):
     saved = json.loads((tmp_path / "metrics.json").read_text())
     assert set(saved["energy_distance"]) == {"replay_buffer", "fresh_langevin_500", "data_baseline"}
     assert saved["final_loss"] == m["final_loss"]
+
+
+def test_ddpm_digits_tiny(tmp_path):
+    ddpm = load("ddpm_digits")
+    args = ["--steps", "12", "--batch", "32", "--timesteps", "20", "--channels", "8",
+            "--per-class", "2", "--ddim-steps", "3", "--classifier-steps", "30", "--seed", "1"]
+    m = ddpm.main(args + NO_PLOT + ["--out", str(tmp_path / "a")])
+    assert not PLOT or (tmp_path / "a" / "samples.png").stat().st_size > 0
+    saved = json.loads((tmp_path / "a" / "metrics.json").read_text())
+    assert 0 <= saved["samples_classified_as_their_condition"] <= 1
+    assert saved["classifier_accuracy_on_real_test_digits"] > 0.5  # 30 steps already learn
+    # deterministic from the seed
+    again = ddpm.main(args + ["--out", str(tmp_path / "b"), "--no-plot"])
+    assert again["final_loss"] == m["final_loss"]
+    assert again["samples_classified_as_their_condition"] == m[
+        "samples_classified_as_their_condition"]
