@@ -32,7 +32,7 @@ def min_snr_weight(snr: Tensor, gamma: float | None, prediction: str = "eps") ->
 
     Example::
 
-        >>> min_snr_weight(torch.tensor([0.5, 5.0, 50.0]), 5.0).tolist()
+        >>> min_snr_weight(torch.tensor([0.5, 5.0, 50.0], dtype=torch.float64), 5.0).tolist()
         [1.0, 1.0, 0.1]
     """
     if prediction not in _PREDICTIONS:

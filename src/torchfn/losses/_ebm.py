@@ -26,6 +26,7 @@ def ebm_loss(energy_pos: Tensor, energy_neg: Tensor, alpha: float = 0.1) -> Tens
 
     Example::
 
+        >>> import torch
         >>> ebm_loss(torch.tensor([-1.0, -2.0]), torch.tensor([1.0]), alpha=0.0)
         tensor(-2.5000)
     """

@@ -29,6 +29,7 @@ def mse(pred: Tensor, target: Tensor, *, reduction: str = "mean") -> Tensor:
 
     Example::
 
+        >>> import torch
         >>> mse(torch.tensor([1.0, 2.0]), torch.tensor([0.0, 0.0]))
         tensor(2.5000)
     """
@@ -47,6 +48,7 @@ def huber(pred: Tensor, target: Tensor, *, delta: float = 1.0, reduction: str = 
 
     Example::
 
+        >>> import torch
         >>> huber(torch.tensor([0.5, 3.0]), torch.zeros(2))     # (0.125 + 2.5) / 2
         tensor(1.3125)
     """
@@ -63,6 +65,7 @@ def l1(pred: Tensor, target: Tensor, *, reduction: str = "mean") -> Tensor:
 
     Example::
 
+        >>> import torch
         >>> l1(torch.tensor([1.0, -3.0]), torch.zeros(2))
         tensor(2.)
     """

@@ -28,6 +28,7 @@ class ConvNet(nn.Module):
 
     Example::
 
+        >>> import torch
         >>> import torchfn
         >>> model = torchfn.Model(ConvNet(1, 10, channels=(8, 16)))
         >>> params = model.init(torchfn.random.key(0))
@@ -84,6 +85,7 @@ class ResNet(nn.Module):
     one (BatchNorm needs a batch dim) -- use it so in eval mode only: in train mode a
     batch of one has no batch statistics. BatchNorm buffers are ``torchfn.Model`` state::
 
+        >>> import torch
         >>> import torchfn
         >>> model = torchfn.Model(ResNet(3, 10, widths=(8, 16), blocks_per_stage=1))
         >>> params, state = model.init(torchfn.random.key(0)), model.init_state()

@@ -68,6 +68,7 @@ class MLPDenoiser(nn.Module):
 
     Example::
 
+        >>> import torchfn
         >>> model = torchfn.Model(MLPDenoiser(2))
         >>> params = model.init(torchfn.random.key(0))
         >>> eps = model.apply(params, torch.zeros(4, 2), torch.tensor([0, 1, 2, 3]))

@@ -19,6 +19,7 @@ class MLPEnergy(nn.Module):
 
     Example::
 
+        >>> import torchfn
         >>> model = torchfn.Model(MLPEnergy(2, hidden=64, depth=2))
         >>> params = model.init(torchfn.random.key(0))
         >>> energy = lambda x: model.apply(params, x)          # (2,) -> ()

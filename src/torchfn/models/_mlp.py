@@ -59,6 +59,7 @@ class MLP(nn.Module):
 
     Example::
 
+        >>> import torch
         >>> import torchfn
         >>> model = torchfn.Model(MLP(4, (32, 32), 3, activation="gelu", dropout=0.1))
         >>> params = model.init(torchfn.random.key(0))

@@ -18,6 +18,7 @@ class MLPVAE(nn.Module):
     ``forward(x)`` encodes, ``forward(z=z)`` decodes, so one ``torchfn.Model`` and one
     params dict serve both halves of ``torchfn.losses.vae_elbo``::
 
+        >>> import torch
         >>> import torchfn
         >>> from torchfn.losses import vae_elbo
         >>> model = torchfn.Model(MLPVAE(in_dim=6, hidden=(32,), latent_dim=2))

@@ -199,8 +199,14 @@ def pgd(
 
     Example::
 
+        >>> import torch, torchfn, torch.nn.functional as F
+        >>> from torchfn.models import MLP
+        >>> model = torchfn.Model(MLP(4, (16,), 3))
+        >>> params = model.init(torchfn.random.key(0))
+        >>> loss_fn = lambda p, x, y: F.cross_entropy(model.apply(p, x), y)
+        >>> x, y = torch.rand(8, 4), torch.randint(0, 3, (8,))
         >>> x_adv = pgd(loss_fn, params, x, y, torchfn.random.key(1),
-        ...             eps=0.1, step_size=0.025, steps=10)     # loss_fn etc. as in fgsm
+        ...             eps=0.1, step_size=0.025, steps=10)     # (8, 4)
     """
     _check_inputs(loss_fn, x, clamp)
     eps = _check_number("eps", eps, positive=False)
@@ -266,6 +272,12 @@ def adversarial_loss(
 
     Example::
 
+        >>> import torch, torchfn, torch.nn.functional as F
+        >>> from torchfn.models import MLP
+        >>> model = torchfn.Model(MLP(4, (16,), 3))
+        >>> params = model.init(torchfn.random.key(0))
+        >>> loss_fn = lambda p, x, y: F.cross_entropy(model.apply(p, x), y)
+        >>> x, y = torch.rand(8, 4), torch.randint(0, 3, (8,))
         >>> step_loss = lambda p, k: adversarial_loss(loss_fn, p, x, y, k, eps=0.1)
         >>> grads = torch.func.grad(step_loss)(params, torchfn.random.key(2))
     """

@@ -32,6 +32,7 @@ def ensemble_init(init: Any, key: Tensor, n: int) -> Any:
 
     Example::
 
+        >>> import torch
         >>> import torchfn
         >>> from torchfn.models import MLP
         >>> model = torchfn.Model(MLP(3, (16,), 1))
@@ -134,6 +135,9 @@ def ensemble_step(
 
     Example::
 
+        >>> import torch, torchfn, torch.nn.functional as F
+        >>> from torchfn.models import MLP
+        >>> model = torchfn.Model(MLP(3, (16,), 1))
         >>> opt = torchfn.optim.sgd(0.1)
         >>> loss_fn = lambda p, s, batch, k: F.mse_loss(model.apply(p, batch[0]), batch[1])
         >>> members = [torchfn.TrainState.create(model.init(k), opt, key=k)

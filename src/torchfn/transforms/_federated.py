@@ -133,6 +133,7 @@ def federated_round(
 
     Example::
 
+        >>> import torchfn
         >>> def local_step(p, data, k):                        # data: (x (n, 3), y (n,))
         ...     x, y = data
         ...     g = torch.func.grad(lambda p: ((x @ p["w"] - y) ** 2).mean())(p)

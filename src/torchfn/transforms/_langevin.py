@@ -134,6 +134,7 @@ def langevin(
 
     Example::
 
+        >>> from torchfn import random
         >>> energy = lambda x: 0.5 * (x ** 2).sum()          # standard normal
         >>> x = langevin(energy, torch.zeros(512, 2), random.key(0), steps=100, step_size=0.05)
         >>> x.shape

@@ -1,9 +1,15 @@
 """Discrete-time diffusion (DDPM / DDIM): schedules, the forward process, samplers.
 
+    >>> import torch
+    >>> from torchfn import random
     >>> from torchfn.transforms import diffusion
     >>> s = diffusion.cosine_schedule(1000)                    # float64 coefficients
+    >>> x0, t, noise = torch.randn(8, 2), torch.randint(0, 1000, (8,)), torch.randn(8, 2)
     >>> x_t = diffusion.q_sample(s, x0, t, noise)              # x0: (B, ...), t: (B,) int64
-    >>> x = diffusion.ddim_sample(eps_fn, s, (64, 2), key, steps=50)
+    >>> eps_fn = lambda x_t, t: torch.zeros_like(x_t)          # a trained model's noise
+    >>> x = diffusion.ddim_sample(eps_fn, s, (64, 2), random.key(0), steps=50)
+    >>> x.shape
+    torch.Size([64, 2])
 
 The training loss lives in ``torchfn.losses.diffusion_loss``.
 """

@@ -74,6 +74,7 @@ def q_sample(schedule: Schedule, x0: Tensor, t: Tensor, noise: Tensor) -> Tensor
 
     Example::
 
+        >>> from torchfn.transforms.diffusion import linear_schedule
         >>> s = linear_schedule(1000)
         >>> x0 = torch.ones(4, 2); eps = torch.zeros(4, 2)
         >>> q_sample(s, x0, torch.tensor([0, 1, 2, 999]), eps).shape
@@ -96,6 +97,7 @@ def velocity(schedule: Schedule, x0: Tensor, t: Tensor, noise: Tensor) -> Tensor
 
     Example::
 
+        >>> from torchfn.transforms.diffusion import linear_schedule
         >>> v = velocity(linear_schedule(10), torch.ones(3, 2), torch.tensor([0, 5, 9]),
         ...              torch.ones(3, 2))
     """
@@ -111,6 +113,7 @@ def predict_x0_from_eps(schedule: Schedule, x_t: Tensor, t: Tensor, eps: Tensor)
 
     Example::
 
+        >>> from torchfn.transforms.diffusion import linear_schedule
         >>> s = linear_schedule(10); t = torch.tensor([3])
         >>> x0 = predict_x0_from_eps(s, torch.ones(1, 2), t, torch.zeros(1, 2))
     """
@@ -126,6 +129,7 @@ def predict_eps_from_x0(schedule: Schedule, x_t: Tensor, t: Tensor, x0: Tensor) 
 
     Example::
 
+        >>> from torchfn.transforms.diffusion import linear_schedule
         >>> s = linear_schedule(10); t = torch.tensor([3])
         >>> eps = predict_eps_from_x0(s, torch.ones(1, 2), t, torch.zeros(1, 2))
     """
@@ -140,6 +144,7 @@ def predict_x0_from_v(schedule: Schedule, x_t: Tensor, t: Tensor, v: Tensor) -> 
 
     Example::
 
+        >>> from torchfn.transforms.diffusion import linear_schedule
         >>> s = linear_schedule(10); t = torch.tensor([3])
         >>> x0 = predict_x0_from_v(s, torch.ones(1, 2), t, torch.zeros(1, 2))
     """
@@ -155,6 +160,7 @@ def predict_eps_from_v(schedule: Schedule, x_t: Tensor, t: Tensor, v: Tensor) ->
 
     Example::
 
+        >>> from torchfn.transforms.diffusion import linear_schedule
         >>> s = linear_schedule(10); t = torch.tensor([3])
         >>> eps = predict_eps_from_v(s, torch.ones(1, 2), t, torch.zeros(1, 2))
     """
@@ -176,6 +182,7 @@ def q_posterior(
 
     Example::
 
+        >>> from torchfn.transforms.diffusion import linear_schedule
         >>> s = linear_schedule(10); t = torch.tensor([3, 4])
         >>> mean, var, logvar = q_posterior(s, torch.zeros(2, 5), torch.ones(2, 5), t)
     """

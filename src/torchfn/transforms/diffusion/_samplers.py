@@ -119,6 +119,7 @@ def ddpm_step(
 
     Example::
 
+        >>> from torchfn.transforms.diffusion import linear_schedule
         >>> s = linear_schedule(10); x = torch.ones(2, 3)
         >>> x_prev = ddpm_step(s, x, 5, torch.zeros(2, 3), torch.zeros(2, 3))
     """
@@ -173,6 +174,7 @@ def ddim_step(
 
     Example::
 
+        >>> from torchfn.transforms.diffusion import linear_schedule
         >>> s = linear_schedule(10); x = torch.ones(2, 3)
         >>> x_prev = ddim_step(s, x, 9, 4, torch.zeros(2, 3))
     """
@@ -283,6 +285,7 @@ def ddpm_sample(
 
     Example::
 
+        >>> from torchfn.transforms.diffusion import linear_schedule
         >>> s = linear_schedule(50)
         >>> x = ddpm_sample(lambda x, t: torch.zeros_like(x), s, (8, 2), random.key(0))
         >>> x.shape
@@ -344,6 +347,7 @@ def ddim_sample(
 
     Example::
 
+        >>> from torchfn.transforms.diffusion import linear_schedule
         >>> s = linear_schedule(100)
         >>> x = ddim_sample(lambda x, t: torch.zeros_like(x), s, (8, 2), random.key(0), steps=10)
         >>> x.shape
