@@ -26,3 +26,22 @@ def test_docstring_examples(name):
     result = doctest.testmod(module, optionflags=flags)
     assert result.failed == 0, f"{result.failed} doctest failures in {name}"
 
+
+
+def test_every_public_name_has_an_example():
+    """Each callable in the subpackages' ``__all__`` and the flat API shows an example
+    (exceptions and NamedTuple records excepted)."""
+    missing = []
+    for package in ("models", "losses", "transforms", "train", "data", "tree"):
+        mod = importlib.import_module(f"torchfn.{package}")
+        for name in getattr(mod, "__all__", []):
+            obj = getattr(mod, name)
+            record = isinstance(obj, type) and (
+                issubclass(obj, Exception) or hasattr(obj, "_fields")
+            )
+            if callable(obj) and not record and ">>>" not in (obj.__doc__ or ""):
+                missing.append(f"torchfn.{package}.{name}")
+    for name in ("Model", "save", "load", "remat", "scan", "make_train_step", "fit"):
+        if ">>>" not in (getattr(torchfn, name).__doc__ or ""):
+            missing.append(f"torchfn.{name}")
+    assert not missing, f"no docstring example: {missing}"

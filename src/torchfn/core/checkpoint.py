@@ -253,6 +253,21 @@ def save(path: str | os.PathLike, tree: Any, metadata: Any = None) -> None:
             int/float/bool/str leaves, e.g. a whole train state.
         metadata: optional JSON-serialisable data (config, step, git hash),
             returned by :func:`load_metadata`.
+
+    Example::
+
+        >>> import os
+        >>> import tempfile
+        >>> import torch
+        >>> import torchfn
+        >>> state = {"params": {"w": torch.ones(2, 3)}, "step": 7, "opt": (torch.zeros(3), None)}
+        >>> with tempfile.TemporaryDirectory() as folder:      # removed with its files
+        ...     path = os.path.join(folder, "run.safetensors")
+        ...     torchfn.save(path, state, metadata={"lr": 1e-3})
+        ...     back = torchfn.load(path, like=state)
+        ...     meta = torchfn.load_metadata(path)
+        >>> back["step"], back["params"]["w"].shape, back["opt"][1], meta
+        (7, torch.Size([2, 3]), None, {'lr': 0.001})
     """
     if not isinstance(path, (str, os.PathLike)):
         raise TypeError(f"path must be a str or os.PathLike, got {type(path).__name__}")
@@ -351,6 +366,24 @@ def load(
         FileNotFoundError: ``path`` does not exist.
         CheckpointError: (a ``ValueError``) truncated, corrupted or non-torchfn
             file, checksum mismatch, or a mismatch with ``like``; names the file.
+
+    Example::
+
+        >>> import os
+        >>> import tempfile
+        >>> import torch
+        >>> import torchfn
+        >>> with tempfile.TemporaryDirectory() as folder:      # removed with its files
+        ...     path = os.path.join(folder, "run.safetensors")
+        ...     torchfn.save(path, {"w": torch.arange(3.0)}, metadata={"step": 3})
+        ...     tree, meta = torchfn.load(path, with_metadata=True)
+        ...     try:
+        ...         torchfn.load(path, like={"w": torch.zeros(4)})   # wrong shape
+        ...     except torchfn.CheckpointError:
+        ...         print("CheckpointError")
+        CheckpointError
+        >>> tree["w"].tolist(), meta
+        ([0.0, 1.0, 2.0], {'step': 3})
     """
     path, handle = _open(path)
     with handle:

@@ -80,6 +80,21 @@ class Model:
     control flow and ``.item()``: for an ensemble, stack a loop
     (``tree.stack([model.init(k) for k in random.split(key, n)])``), do not
     ``vmap`` it.
+
+    Example::
+
+        >>> import torch
+        >>> from torch import nn
+        >>> import torchfn
+        >>> from torchfn import random
+        >>> model = torchfn.Model(nn.Linear(3, 2))
+        >>> params = model.init(random.key(0))             # {'weight': (2, 3), 'bias': (2,)}
+        >>> sorted(params)
+        ['bias', 'weight']
+        >>> model.apply(params, torch.ones(5, 3)).shape    # (B, 2)
+        torch.Size([5, 2])
+        >>> bool(torch.equal(model.init(random.key(0))["weight"], params["weight"]))
+        True
     """
 
     def __init__(self, module: nn.Module):

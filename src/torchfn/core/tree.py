@@ -116,24 +116,62 @@ def map(
 
 
 def leaves(tree: PyTree, *, is_leaf: Callable[[Any], bool] | None = None) -> list[Any]:
-    """The leaves of ``tree`` in traversal order (dicts by sorted key)."""
+    """The leaves of ``tree`` in traversal order (dicts by sorted key).
+
+    Example::
+
+        >>> from torchfn import tree
+        >>> tree.leaves({"b": [1, 2], "a": 3, "c": None})    # None is an empty subtree
+        [3, 1, 2]
+    """
     return optree.tree_leaves(tree, is_leaf=is_leaf)
 
 
 def structure(tree: PyTree, *, is_leaf: Callable[[Any], bool] | None = None) -> PyTreeDef:
-    """The treedef of ``tree`` (an ``optree.PyTreeSpec``); compare with ``==``."""
+    """The treedef of ``tree`` (an ``optree.PyTreeSpec``); compare with ``==``.
+
+    Example::
+
+        >>> import torch
+        >>> from torchfn import tree
+        >>> params = {"w": torch.ones(2, 3), "b": torch.zeros(2)}
+        >>> tree.structure(params) == tree.structure({"b": 0.0, "w": 1.0})   # leaves ignored
+        True
+        >>> tree.structure(params).num_leaves
+        2
+    """
     return optree.tree_structure(tree, is_leaf=is_leaf)
 
 
 def flatten(
     tree: PyTree, *, is_leaf: Callable[[Any], bool] | None = None
 ) -> tuple[list[Any], PyTreeDef]:
-    """``(leaves, treedef)``; :func:`unflatten` inverts it."""
+    """``(leaves, treedef)``; :func:`unflatten` inverts it.
+
+    Example::
+
+        >>> from torchfn import tree
+        >>> leaves, treedef = tree.flatten({"b": (2, 3), "a": 1})
+        >>> leaves
+        [1, 2, 3]
+        >>> tree.unflatten(treedef, leaves) == {"b": (2, 3), "a": 1}
+        True
+    """
     return optree.tree_flatten(tree, is_leaf=is_leaf)
 
 
 def unflatten(treedef: PyTreeDef, leaves: Sequence[Any]) -> PyTree:
-    """Rebuild a tree from ``treedef`` and a sequence of leaves (as many as it has)."""
+    """Rebuild a tree from ``treedef`` and a sequence of leaves (as many as it has).
+
+    Example::
+
+        >>> import torch
+        >>> from torchfn import tree
+        >>> leaves, treedef = tree.flatten({"w": torch.ones(2, 3), "b": torch.ones(2)})
+        >>> doubled = tree.unflatten(treedef, [2 * x for x in leaves])
+        >>> doubled["b"].tolist()
+        [2.0, 2.0]
+    """
     if not isinstance(treedef, optree.PyTreeSpec):
         raise TypeError(f"treedef must be a PyTreeSpec, got {type(treedef).__name__}")
     leaves = list(leaves)
@@ -261,6 +299,15 @@ def stack(trees: Sequence[PyTree], dim: int = 0) -> PyTree:
     ``stack([p_1, ..., p_n])`` turns ``n`` parameter trees into one whose leaves
     have shape ``(n, *leaf.shape)``: the input of ``vmap`` for an ensemble.
     Python numbers become tensors.
+
+    Example::
+
+        >>> import torch
+        >>> from torchfn import tree
+        >>> members = [{"w": torch.ones(2, 3), "b": torch.zeros(2)} for _ in range(4)]
+        >>> stacked = tree.stack(members)
+        >>> stacked["w"].shape, stacked["b"].shape           # (n, *leaf.shape)
+        (torch.Size([4, 2, 3]), torch.Size([4, 2]))
     """
     if isinstance(trees, (str, bytes)) or not isinstance(trees, Sequence):
         raise TypeError(f"trees must be a list or tuple of trees, got {type(trees).__name__}")
@@ -283,7 +330,16 @@ def stack(trees: Sequence[PyTree], dim: int = 0) -> PyTree:
 
 
 def unstack(tree: PyTree, dim: int = 0) -> list[PyTree]:
-    """Split every leaf along ``dim``: the inverse of :func:`stack`."""
+    """Split every leaf along ``dim``: the inverse of :func:`stack`.
+
+    Example::
+
+        >>> import torch
+        >>> from torchfn import tree
+        >>> members = tree.unstack({"w": torch.arange(6.0).reshape(3, 2)})   # w: (3, 2)
+        >>> len(members), members[1]["w"].tolist()
+        (3, [2.0, 3.0])
+    """
     flat, spec = optree.tree_flatten(tree)
     if not flat:
         raise ValueError("tree: cannot unstack a tree without leaves (the count is unknown)")
@@ -307,27 +363,72 @@ def unstack(tree: PyTree, dim: int = 0) -> list[PyTree]:
 
 
 def add(a: PyTree, b: PyTree) -> PyTree:
-    """Leafwise ``a + b``."""
+    """Leafwise ``a + b``.
+
+    Example::
+
+        >>> import torch
+        >>> from torchfn import tree
+        >>> out = tree.add({"w": torch.tensor([1.0, 2.0])}, {"w": torch.tensor([10.0, 20.0])})
+        >>> out["w"].tolist()
+        [11.0, 22.0]
+    """
     return map(lambda x, y: x + y, a, b)
 
 
 def sub(a: PyTree, b: PyTree) -> PyTree:
-    """Leafwise ``a - b``."""
+    """Leafwise ``a - b``.
+
+    Example::
+
+        >>> import torch
+        >>> from torchfn import tree
+        >>> out = tree.sub({"w": torch.tensor([10.0, 20.0])}, {"w": torch.tensor([1.0, 2.0])})
+        >>> out["w"].tolist()
+        [9.0, 18.0]
+    """
     return map(lambda x, y: x - y, a, b)
 
 
 def scale(tree: PyTree, s: float | torch.Tensor) -> PyTree:
-    """Leafwise ``s * x`` for a scalar (number or 0-d tensor) ``s``."""
+    """Leafwise ``s * x`` for a scalar (number or 0-d tensor) ``s``.
+
+    Example::
+
+        >>> import torch
+        >>> from torchfn import tree
+        >>> tree.scale({"w": torch.tensor([1.0, 2.0]), "b": [torch.tensor(4.0)]}, 0.5)["w"].tolist()
+        [0.5, 1.0]
+    """
     return map(lambda x: s * x, tree)
 
 
 def zeros_like(tree: PyTree) -> PyTree:
-    """A tree of zeros with the shapes and dtypes of ``tree``'s tensor leaves."""
+    """A tree of zeros with the shapes and dtypes of ``tree``'s tensor leaves.
+
+    Example::
+
+        >>> import torch
+        >>> from torchfn import tree
+        >>> z = tree.zeros_like({"w": torch.ones(2, 3, dtype=torch.float64)})
+        >>> z["w"].shape, z["w"].dtype, bool((z["w"] == 0).all())
+        (torch.Size([2, 3]), torch.float64, True)
+    """
     return map(torch.zeros_like, tree)
 
 
 def dot(a: PyTree, b: PyTree) -> torch.Tensor:
-    """``sum_i <a_i, b_i>`` over all leaves: a 0-d tensor (0. for empty trees)."""
+    """``sum_i <a_i, b_i>`` over all leaves: a 0-d tensor (0. for empty trees).
+
+    Example::
+
+        >>> import torch
+        >>> from torchfn import tree
+        >>> a = {"w": torch.tensor([1.0, 2.0]), "b": torch.tensor(3.0)}
+        >>> b = {"w": torch.tensor([3.0, 4.0]), "b": torch.tensor(2.0)}
+        >>> tree.dot(a, b).item()                            # 1*3 + 2*4 + 3*2
+        17.0
+    """
     _check_same_structure("tree.dot", (a, b))
     terms = [torch.sum(x * y) for x, y in zip(optree.tree_leaves(a), optree.tree_leaves(b))]
     if not terms:
@@ -340,6 +441,13 @@ def global_norm(tree: PyTree) -> torch.Tensor:
 
     Half-precision leaves are accumulated in float32; the result has the
     promoted dtype of the leaves (float32 for an empty tree).
+
+    Example::
+
+        >>> import torch
+        >>> from torchfn import tree
+        >>> tree.global_norm({"a": torch.tensor([3.0]), "b": [torch.tensor([4.0])]}).item()
+        5.0
     """
     flat = [torch.as_tensor(x) for x in optree.tree_leaves(tree)]
     if not flat:
@@ -395,6 +503,16 @@ def combine(*trees: PyTree) -> PyTree:
         head, body = partition(params, lambda path, x: path.startswith("head."))
         head = {k: v for k, v in head.items() if v is not None}
         grads = torch.func.grad(lambda h: loss(combine(h, body), batch))(head)
+
+    Example::
+
+        >>> from torchfn import tree
+        >>> params = {"body": 1, "head": 2}
+        >>> head, body = tree.partition(params, lambda path, x: path == "head")
+        >>> tree.combine(head, body)
+        {'body': 1, 'head': 2}
+        >>> tree.combine({"head": 5}, body)                  # a half with its None keys dropped
+        {'body': 1, 'head': 5}
     """
     if not trees:
         raise ValueError("combine needs at least one tree, got none")

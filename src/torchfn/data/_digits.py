@@ -47,6 +47,17 @@ def load_digits() -> tuple[torch.Tensor, torch.Tensor]:
     Returns:
         ``x: (1797, 64)`` float32 in [0, 1] (pixel / 16, row-major 8x8) and
         ``y: (1797,)`` int64 labels 0..9. Fresh tensors on every call.
+
+    Example::
+
+        >>> from torchfn.data import load_digits
+        >>> x, y = load_digits()                       # x: (N, 64), y: (N,)
+        >>> x.shape, x.dtype, y.shape, y.dtype
+        (torch.Size([1797, 64]), torch.float32, torch.Size([1797]), torch.int64)
+        >>> float(x.min()), float(x.max()), sorted(set(y.tolist())) == list(range(10))
+        (0.0, 1.0, True)
+        >>> x[0].reshape(8, 8).shape                   # one 8x8 image, row-major
+        torch.Size([8, 8])
     """
     table = _raw()
     x = torch.from_numpy(table[:, :_D].astype(np.float32) / 16.0)  # (N, 64)
@@ -67,6 +78,20 @@ def train_test_split(
 
     Returns:
         ``(train, test)``, each a tuple with one tensor per input array.
+
+    Example::
+
+        >>> import torch
+        >>> from torchfn import random
+        >>> from torchfn.data import train_test_split
+        >>> x, y = torch.arange(20.0).reshape(10, 2), torch.arange(10)   # (N, 2), (N,)
+        >>> (x_tr, y_tr), (x_te, y_te) = train_test_split(random.key(0), x, y, test_fraction=0.3)
+        >>> x_tr.shape, x_te.shape
+        (torch.Size([7, 2]), torch.Size([3, 2]))
+        >>> sorted(y_tr.tolist() + y_te.tolist()) == list(range(10))     # a partition
+        True
+        >>> bool(torch.equal(x_te[:, 0], 2.0 * y_te))                    # rows stay paired
+        True
     """
     if not arrays:
         raise ValueError("train_test_split needs at least one array")

@@ -57,7 +57,23 @@ class ConvNet(nn.Module):
 
 class BasicBlock(nn.Module):
     """``relu(bn(conv(relu(bn(conv(x))))) + shortcut(x))`` (He et al. 2016); the
-    shortcut is a strided 1x1 conv + BatchNorm when the shape changes."""
+    shortcut is a strided 1x1 conv + BatchNorm when the shape changes.
+
+    ``(B, c_in, H, W) -> (B, c_out, H / stride, W / stride)`` (rounded up). BatchNorm
+    buffers are ``torchfn.Model`` state.
+
+    Example::
+
+        >>> import torch
+        >>> import torchfn
+        >>> from torchfn.models import BasicBlock
+        >>> model = torchfn.Model(BasicBlock(8, 16, stride=2))
+        >>> params, state = model.init(torchfn.random.key(0)), model.init_state()
+        >>> x = torch.randn(2, 8, 8, 8)                                  # (B, C, H, W)
+        >>> y, state = model.apply(params, x, state=state, train=True)
+        >>> y.shape                                                      # (B, c_out, H/2, W/2)
+        torch.Size([2, 16, 4, 4])
+    """
 
     def __init__(self, c_in: int, c_out: int, stride: int = 1) -> None:
         super().__init__()

@@ -52,6 +52,17 @@ class MultiHeadAttention(nn.Module):
     ``softcap`` (logit soft-capping) and the forward's ``segment_ids`` (packed documents)
     are passed on as keywords only when set; so is ``attn_dropout`` (attention dropout, in
     train mode only), with a key drawn from ``Model.apply``'s ``key``.
+
+    Example::
+
+        >>> import torch
+        >>> import torchfn
+        >>> from torchfn.models import MultiHeadAttention
+        >>> model = torchfn.Model(MultiHeadAttention(dim=32, heads=4, causal=True))
+        >>> params = model.init(torchfn.random.key(0))
+        >>> x = torch.randn(2, 16, 32)                                   # (B, N, dim)
+        >>> model.apply(params, x).shape                                 # (B, N, dim)
+        torch.Size([2, 16, 32])
     """
 
     def __init__(self, dim: int, heads: int, *, causal: bool = False,
@@ -82,7 +93,23 @@ class MultiHeadAttention(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    """``x + Drop(Attn(LN(x)))`` then ``x + Drop(MLP(LN(x)))`` (pre-LN, GELU MLP)."""
+    """``x + Drop(Attn(LN(x)))`` then ``x + Drop(MLP(LN(x)))`` (pre-LN, GELU MLP).
+
+    ``(B, N, dim) -> (B, N, dim)``; arguments as in :class:`TransformerEncoder`.
+    ``key_padding_mask`` ``(B, N)`` bool marks real tokens (True).
+
+    Example::
+
+        >>> import torch
+        >>> import torchfn
+        >>> from torchfn.models import TransformerBlock
+        >>> model = torchfn.Model(TransformerBlock(dim=32, heads=4, mlp_ratio=2))
+        >>> params = model.init(torchfn.random.key(0))
+        >>> x = torch.randn(2, 16, 32)                                   # (B, N, dim)
+        >>> mask = torch.ones(2, 16, dtype=torch.bool)                   # (B, N)
+        >>> model.apply(params, x, mask).shape                           # (B, N, dim)
+        torch.Size([2, 16, 32])
+    """
 
     def __init__(self, dim: int, heads: int, *, mlp_ratio: int = 4, dropout: float = 0.0,
                  causal: bool = False,

@@ -15,7 +15,19 @@ T = TypeVar("T")
 
 def is_out_of_memory(error: BaseException) -> bool:
     """True for ``torch.OutOfMemoryError`` and allocator ``RuntimeError``s
-    ("out of memory", "CUDA error: out of memory", "can't allocate memory")."""
+    ("out of memory", "CUDA error: out of memory", "can't allocate memory").
+
+    Example::
+
+        >>> import torch
+        >>> from torchfn.train import is_out_of_memory
+        >>> is_out_of_memory(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2 GiB"))
+        True
+        >>> is_out_of_memory(RuntimeError("DefaultCPUAllocator: can't allocate memory"))
+        True
+        >>> is_out_of_memory(RuntimeError("shape mismatch")), is_out_of_memory(ValueError("oom"))
+        (False, False)
+    """
     if isinstance(error, torch.OutOfMemoryError):
         return True
     if isinstance(error, RuntimeError):

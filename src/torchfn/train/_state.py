@@ -30,6 +30,18 @@ class TrainState(NamedTuple):
         step: number of steps taken, a 0-d int64 tensor.
         key: the root PRNG key. It never changes: step ``i`` uses
             ``fold_in(key, i)``, so a resumed run draws the same randomness.
+
+    Example::
+
+        >>> import torch
+        >>> import torchfn
+        >>> state = torchfn.TrainState.create({"w": torch.zeros(3)}, torchfn.optim.sgd(0.1),
+        ...                                   key=torchfn.random.key(0))
+        >>> int(state.step), state.params["w"].shape, state.model_state
+        (0, torch.Size([3]), {})
+        >>> state = state._replace(step=state.step + 1)      # a new state; the old one is kept
+        >>> int(state.step)
+        1
     """
 
     params: Any

@@ -171,6 +171,17 @@ def compute_rdp(
     Returns:
         one RDP value per order (``inf`` when ``sigma == 0``). Sum the lists of
         several phases to compose them, then call :func:`rdp_to_epsilon`.
+
+    Example::
+
+        >>> from torchfn.transforms import compute_rdp
+        >>> compute_rdp(2.0, sample_rate=1.0, steps=10, orders=(2, 4))   # 10 * a / (2 sigma^2)
+        [2.5, 5.0]
+        >>> phase1 = compute_rdp(1.0, sample_rate=0.01, steps=500, orders=(2, 4))
+        >>> phase2 = compute_rdp(2.0, sample_rate=0.01, steps=500, orders=(2, 4))
+        >>> total = [a + b for a, b in zip(phase1, phase2)]     # compose the two phases
+        >>> len(total), all(t > 0 for t in total)
+        (2, True)
     """
     _check(noise_multiplier, sample_rate, steps, None, orders)
     return [steps * r for r in _rdp_one_step(sample_rate, noise_multiplier, list(orders))]
@@ -179,7 +190,16 @@ def compute_rdp(
 def rdp_to_epsilon(
     orders: Sequence[float], rdp: Sequence[float], delta: float
 ) -> tuple[float, float]:
-    """Convert an RDP curve to ``(epsilon, best_order)`` at ``delta`` (Balle et al. 2020)."""
+    """Convert an RDP curve to ``(epsilon, best_order)`` at ``delta`` (Balle et al. 2020).
+
+    Example::
+
+        >>> from torchfn.transforms import DEFAULT_ORDERS, compute_rdp, rdp_epsilon, rdp_to_epsilon
+        >>> rdp = compute_rdp(1.0, sample_rate=0.01, steps=1000, orders=DEFAULT_ORDERS)
+        >>> eps, order = rdp_to_epsilon(DEFAULT_ORDERS, rdp, delta=1e-5)
+        >>> eps == rdp_epsilon(1.0, sample_rate=0.01, steps=1000, delta=1e-5), order > 1
+        (True, True)
+    """
     _check(delta=delta, orders=orders)
     if len(orders) != len(rdp):
         raise ValueError(
@@ -219,7 +239,11 @@ def rdp_epsilon(
 
     Example::
 
-        rdp_epsilon(1.0, sample_rate=0.01, steps=1000, delta=1e-5)
+        >>> from torchfn.transforms import rdp_epsilon
+        >>> round(rdp_epsilon(1.0, sample_rate=0.01, steps=1000, delta=1e-5), 2)
+        2.1
+        >>> rdp_epsilon(2.0, 0.01, 1000, 1e-5) < rdp_epsilon(1.0, 0.01, 1000, 1e-5)   # more noise
+        True
     """
     orders = DEFAULT_ORDERS if orders is None else tuple(orders)
     _check(noise_multiplier, sample_rate, steps, delta, orders)
@@ -243,6 +267,16 @@ def noise_multiplier_for(
     from 20 until ``eps(sigma_high) <= epsilon``, then bisect on ``[0,
     sigma_high]`` until ``epsilon - eps(sigma_high) <= epsilon_tolerance``.
     The result always satisfies the budget: ``rdp_epsilon(result, ...) <= epsilon``.
+
+    Example::
+
+        >>> from torchfn.transforms import noise_multiplier_for, rdp_epsilon
+        >>> orders = range(2, 64)                       # integer orders: a quick search
+        >>> sigma = noise_multiplier_for(2.0, 0.01, 1000, 1e-5, orders)
+        >>> round(sigma, 2)
+        1.02
+        >>> rdp_epsilon(sigma, 0.01, 1000, 1e-5, orders) <= 2.0
+        True
     """
     if not _is_num(epsilon) or not epsilon > 0 or math.isinf(epsilon):
         raise ValueError(f"epsilon must be a finite number > 0, got {epsilon!r}")

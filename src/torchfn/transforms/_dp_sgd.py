@@ -145,6 +145,17 @@ def clip_and_sum(per_example_grads: PyTree, l2_norm_clip: float) -> tuple[PyTree
 
     Returns:
         ``(clipped_sum, norms)``: leaves ``(*shape)`` and the unclipped norms ``(B,)``.
+
+    Example::
+
+        >>> import torch
+        >>> from torchfn.transforms import clip_and_sum
+        >>> grads = {"w": torch.tensor([[3.0, 4.0], [0.0, 0.5]])}   # (B, 2)
+        >>> summed, norms = clip_and_sum(grads, l2_norm_clip=1.0)
+        >>> norms.tolist()                                         # (B,), before clipping
+        [5.0, 0.5]
+        >>> [round(v, 4) for v in summed["w"].tolist()]            # [0.6, 0.8] + [0, 0.5]
+        [0.6, 1.3]
     """
     leaves = tree.leaves(per_example_grads)
     acc = torch.float64 if any(g.dtype == torch.float64 for g in leaves) else torch.float32
@@ -202,6 +213,22 @@ def dp_sgd(
         noise_multiplier: ``sigma >= 0``; noise std is ``sigma * C``.
         expected_batch_size: ``q * N >= 1``, the denominator (see module docs).
         key: PRNG key; update ``t`` uses ``fold_in(key, t)``.
+
+    Example::
+
+        >>> import torch
+        >>> from torchfn import random
+        >>> from torchfn.transforms import dp_sgd
+        >>> dp = dp_sgd(l2_norm_clip=1.0, noise_multiplier=0.0, expected_batch_size=2,
+        ...             key=random.key(0))             # sigma = 0: no noise, to show the clip
+        >>> params = {"w": torch.zeros(2)}
+        >>> state = dp.init(params)
+        >>> per_example = {"w": torch.tensor([[3.0, 4.0], [0.0, 0.5]])}   # (B, 2)
+        >>> mean, state = dp.update(per_example, state, params)           # leaves (2,)
+        >>> [round(v, 4) for v in mean["w"].tolist()]   # ([0.6, 0.8] + [0, 0.5]) / 2
+        [0.3, 0.65]
+        >>> int(state.step)
+        1
     """
     _check_dp_args(l2_norm_clip, noise_multiplier, expected_batch_size, key)
     std = noise_multiplier * l2_norm_clip
@@ -228,6 +255,22 @@ def dp_noise(
     ``(clipped_sum + N(0, (sigma C)^2)) / expected_batch_size``. The caller is
     responsible for the clipping: the guarantee holds only if each example's
     contribution to the sum has norm <= ``l2_norm_clip``.
+
+    Example::
+
+        >>> import torch
+        >>> from torchfn import random
+        >>> from torchfn.transforms import dp_noise
+        >>> dp = dp_noise(l2_norm_clip=1.0, noise_multiplier=1.1, expected_batch_size=4,
+        ...               key=random.key(0))
+        >>> params = {"w": torch.zeros(3)}
+        >>> clipped_sum = {"w": torch.ones(3)}                     # shaped like params
+        >>> noisy, state = dp.update(clipped_sum, dp.init(params), params)
+        >>> noisy["w"].shape
+        torch.Size([3])
+        >>> again, _ = dp.update(clipped_sum, dp.init(params), params)   # same key and step
+        >>> bool(torch.equal(noisy["w"], again["w"]))
+        True
     """
     _check_dp_args(l2_norm_clip, noise_multiplier, expected_batch_size, key)
     std = noise_multiplier * l2_norm_clip
@@ -259,8 +302,16 @@ def poisson_sample(key: torch.Tensor, n: int, sample_rate: float) -> torch.Tenso
 
     Example::
 
-        idx = poisson_sample(random.fold_in(key, step), len(x), q)
-        xb, yb = x[idx], y[idx]
+        >>> import torch
+        >>> from torchfn import random
+        >>> from torchfn.transforms import poisson_sample
+        >>> x, y = torch.randn(100, 3), torch.arange(100)            # N = 100
+        >>> idx = poisson_sample(random.fold_in(random.key(0), 0), len(x), 0.1)   # step 0
+        >>> xb, yb = x[idx], y[idx]                                # about 10 rows
+        >>> idx.dtype, bool((idx[1:] > idx[:-1]).all())            # sorted, no repeats
+        (torch.int64, True)
+        >>> poisson_sample(random.key(1), 5, 1.0).tolist()         # q = 1: everyone
+        [0, 1, 2, 3, 4]
     """
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
         raise ValueError(f"n must be an int >= 1, got {n!r}")
@@ -276,6 +327,14 @@ def pad_batch(indices: torch.Tensor, max_batch_size: int) -> tuple[torch.Tensor,
         ``(indices (M,), mask (M,) bool)``: the real indices first, then index 0
         with ``mask=False``. Raises if the batch is larger than ``max_batch_size``
         (truncating it would break the privacy analysis).
+
+    Example::
+
+        >>> import torch
+        >>> from torchfn.transforms import pad_batch
+        >>> idx, mask = pad_batch(torch.tensor([3, 7, 9]), max_batch_size=5)
+        >>> idx.tolist(), mask.tolist()                            # (M,), (M,)
+        ([3, 7, 9, 0, 0], [True, True, True, False, False])
     """
     if not isinstance(max_batch_size, int) or max_batch_size < 1:
         raise ValueError(f"max_batch_size must be an int >= 1, got {max_batch_size!r}")
@@ -358,11 +417,21 @@ def make_dp_step(
 
     Example::
 
-        dp = make_dp_step(loss_fn, optim.sgd(0.1), l2_norm_clip=1.0, noise_multiplier=1.1,
-                          expected_batch_size=64, key=random.key(0))
-        opt_state = dp.init(params)
-        params, opt_state, loss = dp.step(params, opt_state, x, y)   # x: (B, ...)
-        fast_step = torch.compile(dp.step)                            # same results
+        >>> import torch
+        >>> from torchfn import optim, random
+        >>> from torchfn.transforms import make_dp_step
+        >>> def loss_fn(params, x, y):                       # one example: x (3,), y ()
+        ...     return (x @ params["w"] - y) ** 2
+        >>> dp = make_dp_step(loss_fn, optim.sgd(0.1), l2_norm_clip=1.0, noise_multiplier=1.1,
+        ...                   expected_batch_size=8, key=random.key(0))
+        >>> params = {"w": torch.zeros(3)}
+        >>> opt_state = dp.init(params)
+        >>> x, y = torch.ones(8, 3), torch.ones(8)            # x: (B, 3), y: (B,)
+        >>> params, opt_state, loss = dp.step(params, opt_state, x, y)
+        >>> params["w"].shape, loss.item()                    # loss before the update
+        (torch.Size([3]), 1.0)
+
+    ``torch.compile(dp.step)`` gives the same results, faster.
     """
     from torchfn import optim
 

@@ -53,7 +53,15 @@ def ensemble_init(init: Any, key: Tensor, n: int) -> Any:
 
 def ensemble_size(params: Any, *, name: str = "params") -> int:
     """The number of members of a stacked pytree (its common leading dim); raises a
-    ``ValueError`` naming the argument (``name``) and the sizes when the leaves disagree."""
+    ``ValueError`` naming the argument (``name``) and the sizes when the leaves disagree.
+
+    Example::
+
+        >>> import torch
+        >>> from torchfn.transforms import ensemble_size
+        >>> ensemble_size({"w": torch.zeros(5, 3, 2), "b": torch.zeros(5, 2)})   # leaves (5, ...)
+        5
+    """
     leaves = optree.tree_leaves(params)
     if not leaves:
         raise ValueError(f"{name} must contain at least one tensor, got an empty pytree")
@@ -88,6 +96,25 @@ def ensemble_apply(
 
     Returns:
         ``out`` stacked over the members.
+
+    Example::
+
+        >>> import torch
+        >>> import torchfn
+        >>> from torchfn.models import MLP
+        >>> from torchfn.transforms import ensemble_apply, ensemble_init
+        >>> model = torchfn.Model(MLP(3, (16,), 1))
+        >>> params = ensemble_init(model, torchfn.random.key(0), 5)     # leaves (5, ...)
+        >>> x = torch.randn(8, 3)                                       # (B, 3), shared
+        >>> out = ensemble_apply(model.apply, params, x)                # (n, B, 1)
+        >>> out.shape
+        torch.Size([5, 8, 1])
+        >>> member = torchfn.tree.unstack(params)[2]
+        >>> bool(torch.allclose(out[2], model.apply(member, x)))
+        True
+        >>> xs = torch.randn(5, 8, 3)                                   # (n, B, 3), one per member
+        >>> ensemble_apply(model.apply, params, xs, split_inputs=True).shape
+        torch.Size([5, 8, 1])
     """
     if not callable(apply_fn):
         raise TypeError(f"apply_fn must be callable, got {type(apply_fn).__name__}")

@@ -101,6 +101,21 @@ def local_train(
         client_data: pytree whose leaves are ``(C, ...)``.
         key: a ``torchfn.random`` key.
         local_steps: ``>= 1``.
+
+    Example::
+
+        >>> import torch
+        >>> import torchfn
+        >>> from torchfn.transforms import local_train
+        >>> def local_step(p, data, k):                     # data: (x (n, 3), y (n,))
+        ...     x, y = data
+        ...     g = torch.func.grad(lambda p: ((x @ p["w"] - y) ** 2).mean())(p)
+        ...     return {"w": p["w"] - 0.1 * g["w"]}
+        >>> data = (torch.randn(4, 10, 3), torch.randn(4, 10))   # 4 clients, 10 examples each
+        >>> clients = local_train(local_step, {"w": torch.zeros(3)}, data,
+        ...                       torchfn.random.key(0), local_steps=5)
+        >>> clients["w"].shape                                # (C, 3)
+        torch.Size([4, 3])
     """
     if not callable(local_step):
         raise TypeError(f"local_step must be callable, got {type(local_step).__name__}")

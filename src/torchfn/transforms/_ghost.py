@@ -196,6 +196,23 @@ def ghost_norms(
     Returns:
         ``(norms (B,), losses (B,))``; ``norms`` equals
         ``per_sample_grad_norms`` of the single-example loss.
+
+    Example::
+
+        >>> import torch
+        >>> import torch.nn.functional as F
+        >>> from torchfn import random
+        >>> from torchfn.transforms import ghost_norms, per_sample_grad_norms
+        >>> params = {"weight": torch.ones(2, 3), "bias": torch.zeros(2)}    # one Linear
+        >>> def loss_fn(p, x, y):                       # batched: x (B, 3), y (B, 2) -> (B,)
+        ...     return ((F.linear(x, p["weight"], p["bias"]) - y) ** 2).sum(-1)
+        >>> x, y = random.normal(random.key(0), (4, 3)), random.normal(random.key(1), (4, 2))
+        >>> norms, losses = ghost_norms(loss_fn, params, x, y)
+        >>> norms.shape, losses.shape
+        (torch.Size([4]), torch.Size([4]))
+        >>> one = lambda p, x, y: loss_fn(p, x[None], y[None])[0]   # the loss of ONE example
+        >>> bool(torch.allclose(norms, per_sample_grad_norms(one)(params, x, y)))
+        True
     """
     records, deltas, losses, _, _ = _capture(loss_fn, params, batch, None)
     return _sq_norms(records, deltas).sqrt(), losses
@@ -226,10 +243,24 @@ def ghost_clip_grads(
 
     Example::
 
-        def loss_fn(params, x, y):                       # x: (B, 784), y: (B,)
-            logits = torch.func.functional_call(mlp, params, (x,))
-            return F.cross_entropy(logits, y, reduction="none")   # (B,)
-        res = ghost_clip_grads(loss_fn, params, x, y, l2_norm_clip=1.0)
+        >>> import torch
+        >>> import torch.nn.functional as F
+        >>> from torch import nn
+        >>> import torchfn
+        >>> from torchfn import random
+        >>> from torchfn.transforms import clip_and_sum, ghost_clip_grads, per_sample_grads
+        >>> mlp = torchfn.Model(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3)))
+        >>> params = mlp.init(random.key(0))             # {'0.weight': (8, 4), ...}
+        >>> def loss_fn(params, x, y):                   # x: (B, 4), y: (B,)
+        ...     return F.cross_entropy(mlp.apply(params, x), y, reduction="none")   # (B,)
+        >>> x, y = random.normal(random.key(0), (5, 4)), torch.tensor([0, 1, 2, 0, 1])
+        >>> res = ghost_clip_grads(loss_fn, params, x, y, l2_norm_clip=0.1)
+        >>> res.grads["0.weight"].shape, res.norms.shape   # shaped like params, (B,)
+        (torch.Size([8, 4]), torch.Size([5]))
+        >>> one = lambda p, x, y: loss_fn(p, x[None], y[None])[0]   # the loss of ONE example
+        >>> ref, _ = clip_and_sum(per_sample_grads(one)(params, x, y), 0.1)
+        >>> all(torch.allclose(res.grads[k], ref[k], atol=1e-6) for k in params)
+        True
     """
     if not isinstance(l2_norm_clip, (int, float)) or l2_norm_clip <= 0:
         raise ValueError(f"l2_norm_clip must be a number > 0, got {l2_norm_clip!r}")

@@ -175,7 +175,17 @@ def per_sample_grads(
 
     Example::
 
-        grads = per_sample_grads(loss_fn)(params, x, y)   # x: (B, D) -> leaves (B, *shape)
+        >>> import torch
+        >>> from torchfn.transforms import per_sample_grads
+        >>> def loss_fn(params, x, y):                     # one example: x (D,), y ()
+        ...     return (x @ params["w"] + params["b"] - y) ** 2
+        >>> params = {"w": torch.zeros(3), "b": torch.zeros(())}
+        >>> x, y = torch.ones(8, 3), torch.ones(8)           # x: (B, D), y: (B,)
+        >>> grads = per_sample_grads(loss_fn)(params, x, y)  # leaves (B, *shape)
+        >>> grads["w"].shape, grads["b"].shape
+        (torch.Size([8, 3]), torch.Size([8]))
+        >>> grads["b"].tolist()                            # 2 * (0 - 1) for every example
+        [-2.0, -2.0, -2.0, -2.0, -2.0, -2.0, -2.0, -2.0]
     """
     nums = _check_argnums(argnums)
     _check_chunk_size(chunk_size)
@@ -216,6 +226,18 @@ def per_sample_grad_norms(
     Returns:
         ``fn(params, *batch) -> norms`` with ``norms: (B,)`` (``(norms, aux)``
         with ``has_aux``).
+
+    Example::
+
+        >>> import torch
+        >>> from torchfn.transforms import per_sample_grad_norms
+        >>> def loss_fn(w, x, y):                          # one example: x (D,), y ()
+        ...     return 0.5 * (x @ w - y) ** 2              # gradient (x @ w - y) * x
+        >>> w = torch.zeros(2)
+        >>> x = torch.tensor([[3.0, 4.0], [0.0, 1.0]])     # (B, D)
+        >>> y = torch.tensor([1.0, 2.0])                   # (B,)
+        >>> per_sample_grad_norms(loss_fn)(w, x, y).tolist()
+        [5.0, 2.0]
     """
     nums = _check_argnums(argnums)
     _check_chunk_size(chunk_size)
@@ -236,5 +258,14 @@ def per_sample_grad_norms(
 
 
 def clip_coefficients(norms: torch.Tensor, l2_norm_clip: float) -> torch.Tensor:
-    """DP-SGD clip factors ``min(1, C / (||g_n|| + 1e-6))`` for norms ``(B,)``."""
+    """DP-SGD clip factors ``min(1, C / (||g_n|| + 1e-6))`` for norms ``(B,)``.
+
+    Example::
+
+        >>> import torch
+        >>> from torchfn.transforms import clip_coefficients
+        >>> coef = clip_coefficients(torch.tensor([0.5, 4.0]), l2_norm_clip=2.0)   # (B,)
+        >>> [round(c, 4) for c in coef.tolist()]            # small norms are kept as is
+        [1.0, 0.5]
+    """
     return (l2_norm_clip / (norms + 1e-6)).clamp(max=1.0)

@@ -22,7 +22,16 @@ InitFn = Callable[[Tensor, int], Tensor]
 
 
 class ReplayBuffer(NamedTuple):
-    """``data: (capacity, ...)``, the stored chain states. A pytree; never mutated."""
+    """``data: (capacity, ...)``, the stored chain states. A pytree; never mutated.
+
+    Example::
+
+        >>> import torch
+        >>> from torchfn.transforms import ReplayBuffer
+        >>> buf = ReplayBuffer(torch.zeros(100, 2))          # 100 states of shape (2,)
+        >>> buf.capacity, buf.data.shape
+        (100, torch.Size([100, 2]))
+    """
 
     data: Tensor
 
