@@ -23,7 +23,8 @@ budget run as one block, the materialised formula itself.
 Example::
 
     >>> import torch
-    >>> q = k = v = do = torch.randn(1, 2, 6, 4, dtype=torch.float64)
+    >>> from torchfn import random
+    >>> q = k = v = do = random.normal(random.key(1), (1, 2, 6, 4), torch.float64)
     >>> args = dict(mask=None, causal=True, scale=0.5, window=(-1, -1), segments=None,
     ...             softcap=0.0, dropout=0.0, seeds=None, slopes=None)
     >>> tangents = (torch.ones_like(q), None, None, None)

@@ -30,7 +30,8 @@ plain TF32: 3xTF32 ("tf32x3") on the GPU, overridable with
 
 Example (GPU)::
 
-    q = torch.randn(2, 8, 1024, 64, device="cuda", dtype=torch.bfloat16)
+    from torchfn import random
+    q = random.normal(random.key(1, device="cuda"), (2, 8, 1024, 64), torch.bfloat16)
     o, lse = fwd(q, q, q, None, True, 64 ** -0.5)
 """
 

@@ -49,7 +49,7 @@ def gradient_penalty(
         >>> from torchfn.models import MLP
         >>> critic = torchfn.Model(MLP(2, (16,), 1))
         >>> params = critic.init(torchfn.random.key(0))
-        >>> real, fake = torch.randn(8, 2), torch.randn(8, 2)
+        >>> real, fake = random.normal(random.key(1), (8, 2)), random.normal(random.key(2), (8, 2))
         >>> gp = lambda p: gradient_penalty(critic, p, real, fake, torchfn.random.key(1))
         >>> grads = torch.func.grad(gp)(params)        # grad of a grad-norm
     """

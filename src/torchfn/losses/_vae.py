@@ -133,7 +133,7 @@ def vae_elbo(
         >>> from torchfn.models import MLPVAE
         >>> model = torchfn.Model(MLPVAE(in_dim=6, hidden=(16,), latent_dim=2))
         >>> params = model.init(torchfn.random.key(0))
-        >>> x = torch.rand(8, 6)
+        >>> x = random.uniform(random.key(1), (8, 6))
         >>> loss = lambda p, k: -vae_elbo(lambda p, x: model.apply(p, x),
         ...                               lambda p, z: model.apply(p, z=z), p, x, k)
         >>> grads = torch.func.grad(loss)(params, torchfn.random.key(1))

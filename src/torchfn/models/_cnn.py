@@ -28,11 +28,12 @@ class ConvNet(nn.Module):
 
     Example::
 
+        >>> from torchfn import random
         >>> import torch
         >>> import torchfn
         >>> model = torchfn.Model(ConvNet(1, 10, channels=(8, 16)))
         >>> params = model.init(torchfn.random.key(0))
-        >>> model.apply(params, torch.randn(4, 1, 8, 8)).shape
+        >>> model.apply(params, random.normal(random.key(1), (4, 1, 8, 8))).shape
         torch.Size([4, 10])
     """
 
@@ -64,12 +65,13 @@ class BasicBlock(nn.Module):
 
     Example::
 
+        >>> from torchfn import random
         >>> import torch
         >>> import torchfn
         >>> from torchfn.models import BasicBlock
         >>> model = torchfn.Model(BasicBlock(8, 16, stride=2))
         >>> params, state = model.init(torchfn.random.key(0)), model.init_state()
-        >>> x = torch.randn(2, 8, 8, 8)                                  # (B, C, H, W)
+        >>> x = random.normal(random.key(2), (2, 8, 8, 8))  # (B, C, H, W)
         >>> y, state = model.apply(params, x, state=state, train=True)
         >>> y.shape                                                      # (B, c_out, H/2, W/2)
         torch.Size([2, 16, 4, 4])
@@ -101,11 +103,13 @@ class ResNet(nn.Module):
     one (BatchNorm needs a batch dim) -- use it so in eval mode only: in train mode a
     batch of one has no batch statistics. BatchNorm buffers are ``torchfn.Model`` state::
 
+        >>> from torchfn import random
         >>> import torch
         >>> import torchfn
         >>> model = torchfn.Model(ResNet(3, 10, widths=(8, 16), blocks_per_stage=1))
         >>> params, state = model.init(torchfn.random.key(0)), model.init_state()
-        >>> logits, state = model.apply(params, torch.randn(4, 3, 8, 8), state=state, train=True)
+        >>> x = random.normal(random.key(3), (4, 3, 8, 8))  # (B, C, H, W)
+        >>> logits, state = model.apply(params, x, state=state, train=True)
         >>> logits.shape
         torch.Size([4, 10])
     """

@@ -59,11 +59,12 @@ class MLP(nn.Module):
 
     Example::
 
+        >>> from torchfn import random
         >>> import torch
         >>> import torchfn
         >>> model = torchfn.Model(MLP(4, (32, 32), 3, activation="gelu", dropout=0.1))
         >>> params = model.init(torchfn.random.key(0))
-        >>> model.apply(params, torch.randn(8, 4)).shape
+        >>> model.apply(params, random.normal(random.key(1), (8, 4))).shape
         torch.Size([8, 3])
     """
 

@@ -180,13 +180,14 @@ class LSTM(_Recurrent):
 
     Example::
 
+        >>> from torchfn import random
         >>> import torch, torchfn
         >>> model = torchfn.Model(LSTM(3, 8, num_layers=2, batch_first=True))
         >>> params = model.init(torchfn.random.key(0))
-        >>> out, (h, c) = model.apply(params, torch.randn(4, 10, 3))    # (B, T, F)
+        >>> out, (h, c) = model.apply(params, random.normal(random.key(1), (4, 10, 3)))  # (B, T, F)
         >>> out.shape, h.shape
         (torch.Size([4, 10, 8]), torch.Size([2, 4, 8]))
-        >>> x, dx = torch.randn(10, 3), torch.randn(10, 3)
+        >>> x, dx = random.normal(random.key(2), (10, 3)), random.normal(random.key(3), (10, 3))
         >>> _, dout = torch.func.jvp(lambda x: model.apply(params, x)[0], (x,), (dx,))
         >>> dout.shape                                                    # nn.LSTM: raises
         torch.Size([10, 8])
@@ -223,10 +224,11 @@ class GRU(_Recurrent):
 
     Example::
 
+        >>> from torchfn import random
         >>> import torch, torchfn
         >>> model = torchfn.Model(GRU(3, 8, bidirectional=True))
         >>> params = model.init(torchfn.random.key(0))
-        >>> out, h = model.apply(params, torch.randn(10, 4, 3))          # (T, B, F)
+        >>> out, h = model.apply(params, random.normal(random.key(4), (10, 4, 3)))  # (T, B, F)
         >>> out.shape, h.shape
         (torch.Size([10, 4, 16]), torch.Size([2, 4, 8]))
     """

@@ -55,12 +55,13 @@ class MultiHeadAttention(nn.Module):
 
     Example::
 
+        >>> from torchfn import random
         >>> import torch
         >>> import torchfn
         >>> from torchfn.models import MultiHeadAttention
         >>> model = torchfn.Model(MultiHeadAttention(dim=32, heads=4, causal=True))
         >>> params = model.init(torchfn.random.key(0))
-        >>> x = torch.randn(2, 16, 32)                                   # (B, N, dim)
+        >>> x = random.normal(random.key(1), (2, 16, 32))  # (B, N, dim)
         >>> model.apply(params, x).shape                                 # (B, N, dim)
         torch.Size([2, 16, 32])
     """
@@ -100,12 +101,13 @@ class TransformerBlock(nn.Module):
 
     Example::
 
+        >>> from torchfn import random
         >>> import torch
         >>> import torchfn
         >>> from torchfn.models import TransformerBlock
         >>> model = torchfn.Model(TransformerBlock(dim=32, heads=4, mlp_ratio=2))
         >>> params = model.init(torchfn.random.key(0))
-        >>> x = torch.randn(2, 16, 32)                                   # (B, N, dim)
+        >>> x = random.normal(random.key(2), (2, 16, 32))  # (B, N, dim)
         >>> mask = torch.ones(2, 16, dtype=torch.bool)                   # (B, N)
         >>> model.apply(params, x, mask).shape                           # (B, N, dim)
         torch.Size([2, 16, 32])
@@ -160,11 +162,12 @@ class TransformerEncoder(nn.Module):
 
     Example::
 
+        >>> from torchfn import random
         >>> import torchfn
         >>> model = torchfn.Model(TransformerEncoder(dim=32, heads=4, depth=2,
         ...                                          vocab_size=100, out_dim=100, causal=True))
         >>> params = model.init(torchfn.random.key(0))
-        >>> tokens = torch.randint(0, 100, (2, 16))
+        >>> tokens = random.randint(random.key(3), (2, 16), 0, 100)
         >>> model.apply(params, tokens).shape
         torch.Size([2, 16, 100])
     """

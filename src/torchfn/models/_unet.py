@@ -85,10 +85,11 @@ class UNet(nn.Module):
 
     Example::
 
+        >>> from torchfn import random
         >>> import torch, torchfn
         >>> model = torchfn.Model(UNet(1, channels=16, mults=(1, 2)))
         >>> params = model.init(torchfn.random.key(0))
-        >>> x, t = torch.randn(4, 1, 8, 8), torch.tensor([0, 10, 100, 999])
+        >>> x, t = random.normal(random.key(1), (4, 1, 8, 8)), torch.tensor([0, 10, 100, 999])
         >>> model.apply(params, x, t).shape
         torch.Size([4, 1, 8, 8])
     """

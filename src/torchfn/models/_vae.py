@@ -18,6 +18,7 @@ class MLPVAE(nn.Module):
     ``forward(x)`` encodes, ``forward(z=z)`` decodes, so one ``torchfn.Model`` and one
     params dict serve both halves of ``torchfn.losses.vae_elbo``::
 
+        >>> from torchfn import random
         >>> import torch
         >>> import torchfn
         >>> from torchfn.losses import vae_elbo
@@ -25,7 +26,8 @@ class MLPVAE(nn.Module):
         >>> params = model.init(torchfn.random.key(0))
         >>> encode = lambda p, x: model.apply(p, x)          # -> (mean, logvar)
         >>> decode = lambda p, z: model.apply(p, z=z)        # -> logits (B, 6)
-        >>> elbo = vae_elbo(encode, decode, params, torch.rand(8, 6), torchfn.random.key(1))
+        >>> x = random.uniform(random.key(2), (8, 6))  # (B, 6) in [0, 1)
+        >>> elbo = vae_elbo(encode, decode, params, x, torchfn.random.key(1))
 
     Args:
         in_dim: data features; hidden: the encoder's hidden widths (the decoder

@@ -148,7 +148,8 @@ def fgsm(
         >>> model = torchfn.Model(MLP(4, (16,), 3))
         >>> params = model.init(torchfn.random.key(0))
         >>> loss_fn = lambda p, x, y: F.cross_entropy(model.apply(p, x), y)
-        >>> x, y = torch.rand(8, 4), torch.randint(0, 3, (8,))
+        >>> x = torchfn.random.uniform(torchfn.random.key(1), (8, 4))
+        >>> y = torchfn.random.randint(torchfn.random.key(2), (8,), 0, 3)
         >>> x_adv = fgsm(loss_fn, params, x, y, eps=0.1, clamp=(0.0, 1.0))   # (8, 4)
     """
     _check_inputs(loss_fn, x, clamp)
@@ -204,7 +205,8 @@ def pgd(
         >>> model = torchfn.Model(MLP(4, (16,), 3))
         >>> params = model.init(torchfn.random.key(0))
         >>> loss_fn = lambda p, x, y: F.cross_entropy(model.apply(p, x), y)
-        >>> x, y = torch.rand(8, 4), torch.randint(0, 3, (8,))
+        >>> x = torchfn.random.uniform(torchfn.random.key(1), (8, 4))
+        >>> y = torchfn.random.randint(torchfn.random.key(2), (8,), 0, 3)
         >>> x_adv = pgd(loss_fn, params, x, y, torchfn.random.key(1),
         ...             eps=0.1, step_size=0.025, steps=10)     # (8, 4)
     """
@@ -277,7 +279,8 @@ def adversarial_loss(
         >>> model = torchfn.Model(MLP(4, (16,), 3))
         >>> params = model.init(torchfn.random.key(0))
         >>> loss_fn = lambda p, x, y: F.cross_entropy(model.apply(p, x), y)
-        >>> x, y = torch.rand(8, 4), torch.randint(0, 3, (8,))
+        >>> x = torchfn.random.uniform(torchfn.random.key(1), (8, 4))
+        >>> y = torchfn.random.randint(torchfn.random.key(2), (8,), 0, 3)
         >>> step_loss = lambda p, k: adversarial_loss(loss_fn, p, x, y, k, eps=0.1)
         >>> grads = torch.func.grad(step_loss)(params, torchfn.random.key(2))
     """

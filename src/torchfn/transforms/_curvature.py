@@ -131,9 +131,12 @@ def gauss_newton_vp(
 
     Example::
 
-        >>> x = torch.randn(5, 3)
+        >>> import torchfn
+        >>> x = torchfn.random.normal(torchfn.random.key(0), (5, 3))
         >>> Gv = gauss_newton_vp(lambda p: x @ p, lambda z: (z ** 2).sum(),
         ...                      torch.ones(3), torch.ones(3))          # 2 x^T x 1
+        >>> torch.allclose(Gv, 2 * x.T @ x @ torch.ones(3))
+        True
     """
     if not callable(apply_fn) or not callable(loss_fn):
         raise TypeError("apply_fn and loss_fn must be callable")
@@ -173,7 +176,9 @@ def ntk(
         >>> from torchfn.models import MLP
         >>> model = torchfn.Model(MLP(3, (8,), 2))
         >>> params = model.init(torchfn.random.key(0))
-        >>> ntk(model.apply, params, torch.randn(4, 3), torch.randn(5, 3)).shape
+        >>> x1 = torchfn.random.normal(torchfn.random.key(1), (4, 3))
+        >>> x2 = torchfn.random.normal(torchfn.random.key(2), (5, 3))
+        >>> ntk(model.apply, params, x1, x2).shape
         torch.Size([4, 5, 2, 2])
     """
     if not callable(apply_fn):

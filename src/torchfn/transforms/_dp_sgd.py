@@ -305,7 +305,7 @@ def poisson_sample(key: torch.Tensor, n: int, sample_rate: float) -> torch.Tenso
         >>> import torch
         >>> from torchfn import random
         >>> from torchfn.transforms import poisson_sample
-        >>> x, y = torch.randn(100, 3), torch.arange(100)            # N = 100
+        >>> x, y = random.normal(random.key(1), (100, 3)), torch.arange(100)   # N = 100
         >>> idx = poisson_sample(random.fold_in(random.key(0), 0), len(x), 0.1)   # step 0
         >>> xb, yb = x[idx], y[idx]                                # about 10 rows
         >>> idx.dtype, bool((idx[1:] > idx[:-1]).all())            # sorted, no repeats

@@ -37,7 +37,8 @@ def ensemble_init(init: Any, key: Tensor, n: int) -> Any:
         >>> from torchfn.models import MLP
         >>> model = torchfn.Model(MLP(3, (16,), 1))
         >>> params = ensemble_init(model, torchfn.random.key(0), 5)   # leaves (5, ...)
-        >>> ensemble_apply(model.apply, params, torch.randn(8, 3)).shape
+        >>> x = torchfn.random.normal(torchfn.random.key(1), (8, 3))   # (B, 3), shared
+        >>> ensemble_apply(model.apply, params, x).shape
         torch.Size([5, 8, 1])
     """
     init_fn = getattr(init, "init", init)
@@ -105,14 +106,14 @@ def ensemble_apply(
         >>> from torchfn.transforms import ensemble_apply, ensemble_init
         >>> model = torchfn.Model(MLP(3, (16,), 1))
         >>> params = ensemble_init(model, torchfn.random.key(0), 5)     # leaves (5, ...)
-        >>> x = torch.randn(8, 3)                                       # (B, 3), shared
+        >>> x = torchfn.random.normal(torchfn.random.key(1), (8, 3))    # (B, 3), shared
         >>> out = ensemble_apply(model.apply, params, x)                # (n, B, 1)
         >>> out.shape
         torch.Size([5, 8, 1])
         >>> member = torchfn.tree.unstack(params)[2]
         >>> bool(torch.allclose(out[2], model.apply(member, x)))
         True
-        >>> xs = torch.randn(5, 8, 3)                                   # (n, B, 3), one per member
+        >>> xs = random.normal(random.key(1), (5, 8, 3))  # (n, B, 3), one per member
         >>> ensemble_apply(model.apply, params, xs, split_inputs=True).shape
         torch.Size([5, 8, 1])
     """
@@ -171,7 +172,8 @@ def ensemble_step(
         ...            for k in torchfn.random.split(torchfn.random.key(0), 5)]
         >>> states = torchfn.tree.stack(members)
         >>> step = ensemble_step(torchfn.make_train_step(loss_fn, opt))
-        >>> states, metrics = step(states, (torch.randn(8, 3), torch.randn(8, 1)))
+        >>> batch = (random.normal(random.key(2), (8, 3)), random.normal(random.key(3), (8, 1)))
+        >>> states, metrics = step(states, batch)
         >>> metrics["loss"].shape
         torch.Size([5])
     """

@@ -111,7 +111,9 @@ def local_train(
         ...     x, y = data
         ...     g = torch.func.grad(lambda p: ((x @ p["w"] - y) ** 2).mean())(p)
         ...     return {"w": p["w"] - 0.1 * g["w"]}
-        >>> data = (torch.randn(4, 10, 3), torch.randn(4, 10))   # 4 clients, 10 examples each
+        >>> kx, ky = torchfn.random.split(torchfn.random.key(1))
+        >>> data = (torchfn.random.normal(kx, (4, 10, 3)),      # 4 clients, 10 examples each
+        ...         torchfn.random.normal(ky, (4, 10)))
         >>> clients = local_train(local_step, {"w": torch.zeros(3)}, data,
         ...                       torchfn.random.key(0), local_steps=5)
         >>> clients["w"].shape                                # (C, 3)
@@ -153,7 +155,9 @@ def federated_round(
         ...     x, y = data
         ...     g = torch.func.grad(lambda p: ((x @ p["w"] - y) ** 2).mean())(p)
         ...     return {"w": p["w"] - 0.1 * g["w"]}
-        >>> data = (torch.randn(4, 10, 3), torch.randn(4, 10))  # 4 clients, 10 examples each
+        >>> kx, ky = torchfn.random.split(torchfn.random.key(1))
+        >>> data = (torchfn.random.normal(kx, (4, 10, 3)),      # 4 clients, 10 examples each
+        ...         torchfn.random.normal(ky, (4, 10)))
         >>> params = federated_round(local_step, {"w": torch.zeros(3)}, data,
         ...                          torchfn.random.key(0), local_steps=5)
     """

@@ -4,7 +4,9 @@
     >>> from torchfn import random
     >>> from torchfn.transforms import diffusion
     >>> s = diffusion.cosine_schedule(1000)                    # float64 coefficients
-    >>> x0, t, noise = torch.randn(8, 2), torch.randint(0, 1000, (8,)), torch.randn(8, 2)
+    >>> k1, k2, k3 = random.split(random.key(1), 3)
+    >>> x0, noise = random.normal(k1, (8, 2)), random.normal(k2, (8, 2))
+    >>> t = random.randint(k3, (8,), 0, 1000)
     >>> x_t = diffusion.q_sample(s, x0, t, noise)              # x0: (B, ...), t: (B,) int64
     >>> eps_fn = lambda x_t, t: torch.zeros_like(x_t)          # a trained model's noise
     >>> x = diffusion.ddim_sample(eps_fn, s, (64, 2), random.key(0), steps=50)
