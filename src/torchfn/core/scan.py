@@ -64,32 +64,6 @@ def _check_carry(want: tuple, carry: PyTree, step: int) -> None:
             )
 
 
-def _stack_outputs(ys: list) -> PyTree:
-    """Stack the per-step outputs leaf by leaf (one structure and shape at every step)."""
-    columns, spec0 = optree.tree_flatten(ys[0])
-    columns = [[leaf] for leaf in columns]
-    for step, y in enumerate(ys[1:], start=1):
-        leaves, spec = optree.tree_flatten(y)
-        if spec != spec0:
-            raise ValueError(
-                f"scan: f must return outputs y of one structure at every step; step "
-                f"{step} returned {_tree._short(spec)}, step 0 {_tree._short(spec0)}"
-            )
-        for column, leaf in zip(columns, leaves):
-            column.append(leaf)
-    stacked = []
-    for i, column in enumerate(columns):
-        column = [torch.as_tensor(x) for x in column]
-        shapes = {tuple(x.shape) for x in column}
-        if len(shapes) > 1:
-            raise ValueError(
-                f"scan: f must return outputs y of one structure and shape at every "
-                f"step; output leaf {i} has shapes {sorted(shapes)}"
-            )
-        stacked.append(torch.stack(column))
-    return optree.tree_unflatten(spec0, stacked)
-
-
 def _empty_outputs(f, init: PyTree, xs: PyTree) -> PyTree:
     """The stacked outputs of zero steps: ``f``'s output shapes from one fake step."""
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -189,4 +163,8 @@ def scan(
         ys.reverse()
     if all(y is None for y in ys):
         return carry, None
-    return carry, _stack_outputs(ys)
+    try:
+        return carry, _tree.stack(ys)  # (T, ...) per leaf
+    except ValueError as err:  # tree i is step i's output
+        raise ValueError(f"scan: f must return outputs y of one structure and shape at "
+                         f"every step ({err})") from None
