@@ -166,3 +166,32 @@ def test_dropout_between_layers_is_keyed():
 def test_bad_input_gets_a_clear_error(make, args, err, match):
     with pytest.raises(err, match=match):
         make()(*args)
+
+
+@pytest.mark.parametrize("kind", sorted(PAIRS))
+def test_forward_over_reverse_hvp_equals_torch_double_backward(kind):
+    """transforms.hvp (jvp of grad) through ours; nn.LSTM / nn.GRU only allow reverse
+    over reverse (torch.autograd.functional.hvp), which must give the same H v."""
+    from torch.func import functional_call
+
+    from torchfn.transforms import hvp
+
+    ours, theirs = _pair(kind, 0, input_size=3, hidden_size=4, num_layers=2)
+    x = random.normal(random.key(1), (5, 2, 3), torch.float64)
+    params = {k: v.detach() for k, v in theirs.named_parameters()}
+    names = sorted(params)  # v in another key order than params: hvp aligns it
+    v = {k: random.normal(random.fold_in(random.key(2), i), params[k].shape, torch.float64)
+         for i, k in enumerate(names)}
+
+    def loss(module):
+        def f(p):
+            out, state = functional_call(module, p, (x,))
+            h = state[0] if kind == "LSTM" else state
+            return out.pow(2).mean() + h.sin().sum()
+        return f
+
+    got = hvp(loss(ours), params, v)
+    flat = lambda *ts: loss(theirs)(dict(zip(names, ts)))  # noqa: E731
+    _, want = torch.autograd.functional.hvp(flat, tuple(params[k] for k in names),
+                                            tuple(v[k] for k in names))
+    assert all(torch.allclose(got[k], w, atol=1e-10) for k, w in zip(names, want))

@@ -69,6 +69,9 @@ def test_hvp_on_params_pytree_equals_flat_hessian_times_v():
     H = AF.hessian(lambda vec: loss(_unflat(vec, p)), _flat(p))  # (P, P)
     ours = hvp(loss, p, v)
     torch.testing.assert_close(_flat(ours), H @ _flat(v), rtol=1e-12, atol=1e-12)
+    # a direction whose dict lists the keys in another order is the same direction
+    swapped = hvp(loss, p, {"b": v["b"], "w": v["w"]})
+    assert all(torch.equal(swapped[k], ours[k]) for k in p)
     Hd = hessian(loss)(p)  # nested dict of blocks
     torch.testing.assert_close(Hd["w"]["b"].reshape(6, 3), H[:6, 6:], rtol=1e-12, atol=1e-12)
 

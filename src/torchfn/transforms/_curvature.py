@@ -28,7 +28,9 @@ def _scalar(f: Callable[..., Tensor], what: str) -> Callable[..., Tensor]:
     return g
 
 
-def _check_same_tree(name: str, a: Any, b: Any, ref: str) -> None:
+def _check_same_tree(name: str, a: Any, b: Any, ref: str) -> Any:
+    """``b`` checked to have ``a``'s structure and shapes, rebuilt in ``a``'s dict key
+    order (torch.func's pytrees compare insertion order; ours sort the keys)."""
     la, sa = optree.tree_flatten(a)
     lb, sb = optree.tree_flatten(b)
     if sa != sb:
@@ -39,6 +41,7 @@ def _check_same_tree(name: str, a: Any, b: Any, ref: str) -> None:
                 f"{name} must have the shapes of {ref}: leaf {i} is {tuple(y.shape)}, "
                 f"expected {tuple(x.shape)}"
             )
+    return optree.tree_unflatten(sa, lb)
 
 
 def jacobian(
@@ -106,7 +109,7 @@ def hvp(f: Callable[[Any], Tensor], x: Any, v: Any) -> Any:
     """
     if not callable(f):
         raise TypeError(f"f must be callable, got {type(f).__name__}")
-    _check_same_tree("v", x, v, "x")
+    v = _check_same_tree("v", x, v, "x")
     return jvp(grad(_scalar(f, "hvp")), (x,), (v,))[1]
 
 
@@ -140,7 +143,7 @@ def gauss_newton_vp(
     """
     if not callable(apply_fn) or not callable(loss_fn):
         raise TypeError("apply_fn and loss_fn must be callable")
-    _check_same_tree("v", params, v, "params")
+    v = _check_same_tree("v", params, v, "params")
     z, jv = jvp(apply_fn, (params,), (v,))  # z, J v: (outputs)
     hjv = hvp(loss_fn, z, jv)  # H_L J v
     _, pullback = vjp(apply_fn, params)
