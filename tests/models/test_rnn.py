@@ -42,11 +42,16 @@ def _close(a, b, tol=1e-12):
     batch=st.sampled_from([None, 1, 3]),  # None: unbatched (T, F)
     T=st.integers(1, 6),
     with_state=st.booleans(),
+    proj=st.sampled_from([0, 2]),  # LSTM only: h projected to 2 (LSTMP)
 )
 def test_equals_torch_module_with_its_state_dict(kind, seed, layers, bidirectional,
-                                                 batch_first, bias, batch, T, with_state):
+                                                 batch_first, bias, batch, T, with_state,
+                                                 proj):
     kw = dict(input_size=3, hidden_size=5, num_layers=layers, bias=bias,
               batch_first=batch_first, bidirectional=bidirectional)
+    proj = proj if kind == "LSTM" else 0
+    if proj:
+        kw["proj_size"] = proj
     ours, theirs = _pair(kind, seed, **kw)
     g = torch.Generator().manual_seed(seed + 1)
     shape = (T, 3) if batch is None else ((batch, T, 3) if batch_first else (T, batch, 3))
@@ -55,7 +60,8 @@ def test_equals_torch_module_with_its_state_dict(kind, seed, layers, bidirection
     if with_state:
         LD = layers * (2 if bidirectional else 1)
         s = (LD, 5) if batch is None else (LD, batch, 5)
-        h0 = torch.randn(s, generator=g, dtype=torch.float64)
+        s_h = (*s[:-1], proj or 5)
+        h0 = torch.randn(s_h, generator=g, dtype=torch.float64)
         hx = (h0, torch.randn(s, generator=g, dtype=torch.float64)) if kind == "LSTM" else h0
     assert _close(ours(x, hx), theirs(x, hx))
     # and gradients, through output and final state
@@ -147,6 +153,12 @@ def test_dropout_between_layers_is_keyed():
         (lambda: LSTM(0, 4), (), ValueError, "LSTM: input_size must be an int >= 1, got 0"),
         (lambda: GRU(3, 4, dropout=1.0), (), ValueError, r"GRU: dropout must be in \[0, 1\)"),
         (lambda: LSTM(3, 4, bidirectional=1), (), TypeError, "bidirectional must be a bool"),
+        (lambda: LSTM(3, 4, proj_size=4), (), ValueError,
+         r"proj_size must be an int in \[0, hidden_size=4\), got 4"),
+        (lambda: LSTM(3, 4, proj_size=2), (torch.randn(5, 2, 3), (torch.zeros(1, 2, 4),
+                                                                  torch.zeros(1, 2, 4))),
+         ValueError, r"h_0 must have shape \(1, 2, 2\) \(num_layers \* num_directions, B, "
+         r"proj_size\)"),
         (lambda: LSTM(3, 4), (torch.randn(5, 2, 4),), ValueError,
          r"input must be \(T, B, input_size\) or \(T, input_size\) with input_size=3, "
          r"got shape \(5, 2, 4\)"),

@@ -20,25 +20,30 @@ from torchfn.core.scan import scan
 __all__ = ["LSTM", "GRU"]
 
 
-def _lstm(x: Tensor, w_ih: Tensor, w_hh: Tensor, b_ih: Tensor | None, b_hh: Tensor | None):
-    """The input projection of every step at once, ``(T, B, 4H)``, and one LSTM step."""
+def _lstm(x: Tensor, w_ih: Tensor, w_hh: Tensor, b_ih: Tensor | None, b_hh: Tensor | None,
+          w_hr: Tensor | None = None):
+    """The input projection of every step at once, ``(T, B, 4H)``, and one LSTM step
+    (``w_hr``: the ``(P, H)`` projection of ``h`` with ``proj_size = P``)."""
     gx = F.linear(x, w_ih, None if b_ih is None else b_ih + b_hh)  # both biases folded in
-    w_t = w_hh.T  # (H, 4H)
+    w_t = w_hh.T  # (R, 4H), R = P or H
 
     def step(carry, gx):  # gx: (B, 4H), this step's x W_ih^T + b_ih + b_hh
-        h, c = carry  # (B, H) each
+        h, c = carry  # (B, R), (B, H)
         gates = torch.addmm(gx, h, w_t)  # (B, 4H): i, f, g, o (PyTorch's order)
         i, f, _, o = torch.sigmoid(gates).chunk(4, dim=-1)  # one op for three gates
-        H = h.shape[-1]
+        H = c.shape[-1]
         g = torch.tanh(gates[..., 2 * H : 3 * H])
         c = torch.addcmul(f * c, i, g)
-        h = o * torch.tanh(c)
+        h = o * torch.tanh(c)  # (B, H)
+        if w_hr is not None:
+            h = h @ w_hr.T  # (B, P)
         return (h, c), h
 
     return gx, step
 
 
-def _gru(x: Tensor, w_ih: Tensor, w_hh: Tensor, b_ih: Tensor | None, b_hh: Tensor | None):
+def _gru(x: Tensor, w_ih: Tensor, w_hh: Tensor, b_ih: Tensor | None, b_hh: Tensor | None,
+         w_hr: None = None):
     """The input projection of every step at once, ``(T, B, 3H)``, and one GRU step
     (``b_hh`` stays in the step: its n part is scaled by r)."""
     gx = F.linear(x, w_ih, b_ih)
@@ -61,7 +66,7 @@ class _Recurrent(nn.Module):
 
     def __init__(self, input_size: int, hidden_size: int, num_layers: int = 1,
                  bias: bool = True, batch_first: bool = False, dropout: float = 0.0,
-                 bidirectional: bool = False) -> None:
+                 bidirectional: bool = False, proj_size: int = 0) -> None:
         super().__init__()
         for name, v in (("input_size", input_size), ("hidden_size", hidden_size),
                         ("num_layers", num_layers)):
@@ -71,27 +76,36 @@ class _Recurrent(nn.Module):
                         ("bidirectional", bidirectional)):
             if not isinstance(v, bool):
                 raise TypeError(f"{self._NAME}: {name} must be a bool, got {type(v).__name__}")
+        if isinstance(proj_size, bool) or not isinstance(proj_size, int) or not (
+            0 <= proj_size < hidden_size
+        ):
+            raise ValueError(f"{self._NAME}: proj_size must be an int in [0, hidden_size="
+                             f"{hidden_size}), got {proj_size!r}")
         if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not (
             0.0 <= dropout < 1.0
         ):
             raise ValueError(f"{self._NAME}: dropout must be in [0, 1), got {dropout!r}")
         self.input_size, self.hidden_size, self.num_layers = input_size, hidden_size, num_layers
         self.bias, self.batch_first, self.bidirectional = bias, batch_first, bidirectional
-        self.dropout = float(dropout)
+        self.dropout, self.proj_size = float(dropout), proj_size
         self.num_directions = 2 if bidirectional else 1
         G, H = self._GATES * hidden_size, hidden_size
+        R = proj_size or H  # width of h: what recurs and what comes out
         for layer in range(num_layers):
-            width = input_size if layer == 0 else H * self.num_directions
+            width = input_size if layer == 0 else R * self.num_directions
             for suffix in ("", "_reverse")[: self.num_directions]:
                 self.register_parameter(f"weight_ih_l{layer}{suffix}",
                                         nn.Parameter(torch.empty(G, width)))
                 self.register_parameter(f"weight_hh_l{layer}{suffix}",
-                                        nn.Parameter(torch.empty(G, H)))
+                                        nn.Parameter(torch.empty(G, R)))
                 if bias:
                     self.register_parameter(f"bias_ih_l{layer}{suffix}",
                                             nn.Parameter(torch.empty(G)))
                     self.register_parameter(f"bias_hh_l{layer}{suffix}",
                                             nn.Parameter(torch.empty(G)))
+                if proj_size:
+                    self.register_parameter(f"weight_hr_l{layer}{suffix}",
+                                            nn.Parameter(torch.empty(proj_size, H)))
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -103,7 +117,8 @@ class _Recurrent(nn.Module):
     def extra_repr(self) -> str:
         return (f"{self.input_size}, {self.hidden_size}, num_layers={self.num_layers}, "
                 f"bias={self.bias}, batch_first={self.batch_first}, dropout={self.dropout}, "
-                f"bidirectional={self.bidirectional}")
+                f"bidirectional={self.bidirectional}"
+                + (f", proj_size={self.proj_size}" if self.proj_size else ""))
 
     # ------------------------------------------------------------------ shapes
     def _inputs(self, x: object) -> tuple[Tensor, bool]:
@@ -121,9 +136,10 @@ class _Recurrent(nn.Module):
             return x.unsqueeze(1), True  # (T, 1, F)
         return (x.transpose(0, 1) if self.batch_first else x), False  # (T, B, F)
 
-    def _state(self, s: object, name: str, B: int, unbatched: bool, like: Tensor) -> Tensor:
+    def _state(self, s: object, name: str, B: int, unbatched: bool, like: Tensor,
+               H: int) -> Tensor:
         """An initial state as ``(num_layers * num_directions, B, H)``."""
-        LD, H = self.num_layers * self.num_directions, self.hidden_size
+        LD = self.num_layers * self.num_directions
         if s is None:
             return like.new_zeros(LD, B, H)
         want = (LD, H) if unbatched else (LD, B, H)
@@ -131,7 +147,8 @@ class _Recurrent(nn.Module):
             got = tuple(s.shape) if isinstance(s, Tensor) else type(s).__name__
             raise ValueError(f"{self._NAME}: {name} must have shape {want} "
                              f"(num_layers * num_directions, {'' if unbatched else 'B, '}"
-                             f"hidden_size), got {got}")
+                             f"{'proj_size' if H != self.hidden_size else 'hidden_size'}"
+                             f"), got {got}")
         if s.dtype != like.dtype or s.device != like.device:
             raise ValueError(f"{self._NAME}: {name} must have the input's dtype and device "
                              f"({like.dtype}, {like.device}), got {s.dtype}, {s.device}")
@@ -140,7 +157,8 @@ class _Recurrent(nn.Module):
     def _weights(self, layer: int, reverse: bool) -> tuple[Tensor, ...]:
         sfx = f"l{layer}{'_reverse' if reverse else ''}"
         get = lambda n: getattr(self, f"{n}_{sfx}") if self.bias or "weight" in n else None  # noqa: E731
-        return get("weight_ih"), get("weight_hh"), get("bias_ih"), get("bias_hh")
+        w_hr = getattr(self, f"weight_hr_{sfx}") if self.proj_size else None
+        return get("weight_ih"), get("weight_hh"), get("bias_ih"), get("bias_hh"), w_hr
 
     def _run(self, x: Tensor, init: list, cell) -> tuple[Tensor, list]:
         """All layers and directions: ``x`` ``(T, B, F)`` -> ``(T, B, D * H)``, last states."""
@@ -165,7 +183,7 @@ class _Recurrent(nn.Module):
 
 
 class LSTM(_Recurrent):
-    """``nn.LSTM`` (no ``proj_size``) as a scan of plain ops: works under ``jvp``,
+    """``nn.LSTM`` as a scan of plain ops: works under ``jvp``,
     ``jacfwd`` and ``hessian`` as well as ``grad``, ``vmap`` and ``torch.compile``.
 
     Same constructor arguments, parameter names and shapes, initialisation and outputs
@@ -176,7 +194,9 @@ class LSTM(_Recurrent):
       input: ``(T, B, input_size)`` (``(B, T, input_size)`` with ``batch_first``) or
       ``(T, input_size)``; ``hx``: optional ``(h_0, c_0)``, each ``(D * L, B, H)``
       (``(D * L, H)`` unbatched). Returns ``output`` ``(T, B, D * H)`` (batch-first or
-      unbatched as the input) and ``(h_n, c_n)``, each ``(D * L, B, H)``.
+      unbatched as the input) and ``(h_n, c_n)``, each ``(D * L, B, H)``. With
+      ``proj_size = P > 0`` (LSTMP, as ``nn.LSTM``) ``h`` is projected to ``P``:
+      ``output`` is ``(T, B, D * P)`` and ``h_0``, ``h_n`` are ``(D * L, B, P)``.
 
     Example::
 
@@ -200,8 +220,10 @@ class LSTM(_Recurrent):
         x, unbatched = self._inputs(input)  # (T, B, F)
         if hx is not None and (not isinstance(hx, (tuple, list)) or len(hx) != 2):
             raise TypeError(f"LSTM: hx must be a pair (h_0, c_0), got {type(hx).__name__}")
-        h0 = self._state(None if hx is None else hx[0], "h_0", x.shape[1], unbatched, x)
-        c0 = self._state(None if hx is None else hx[1], "c_0", x.shape[1], unbatched, x)
+        B, H = x.shape[1], self.hidden_size
+        h0 = self._state(None if hx is None else hx[0], "h_0", B, unbatched, x,
+                         self.proj_size or H)
+        c0 = self._state(None if hx is None else hx[1], "c_0", B, unbatched, x, H)
         y, finals = self._run(x, list(zip(h0, c0)), _lstm)
         h_n = torch.stack([h for h, _ in finals])  # (D*L, B, H)
         c_n = torch.stack([c for _, c in finals])
@@ -236,9 +258,15 @@ class GRU(_Recurrent):
     _GATES = 3
     _NAME = "GRU"
 
+    def __init__(self, input_size: int, hidden_size: int, num_layers: int = 1,
+                 bias: bool = True, batch_first: bool = False, dropout: float = 0.0,
+                 bidirectional: bool = False) -> None:  # as nn.GRU: no proj_size
+        super().__init__(input_size, hidden_size, num_layers, bias, batch_first, dropout,
+                         bidirectional)
+
     def forward(self, input: Tensor, hx: Tensor | None = None):
         x, unbatched = self._inputs(input)  # (T, B, F)
-        h0 = self._state(hx, "hx", x.shape[1], unbatched, x)
+        h0 = self._state(hx, "hx", x.shape[1], unbatched, x, self.hidden_size)
         y, finals = self._run(x, list(h0), _gru)
         h_n = torch.stack(finals)  # (D*L, B, H)
         return self._output(y, unbatched), (h_n.squeeze(1) if unbatched else h_n)
