@@ -88,3 +88,51 @@ def test_jvp(benchmark, impl):
     out = benchmark.pedantic(run, rounds=10, warmup_rounds=1)
     want = torch.autograd.functional.jvp(lambda x: theirs(x)[0], x, v)[1]
     assert torch.allclose(out, want, atol=1e-5)
+
+
+class _Classifier(nn.Module):
+    """A sequence classifier: the last hidden state -> 10 classes."""
+
+    def __init__(self, rnn, hidden):
+        super().__init__()
+        self.rnn, self.head = rnn, nn.Linear(hidden, 10)
+
+    def forward(self, x):  # (B, T, F)
+        return self.head(self.rnn(x)[0][:, -1])
+
+
+@pytest.mark.parametrize("impl", ["torchfn per_sample_grads", "opacus DPLSTM hooks"])
+def test_per_sample_grads_vs_opacus(benchmark, impl):
+    """What DP-SGD on an LSTM needs: per-example gradients of a batch of 32 sequences
+    (T=16, F=16, H=64). Opacus cannot hook inside nn.LSTM and brings its own DPLSTM."""
+    from opacus import GradSampleModule
+    from opacus.layers import DPLSTM
+    from torch.func import functional_call
+
+    from torchfn.transforms import per_sample_grads
+
+    benchmark.group = "lstm-per-sample-dp"
+    ours = _Classifier(LSTM(16, 64, batch_first=True), 64)
+    x = random.normal(random.key(0), (32, 16, 16))
+    y = random.randint(random.key(1), (32,), 0, 10)
+    params = {k: v.detach() for k, v in ours.named_parameters()}
+    if impl.startswith("torchfn"):
+        loss = lambda p, x, y: nn.functional.cross_entropy(  # noqa: E731  ONE sequence
+            functional_call(ours, p, (x[None],)), y[None])
+        run = lambda: per_sample_grads(loss)(params, x, y)  # noqa: E731
+    else:
+        theirs = _Classifier(DPLSTM(16, 64, batch_first=True), 64)
+        named = dict(theirs.named_parameters())
+        with torch.no_grad():
+            for k, v in params.items():
+                named[k].copy_(v)
+        gsm = GradSampleModule(theirs, loss_reduction="sum")
+
+        def run():
+            for p in gsm.parameters():
+                p.grad, p.grad_sample = None, None
+            nn.functional.cross_entropy(gsm(x), y, reduction="sum").backward()
+            return {k: p.grad_sample for k, p in theirs.named_parameters()}
+
+    out = benchmark.pedantic(run, rounds=10, warmup_rounds=1)
+    assert out["rnn.weight_hh_l0"].shape == (32, 256, 64)

@@ -207,3 +207,41 @@ def test_forward_over_reverse_hvp_equals_torch_double_backward(kind):
     _, want = torch.autograd.functional.hvp(flat, tuple(params[k] for k in names),
                                             tuple(v[k] for k in names))
     assert all(torch.allclose(got[k], w, atol=1e-10) for k, w in zip(names, want))
+
+
+def test_per_sample_grads_equal_opacus_dplstm():
+    """Opacus needs its own DPLSTM (hooks cannot see inside nn.LSTM); ours gets
+    per-sample gradients from vmap(grad), equal to Opacus's grad_sample."""
+    from opacus import GradSampleModule
+    from opacus.layers import DPLSTM
+    from torch.func import functional_call
+
+    from torchfn.transforms import per_sample_grads
+
+    class Classifier(nn.Module):  # last hidden state -> 3 classes
+        def __init__(self, rnn):
+            super().__init__()
+            self.rnn, self.head = rnn, nn.Linear(5, 3)
+
+        def forward(self, x):  # (B, T, 4)
+            return self.head(self.rnn(x)[0][:, -1])
+
+    ours = Classifier(LSTM(4, 5, num_layers=2, batch_first=True)).double()
+    theirs = Classifier(DPLSTM(4, 5, num_layers=2, batch_first=True)).double()
+    theirs_params = dict(theirs.named_parameters())  # nn.LSTM's names, as ours
+    with torch.no_grad():  # (DPLSTM's load_state_dict wants its inner names too)
+        for name, value in ours.named_parameters():
+            theirs_params[name].copy_(value)
+    x = random.normal(random.key(0), (6, 7, 4), torch.float64)  # (B, T, F)
+    y = random.randint(random.key(1), (6,), 0, 3)
+
+    params = {k: v.detach() for k, v in ours.named_parameters()}
+    loss = lambda p, x, y: nn.functional.cross_entropy(  # noqa: E731  ONE sequence
+        functional_call(ours, p, (x[None],)), y[None])
+    per = per_sample_grads(loss)(params, x, y)
+
+    gsm = GradSampleModule(theirs, loss_reduction="sum")
+    nn.functional.cross_entropy(gsm(x), y, reduction="sum").backward()
+    for name in params:
+        assert torch.allclose(per[name], theirs_params[name].grad_sample,
+                              atol=1e-10), name
