@@ -1,4 +1,5 @@
-"""examples/ddpm_2d.py, ddpm_digits.py and ebm_2d.py run end to end on a tiny config."""
+"""examples/ddpm_2d.py, ddpm_digits.py, ebm_2d.py and gru_lyapunov.py run end to end on a
+tiny config."""
 
 import importlib.util
 import json
@@ -88,3 +89,18 @@ def test_ddpm_digits_tiny(tmp_path):
     assert again["final_loss"] == m["final_loss"]
     assert again["samples_classified_as_their_condition"] == m[
         "samples_classified_as_their_condition"]
+
+
+def test_gru_lyapunov_tiny(tmp_path):
+    lyap = load("gru_lyapunov")
+    args = ["--hidden", "8", "--k", "3", "--steps", "30", "--warmup", "5", "--gains", "0.5,8",
+            "--check-steps", "20", "--out", str(tmp_path)]
+    m = lyap.main(args + NO_PLOT)
+    assert not PLOT or (tmp_path / "lyapunov.png").stat().st_size > 0
+    saved = json.loads((tmp_path / "metrics.json").read_text())
+    spectra = saved["lyapunov_exponents"]
+    assert all(len(v) == 3 and v == sorted(v, reverse=True) for v in spectra.values())
+    assert max(spectra["0.5"]) < 0  # small recurrent weights: ordered
+    # forward mode through models.GRU == reverse-mode Jacobians through nn.GRU
+    assert saved["check_vs_nn_gru_reverse_mode"]["max_abs_difference"] < 1e-10
+    assert saved["largest_exponent"] == m["largest_exponent"]
