@@ -13,7 +13,7 @@ derivative on the CPU; ``models.GRU`` (the same function as a ``scan``) does. As
 the script recomputes one spectrum from full reverse-mode Jacobians of ``nn.GRU`` with the
 same weights.
 
-    python examples/gru_lyapunov.py                       # 1-2 min on 2 CPU cores
+    python examples/gru_lyapunov.py                       # about 15 s on 2 CPU cores
     python examples/gru_lyapunov.py --hidden 16 --steps 100 --out /tmp/lyap_smoke
 
 Writes <out>/metrics.json and <out>/lyapunov.png (the exponents against the gain).
