@@ -3,6 +3,7 @@
 from torchfn.models._cnn import BasicBlock, ConvNet, ResNet
 from torchfn.models._denoiser import MLPDenoiser, fourier_features, timestep_embedding
 from torchfn.models._energy import MLPEnergy
+from torchfn.models._graph import GraphAttention, GraphConv
 from torchfn.models._mlp import MLP
 from torchfn.models._rnn import GRU, LSTM
 from torchfn.models._transformer import MultiHeadAttention, TransformerBlock, TransformerEncoder
@@ -28,4 +29,7 @@ __all__ = [
     # recurrent nets with forward-mode AD (_rnn)
     "LSTM",
     "GRU",
+    # graph layers on dense adjacency (_graph)
+    "GraphConv",
+    "GraphAttention",
 ]
