@@ -5,6 +5,7 @@ from torchfn.models._denoiser import MLPDenoiser, fourier_features, timestep_emb
 from torchfn.models._energy import MLPEnergy
 from torchfn.models._graph import GraphAttention, GraphConv
 from torchfn.models._mlp import MLP
+from torchfn.models._nerf import NeRF
 from torchfn.models._rnn import GRU, LSTM
 from torchfn.models._transformer import MultiHeadAttention, TransformerBlock, TransformerEncoder
 from torchfn.models._unet import UNet
@@ -32,4 +33,6 @@ __all__ = [
     # graph layers on dense adjacency (_graph)
     "GraphConv",
     "GraphAttention",
+    # radiance field (_nerf; render with transforms.volume_render)
+    "NeRF",
 ]

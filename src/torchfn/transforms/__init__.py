@@ -34,6 +34,7 @@ from torchfn.transforms._per_sample import (
     per_sample_grad_norms,
     per_sample_grads,
 )
+from torchfn.transforms._rendering import Rendered, stratified_depths, volume_render
 from torchfn.transforms._replay import ReplayBuffer, replay_init, replay_push, replay_sample
 
 __all__ = [
@@ -83,4 +84,8 @@ __all__ = [
     "fedavg",
     "local_train",
     "federated_round",
+    # NeRF volume rendering (torchfn.transforms._rendering)
+    "volume_render",
+    "Rendered",
+    "stratified_depths",
 ]
