@@ -1,5 +1,5 @@
-"""examples/ddpm_2d.py, ddpm_digits.py, ebm_2d.py and gru_lyapunov.py run end to end on a
-tiny config."""
+"""examples/ddpm_2d.py, ddpm_digits.py, ebm_2d.py, gru_lyapunov.py and wgan_2d.py run end
+to end on a tiny config."""
 
 import importlib.util
 import json
@@ -104,3 +104,17 @@ def test_gru_lyapunov_tiny(tmp_path):
     # forward mode through models.GRU == reverse-mode Jacobians through nn.GRU
     assert saved["check_vs_nn_gru_reverse_mode"]["max_abs_difference"] < 1e-10
     assert saved["largest_exponent"] == m["largest_exponent"]
+
+
+def test_wgan_2d_tiny(tmp_path):
+    wgan = load("wgan_2d")
+    args = ["--steps", "6", "--critic-steps", "2", "--batch", "32", "--hidden", "16",
+            "--samples", "64", "--seed", "2"]
+    m = wgan.main(args + NO_PLOT + ["--out", str(tmp_path / "a")])
+    assert not PLOT or (tmp_path / "a" / "wgan_2d.png").stat().st_size > 0
+    saved = json.loads((tmp_path / "a" / "metrics.json").read_text())
+    assert set(saved["energy_distance"]) == {"wgan", "data_baseline"}
+    assert 0 <= saved["modes_covered"]["wgan"] <= 1
+    again = wgan.main(args + ["--out", str(tmp_path / "b"), "--no-plot"])  # one key: same run
+    assert again["final_critic_loss"] == m["final_critic_loss"]
+    assert again["energy_distance"] == m["energy_distance"]
