@@ -96,7 +96,7 @@ def test_psg_opacus_hooks(benchmark, kind):
 
     benchmark.group = f"psg-{kind}"
     module, _, x, y = _setup(kind)
-    gsm = GradSampleModule(module)
+    gsm = GradSampleModule(module, loss_reduction="sum")  # the loss below is a sum
 
     def run():
         for p in gsm.parameters():
