@@ -35,6 +35,9 @@ _EXPORTS: dict[str, str] = {
     "load_metadata": "torchfn.core.checkpoint",
     "remat": "torchfn.core.remat",
     "scan": "torchfn.core.scan",
+    "segment_sum": "torchfn.core.segment",
+    "segment_max": "torchfn.core.segment",
+    "segment_softmax": "torchfn.core.segment",
     # training
     "TrainState": "torchfn.train",
     "make_train_step": "torchfn.train",

@@ -5,6 +5,8 @@
 - ``module``: ``Model``, any ``nn.Module`` as pure ``init`` / ``apply``.
 - ``checkpoint``: ``save`` / ``load`` of whole pytrees as one safetensors file.
 - ``scan``: a carry-threading loop with stacked outputs (``jax.lax.scan``).
+- ``segment``: ``segment_sum`` / ``segment_max`` / ``segment_softmax`` (``jax.ops``,
+  jraph): reductions over rows sharing an id, for message passing on edge lists.
 - ``remat``: recompute activations in the backward, under ``torch.func`` too.
 
 Nothing is imported here, so importing one piece stays cheap; use the flat
