@@ -36,7 +36,9 @@ _EXPORTS: dict[str, str] = {
     "remat": "torchfn.core.remat",
     "scan": "torchfn.core.scan",
     "segment_sum": "torchfn.core.segment",
+    "segment_mean": "torchfn.core.segment",
     "segment_max": "torchfn.core.segment",
+    "segment_min": "torchfn.core.segment",
     "segment_softmax": "torchfn.core.segment",
     # training
     "TrainState": "torchfn.train",

@@ -1,5 +1,6 @@
-"""segment_sum / segment_max / segment_softmax: each equals a loop over the segments, in
-float64, and under grad, vmap (over data, ids or both), jvp and torch.compile."""
+"""segment_sum / segment_mean / segment_max / segment_min / segment_softmax: each equals
+a loop over the segments, in float64, and under grad, vmap (over data, ids or both), jvp
+and torch.compile."""
 
 import pytest
 import torch
@@ -7,7 +8,14 @@ from hypothesis import given
 from hypothesis import strategies as st
 from torch.func import grad, jvp, vmap
 
-from torchfn import random, segment_max, segment_softmax, segment_sum
+from torchfn import (
+    random,
+    segment_max,
+    segment_mean,
+    segment_min,
+    segment_softmax,
+    segment_sum,
+)
 
 
 def _draw(seed, E, S, trailing=(3,)):
@@ -51,6 +59,15 @@ def test_segment_max_is_the_loop_with_minus_inf_for_empty_segments(seed, E, S, t
 
 
 @given(**shapes)
+def test_segment_mean_and_min_are_the_loop(seed, E, S, trailing):
+    data, ids = _draw(seed, E, S, trailing)
+    mean = _loop(lambda r: r.mean(0), 0.0, data, ids, S)
+    assert torch.allclose(segment_mean(data, ids, S), mean, atol=1e-12)
+    least = _loop(lambda r: r.amin(0), torch.inf, data, ids, S)
+    assert torch.equal(segment_min(data, ids, S), least)
+
+
+@given(**shapes)
 def test_segment_softmax_is_the_loop(seed, E, S, trailing):
     logits, ids = _draw(seed, E, S, trailing)
     assert torch.allclose(segment_softmax(logits, ids, S), _loop_softmax(logits, ids, S),
@@ -63,11 +80,14 @@ def test_gradients_equal_the_loops(seed, E, S):
     w = random.normal(random.key(seed + 1), (S, 3), torch.float64)
     for ours, ref in [
         (lambda d: segment_sum(d, ids, S), lambda d: _loop(lambda r: r.sum(0), 0.0, d, ids, S)),
+        (lambda d: segment_mean(d, ids, S), lambda d: _loop(lambda r: r.mean(0), 0.0, d, ids, S)),
         (lambda d: segment_max(d, ids, S),  # empty segments (-inf) drop out of the loss
          lambda d: _loop(lambda r: r.amax(0), -torch.inf, d, ids, S)),
+        (lambda d: segment_min(d, ids, S),
+         lambda d: _loop(lambda r: r.amin(0), torch.inf, d, ids, S)),
     ]:
-        loss = lambda d, f=ours: (f(d).nan_to_num(neginf=0.0) * w).sum()  # noqa: E731
-        want = lambda d, f=ref: (f(d).nan_to_num(neginf=0.0) * w).sum()  # noqa: E731
+        loss = lambda d, f=ours: (f(d).nan_to_num(neginf=0.0, posinf=0.0) * w).sum()  # noqa: E731
+        want = lambda d, f=ref: (f(d).nan_to_num(neginf=0.0, posinf=0.0) * w).sum()  # noqa: E731
         assert torch.allclose(grad(loss)(data), grad(want)(data), atol=1e-12)
     v = random.normal(random.key(seed + 2), (E, 3), torch.float64)
     g = grad(lambda d: (segment_softmax(d, ids, S) * v).sum())(data)
@@ -90,7 +110,7 @@ def test_vmap_over_data_ids_or_both_equals_the_loop():
     data, _ = _draw(0, 8, 4)
     datas = torch.stack([data, 2 * data, -data])  # (3, E, 3)
     idss = torch.stack([random.randint(random.key(i), (8,), 0, 4) for i in range(3)])
-    for f in (segment_sum, segment_max, segment_softmax):
+    for f in (segment_sum, segment_mean, segment_max, segment_min, segment_softmax):
         want = torch.stack([f(datas[b], idss[b], 4) for b in range(3)])
         assert torch.allclose(vmap(f, in_dims=(0, 0, None))(datas, idss, 4), want)
         assert torch.allclose(vmap(f, in_dims=(None, 0, None))(data, idss, 4),
@@ -128,7 +148,8 @@ def test_compiled_equals_eager():
         (torch.tensor(1.0), torch.tensor([0]), 3, "data must be a tensor"),
     ],
 )
-@pytest.mark.parametrize("f", [segment_sum, segment_max, segment_softmax])
+@pytest.mark.parametrize("f", [segment_sum, segment_mean, segment_max, segment_min,
+                               segment_softmax])
 def test_bad_input_gets_a_clear_error(f, data, ids, S, match):
     with pytest.raises(ValueError, match=match):
         f(data, ids, S)
@@ -137,7 +158,8 @@ def test_bad_input_gets_a_clear_error(f, data, ids, S, match):
 def test_integer_data_is_refused_where_it_makes_no_sense():
     ids = torch.tensor([0, 1])
     assert torch.equal(segment_sum(torch.tensor([1, 2]), ids, 2), torch.tensor([1, 2]))
-    with pytest.raises(ValueError, match="data must be floating point, got torch.int64"):
-        segment_max(torch.tensor([1, 2]), ids, 2)
+    for f in (segment_mean, segment_max, segment_min):
+        with pytest.raises(ValueError, match="data must be floating point, got torch.int64"):
+            f(torch.tensor([1, 2]), ids, 2)
     with pytest.raises(ValueError, match="logits must be floating point"):
         segment_softmax(torch.tensor([1, 2]), ids, 2)

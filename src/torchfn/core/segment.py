@@ -1,13 +1,14 @@
-"""Segment reductions: ``segment_sum``, ``segment_max``, ``segment_softmax``.
+"""Segment reductions: ``segment_sum``, ``segment_mean``, ``segment_max``, ``segment_min``,
+``segment_softmax``.
 
 A segment reduction combines the rows of ``data: (E, ...)`` that share a segment id,
 ``segment_ids: (E,)`` in ``[0, num_segments)``, into ``(num_segments, ...)``: what
 ``jax.ops.segment_sum`` and jraph's ``segment_softmax`` do, and what message passing on
 a graph's edge list needs (the segment of an edge is its target node). Rows may come in
-any order; a segment without rows gets the reduction's identity (0 for sums, -inf for
-maxima, nothing to normalise for softmax).
+any order; a segment without rows gets the reduction's identity (0 for sums and means,
+-inf for maxima, +inf for minima, nothing to normalise for softmax).
 
-All three are plain torch ops (``index_add``, ``scatter_reduce``, ``index_select``) with
+All are plain torch ops (``index_add``, ``scatter_reduce``, ``index_select``) with
 a static output shape, so they work under ``grad``, ``vmap`` (over data, ids or both),
 ``jvp``, ``jacrev`` and ``torch.compile``. In plain eager mode the ids are checked to
 lie in range; under a transform or while tracing they are not (reading their values
@@ -21,7 +22,7 @@ from torch import Tensor
 
 from torchfn.core._eager import plain
 
-__all__ = ["segment_sum", "segment_max", "segment_softmax"]
+__all__ = ["segment_sum", "segment_mean", "segment_max", "segment_min", "segment_softmax"]
 
 
 def _check(name: str, data: object, segment_ids: object, num_segments: object) -> None:
@@ -75,6 +76,32 @@ def _sum(data: Tensor, segment_ids: Tensor, num_segments: int) -> Tensor:
     return out.index_add(0, segment_ids, data)
 
 
+def segment_mean(data: Tensor, segment_ids: Tensor, num_segments: int) -> Tensor:
+    """The mean of the rows of ``data`` per segment (a graph read-out: nodes -> graphs).
+
+    Args:
+        data: ``(E, ...)`` floating point.
+        segment_ids: ``(E,)`` int64/int32 in ``[0, num_segments)``, any order.
+        num_segments: the number of segments ``S``.
+
+    Returns:
+        ``(S, ...)``; 0 for an empty segment.
+
+    Example::
+
+        >>> import torch
+        >>> data = torch.tensor([1.0, 2.0, 3.0, 4.0])
+        >>> segment_mean(data, torch.tensor([0, 2, 0, 0]), num_segments=3)
+        tensor([2.6667, 0.0000, 2.0000])
+    """
+    _check("segment_mean", data, segment_ids, num_segments)
+    if not data.is_floating_point():
+        raise ValueError(f"segment_mean: data must be floating point, got {data.dtype}")
+    count = _sum(torch.ones_like(segment_ids, dtype=data.dtype), segment_ids, num_segments)
+    count = count.clamp_min(1).reshape(-1, *([1] * (data.dim() - 1)))  # (S, 1, ...)
+    return _sum(data, segment_ids, num_segments) / count
+
+
 def segment_max(data: Tensor, segment_ids: Tensor, num_segments: int) -> Tensor:
     """The largest row of ``data`` per segment, elementwise.
 
@@ -97,13 +124,39 @@ def segment_max(data: Tensor, segment_ids: Tensor, num_segments: int) -> Tensor:
     _check("segment_max", data, segment_ids, num_segments)
     if not data.is_floating_point():
         raise ValueError(f"segment_max: data must be floating point, got {data.dtype}")
-    return _max(data, segment_ids, num_segments)
+    return _extreme(data, segment_ids, num_segments, "amax")
 
 
-def _max(data: Tensor, segment_ids: Tensor, num_segments: int) -> Tensor:
-    out = data.new_full((num_segments, *data.shape[1:]), -torch.inf)  # (S, ...)
+def _extreme(data: Tensor, segment_ids: Tensor, num_segments: int, how: str) -> Tensor:
+    """``how`` = "amax" or "amin" per segment, starting from its identity (-inf, +inf)."""
+    identity = -torch.inf if how == "amax" else torch.inf
+    out = data.new_full((num_segments, *data.shape[1:]), identity)  # (S, ...)
     index = segment_ids.reshape(-1, *([1] * (data.dim() - 1))).expand_as(data)  # (E, ...)
-    return out.scatter_reduce(0, index, data, "amax", include_self=True)
+    return out.scatter_reduce(0, index, data, how, include_self=True)
+
+
+def segment_min(data: Tensor, segment_ids: Tensor, num_segments: int) -> Tensor:
+    """The smallest row of ``data`` per segment, elementwise.
+
+    Args:
+        data: ``(E, ...)`` floating point.
+        segment_ids: ``(E,)`` int64/int32 in ``[0, num_segments)``, any order.
+        num_segments: the number of segments ``S``.
+
+    Returns:
+        ``(S, ...)``; ``+inf`` for an empty segment.
+
+    Example::
+
+        >>> import torch
+        >>> data = torch.tensor([1.0, 5.0, 3.0, 4.0])
+        >>> segment_min(data, torch.tensor([0, 2, 0, 2]), num_segments=3)
+        tensor([1., inf, 4.])
+    """
+    _check("segment_min", data, segment_ids, num_segments)
+    if not data.is_floating_point():
+        raise ValueError(f"segment_min: data must be floating point, got {data.dtype}")
+    return _extreme(data, segment_ids, num_segments, "amin")
 
 
 def segment_softmax(logits: Tensor, segment_ids: Tensor, num_segments: int) -> Tensor:
@@ -137,7 +190,7 @@ def segment_softmax(logits: Tensor, segment_ids: Tensor, num_segments: int) -> T
 
 
 def _softmax(logits: Tensor, segment_ids: Tensor, num_segments: int) -> Tensor:
-    m = _max(logits.detach(), segment_ids, num_segments)  # (S, ...)
+    m = _extreme(logits.detach(), segment_ids, num_segments, "amax")  # (S, ...)
     m = m.nan_to_num(neginf=0.0).index_select(0, segment_ids)  # (E, ...); all -inf -> 0
     e = (logits - m).exp()  # (E, ...)
     total = _sum(e, segment_ids, num_segments).index_select(0, segment_ids)  # (E, ...)
