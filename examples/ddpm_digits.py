@@ -65,6 +65,15 @@ def train_classifier(x, y, key, steps):
     return lambda images: model.apply(params, images.reshape(-1, 64)).argmax(-1)
 
 
+def spread(samples, labels, real, real_labels) -> float:
+    """Mean pairwise distance between the samples of a digit over that between the real
+    training images of the digit, averaged over the digits: about 1 when the samples
+    vary as much as the data, near 0 when each digit collapses to one image."""
+    ratios = [torch.pdist(samples[labels == c].flatten(1)).mean()
+              / torch.pdist(real[real_labels == c].flatten(1)).mean() for c in range(10)]
+    return torch.stack(ratios).mean().item()
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
     out = Path(args.out)
@@ -128,6 +137,7 @@ def main(argv=None) -> dict:
         .float().mean().item(),
         "classifier_accuracy_on_real_test_digits": (predict(x_test) == y_test)
         .float().mean().item(),
+        "within_class_spread_vs_real": spread(samples, labels, x_train, y_train),
         "train_seconds": round(train_seconds, 1),
         "sample_seconds": round(sample_seconds, 1),
     }

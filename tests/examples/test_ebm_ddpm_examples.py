@@ -1,9 +1,13 @@
-"""examples/ddpm_2d.py, ddpm_digits.py, ebm_2d.py, gru_lyapunov.py and wgan_2d.py run end
-to end on a tiny config."""
+"""examples/ddpm_2d.py, ddpm_digits.py, ebm_2d.py, gru_lyapunov.py, wgan_2d.py and
+wgan_digits.py run end to end on a tiny config."""
 
 import importlib.util
 import json
 from pathlib import Path
+
+import torch
+
+from torchfn.data import load_digits
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 # the PNG needs matplotlib (the "plots" extra); without it the scripts run with --no-plot
@@ -118,3 +122,26 @@ def test_wgan_2d_tiny(tmp_path):
     again = wgan.main(args + ["--out", str(tmp_path / "b"), "--no-plot"])  # one key: same run
     assert again["final_critic_loss"] == m["final_critic_loss"]
     assert again["energy_distance"] == m["energy_distance"]
+
+
+def test_wgan_digits_tiny(tmp_path):
+    wgan = load("wgan_digits")
+    args = ["--steps", "20", "--critic-steps", "2", "--batch", "32", "--latent", "8",
+            "--width", "8", "--per-class", "3", "--classifier-steps", "30", "--seed", "1"]
+    m = wgan.main(args + NO_PLOT + ["--out", str(tmp_path / "a")])
+    assert not PLOT or (tmp_path / "a" / "samples.png").stat().st_size > 0
+    saved = json.loads((tmp_path / "a" / "metrics.json").read_text())
+    assert 0 <= saved["samples_classified_as_their_condition"] <= 1
+    assert saved["within_class_spread_vs_real"] > 0  # 20 steps: not one image per digit
+    again = wgan.main(args + ["--out", str(tmp_path / "b"), "--no-plot"])  # one key: same run
+    assert again["final_critic_loss"] == m["final_critic_loss"]
+    assert again["within_class_spread_vs_real"] == m["within_class_spread_vs_real"]
+
+
+def test_spread_is_one_for_the_data_and_zero_for_a_collapsed_generator():
+    spread = load("wgan_digits").spread
+    x, y = load_digits()  # (N, 64), (N,)
+    assert abs(spread(x, y, x, y) - 1) < 1e-6
+    firsts = torch.stack([x[y == c][0] for c in range(10)])  # one image per digit
+    collapsed = firsts.repeat_interleave(5, dim=0)  # (50, 64): five copies of each
+    assert spread(collapsed, torch.arange(10).repeat_interleave(5), x, y) == 0

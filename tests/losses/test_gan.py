@@ -68,6 +68,50 @@ def test_penalty_with_model_critic_and_image_shapes():
     assert grads["net.0.weight"].abs().sum() > 0
 
 
+def test_conditional_penalty_equals_the_loop_with_each_examples_label():
+    """``cond=(labels,)``: each example's gradient is in x with its own label held fixed."""
+    p = critic_params(0, 3)
+    emb = random.normal(random.key(5), (4, 3), torch.float64)  # a label embedding (4 classes)
+    cond_critic = lambda p, x, y: critic(p, x * F.embedding(y, emb))  # noqa: E731  one example
+    g = torch.Generator().manual_seed(0)
+    real = torch.randn(5, 3, generator=g, dtype=torch.float64)
+    fake = torch.randn(5, 3, generator=g, dtype=torch.float64)
+    labels = torch.tensor([0, 3, 1, 3, 2])
+    ours = gradient_penalty(cond_critic, p, real, fake, random.key(1), cond=(labels,),
+                            reduction="none")
+    e = random.uniform(random.key(1), (5,), dtype=real.dtype)
+    for i in range(5):
+        xi = (e[i] * real[i] + (1 - e[i]) * fake[i]).requires_grad_()
+        (gi,) = torch.autograd.grad(cond_critic(p, xi, labels[i]), xi)
+        torch.testing.assert_close(ours[i], (gi.norm() - 1) ** 2, rtol=1e-10, atol=1e-12)
+    with pytest.raises(ValueError, match=r"cond\[0\] must be a tensor with the batch size 5"):
+        gradient_penalty(cond_critic, p, real, fake, random.key(1), cond=(labels[:4],))
+    with pytest.raises(TypeError, match="cond must be a tuple"):
+        gradient_penalty(cond_critic, p, real, fake, random.key(1), cond=labels)
+
+
+@pytest.mark.parametrize("conditional", [False, True])
+def test_batched_penalty_equals_the_per_example_one(conditional):
+    """batched=True (one gradient of the summed scores) == vmap(grad) per example, value
+    and gradient in the critic's parameters, for a critic that keeps examples apart."""
+    from torchfn.models import ConvCritic
+
+    net = ConvCritic(8, 1, 4, num_classes=3 if conditional else None).double()
+    model = torchfn.Model(net)
+    p = model.init(random.key(0))
+    real, fake = random.normal(random.key(1), (2, 5, 1, 8, 8), torch.float64)
+    cond = (random.randint(random.key(2), (5,), 0, 3),) if conditional else ()
+    f = lambda p, b: gradient_penalty(model.apply, p, real, fake, random.key(3),  # noqa: E731
+                                      cond=cond, batched=b)
+    torch.testing.assert_close(f(p, True), f(p, False), rtol=1e-10, atol=1e-12)
+    g1, g2 = torch.func.grad(f)(p, True), torch.func.grad(f)(p, False)
+    for k in g2:
+        torch.testing.assert_close(g1[k], g2[k], rtol=1e-9, atol=1e-12)
+    with pytest.raises(ValueError, match=r"batch's scores of shape \(5,\) or \(5, 1\)"):
+        gradient_penalty(lambda p, x, *c: model.apply(p, x, *c).sum(), p, real, fake,
+                         random.key(3), cond=cond, batched=True)
+
+
 def test_penalty_is_deterministic_per_key_and_differs_across_keys():
     p = critic_params(0, 3)
     g = torch.Generator().manual_seed(0)

@@ -13,6 +13,10 @@ a static output shape, so they work under ``grad``, ``vmap`` (over data, ids or 
 ``jvp``, ``jacrev`` and ``torch.compile``. In plain eager mode the ids are checked to
 lie in range; under a transform or while tracing they are not (reading their values
 would break the trace), and an id out of range is then torch's indexing error.
+
+On CUDA, ``index_add`` adds with atomics, so float sums may differ in the last bits
+from run to run (as ``jax.ops.segment_sum`` on a GPU);
+``torch.use_deterministic_algorithms(True)`` makes them repeatable.
 """
 
 from __future__ import annotations

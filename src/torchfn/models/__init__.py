@@ -3,6 +3,7 @@
 from torchfn.models._cnn import BasicBlock, ConvNet, ResNet
 from torchfn.models._denoiser import MLPDenoiser, fourier_features, timestep_embedding
 from torchfn.models._energy import MLPEnergy
+from torchfn.models._gan import ConvCritic, ConvGenerator
 from torchfn.models._graph import GraphAttention, GraphConv
 from torchfn.models._mlp import MLP
 from torchfn.models._nerf import NeRF
@@ -27,10 +28,13 @@ __all__ = [
     "TransformerBlock",
     "MultiHeadAttention",
     "MLPVAE",
+    # DCGAN generator and critic for small images (_gan)
+    "ConvGenerator",
+    "ConvCritic",
     # recurrent nets with forward-mode AD (_rnn)
     "LSTM",
     "GRU",
-    # graph layers on dense adjacency (_graph)
+    # graph layers on dense adjacency or edge lists (_graph)
     "GraphConv",
     "GraphAttention",
     # radiance field (_nerf; render with transforms.volume_render)
