@@ -180,7 +180,8 @@ def plot(path, samples, per_class, losses):
     ax = fig.add_subplot(grid[0])
     shown = min(per_class, 12)
     tiles = samples.reshape(10, per_class, 8, 8)[:, :shown]  # (10, shown, 8, 8)
-    ax.imshow(tiles.permute(0, 2, 1, 3).reshape(80, 8 * shown), cmap="gray_r", vmin=0, vmax=1)
+    ax.imshow(tiles.permute(0, 2, 1, 3).reshape(80, 8 * shown).numpy(), cmap="gray_r", vmin=0,
+              vmax=1)
     ax.set(title="samples: one row per digit 0-9", xticks=[], yticks=[])
     ax = fig.add_subplot(grid[1])
     ax.plot(losses, lw=0.5)
