@@ -14,6 +14,7 @@ in and out, fp32. Groups:
   graphs), and ``GraphConv`` on the dense (N, N) adjacency.
 - ``attention-fwd-bwd``: the same for ``GraphAttention`` (4 heads) against PyG's
   ``TransformerConv(root_weight=False)`` followed by the same output layer.
+- ``gat-fwd-bwd``: ``GATConv`` (4 heads of 16, concatenated) against PyG's ``GATConv``.
 - ``gcn-per-graph``: per-graph gradients of a 2-layer GCN over 16 small graphs (N=64,
   E=512 each, each with its own edges): ``vmap(grad)`` of torchfn's edge-list layers
   against a Python loop of PyG's. ``GCNConv`` fails under ``vmap`` over edge lists (its
@@ -28,7 +29,7 @@ from torch.func import grad, vmap
 
 import torchfn
 from torchfn import random
-from torchfn.models import GraphAttention, GraphConv
+from torchfn.models import GATConv, GraphAttention, GraphConv
 
 pyg = pytest.importorskip("torch_geometric.nn", reason="PyG is the peer compared to")
 
@@ -73,12 +74,18 @@ class _PyGAttention(nn.Module):
 
 
 @pytest.mark.parametrize("impl", ["torchfn edges", "pyg", "torchfn dense adj"])
-@pytest.mark.parametrize("kind", ["gcn", "attention"])
+@pytest.mark.parametrize("kind", ["gcn", "attention", "gat"])
 def test_fwd_bwd(benchmark, kind, impl):
     benchmark.group = f"{kind}-fwd-bwd"
     x, edges = _graph()
     if kind == "gcn":
         ours, theirs = _pair_gcn()
+    elif kind == "gat":
+        ours, theirs = GATConv(F, F // 4, heads=4), pyg.GATConv(F, F // 4, heads=4)
+        with torch.no_grad():
+            theirs.lin.weight.copy_(ours.linear.weight)
+            theirs.att_src.copy_(ours.att_src[None])
+            theirs.att_dst.copy_(ours.att_dst[None])
     else:
         ours = GraphAttention(F, heads=4, self_loops=False)
         theirs = _PyGAttention(ours)

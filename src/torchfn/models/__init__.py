@@ -4,6 +4,7 @@ from torchfn.models._cnn import BasicBlock, ConvNet, ResNet
 from torchfn.models._denoiser import MLPDenoiser, fourier_features, timestep_embedding
 from torchfn.models._energy import MLPEnergy
 from torchfn.models._gan import ConvCritic, ConvGenerator
+from torchfn.models._gat import GATConv
 from torchfn.models._graph import GraphAttention, GraphConv
 from torchfn.models._mlp import MLP
 from torchfn.models._nerf import NeRF
@@ -37,6 +38,7 @@ __all__ = [
     # graph layers on dense adjacency or edge lists (_graph)
     "GraphConv",
     "GraphAttention",
+    "GATConv",
     # radiance field (_nerf; render with transforms.volume_render)
     "NeRF",
 ]

@@ -98,6 +98,29 @@ def _flat_per_edge(t: Tensor, lead: torch.Size) -> Tensor:
     return t.expand(*lead, t.shape[-1]).reshape(-1)
 
 
+def _attention_edges(name: str, x: Tensor, edges: Tensor, edge_mask: Tensor | None,
+                     self_loops: bool) -> tuple[Tensor, Tensor, Tensor | None]:
+    """The flat ``(source, target)`` edges of an attention layer, ``(E',)`` each, with
+    a self loop appended for every node (``self_loops``), and ``keep: (E',)`` bool (or
+    None: all kept): False for masked edges and for an added loop where the node has
+    one already."""
+    _check_edges(name, x, edges, {"edge_mask": edge_mask})
+    if edge_mask is not None and edge_mask.dtype != torch.bool:
+        raise ValueError(f"{name}: edge_mask must be a bool tensor, got {edge_mask.dtype}")
+    lead, N = x.shape[:-2], x.shape[-2]
+    M = lead.numel() * N  # nodes of all graphs
+    src, dst = _flat_edges(x, edges)  # (G*E,) each
+    keep = None if edge_mask is None else _flat_per_edge(edge_mask, lead)  # (G*E,)
+    if self_loops:
+        node = torch.arange(M, device=x.device)
+        own = (src == dst) if keep is None else (src == dst) & keep
+        given = _sum(own.to(x.dtype), dst, M) > 0  # (M,) has a loop already
+        kept = torch.ones_like(own) if keep is None else keep
+        keep = torch.cat([kept, ~given])  # a loop added only where none was given
+        src, dst = torch.cat([src, node]), torch.cat([dst, node])
+    return src, dst, keep
+
+
 def _with_self_loops(adj: Tensor) -> Tensor:
     eye = torch.eye(adj.shape[-1], dtype=torch.bool, device=adj.device)
     if adj.dtype == torch.bool:
@@ -243,21 +266,9 @@ class GraphAttention(nn.Module):
         return self.out(o)
 
     def _on_edges(self, x: Tensor, edges: Tensor, edge_mask: Tensor | None) -> Tensor:
-        _check_edges("GraphAttention", x, edges, {"edge_mask": edge_mask})
-        if edge_mask is not None and edge_mask.dtype != torch.bool:
-            raise ValueError(f"GraphAttention: edge_mask must be a bool tensor, "
-                             f"got {edge_mask.dtype}")
         lead, N = x.shape[:-2], x.shape[-2]
         M = lead.numel() * N  # nodes of all graphs
-        src, dst = _flat_edges(x, edges)  # (G*E,) each
-        keep = None if edge_mask is None else _flat_per_edge(edge_mask, lead)  # (G*E,)
-        if self.self_loops:
-            node = torch.arange(M, device=x.device)
-            own = (src == dst) if keep is None else (src == dst) & keep
-            given = _sum(own.to(x.dtype), dst, M) > 0  # (M,) has a loop already
-            kept = torch.ones_like(own) if keep is None else keep
-            keep = torch.cat([kept, ~given])  # a loop added only where none was given
-            src, dst = torch.cat([src, node]), torch.cat([dst, node])
+        src, dst, keep = _attention_edges("GraphAttention", x, edges, edge_mask, self.self_loops)
         q, k, v = self.qkv(x.reshape(M, self.dim)).unflatten(-1, (3, self.heads, -1)).unbind(1)
         d = q.shape[-1]  # q, k, v: (M, heads, d)
         s = (q.index_select(0, dst) * k.index_select(0, src)).sum(-1) * d**-0.5  # (E', heads)
