@@ -32,7 +32,7 @@ from tqdm import tqdm
 
 import torchfn
 from torchfn import optim, random
-from torchfn.data import load_digits, train_test_split
+from torchfn.data import class_spread, load_digits, train_test_split
 from torchfn.losses import gradient_penalty, wgan_losses
 from torchfn.models import MLP, ConvCritic, ConvGenerator
 
@@ -70,15 +70,6 @@ def train_classifier(x, y, key, steps):
         updates, state = tx.update(grads, state, params)
         params = optim.apply_updates(params, updates)
     return lambda images: model.apply(params, images.reshape(-1, 64)).argmax(-1)
-
-
-def spread(samples, labels, real, real_labels) -> float:
-    """Mean pairwise distance between the samples of a digit over that between the real
-    training images of the digit, averaged over the digits: about 1 when the samples
-    vary as much as the data, near 0 when each digit collapses to one image."""
-    ratios = [torch.pdist(samples[labels == c].flatten(1)).mean()
-              / torch.pdist(real[real_labels == c].flatten(1)).mean() for c in range(10)]
-    return torch.stack(ratios).mean().item()
 
 
 def main(argv=None) -> dict:
@@ -158,7 +149,8 @@ def main(argv=None) -> dict:
         .float().mean().item(),
         "classifier_accuracy_on_real_test_digits": (predict(x_test) == y_test)
         .float().mean().item(),
-        "within_class_spread_vs_real": spread(samples, labels, x_train, y_train),
+        "within_class_spread_vs_real": class_spread(samples.flatten(1), labels, x_train,
+                                                    y_train).item(),
         "train_seconds": round(train_seconds, 1),
     }
     (out / "metrics.json").write_text(json.dumps(metrics, indent=2))

@@ -5,10 +5,6 @@ import importlib.util
 import json
 from pathlib import Path
 
-import torch
-
-from torchfn.data import load_digits
-
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 # the PNG needs matplotlib (the "plots" extra); without it the scripts run with --no-plot
 PLOT = importlib.util.find_spec("matplotlib") is not None
@@ -136,12 +132,3 @@ def test_wgan_digits_tiny(tmp_path):
     again = wgan.main(args + ["--out", str(tmp_path / "b"), "--no-plot"])  # one key: same run
     assert again["final_critic_loss"] == m["final_critic_loss"]
     assert again["within_class_spread_vs_real"] == m["within_class_spread_vs_real"]
-
-
-def test_spread_is_one_for_the_data_and_zero_for_a_collapsed_generator():
-    spread = load("wgan_digits").spread
-    x, y = load_digits()  # (N, 64), (N,)
-    assert abs(spread(x, y, x, y) - 1) < 1e-6
-    firsts = torch.stack([x[y == c][0] for c in range(10)])  # one image per digit
-    collapsed = firsts.repeat_interleave(5, dim=0)  # (50, 64): five copies of each
-    assert spread(collapsed, torch.arange(10).repeat_interleave(5), x, y) == 0
