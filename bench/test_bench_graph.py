@@ -15,6 +15,7 @@ in and out, fp32. Groups:
 - ``attention-fwd-bwd``: the same for ``GraphAttention`` (4 heads) against PyG's
   ``TransformerConv(root_weight=False)`` followed by the same output layer.
 - ``gat-fwd-bwd``: ``GATConv`` (4 heads of 16, concatenated) against PyG's ``GATConv``.
+- ``sage-fwd-bwd``: ``SAGEConv`` (mean) against PyG's ``SAGEConv``.
 - ``gcn-per-graph``: per-graph gradients of a 2-layer GCN over 16 small graphs (N=64,
   E=512 each, each with its own edges): ``vmap(grad)`` of torchfn's edge-list layers
   against a Python loop of PyG's. ``GCNConv`` fails under ``vmap`` over edge lists (its
@@ -29,7 +30,7 @@ from torch.func import grad, vmap
 
 import torchfn
 from torchfn import random
-from torchfn.models import GATConv, GraphAttention, GraphConv
+from torchfn.models import GATConv, GraphAttention, GraphConv, SAGEConv
 
 pyg = pytest.importorskip("torch_geometric.nn", reason="PyG is the peer compared to")
 
@@ -74,12 +75,15 @@ class _PyGAttention(nn.Module):
 
 
 @pytest.mark.parametrize("impl", ["torchfn edges", "pyg", "torchfn dense adj"])
-@pytest.mark.parametrize("kind", ["gcn", "attention", "gat"])
+@pytest.mark.parametrize("kind", ["gcn", "attention", "gat", "sage"])
 def test_fwd_bwd(benchmark, kind, impl):
     benchmark.group = f"{kind}-fwd-bwd"
     x, edges = _graph()
     if kind == "gcn":
         ours, theirs = _pair_gcn()
+    elif kind == "sage":
+        ours, theirs = SAGEConv(F, F), pyg.SAGEConv(F, F)
+        theirs.load_state_dict(ours.state_dict())
     elif kind == "gat":
         ours, theirs = GATConv(F, F // 4, heads=4), pyg.GATConv(F, F // 4, heads=4)
         with torch.no_grad():
@@ -105,7 +109,7 @@ def test_fwd_bwd(benchmark, kind, impl):
         return out
 
     out = benchmark.pedantic(step, rounds=10, warmup_rounds=2)
-    if kind == "gcn" or impl != "torchfn dense adj":  # duplicates attend twice on edges
+    if kind == "gcn" or impl != "torchfn dense adj":  # duplicates count twice on edges
         assert torch.allclose(out, theirs(x, edges) if impl != "pyg" else ours(x, edges=edges),
                               atol=1e-4)
 

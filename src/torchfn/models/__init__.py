@@ -1,5 +1,6 @@
 """Model definitions (plain nn.Modules; make them pure with torchfn.Model)."""
 
+from torchfn.models._aggregate import GINConv, SAGEConv, aggregate_neighbours
 from torchfn.models._cnn import BasicBlock, ConvNet, ResNet
 from torchfn.models._denoiser import MLPDenoiser, fourier_features, timestep_embedding
 from torchfn.models._energy import MLPEnergy
@@ -39,6 +40,9 @@ __all__ = [
     "GraphConv",
     "GraphAttention",
     "GATConv",
+    "SAGEConv",
+    "GINConv",
+    "aggregate_neighbours",
     # radiance field (_nerf; render with transforms.volume_render)
     "NeRF",
 ]
