@@ -5,6 +5,9 @@ Why not ``nn.LSTM``: its fused CPU kernel has no forward-mode derivative, so ``j
 ``jacfwd`` and ``hessian`` through it raise. These modules are the same function
 written step by step (the input projection of every step is one matmul up front),
 so every ``torch.func`` transform goes through them. A state dict loads either way.
+In plain eager mode (no transform, no forward AD, no tracing) a layer without
+``proj_size`` runs torch's own fused kernels inside one ``autograd.Function`` instead
+(``_rnn_fused``): the same numbers at ``nn.LSTM`` / ``nn.GRU``'s speed.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from torchfn.core.scan import scan
+from torchfn.models._rnn_fused import fusable, torch_layer
 
 __all__ = ["LSTM", "GRU"]
 
@@ -166,9 +170,15 @@ class _Recurrent(nn.Module):
         for layer in range(self.num_layers):
             outs = []
             for d in range(self.num_directions):
-                gx, step = cell(x, *self._weights(layer, reverse=d == 1))  # (T, B, G*H)
+                weights = self._weights(layer, reverse=d == 1)  # w_ih, w_hh, b_ih, b_hh, w_hr
                 i = layer * self.num_directions + d
-                carry, ys = scan(step, init[i], gx, reverse=d == 1)
+                state = init[i] if isinstance(init[i], tuple) else (init[i],)
+                tensors = [x, *state, *(w for w in weights if w is not None)]
+                if weights[4] is None and fusable(*tensors):  # plain eager: torch's kernels
+                    carry, ys = torch_layer(cell, x, init[i], *weights[:4], reverse=d == 1)
+                else:
+                    gx, step = cell(x, *weights)  # (T, B, G*H)
+                    carry, ys = scan(step, init[i], gx, reverse=d == 1)
                 outs.append(ys)  # (T, B, H)
                 finals.append(carry)
             x = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
