@@ -5,8 +5,8 @@ Why not ``nn.LSTM``: its fused CPU kernel has no forward-mode derivative, so ``j
 ``jacfwd`` and ``hessian`` through it raise. These modules are the same function
 written step by step (the input projection of every step is one matmul up front),
 so every ``torch.func`` transform goes through them. A state dict loads either way.
-In plain eager mode (no transform, no forward AD, no tracing) a layer without
-``proj_size`` runs torch's own fused kernels inside one ``autograd.Function`` instead
+In plain eager mode (no transform, no forward AD, no tracing) a layer runs torch's own
+fused kernels inside one ``autograd.Function`` instead
 (``_rnn_fused``): the same numbers at ``nn.LSTM`` / ``nn.GRU``'s speed.
 """
 
@@ -174,8 +174,8 @@ class _Recurrent(nn.Module):
                 i = layer * self.num_directions + d
                 state = init[i] if isinstance(init[i], tuple) else (init[i],)
                 tensors = [x, *state, *(w for w in weights if w is not None)]
-                if weights[4] is None and fusable(*tensors):  # plain eager: torch's kernels
-                    carry, ys = torch_layer(cell, x, init[i], *weights[:4], reverse=d == 1)
+                if fusable(*tensors):  # plain eager: torch's kernels
+                    carry, ys = torch_layer(cell, x, init[i], *weights, reverse=d == 1)
                 else:
                     gx, step = cell(x, *weights)  # (T, B, G*H)
                     carry, ys = scan(step, init[i], gx, reverse=d == 1)

@@ -37,20 +37,20 @@ def fusable(*ts: Tensor) -> bool:
 
 
 class _TorchLayer(torch.autograd.Function):
-    """``(cell, x (T, B, F), w_ih, w_hh, b_ih, b_hh (or None), *state)`` ->
-    ``(ys (T, B, H), *final state)``; ``state`` is ``(h0, c0)`` for an LSTM, ``(h0,)``
-    for a GRU, each ``(B, H)``; ``cell`` is ``_rnn._lstm`` or ``_rnn._gru``, the scan
-    a double backward differentiates."""
+    """``(cell, x (T, B, F), w_ih, w_hh, b_ih, b_hh, w_hr (each may be None), *state)``
+    -> ``(ys (T, B, R), *final state)``; ``state`` is ``(h0 (B, R), c0 (B, H))`` for an
+    LSTM (``R`` = proj_size, or H without ``w_hr``), ``(h0,)`` for a GRU; ``cell`` is
+    ``_rnn._lstm`` or ``_rnn._gru``, the scan a double backward differentiates."""
 
     @staticmethod
-    def forward(ctx, cell: Callable, x, w_ih, w_hh, b_ih, b_hh, *state):
-        inputs = (x, w_ih, w_hh, b_ih, b_hh, *state)
+    def forward(ctx, cell: Callable, x, w_ih, w_hh, b_ih, b_hh, w_hr, *state):
+        inputs = (x, w_ih, w_hh, b_ih, b_hh, w_hr, *state)
         ctx.cell = cell
         ctx.save_for_backward(*inputs)  # for a double backward
         leaves = [None if t is None else t.detach().requires_grad_(need)
                   for t, need in zip(inputs, ctx.needs_input_grad[1:])]
-        x, w_ih, w_hh, b_ih, b_hh, *state = leaves
-        weights = [w_ih, w_hh] if b_ih is None else [w_ih, w_hh, b_ih, b_hh]
+        x, w_ih, w_hh, b_ih, b_hh, w_hr, *state = leaves
+        weights = [w for w in (w_ih, w_hh, b_ih, b_hh, w_hr) if w is not None]
         run = torch.lstm if len(state) == 2 else torch.gru
         hx = tuple(s[None] for s in state) if len(state) == 2 else state[0][None]
         with torch.enable_grad():  # nn.LSTM / nn.GRU's kernels, their graph kept inside
@@ -75,12 +75,12 @@ class _TorchLayer(torch.autograd.Function):
 
 
 def _through_the_scan(ctx, grads: tuple[Tensor, ...]) -> tuple:
-    x, w_ih, w_hh, b_ih, b_hh, *state = inputs = ctx.saved_tensors
+    x, w_ih, w_hh, b_ih, b_hh, w_hr, *state = inputs = ctx.saved_tensors
     need = ctx.needs_input_grad[1:]
     wanted = [t for t, n in zip(inputs, need) if n]
     create_graph = torch.is_grad_enabled()
     with torch.enable_grad():
-        gx, step = ctx.cell(x, w_ih, w_hh, b_ih, b_hh)  # (T, B, G*H)
+        gx, step = ctx.cell(x, w_ih, w_hh, b_ih, b_hh, w_hr)  # (T, B, G*H)
         carry, ys = scan(step, tuple(state) if len(state) == 2 else state[0], gx)
         outs = (ys, *(carry if len(state) == 2 else (carry,)))
         got = iter(torch.autograd.grad(outs, wanted, grads, create_graph=create_graph,
@@ -89,12 +89,13 @@ def _through_the_scan(ctx, grads: tuple[Tensor, ...]) -> tuple:
 
 
 def torch_layer(cell: Callable, x: Tensor, init, w_ih: Tensor, w_hh: Tensor,
-                b_ih: Tensor | None, b_hh: Tensor | None, reverse: bool = False):
+                b_ih: Tensor | None, b_hh: Tensor | None, w_hr: Tensor | None,
+                reverse: bool = False):
     """One layer through torch's kernels, as ``scan`` returns it: ``(carry, ys)`` with
     ``carry`` = ``(h_T, c_T)`` for an LSTM (``init`` = ``(h0, c0)``), ``h_T`` for a GRU
     (``init`` = ``h0``)."""
     state = tuple(init) if isinstance(init, (tuple, list)) else (init,)
     ys, *finals = _TorchLayer.apply(cell, x.flip(0) if reverse else x, w_ih, w_hh, b_ih,
-                                    b_hh, *state)
+                                    b_hh, w_hr, *state)
     carry = tuple(finals) if len(finals) == 2 else finals[0]
     return carry, (ys.flip(0) if reverse else ys)
