@@ -16,6 +16,8 @@ It is used only where nothing else can see the difference (``fusable``): no
 
 from __future__ import annotations
 
+import contextlib
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -36,6 +38,20 @@ def fusable(*ts: Tensor) -> bool:
     return all(type(t) in (Tensor, nn.Parameter) and plain(t.detach()) for t in ts)
 
 
+@contextlib.contextmanager
+def _quiet_cudnn(x: Tensor):
+    """On CUDA, cuDNN warns that separate weights are copied into one buffer on every
+    call (as ``nn.LSTM``'s after ``.to()`` without ``flatten_parameters``): that copy is
+    the price of weights kept as a pytree. Nothing to silence on a CPU (and changing the
+    warning filters costs ~0.5 ms a call there)."""
+    if not x.is_cuda:
+        yield
+        return
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="RNN module weights are not part")
+        yield
+
+
 class _TorchLayer(torch.autograd.Function):
     """``(cell, x (T, B, F), w_ih, w_hh, b_ih, b_hh, w_hr (each may be None), *state)``
     -> ``(ys (T, B, R), *final state)``; ``state`` is ``(h0 (B, R), c0 (B, H))`` for an
@@ -53,7 +69,7 @@ class _TorchLayer(torch.autograd.Function):
         weights = [w for w in (w_ih, w_hh, b_ih, b_hh, w_hr) if w is not None]
         run = torch.lstm if len(state) == 2 else torch.gru
         hx = tuple(s[None] for s in state) if len(state) == 2 else state[0][None]
-        with torch.enable_grad():  # nn.LSTM / nn.GRU's kernels, their graph kept inside
+        with torch.enable_grad(), _quiet_cudnn(x):  # their graph kept inside
             ys, *finals = run(x, hx, weights, b_ih is not None, 1, 0.0, True, False, False)
             outs = (ys, *(s[0] for s in finals))
         ctx.inner = (leaves, outs)
