@@ -38,9 +38,9 @@ def test_the_formula_and_image_shapes():
     "args, match",
     [
         ((torch.zeros(4, 2), torch.zeros(4), torch.zeros(4, 2), torch.zeros(4).long()),
-         "labels must be an int64 tensor"),
+         "labels must be an int tensor"),
         ((torch.zeros(4, 2), torch.zeros(3).long(), torch.zeros(4, 2), torch.zeros(4).long()),
-         r"labels must be an int64 tensor \(4,\)"),
+         r"labels must be an int tensor \(4,\)"),
         ((torch.zeros(4, 2), torch.zeros(4).long(), torch.zeros(4, 3), torch.zeros(4).long()),
          "must share the shape of one example"),
         ((torch.zeros(4), torch.zeros(4).long(), torch.zeros(4, 2), torch.zeros(4).long()),

@@ -17,7 +17,7 @@ def _check(name: str, x: object, labels_name: str, labels: object) -> None:
             or labels.dtype not in (torch.int64, torch.int32)):
         got = (f"{labels.dtype} tensor of shape {tuple(labels.shape)}"
                if isinstance(labels, Tensor) else type(labels).__name__)
-        raise ValueError(f"class_spread: {labels_name} must be an int64 tensor ({x.shape[0]},), "
+        raise ValueError(f"class_spread: {labels_name} must be an int tensor ({x.shape[0]},), "
                          f"one label per row of {name}, got {got}")
 
 

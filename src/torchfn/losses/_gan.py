@@ -48,7 +48,7 @@ def gradient_penalty(
         batched: call ``critic_fn`` on the whole batch and take one gradient of the
             summed scores (the usual PyTorch code): equal to the per-example gradients
             when the critic treats examples independently, and a little faster (a
-            critic step takes 0.8-0.95x the time, ``bench/test_bench_gan.py``). A
+            critic step takes 0.75-0.95x the time, ``bench/test_bench_gan.py``). A
             critic that mixes examples (BatchNorm) silently gets a wrong penalty this
             way; per example it cannot.
         target: the gradient norm aimed at (1 in the paper).
