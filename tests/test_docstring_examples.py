@@ -15,7 +15,7 @@ import torchfn
 ELSEWHERE = ("torchfn.optim", "torchfn.kernels", "torchfn.core.random")
 MODULES = sorted(
     m.name for m in pkgutil.walk_packages(torchfn.__path__, "torchfn.")
-    if not m.name.startswith(ELSEWHERE)
+    if not m.name.startswith(ELSEWHERE) and m.name != "torchfn.__main__"  # runs the command
 )
 
 
