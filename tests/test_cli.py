@@ -23,13 +23,14 @@ def test_info_names_the_versions_and_the_backend(capsys):
 def test_inspect_lists_tensors_shapes_and_metadata(tmp_path, capsys):
     path = tmp_path / "run.safetensors"
     state = {"params": {"w": random.normal(random.key(0), (3, 4)), "b": torch.zeros(4)},
-             "step": 7}
+             "step": 7, "opt": (torch.zeros(2), None, 0.5)}
     torchfn.save(path, state, metadata={"lr": 0.001})
     assert main(["inspect", str(path), "--verify"]) == 0
     out = capsys.readouterr().out
-    assert "2 tensors" in out and "params.w  F32    (3, 4)" in out
-    assert "params.b  F32    (4,)" in out and "16 values" in out
+    assert "3 tensors" in out and "params.w  F32    (3, 4)" in out
+    assert "params.b  F32    (4,)" in out and "18 values" in out
     assert 'metadata: {"lr": 0.001}' in out and "verify: ok" in out
+    assert "other leaves: step = 7, opt.1 = None, opt.2 = 0.5" in out
 
 
 def test_verify_catches_a_flipped_data_byte(tmp_path, capsys):

@@ -1,7 +1,8 @@
 """The ``torchfn`` console command.
 
     torchfn info                          # versions, devices, the attention backend
-    torchfn inspect run.safetensors       # a checkpoint's tensors, shapes, metadata
+    torchfn inspect run.safetensors       # a checkpoint's tensors, shapes, other leaves,
+                                          # metadata
     torchfn inspect run.safetensors --verify   # and check every byte against its checksum
 
 ``python -m torchfn ...`` is the same. Exit status: 0 on success, 1 when a checkpoint
@@ -53,14 +54,37 @@ def _info(_: argparse.Namespace) -> int:
     return 0
 
 
+def _scalar_leaves(node: dict, path: str = ""):
+    """``(path, value)`` for each leaf of a saved structure that is not a tensor (a
+    step count, a learning rate, None)."""
+    from torchfn.core.checkpoint import _decode, _decode_key
+
+    join = (lambda k: f"{path}.{k}") if path else str
+    kind = node["t"]
+    if kind in ("dict", "odict"):
+        for k, v in node["items"]:
+            yield from _scalar_leaves(v, join(_decode_key(k)))
+    elif kind in ("list", "tuple"):
+        for i, v in enumerate(node["items"]):
+            yield from _scalar_leaves(v, join(i))
+    elif kind == "namedtuple":
+        for f, v in zip(node["fields"], node["items"]):
+            yield from _scalar_leaves(v, join(f))
+    elif kind != "tensor":
+        yield path or "<root>", _decode(node, {}, "")
+
+
 def _inspect(args: argparse.Namespace) -> int:
     from safetensors import safe_open
 
-    from torchfn.core.checkpoint import CheckpointError, load, load_metadata
+    from torchfn.core.checkpoint import CheckpointError, _header, _open, load, load_metadata
 
     path = os.fspath(args.path)
     try:
         metadata = load_metadata(path)  # also checks it is a torchfn checkpoint
+        file, handle = _open(path)
+        with handle:
+            structure, _ = _header(file, handle)
     except (CheckpointError, OSError) as e:
         print(f"torchfn inspect: {e}", file=sys.stderr)
         return 2
@@ -78,6 +102,9 @@ def _inspect(args: argparse.Namespace) -> int:
             print(f"  {name:<{width}}  {t.get_dtype():<5}  {tuple(shape)}")
             total += numel
     print(f"{total:,} values, {os.path.getsize(path) / 2**20:.2f} MiB on disk")
+    scalars = list(_scalar_leaves(structure))
+    if scalars:
+        print("other leaves: " + ", ".join(f"{k} = {v!r}" for k, v in scalars))
     print(f"metadata: {json.dumps(metadata)}")
     if args.verify:
         try:
