@@ -70,9 +70,11 @@ def test_gin_equals_pyg_ginconv(seed, N, train_eps):
     edges = _edges_of(adj, key)
     peer = pyg.GINConv(MLP(4, (6,), 3), eps=0.3, train_eps=train_eps).double()
     peer.nn.load_state_dict({k[4:]: v for k, v in params.items() if k.startswith("mlp.")})
-    if train_eps:  # (GINConv resets its nn when built: load the weights after)
-        with torch.no_grad():
-            peer.eps.copy_(params["eps"].reshape(1))
+    # (GINConv resets its nn when built: load the weights after) and its eps was made
+    # in float32 before .double(): 0.3 rounded; set it in float64
+    eps = params["eps"] if train_eps else torch.tensor(0.3, dtype=torch.float64)
+    with torch.no_grad():
+        peer.eps.copy_(eps.reshape(1))
     want = peer(x, edges)
     assert torch.allclose(model.apply(params, x, edges=edges), want, atol=1e-12)
     assert torch.allclose(model.apply(params, x, adj), want, atol=1e-12)
