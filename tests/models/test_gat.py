@@ -1,11 +1,12 @@
 """GATConv: the same on dense adjacency and on edge lists, equal to PyTorch Geometric's
-GATConv in float64, padded == unpadded under vmap, and under grad / jvp / compile."""
+GATConv in float64, and under grad / jvp / compile (padded edge lists under vmap:
+test_graph_edges.py)."""
 
 import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from torch.func import grad, jvp, vmap
+from torch.func import grad, jvp
 
 import torchfn
 from torchfn import random
@@ -81,23 +82,6 @@ def test_equals_pyg_gatconv(seed, N, heads, concat):
         peer.att_dst.copy_(params["att_dst"][None])
         peer.bias.copy_(params["bias"])
     assert torch.allclose(model.apply(params, x, edges=edges), peer(x, edges), atol=1e-12)
-
-
-def test_padded_edge_lists_under_vmap_equal_each_graph_alone():
-    model, params = _model(GATConv(4, 3, heads=2))
-    x, adj, key = _graph(2, (3,), 7, 4)
-    lists = [_edges_of(adj[b], key)[:, :n] for b, n in enumerate((4, 9, 12))]
-    edges = torch.stack([torch.cat([e, torch.zeros(2, 14 - e.shape[1], dtype=e.dtype)], 1)
-                         for e in lists])  # (3, 2, 14)
-    real = torch.arange(14) < torch.tensor([4, 9, 12])[:, None]  # (3, 14)
-    one = lambda p, x, e, m: model.apply(p, x, edges=e, edge_mask=m)  # noqa: E731
-    out = vmap(one, in_dims=(None, 0, 0, 0))(params, x, edges, real)
-    per = vmap(grad(lambda p, x, e, m: one(p, x, e, m).pow(2).sum()),
-               in_dims=(None, 0, 0, 0))(params, x, edges, real)
-    for b, e in enumerate(lists):
-        assert torch.allclose(out[b], model.apply(params, x[b], edges=e), atol=1e-12)
-        g = grad(lambda p, x=x[b], e=e: model.apply(p, x, edges=e).pow(2).sum())(params)
-        assert all(torch.allclose(per[k][b], g[k], atol=1e-12) for k in g)
 
 
 def test_batched_dense_grad_jvp_and_compile():

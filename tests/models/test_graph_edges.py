@@ -1,16 +1,17 @@
 """GraphConv and GraphAttention on edge lists: equal to the dense-adjacency layers on the
-same graph, to PyTorch Geometric's GCNConv and TransformerConv, padded == unpadded, and
-under vmap / grad / jvp / torch.compile."""
+same graph, to PyTorch Geometric's GCNConv and TransformerConv, and under vmap / grad /
+jvp / torch.compile; padded == unpadded under vmap for every edge-list layer."""
 
 import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
+from torch import nn
 from torch.func import grad, jvp, vmap
 
 import torchfn
 from torchfn import random
-from torchfn.models import GraphAttention, GraphConv
+from torchfn.models import GATConv, GINConv, GraphAttention, GraphConv, SAGEConv
 
 
 def _model(layer, seed=0):
@@ -78,12 +79,16 @@ def test_batched_graphs_with_shared_or_own_edges(layer):
                           atol=1e-12)
 
 
-@pytest.mark.parametrize("layer", [GraphConv(4, 3), GraphAttention(4, heads=2)],
-                         ids=["conv", "attention"])
+@pytest.mark.parametrize(
+    "layer",
+    [GraphConv(4, 3), GraphAttention(4, heads=2), GATConv(4, 3, heads=2),
+     SAGEConv(4, 3), SAGEConv(4, 3, aggr="max"), GINConv(nn.Linear(4, 3), train_eps=True)],
+    ids=["conv", "attention", "gat", "sage-mean", "sage-max", "gin"],
+)
 def test_padded_edge_lists_under_vmap_equal_each_graph_alone(layer):
     """Graphs with 5, 9 and 13 edges padded to 16: the padding weighs 0 (GraphConv) or is
-    masked out (GraphAttention); vmap over the graphs == each unpadded graph alone, and
-    per-graph gradients too."""
+    masked out (``edge_mask``, every other layer); vmap over the graphs == each unpadded
+    graph alone, and per-graph gradients too."""
     model, params = _model(layer)
     x, adj, key = _directed(2, (3,), 7, 4)
     lists = [_edges_of(adj[b], key)[:, :n] for b, n in enumerate((5, 9, 13))]

@@ -1,13 +1,12 @@
 """aggregate_neighbours, SAGEConv and GINConv: the aggregation equals a loop over the
-nodes, dense == edges, both equal PyTorch Geometric's layers in float64, and padded
-edge lists under vmap == each graph alone."""
+nodes, dense == edges, and both equal PyTorch Geometric's layers in float64 (padded
+edge lists under vmap: test_graph_edges.py)."""
 
 import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from torch import nn
-from torch.func import grad, jvp, vmap
+from torch.func import jvp
 
 import torchfn
 from torchfn import random
@@ -78,26 +77,6 @@ def test_gin_equals_pyg_ginconv(seed, N, train_eps):
     want = peer(x, edges)
     assert torch.allclose(model.apply(params, x, edges=edges), want, atol=1e-12)
     assert torch.allclose(model.apply(params, x, adj), want, atol=1e-12)
-
-
-@pytest.mark.parametrize("layer", [SAGEConv(4, 3, aggr="max"), SAGEConv(4, 3),
-                                   GINConv(nn.Linear(4, 3), train_eps=True)],
-                         ids=["sage-max", "sage-mean", "gin"])
-def test_padded_edge_lists_under_vmap_equal_each_graph_alone(layer):
-    model, params = _model(layer)
-    x, adj, key = _graph(2, (3,), 7)
-    lists = [_edges_of(adj[b], key)[:, :n] for b, n in enumerate((4, 9, 12))]
-    edges = torch.stack([torch.cat([e, torch.zeros(2, 14 - e.shape[1], dtype=e.dtype)], 1)
-                         for e in lists])  # (3, 2, 14), padding 0 -> 0
-    real = torch.arange(14) < torch.tensor([4, 9, 12])[:, None]  # (3, 14)
-    one = lambda p, x, e, m: model.apply(p, x, edges=e, edge_mask=m)  # noqa: E731
-    out = vmap(one, in_dims=(None, 0, 0, 0))(params, x, edges, real)
-    per = vmap(grad(lambda p, x, e, m: one(p, x, e, m).pow(2).sum()),
-               in_dims=(None, 0, 0, 0))(params, x, edges, real)
-    for b, e in enumerate(lists):
-        assert torch.allclose(out[b], model.apply(params, x[b], edges=e), atol=1e-12)
-        g = grad(lambda p, x=x[b], e=e: model.apply(p, x, edges=e).pow(2).sum())(params)
-        assert all(torch.allclose(per[k][b], g[k], atol=1e-12) for k in g)
 
 
 def test_jvp_and_batched_dense_graphs():
