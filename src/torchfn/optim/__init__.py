@@ -14,8 +14,11 @@ checkpoint.
 """
 
 from torchfn.optim._accumulate import MultiStepsState, multi_steps
+from torchfn.optim._adadelta import AdadeltaState, adadelta
+from torchfn.optim._adafactor import AdafactorState, adafactor
 from torchfn.optim._adagrad import AdagradState, adagrad
 from torchfn.optim._adam import AdamState, adam, adamw
+from torchfn.optim._adamax import AdamaxState, adamax
 from torchfn.optim._base import EmptyState, GradientTransformation, apply_updates, chain, identity
 from torchfn.optim._clip import clip_by_global_norm, global_norm
 from torchfn.optim._elementary import (
@@ -27,6 +30,7 @@ from torchfn.optim._elementary import (
 from torchfn.optim._ema import EmaState, ema, ema_params
 from torchfn.optim._finite import ApplyIfFiniteState, all_finite, apply_if_finite
 from torchfn.optim._hyperparams import InjectHyperparamsState, inject_hyperparams
+from torchfn.optim._lamb import LambState, lamb, scale_by_trust_ratio
 from torchfn.optim._lion import LionState, lion
 from torchfn.optim._masking import (
     MaskedState,
@@ -36,6 +40,8 @@ from torchfn.optim._masking import (
     masked,
     partition,
 )
+from torchfn.optim._muon import MuonState, muon, newton_schulz
+from torchfn.optim._nadam import NAdamState, nadam
 from torchfn.optim._plateau import PlateauSchedule, PlateauState, reduce_on_plateau
 from torchfn.optim._precision import (
     DynamicLossScale,
@@ -43,6 +49,7 @@ from torchfn.optim._precision import (
     Policy,
     select_tree,
 )
+from torchfn.optim._radam import RAdamState, radam
 from torchfn.optim._rmsprop import RMSpropState, rmsprop
 from torchfn.optim._schedules import (
     constant,
@@ -72,9 +79,18 @@ __all__ = [
     "rmsprop",
     "adagrad",
     "lion",
+    "nadam",
+    "radam",
+    "adamax",
+    "adadelta",
+    "adafactor",
+    "lamb",
+    "muon",
     # transformations
     "clip_by_global_norm",
     "global_norm",
+    "scale_by_trust_ratio",
+    "newton_schulz",
     "scale",
     "scale_by_schedule",
     "add_decayed_weights",
@@ -111,6 +127,13 @@ __all__ = [
     "RMSpropState",
     "AdagradState",
     "LionState",
+    "NAdamState",
+    "RAdamState",
+    "AdamaxState",
+    "AdadeltaState",
+    "AdafactorState",
+    "LambState",
+    "MuonState",
     "MaskedState",
     "PartitionState",
     "MultiStepsState",

@@ -205,3 +205,35 @@ def where(pred: Tensor, xs: Leaves, ys: Leaves) -> Leaves:
 
 def zeros_like(xs: Leaves) -> Leaves:
     return [torch.zeros_like(x) for x in xs]
+
+
+def abs(xs: Leaves) -> Leaves:  # noqa: A001 (the leafwise torch.abs)
+    """``[|x|]``."""
+    if xs and fast():
+        return list(torch._foreach_abs(xs))
+    return [torch.abs(x) for x in xs]
+
+
+def maximum(xs: Leaves, ys: Leaves) -> Leaves:
+    """``[max(x, y)]`` elementwise."""
+    if not xs:
+        return []
+    if fast():
+        return list(torch._foreach_maximum(xs, ys))
+    return [torch.maximum(x, y) for x, y in zip(xs, ys)]
+
+
+def add_scalar(xs: Leaves, s: Scalar) -> Leaves:
+    """``[x + s]`` (out of place)."""
+    if xs and fast() and not (_is_tensor(s) and torch.compiler.is_compiling()):
+        return list(torch._foreach_add(xs, s))
+    return [x + s for x in xs]
+
+
+def mul_list(xs: Leaves, ys: Leaves) -> Leaves:
+    """``[x * y]`` elementwise."""
+    if not xs:
+        return []
+    if fast():
+        return list(torch._foreach_mul(xs, ys))
+    return [x * y for x, y in zip(xs, ys)]
