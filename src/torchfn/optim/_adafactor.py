@@ -25,7 +25,7 @@ import optree
 import torch
 from torch import Tensor
 
-from torchfn.optim import _checks
+from torchfn.optim import _checks, _ops
 from torchfn.optim._base import GradientTransformation, check_state, lr_at, new_count
 from torchfn.optim._tree import check_params, check_structure
 
@@ -135,6 +135,8 @@ def adafactor(
         rel = torch.clamp(torch.rsqrt(t), max=lr_t) if not isinstance(lr_t, Tensor) else (
             torch.minimum(lr_t.to(torch.float64), torch.rsqrt(t)))
 
+        # in place on the fresh (R, C) temporaries, where no transform or autograd looks
+        fresh = _ops.fast() and not (torch.is_grad_enabled() and any(x.requires_grad for x in g))
         updates, new_rows, new_cols, new_nus = [], [], [], []
         for gi, pi, r, c, v in zip(g, p, rows, cols, nus):
             floor = torch.finfo(pi.dtype).eps if eps1 is None else eps1
@@ -144,15 +146,23 @@ def adafactor(
                                / gi.shape[-1], wi)  # (..., R, 1)
                 c = torch.lerp(c, torch.linalg.vector_norm(gi, dim=-2, keepdim=True).square()
                                / gi.shape[-2], wi)  # (..., 1, C)
-                var = (r @ c) / r.mean(dim=-2, keepdim=True).clamp(min=floor)  # (..., R, C)
+                var = r @ c  # (..., R, C)
+                r_mean = r.mean(dim=-2, keepdim=True).clamp(min=floor)  # (..., 1, 1)
+                var = var.div_(r_mean) if fresh else var / r_mean
             else:
                 v = torch.lerp(v, gi * gi, wi)
-                var = v
-            u = torch.rsqrt(var.clamp(min=floor * floor)) * gi
+                var = v.clone() if fresh else v
+            if fresh:
+                u = var.clamp_(min=floor * floor).rsqrt_().mul_(gi)
+            else:
+                u = torch.rsqrt(var.clamp(min=floor * floor)) * gi
             alpha = torch.clamp(_rms(pi), min=eps2) * rel
-            u = u * (-alpha / torch.clamp(_rms(u) / d, min=1.0)).to(u.dtype)
+            scale = (-alpha / torch.clamp(_rms(u) / d, min=1.0)).to(u.dtype)
+            u = u.mul_(scale) if fresh else u * scale
             if has_wd:
-                u = u - (lr_t * weight_decay) * pi
+                decay = -lr_t * weight_decay
+                u = u.add_(pi, alpha=decay) if fresh and not isinstance(decay, Tensor) else (
+                    u + decay * pi)
             updates.append(u)
             new_rows.append(r)
             new_cols.append(c)

@@ -192,7 +192,13 @@ def _orthogonalise(xs: list[Tensor], steps, coefficients, eps, dtype) -> list[Te
         groups[(x.shape, x.dtype, x.device)].append(i)
     out: list[Tensor] = [None] * len(xs)  # type: ignore[list-item]
     for idx in groups.values():
-        stacked = torch.stack([xs[i] for i in idx])  # (k, A, B)
-        for i, o in zip(idx, newton_schulz(stacked, steps, coefficients, eps, dtype).unbind(0)):
-            out[i] = o
+        first = xs[idx[0]]
+        if len(idx) == 1:
+            out[idx[0]] = newton_schulz(first, steps, coefficients, eps, dtype)
+            continue
+        # stack straight into the iteration's dtype: one copy, not a stack and a cast
+        stacked = torch.stack([xs[i].to(dtype or first.dtype) for i in idx])  # (k, A, B)
+        ortho = newton_schulz(stacked, steps, coefficients, eps, None)
+        for i, o in zip(idx, ortho.unbind(0)):
+            out[i] = o.to(first.dtype)
     return out

@@ -100,7 +100,7 @@ def nadam(
         c_grad = -lr_t * bc2_sqrt * (1.0 - mu_t) / (1.0 - prod)
         c_mom = -lr_t * bc2_sqrt * mu_next / (1.0 - prod * mu_next)
         step = _ops.add_(_ops.mul(g, c_grad), mu, alpha=c_mom)
-        updates = _ops.div_list(step, denom)
+        updates = _ops.div_into_(step, denom)
         if has_wd and decoupled_weight_decay:
             updates = _ops.add_(updates, p, alpha=-lr_t * weight_decay)
         new_state = NAdamState(
