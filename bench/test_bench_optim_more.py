@@ -10,6 +10,8 @@ leaves new params:
 
 Muon: torch orthogonalises one matrix at a time; torchfn stacks the matrices of one
 shape and runs the Newton-Schulz iteration as batched matmuls, both in bf16.
+Schedule-free AdamW: against the ``schedulefree`` package's ``AdamWScheduleFree``
+(foreach, in place), the authors' code.
 Adafactor: torch reads rms(p), rms(u) and the step back to the host per leaf;
 torchfn keeps them on the device.
 
@@ -18,6 +20,7 @@ Run: ``pytest bench/test_bench_optim_more.py --benchmark-only
 """
 
 import pytest
+import schedulefree
 import torch
 
 from torchfn import optim
@@ -45,7 +48,14 @@ CASES = {
     "adafactor_single": (lambda: optim.adafactor(),
                          lambda ps: torch.optim.Adafactor(ps, foreach=False), True),
     "nadam": (lambda: optim.nadam(), lambda ps: torch.optim.NAdam(ps, foreach=True), True),
+    "schedule_free_adamw": (lambda: optim.schedule_free_adamw(),
+                            lambda ps: _train_mode(schedulefree.AdamWScheduleFree(ps)), True),
 }
+
+
+def _train_mode(opt):
+    opt.train()
+    return opt
 
 
 def functional_step(make_tx, params, grads):

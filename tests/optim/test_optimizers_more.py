@@ -1,5 +1,6 @@
 """NAdam, RAdam, Adamax, Adadelta, Adafactor and Muon equal torch.optim's; LAMB equals
-its float64 formula (optax's); all of them compose with vmap, compile and tensor lrs."""
+its float64 formula (optax's); all of them (and the schedule-free pair) compose with
+vmap, compile, schedules and tensor lrs."""
 
 import math
 
@@ -209,6 +210,9 @@ NEW = [
     ("adadelta", lambda lr: optim.adadelta(lr, weight_decay=0.01)),
     ("adafactor", lambda lr: optim.adafactor(lr, weight_decay=0.01)),
     ("lamb", lambda lr: optim.lamb(lr, weight_decay=0.01)),
+    ("schedule_free_adamw",
+     lambda lr: optim.schedule_free_adamw(lr, weight_decay=0.01, warmup_steps=3)),
+    ("schedule_free_sgd", lambda lr: optim.schedule_free_sgd(lr, weight_decay=0.01, r=1.0)),
 ]
 
 
@@ -278,7 +282,8 @@ def test_all_compile_fullgraph_and_equal_eager():
             "muon": optim.muon(optim.warmup_cosine(2e-2, 1, 10), ns_dtype=None),
             "nadam": optim.chain(optim.radam(1e-2), optim.scale(1.0), optim.adamax(1e-2)),
             "adafactor": optim.chain(optim.adafactor(1e-2, weight_decay=0.1),
-                                     optim.lamb(1e-2), optim.adadelta()),
+                                     optim.lamb(1e-2), optim.adadelta(),
+                                     optim.schedule_free_adamw(1e-2, warmup_steps=2)),
         }, labels),
     )
 

@@ -51,6 +51,12 @@ from torchfn.optim._precision import (
 )
 from torchfn.optim._radam import RAdamState, radam
 from torchfn.optim._rmsprop import RMSpropState, rmsprop
+from torchfn.optim._schedule_free import (
+    ScheduleFreeState,
+    schedule_free_adamw,
+    schedule_free_eval_params,
+    schedule_free_sgd,
+)
 from torchfn.optim._schedules import (
     constant,
     cosine_annealing,
@@ -86,6 +92,9 @@ __all__ = [
     "adafactor",
     "lamb",
     "muon",
+    "schedule_free_adamw",
+    "schedule_free_sgd",
+    "schedule_free_eval_params",
     # transformations
     "clip_by_global_norm",
     "global_norm",
@@ -134,6 +143,7 @@ __all__ = [
     "AdafactorState",
     "LambState",
     "MuonState",
+    "ScheduleFreeState",
     "MaskedState",
     "PartitionState",
     "MultiStepsState",
