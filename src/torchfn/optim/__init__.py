@@ -20,7 +20,13 @@ from torchfn.optim._adagrad import AdagradState, adagrad
 from torchfn.optim._adam import AdamState, adam, adamw
 from torchfn.optim._adamax import AdamaxState, adamax
 from torchfn.optim._base import EmptyState, GradientTransformation, apply_updates, chain, identity
-from torchfn.optim._clip import clip_by_global_norm, global_norm
+from torchfn.optim._clip import (
+    adaptive_grad_clip,
+    clip,
+    clip_by_global_norm,
+    global_norm,
+    unitwise_norm,
+)
 from torchfn.optim._elementary import (
     ScaleByScheduleState,
     add_decayed_weights,
@@ -32,6 +38,7 @@ from torchfn.optim._finite import ApplyIfFiniteState, all_finite, apply_if_finit
 from torchfn.optim._hyperparams import InjectHyperparamsState, inject_hyperparams
 from torchfn.optim._lamb import LambState, lamb, scale_by_trust_ratio
 from torchfn.optim._lion import LionState, lion
+from torchfn.optim._lookahead import LookaheadState, lookahead
 from torchfn.optim._masking import (
     MaskedState,
     PartitionState,
@@ -98,6 +105,10 @@ __all__ = [
     # transformations
     "clip_by_global_norm",
     "global_norm",
+    "clip",
+    "adaptive_grad_clip",
+    "unitwise_norm",
+    "lookahead",
     "scale_by_trust_ratio",
     "newton_schulz",
     "scale",
@@ -144,6 +155,7 @@ __all__ = [
     "LambState",
     "MuonState",
     "ScheduleFreeState",
+    "LookaheadState",
     "MaskedState",
     "PartitionState",
     "MultiStepsState",

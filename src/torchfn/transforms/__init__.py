@@ -36,6 +36,7 @@ from torchfn.transforms._per_sample import (
 )
 from torchfn.transforms._rendering import Rendered, stratified_depths, volume_render
 from torchfn.transforms._replay import ReplayBuffer, replay_init, replay_push, replay_sample
+from torchfn.transforms._sam import sam
 
 __all__ = [
     # per-sample gradients (torchfn.transforms._per_sample)
@@ -77,6 +78,7 @@ __all__ = [
     "hvp",
     "gauss_newton_vp",
     "ntk",
+    "sam",
     "ensemble_init",
     "ensemble_apply",
     "ensemble_step",
