@@ -11,7 +11,11 @@ step per document, so a token is predictable from two earlier ones of *its own*
 document and not at all from another's. Packed rows leak nothing when the model is
 right, which the per-document accuracy shows.
 
-    python examples/packed_lm.py --steps 300 --seed 0
+``--optimizer`` picks the training rule: Adam (the default), Muon for the blocks'
+weight matrices with AdamW for the rest (``optim.partition``), or schedule-free AdamW
+(evaluated at its averaged params, ``optim.schedule_free_eval_params``).
+
+    python examples/packed_lm.py --steps 300 --seed 0 [--optimizer muon]
 """
 
 from __future__ import annotations
@@ -30,12 +34,28 @@ from torchfn.models import TransformerEncoder
 VOCAB, PAD = 32, -1  # token ids; the segment id of a row's unused tail
 
 
+def _muon_labels(params: dict) -> dict:
+    """Muon for the blocks' 2-D weights; AdamW for embeddings, the head and 1-D leaves."""
+    return {k: "muon" if k.startswith("blocks.") and v.ndim == 2 else "adamw"
+            for k, v in params.items()}
+
+
+OPTIMIZERS = {
+    "adam": lambda lr: optim.adam(lr),
+    "muon": lambda lr: optim.partition(
+        {"muon": optim.muon(0.02, weight_decay=0.0), "adamw": optim.adamw(lr, weight_decay=0.0)},
+        _muon_labels),
+    "schedule_free": lambda lr: optim.schedule_free_adamw(lr, warmup_steps=20),
+}
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--rows", type=int, default=8, help="packed rows per batch")
     p.add_argument("--row-len", type=int, default=128)
     p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--optimizer", choices=list(OPTIMIZERS), default="adam")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-every", type=int, default=50)
     return p.parse_args(argv)
@@ -87,7 +107,7 @@ def main(argv: list[str] | None = None) -> dict:
         return loss, acc
 
     grad_fn = torch.func.grad_and_value(loss_and_acc, has_aux=True)
-    opt = optim.adam(args.lr)
+    opt = OPTIMIZERS[args.optimizer](args.lr)
     opt_state = opt.init(params)
     history, tokens_seen, start = [], 0, time.perf_counter()
     pbar = tqdm(range(args.steps), desc="packed_lm", mininterval=0.5)
@@ -108,14 +128,16 @@ def main(argv: list[str] | None = None) -> dict:
     # held out: fresh documents, the accuracy from each document's third token on
     tokens, ids, _ = pack(documents(random.fold_in(data_key, 10**6), 400), args.rows,
                           args.row_len)
+    if args.optimizer == "schedule_free":  # evaluate at the average x, not at y
+        params = optim.schedule_free_eval_params(opt_state, params)
     with torch.no_grad():
         _, test_acc = loss_and_acc(params, tokens, ids)
     seconds = time.perf_counter() - start
     k = max(1, min(20, len(history) // 5))
     first = sum(h[0] for h in history[:k]) / k
     last = sum(h[0] for h in history[-k:]) / k
-    print(f"loss {first:.4f} -> {last:.4f}; held-out next-token accuracy {float(test_acc):.3f}; "
-          f"{tokens_seen / seconds:,.0f} real tokens/s")
+    print(f"{args.optimizer}: loss {first:.4f} -> {last:.4f}; held-out next-token accuracy "
+          f"{float(test_acc):.3f}; {tokens_seen / seconds:,.0f} real tokens/s")
     return {"loss_first": first, "loss_last": last, "test_accuracy": float(test_acc)}
 
 

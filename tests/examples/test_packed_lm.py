@@ -35,3 +35,13 @@ def test_packed_lm_learns_each_document():
     # chance is 1/32: the step of a document is read from its own two earlier tokens
     assert result["loss_last"] < result["loss_first"] / 3
     assert result["test_accuracy"] > 0.8
+
+
+def test_packed_lm_learns_with_muon_and_schedule_free():
+    lm = load()
+    muon = lm.main(["--steps", "60", "--rows", "4", "--seed", "1", "--optimizer", "muon"])
+    free = lm.main(["--steps", "60", "--rows", "4", "--seed", "1", "--lr", "2e-2",
+                    "--optimizer", "schedule_free"])
+    for result in (muon, free):  # schedule-free's accuracy is at its averaged params
+        assert result["loss_last"] < result["loss_first"] / 3
+        assert result["test_accuracy"] > 0.8
