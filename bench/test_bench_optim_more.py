@@ -12,6 +12,8 @@ Muon: torch orthogonalises one matrix at a time; torchfn stacks the matrices of 
 shape and runs the Newton-Schulz iteration as batched matmuls, both in bf16.
 Schedule-free AdamW: against the ``schedulefree`` package's ``AdamWScheduleFree``
 (foreach, in place), the authors' code.
+Prodigy: against the ``prodigyopt`` package (its authors'), which reads four numbers
+back to the host per leaf per step; torchfn keeps them on the device.
 Adafactor: torch reads rms(p), rms(u) and the step back to the host per leaf;
 torchfn keeps them on the device.
 
@@ -19,9 +21,13 @@ Run: ``pytest bench/test_bench_optim_more.py --benchmark-only
 --benchmark-columns=min,median``; ratios are median torchfn / median torch.
 """
 
+import contextlib
+import io
+
 import pytest
 import schedulefree
 import torch
+from prodigyopt import Prodigy
 
 from torchfn import optim
 
@@ -50,7 +56,13 @@ CASES = {
     "nadam": (lambda: optim.nadam(), lambda ps: torch.optim.NAdam(ps, foreach=True), True),
     "schedule_free_adamw": (lambda: optim.schedule_free_adamw(),
                             lambda ps: _train_mode(schedulefree.AdamWScheduleFree(ps)), True),
+    "prodigy": (lambda: optim.prodigy(), lambda ps: _quiet(Prodigy, ps), True),
 }
+
+
+def _quiet(cls, ps):
+    with contextlib.redirect_stdout(io.StringIO()):
+        return cls(ps)
 
 
 def _train_mode(opt):

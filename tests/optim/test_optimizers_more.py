@@ -213,6 +213,7 @@ NEW = [
     ("schedule_free_adamw",
      lambda lr: optim.schedule_free_adamw(lr, weight_decay=0.01, warmup_steps=3)),
     ("schedule_free_sgd", lambda lr: optim.schedule_free_sgd(lr, weight_decay=0.01, r=1.0)),
+    ("prodigy", lambda lr: optim.prodigy(lr, weight_decay=0.01, use_bias_correction=True)),
 ]
 
 
@@ -283,7 +284,8 @@ def test_all_compile_fullgraph_and_equal_eager():
             "nadam": optim.chain(optim.radam(1e-2), optim.scale(1.0), optim.adamax(1e-2)),
             "adafactor": optim.chain(optim.adafactor(1e-2, weight_decay=0.1),
                                      optim.lamb(1e-2), optim.adadelta(),
-                                     optim.schedule_free_adamw(1e-2, warmup_steps=2)),
+                                     optim.schedule_free_adamw(1e-2, warmup_steps=2),
+                                     optim.prodigy()),
         }, labels),
     )
 

@@ -56,6 +56,7 @@ from torchfn.optim._precision import (
     Policy,
     select_tree,
 )
+from torchfn.optim._prodigy import ProdigyState, prodigy
 from torchfn.optim._radam import RAdamState, radam
 from torchfn.optim._rmsprop import RMSpropState, rmsprop
 from torchfn.optim._schedule_free import (
@@ -99,6 +100,7 @@ __all__ = [
     "adafactor",
     "lamb",
     "muon",
+    "prodigy",
     "schedule_free_adamw",
     "schedule_free_sgd",
     "schedule_free_eval_params",
@@ -156,6 +158,7 @@ __all__ = [
     "MuonState",
     "ScheduleFreeState",
     "LookaheadState",
+    "ProdigyState",
     "MaskedState",
     "PartitionState",
     "MultiStepsState",
