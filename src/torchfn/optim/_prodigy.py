@@ -39,6 +39,18 @@ class ProdigyState(NamedTuple):
     nu: Any  # second moments, params' structure
 
 
+def _per_dtype(**values: Tensor):
+    """``dtype -> {name: value cast to dtype}``, each dtype cast once per step."""
+    cache: dict[torch.dtype, dict[str, Tensor]] = {}
+
+    def get(dtype: torch.dtype) -> dict[str, Tensor]:
+        if dtype not in cache:
+            cache[dtype] = {k: v.to(dtype) for k, v in values.items()}
+        return cache[dtype]
+
+    return get
+
+
 def prodigy(
     lr: Any = 1.0,
     betas: tuple[Any, Any] = (0.9, 0.999),
@@ -128,19 +140,35 @@ def prodigy(
         if has_wd and not decouple:
             g = _ops.add(g, p, alpha=weight_decay)
 
-        # the estimate's numerator and denominator; float64 sums of per-leaf terms
+        # In place on the fresh per-leaf temporaries where no transform or autograd
+        # looks: on a CPU every new parameter-sized tensor costs page faults.
+        fresh = _ops.fast() and not (torch.is_grad_enabled() and any(x.requires_grad for x in g))
         ratio = d / d0
-        dots = [torch.dot(_sliced(gi), a - _sliced(pi)).to(torch.float64)
-                for gi, a, pi in zip(g, p0, p)]
-        numerator = state.d_numerator * b3 + ratio * dlr * torch.stack(dots).sum() if dots else (
-            state.d_numerator * b3)
         s_weight = ratio * (d if safeguard_warmup else dlr)
-        s = [si * b3 + _sliced(gi) * s_weight.to(si.dtype) for si, gi in zip(s, g)]
-        denom_sum = torch.stack([si.abs().sum().to(torch.float64) for si in s]).sum() if s else (
-            torch.zeros((), dtype=torch.float64))
-        if b1 > 0:
-            mu = _ops.add_(_ops.mul(mu, b1), g, alpha=(d * (1 - b1)).to(g[0].dtype))
-        nu = _ops.addcmul_(_ops.mul(nu, b2), g, g, (d * d * (1 - b2)).to(g[0].dtype))
+        c_mu, c_nu = d * (1 - b1), d * d * (1 - b2)
+        scalars = _per_dtype(s_weight=s_weight, nu_in=b2 / c_nu, c_nu=c_nu, c_mu=c_mu)
+        dots, l1s, new_s, new_mu, new_nu = [], [], [], [], []
+        for gi, pi, a, si, mi, vi in zip(g, p, p0, s, mu, nu):
+            g_sl = _sliced(gi)
+            dots.append(torch.dot(g_sl, a - _sliced(pi)).to(torch.float64))
+            if fresh:
+                c = scalars(gi.dtype)
+                si = (si * b3).addcmul_(g_sl, c["s_weight"])
+                # b2 v + c g^2 == c (v b2 / c + g^2); c = D^2 (1 - b2) > 0: one buffer
+                vi = (vi * c["nu_in"]).addcmul_(gi, gi).mul_(c["c_nu"])
+                if b1 > 0:
+                    mi = (mi * b1).addcmul_(gi, c["c_mu"])
+            else:
+                si = si * b3 + g_sl * s_weight
+                vi = vi * b2 + gi * gi * c_nu
+                if b1 > 0:
+                    mi = mi * b1 + gi * c_mu
+            l1s.append(torch.linalg.vector_norm(si, ord=1).to(torch.float64))
+            new_s.append(si)
+            new_mu.append(mi)
+            new_nu.append(vi)
+        numerator = state.d_numerator * b3 + ratio * dlr * torch.stack(dots).sum()
+        denom_sum = torch.stack(l1s).sum()
 
         # no progress yet (all-zero gradients so far): prodigyopt skips the step and
         # keeps D, its numerator and the step count
@@ -153,14 +181,23 @@ def prodigy(
         d_max_new = torch.where(live, d_max_new, d_max)
         numerator = torch.where(live, numerator, state.d_numerator)
 
-        denom = _ops.add_scalar_(_ops.sqrt(nu), (d_new * eps).to(g[0].dtype))
         step = -torch.where(live, dlr, 0.0)
-        if b1 > 0:
-            updates = _ops.mul_(_ops.div_list(mu, denom), step.to(g[0].dtype))
-        else:
-            updates = _ops.mul_(_ops.div_list(g, denom), (step * d_new).to(g[0].dtype))
-        if has_wd and decouple:
-            updates = _ops.add_(updates, p, alpha=(step * weight_decay).to(g[0].dtype))
+        scalars = _per_dtype(eps=d_new * eps, scale=step if b1 > 0 else step * d_new,
+                             decay=step * weight_decay)
+        updates = []
+        for gi, pi, mi, vi in zip(g, p, new_mu, new_nu):
+            num, scale = (mi, step) if b1 > 0 else (gi, step * d_new)
+            if fresh:  # num / (sqrt(v) + D eps) * scale, in the denominator's buffer
+                c = scalars(gi.dtype)
+                u = vi.sqrt().add_(c["eps"]).reciprocal_().mul_(num).mul_(c["scale"])
+                if has_wd and decouple:
+                    u.addcmul_(pi, c["decay"])
+            else:
+                u = num / (torch.sqrt(vi) + d_new * eps) * scale
+                if has_wd and decouple:
+                    u = u + pi * (step * weight_decay)
+            updates.append(u)
+        mu, nu, s = new_mu, new_nu, new_s
         new_state = ProdigyState(
             state.count + live.to(state.count.dtype), d_new, d_max_new, numerator,
             state.p0, optree.tree_unflatten(spec, s),
