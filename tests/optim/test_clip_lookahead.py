@@ -5,13 +5,12 @@ import optree
 import pytest
 import torch
 from _optim_problem import assert_trees_close, grads_at, make_data, run_ours
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from torchfn import optim
 
 
-@settings(max_examples=20, deadline=None)
 @given(seed=st.integers(0, 2**16), max_delta=st.floats(0.0, 2.0))
 def test_clip_equals_clip_grad_value(seed, max_delta):
     gen = torch.Generator().manual_seed(seed)
@@ -39,7 +38,6 @@ def _agc_reference(g, p, clipping, eps):
     return torch.stack(rows).reshape(g.shape)
 
 
-@settings(max_examples=20, deadline=None)
 @given(seed=st.integers(0, 2**16), clipping=st.floats(0.001, 1.0))
 def test_adaptive_grad_clip_equals_per_unit_formula(seed, clipping):
     gen = torch.Generator().manual_seed(seed)

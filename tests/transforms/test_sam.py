@@ -3,7 +3,7 @@
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from torchfn import transforms
@@ -39,7 +39,6 @@ def _reference(params, x, y, rho, adaptive):
     return {k: p.grad for k, p in leaves.items()}
 
 
-@settings(max_examples=10, deadline=None)
 @given(seed=st.integers(0, 2**16), rho=st.floats(0.0, 0.5), adaptive=st.booleans())
 def test_sam_equals_the_two_step_formula(seed, rho, adaptive):
     params, x, y = _problem(seed)
