@@ -11,6 +11,7 @@ from torch import Tensor
 
 from torchfn.optim import _checks, _ops
 from torchfn.optim._base import EmptyState, GradientTransformation
+from torchfn.optim._tree import check_params
 
 __all__ = ["global_norm", "clip_by_global_norm", "clip", "adaptive_grad_clip", "unitwise_norm"]
 
@@ -124,8 +125,6 @@ def adaptive_grad_clip(clipping: Any = 0.01, eps: Any = 1e-3) -> GradientTransfo
         return EmptyState()
 
     def update(grads: Any, state: Any, params: Any = None, *, inplace: Any = None):
-        from torchfn.optim._tree import check_params
-
         leaves, spec = optree.tree_flatten(grads)
         p = check_params(params, spec, "adaptive_grad_clip")
         out = []
