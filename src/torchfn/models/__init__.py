@@ -7,6 +7,7 @@ from torchfn.models._energy import MLPEnergy
 from torchfn.models._gan import ConvCritic, ConvGenerator
 from torchfn.models._gat import GATConv
 from torchfn.models._graph import GraphAttention, GraphConv
+from torchfn.models._lora import LoRALinear, merge_lora, split_lora, with_lora
 from torchfn.models._mlp import MLP
 from torchfn.models._nerf import NeRF
 from torchfn.models._rnn import GRU, LSTM
@@ -43,6 +44,11 @@ __all__ = [
     "SAGEConv",
     "GINConv",
     "aggregate_neighbours",
+    # low-rank adapters on Linear layers (_lora)
+    "with_lora",
+    "split_lora",
+    "merge_lora",
+    "LoRALinear",
     # radiance field (_nerf; render with transforms.volume_render)
     "NeRF",
 ]
