@@ -165,7 +165,17 @@ def with_lora(
 
 
 def split_lora(params: dict[str, Tensor]) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
-    """``(frozen, adapters)``: the ``lora_A`` / ``lora_B`` params apart from the rest."""
+    """``(frozen, adapters)``: the ``lora_A`` / ``lora_B`` params apart from the rest.
+
+    Example:
+        >>> import torch
+        >>> from torchfn import models
+        >>> params = {"w.weight": torch.ones(2, 2), "w.lora_A": torch.ones(1, 2),
+        ...           "w.lora_B": torch.zeros(2, 1)}
+        >>> frozen, adapters = models.split_lora(params)
+        >>> sorted(frozen), sorted(adapters)
+        (['w.weight'], ['w.lora_A', 'w.lora_B'])
+    """
     if not isinstance(params, dict):
         raise TypeError(f"params must be a dict of name -> tensor, got {type(params).__name__}")
     adapters = {k: v for k, v in params.items() if _ADAPTER.search(k)}
