@@ -1,4 +1,6 @@
-"""Generate tests/core/data/jax_golden.json from JAX (run by hand, not by the tests).
+"""Generate tests/core/data/jax_golden.json (keys, bits, uniform, normal, the discrete
+samplers) and jax_golden_dists.json (the distributions built on them) from JAX (run by
+hand, not by the tests).
 
     python3 -m venv /tmp/jaxvenv && /tmp/jaxvenv/bin/pip install jax jaxlib
     /tmp/jaxvenv/bin/python tests/core/data/make_jax_golden.py
@@ -98,6 +100,60 @@ print(json.dumps(out))
 """
 
 
+DISTS_CHILD = r"""
+import json, sys
+import numpy as np
+import jax
+jax.config.update("jax_enable_x64", sys.argv[1] == "1")
+import jax.numpy as jnp
+from jax import random as jr
+
+def enc(a):
+    a = np.asarray(a)
+    if a.dtype.kind == "f":
+        ui = {4: np.uint32, 8: np.uint64}[a.dtype.itemsize]
+        return {"shape": list(a.shape), "dtype": a.dtype.name,
+                "bits": a.reshape(-1).view(ui).astype(np.uint64).tolist()}
+    return {"shape": list(a.shape), "dtype": a.dtype.name,
+            "values": a.reshape(-1).astype(np.int64).tolist()}
+
+f = jnp.float64 if sys.argv[1] == "1" else jnp.float32
+alphas = jnp.array([0.3, 1.0, 2.5, 10.0, 0.05, 1e-3, 0.999, 40.0] * 25, f)
+out = []
+for seed in json.loads(sys.argv[2]):
+    k = jr.key(seed)
+    c = {"seed": seed, "x64": sys.argv[1] == "1"}
+    c["exponential"] = enc(jr.exponential(k, (200,), f))
+    c["laplace"] = enc(jr.laplace(k, (200,), f))
+    c["logistic"] = enc(jr.logistic(k, (200,), f))
+    c["cauchy"] = enc(jr.cauchy(k, (200,), f))
+    c["rademacher"] = enc(jr.rademacher(k, (200,)))
+    c["lognormal"] = enc(jr.lognormal(k, 0.7, (200,), f))
+    c["pareto"] = enc(jr.pareto(k, 2.5, (200,), f))
+    c["weibull_min"] = enc(jr.weibull_min(k, 2.0, 1.5, (200,), f))
+    c["rayleigh"] = enc(jr.rayleigh(k, 1.5, (200,), f))
+    c["maxwell"] = enc(jr.maxwell(k, (200,), f))
+    c["geometric"] = enc(jr.geometric(k, 0.3, (200,)))
+    c["triangular"] = enc(jr.triangular(k, -1.0, 0.5, 2.0, (200,), f))
+    c["gamma"] = enc(jr.gamma(k, alphas, dtype=f))
+    c["loggamma"] = enc(jr.loggamma(k, alphas, dtype=f))
+    c["beta"] = enc(jr.beta(k, 0.4, 2.0, (200,), f))
+    c["dirichlet"] = enc(jr.dirichlet(k, jnp.array([0.5, 1.0, 3.0], f), (50,), f))
+    c["chisquare"] = enc(jr.chisquare(k, 3.0, (200,), f))
+    c["t"] = enc(jr.t(k, 4.0, (200,), f))
+    out.append(c)
+print(json.dumps(out))
+"""
+
+
+def run_dists(x64, seeds):
+    res = subprocess.run(
+        [sys.executable, "-c", DISTS_CHILD, "1" if x64 else "0", json.dumps(seeds)],
+        check=True, capture_output=True, text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"},
+    )
+    return json.loads(res.stdout)
+
+
 def run(x64, seeds):
     res = subprocess.run(
         [sys.executable, "-c", CHILD, "1" if x64 else "0", json.dumps(seeds), json.dumps(SHAPES)],
@@ -125,6 +181,12 @@ def main():
             f,
             separators=(",", ":"),
         )
+    print("wrote", path, os.path.getsize(path), "bytes")
+    dists = run_dists(False, [0, 1, 42, -7]) + run_dists(True, [0, 123456789])
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "jax_golden_dists.json")
+    with open(path, "w") as f:
+        json.dump({"jax_version": jax.__version__, "generator": "make_jax_golden.py",
+                   "cases": dists}, f, separators=(",", ":"))
     print("wrote", path, os.path.getsize(path), "bytes")
 
 

@@ -38,8 +38,23 @@ from torchfn.core.random._bits import bits
 from torchfn.core.random._checks import KEY_DTYPE
 from torchfn.core.random._discrete import bernoulli, categorical, choice, permutation
 from torchfn.core.random._floats import gumbel, normal, truncated_normal, uniform
+from torchfn.core.random._gamma import beta, chisquare, dirichlet, gamma, loggamma, t
 from torchfn.core.random._integers import randint
 from torchfn.core.random._keys import fold_in, key, split
+from torchfn.core.random._univariate import (
+    cauchy,
+    exponential,
+    geometric,
+    laplace,
+    logistic,
+    lognormal,
+    maxwell,
+    pareto,
+    rademacher,
+    rayleigh,
+    triangular,
+    weibull_min,
+)
 
 __all__ = [
     "key",
@@ -55,5 +70,23 @@ __all__ = [
     "truncated_normal",
     "gumbel",
     "choice",
+    "exponential",
+    "laplace",
+    "logistic",
+    "cauchy",
+    "rademacher",
+    "lognormal",
+    "pareto",
+    "weibull_min",
+    "rayleigh",
+    "maxwell",
+    "geometric",
+    "triangular",
+    "gamma",
+    "loggamma",
+    "beta",
+    "dirichlet",
+    "chisquare",
+    "t",
     "KEY_DTYPE",
 ]

@@ -1,0 +1,285 @@
+"""Gamma and the samplers built on it: ``gamma``, ``loggamma``, ``beta``, ``dirichlet``,
+``chisquare``, ``t``, with ``jax.random``'s bits.
+
+JAX draws each gamma variate by Marsaglia & Tsang's rejection method, with its own
+key: ``split(key, n)`` gives one key per element, and each element loops (split,
+draw a normal until ``v > 0``, draw a uniform, test) until it accepts. Here all
+elements loop together on batches of keys. In plain eager mode the loop runs until
+every element has accepted, on the ones still going, so every sample is JAX's. Under
+``vmap``, ``grad`` or ``torch.compile`` a loop cannot read the tensors, so it runs a
+fixed number of rounds (``_ROUNDS`` tries, each with up to ``_NORMAL_TRIES`` normal
+draws), masked: with acceptance >= 0.95 per try, the chance that an element has
+not accepted is below 1e-13, and such an element would be left at its last try.
+Under ``torch.compile`` the sampler is a graph break and runs eagerly (exactly).
+
+No gradient flows to the shape parameter (JAX's implicit reparameterisation is not
+reproduced): the samples are computed from detached parameters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from torchfn.core._eager import plain as _plain
+from torchfn.core.random._checks import (
+    _check_broadcast,
+    _check_float_dtype,
+    _check_key,
+    _check_shape,
+    _eager_tensor,
+    _param,
+    _scalar,
+)
+from torchfn.core.random._floats import normal, uniform
+from torchfn.core.random._keys import split
+
+Shape = int | Sequence[int]
+
+_ROUNDS = 12  # accept/reject tries under transforms
+_NORMAL_TRIES = 6  # normal draws per try under transforms (v <= 0 has p < 0.01)
+
+_vsplit2 = torch.func.vmap(lambda k: split(k, 2))
+_vsplit3 = torch.func.vmap(lambda k: split(k, 3))
+
+
+def _vnormal(keys: Tensor, dtype: torch.dtype) -> Tensor:
+    return torch.func.vmap(lambda k: normal(k, (), dtype))(keys)
+
+
+def _vuniform(keys: Tensor, dtype: torch.dtype) -> Tensor:
+    return torch.func.vmap(lambda k: uniform(k, (), dtype))(keys)
+
+
+def _draw_v(keys: Tensor, c: Tensor, eager: bool) -> tuple[Tensor, Tensor]:
+    """JAX's inner loop per element: ``key, sub = split(key); x = normal(sub);
+    v = 1 + x c`` until ``v > 0``. Returns (x, v), each (n,)."""
+    n = keys.shape[0]
+    x = torch.zeros(n, dtype=c.dtype, device=c.device)
+    v = torch.full((n,), -1.0, dtype=c.dtype, device=c.device)
+    if eager:
+        todo = torch.arange(n, device=c.device)
+        while todo.numel():
+            ks = _vsplit2(keys[todo])  # (m, 2, 2)
+            keys = keys.index_copy(0, todo, ks[:, 0])
+            x_new = _vnormal(ks[:, 1], c.dtype)
+            v_new = 1 + x_new * c[todo]
+            x, v = x.index_copy(0, todo, x_new), v.index_copy(0, todo, v_new)
+            todo = todo[v_new <= 0]
+        return x, v
+    for _ in range(_NORMAL_TRIES):
+        again = v <= 0
+        ks = _vsplit2(keys)
+        keys = torch.where(again[:, None], ks[:, 0], keys)
+        x_new = _vnormal(ks[:, 1], c.dtype)
+        x = torch.where(again, x_new, x)
+        v = torch.where(again, 1 + x_new * c, v)
+    return x, v
+
+
+def _reject(x2: Tensor, v3: Tensor, u: Tensor, d: Tensor) -> Tensor:
+    """JAX's ``_cond_fn``: True where the try is rejected (loop again)."""
+    one = torch.ones((), dtype=d.dtype, device=d.device)
+    squeeze = torch.full((), 0.0331, dtype=d.dtype, device=d.device)
+    half = torch.full((), 0.5, dtype=d.dtype, device=d.device)
+    return (u >= one - squeeze * (x2 * x2)) & (
+        torch.log(u) >= x2 * half + d * ((one - v3) + torch.log(v3)))
+
+
+@torch.compiler.disable  # dynamo would unroll every round; run it eagerly, exactly
+def _gamma_flat(keys: Tensor, alpha: Tensor, log_space: bool) -> Tensor:
+    """One Marsaglia-Tsang variate per (key, alpha) pair: keys (n, 2), alpha (n,)."""
+    dtype = alpha.dtype
+    one = torch.ones((), dtype=dtype, device=alpha.device)
+    third = torch.full((), 1.0 / 3.0, dtype=dtype, device=alpha.device)
+    boost = alpha >= one
+    a = torch.where(boost, alpha, alpha + one)
+    d = a - third
+    c = third / torch.sqrt(d)
+    ks = _vsplit2(keys)
+    keys, boost_keys = ks[:, 0], ks[:, 1]
+    n = alpha.shape[0]
+    v3 = torch.ones(n, dtype=dtype, device=alpha.device)
+    eager = _plain(keys) and _plain(alpha)
+    if eager:
+        todo = torch.arange(n, device=alpha.device)  # all reject the initial state
+        while todo.numel():
+            k3 = _vsplit3(keys[todo])  # (m, 3, 2): next key, normal key, uniform key
+            keys = keys.index_copy(0, todo, k3[:, 0])
+            x, v = _draw_v(k3[:, 1], c[todo], eager=True)
+            x2, v3_new = x * x, v * v * v
+            u = _vuniform(k3[:, 2], dtype)
+            v3 = v3.index_copy(0, todo, v3_new)
+            todo = todo[_reject(x2, v3_new, u, d[todo])]
+    else:
+        going = torch.ones(n, dtype=torch.bool, device=alpha.device)
+        for _ in range(_ROUNDS):
+            k3 = _vsplit3(keys)
+            keys = torch.where(going[:, None], k3[:, 0], keys)
+            x, v = _draw_v(k3[:, 1], c, eager=False)
+            x2, v3_new = x * x, v * v * v
+            u = _vuniform(k3[:, 2], dtype)
+            v3 = torch.where(going, v3_new, v3)
+            going = going & _reject(x2, v3_new, u, d)
+    u = _vuniform(boost_keys, dtype)
+    if log_space:
+        log_u = torch.log1p(-u)  # -exponential(boost_key)
+        log_boost = torch.where(boost | (log_u == 0), torch.zeros_like(log_u),
+                                log_u * (one / alpha))
+        return torch.log(d) + torch.log(v3) + log_boost
+    boosted = torch.where(boost, torch.ones_like(u), torch.pow(one - u, one / alpha))
+    return d * v3 * boosted
+
+
+def _shape_param(fn: str, value, shape, dtype, device) -> tuple[Tensor, tuple[int, ...]]:
+    p = _param(value, fn, "a", dtype, device)
+    p = p.detach() if isinstance(p, Tensor) else _scalar(p, dtype, device)
+    if _eager_tensor(p) and not bool((p > 0).all()):
+        raise ValueError(f"{fn}: the shape parameter must be > 0, got {value}")
+    shape = tuple(p.shape) if shape is None else _check_shape(shape, fn)
+    _check_broadcast(shape, fn, a=p)
+    return p.broadcast_to(shape), shape
+
+
+def _gamma(fn: str, key: Tensor, a, shape, dtype, log_space: bool) -> Tensor:
+    k = _check_key(key, fn)
+    dtype = _check_float_dtype(dtype, fn)
+    alpha, shape = _shape_param(fn, a, shape, dtype, k.device)
+    n = alpha.numel()
+    if n == 0:
+        return torch.empty(shape, dtype=dtype, device=k.device)
+    keys = split(k, n)  # (n, 2): one key per element, as JAX
+    return _gamma_flat(keys, alpha.reshape(n), log_space).reshape(shape)
+
+
+def gamma(key: Tensor, a: float | Tensor, shape: Shape | None = None,
+          dtype: torch.dtype = torch.float32) -> Tensor:
+    """Gamma(a, 1) samples (``jax.random.gamma``).
+
+    Args:
+      key: ``(2,)`` int32 key.
+      a: shape parameter > 0, a float or a tensor broadcastable to ``shape``.
+      shape: output shape; default ``a``'s.
+      dtype: float dtype.
+
+    Example::
+
+        >>> from torchfn import random
+        >>> g = random.gamma(random.key(0), 3.0, (10_000,))
+        >>> abs(float(g.mean()) - 3) < 0.1 and abs(float(g.var()) - 3) < 0.3
+        True
+    """
+    return _gamma("gamma", key, a, shape, dtype, log_space=False)
+
+
+def loggamma(key: Tensor, a: float | Tensor, shape: Shape | None = None,
+             dtype: torch.dtype = torch.float32) -> Tensor:
+    """``log`` of Gamma(a, 1) samples, computed in log space so that small ``a`` does
+    not underflow to 0 (``jax.random.loggamma``).
+
+    Example::
+
+        >>> from torchfn import random
+        >>> lg = random.loggamma(random.key(0), 1e-3, (5,))
+        >>> bool((lg < -90).all()), bool((lg.exp() == 0).any())  # gamma underflows
+        (True, True)
+    """
+    return _gamma("loggamma", key, a, shape, dtype, log_space=True)
+
+
+def beta(key: Tensor, a: float | Tensor, b: float | Tensor, shape: Shape | None = None,
+         dtype: torch.dtype = torch.float32) -> Tensor:
+    """Beta(a, b) samples, from two log-gamma draws (``jax.random.beta``).
+
+    Example::
+
+        >>> from torchfn import random
+        >>> lam = random.beta(random.key(0), 0.4, 0.4, (10_000,))  # mixup's weights
+        >>> bool(((lam >= 0) & (lam <= 1)).all()) and abs(float(lam.mean()) - 0.5) < 0.02
+        True
+    """
+    k = _check_key(key, "beta")
+    dtype = _check_float_dtype(dtype, "beta")
+    pa = _param(a, "beta", "a", dtype, k.device)
+    pb = _param(b, "beta", "b", dtype, k.device)
+    pa = pa if isinstance(pa, Tensor) else _scalar(pa, dtype, k.device)
+    pb = pb if isinstance(pb, Tensor) else _scalar(pb, dtype, k.device)
+    if shape is None:
+        shape = tuple(torch.broadcast_shapes(pa.shape, pb.shape))
+    shape = _check_shape(shape, "beta")
+    _check_broadcast(shape, "beta", a=pa, b=pb)
+    key_a, key_b = split(k)
+    log_a = loggamma(key_a, pa.broadcast_to(shape), shape, dtype)
+    log_b = loggamma(key_b, pb.broadcast_to(shape), shape, dtype)
+    log_max = torch.maximum(log_a, log_b)
+    ga, gb = torch.exp(log_a - log_max), torch.exp(log_b - log_max)
+    return ga / (ga + gb)
+
+
+def dirichlet(key: Tensor, alpha: Tensor, shape: Shape | None = None,
+              dtype: torch.dtype = torch.float32) -> Tensor:
+    """Dirichlet(alpha) samples on the simplex of alpha's last dim: a softmax of
+    log-gamma draws (``jax.random.dirichlet``). Returns ``shape + alpha.shape[-1:]``.
+
+    Example::
+
+        >>> import torch
+        >>> from torchfn import random
+        >>> p = random.dirichlet(random.key(0), torch.tensor([1.0, 2.0, 3.0]), (1000,))
+        >>> p.shape, bool(torch.allclose(p.sum(-1), torch.ones(1000)))
+        (torch.Size([1000, 3]), True)
+    """
+    k = _check_key(key, "dirichlet")
+    dtype = _check_float_dtype(dtype, "dirichlet")
+    if not isinstance(alpha, Tensor) or alpha.ndim < 1:
+        raise ValueError("dirichlet: alpha must be a tensor with at least 1 dim (..., K), "
+                         f"got {alpha!r}")
+    alpha = alpha.to(dtype=dtype, device=k.device)
+    batch = tuple(alpha.shape[:-1]) if shape is None else _check_shape(shape, "dirichlet")
+    _check_broadcast(batch, "dirichlet", **{"alpha.shape[:-1]": alpha[..., 0]})
+    return torch.softmax(loggamma(k, alpha, (*batch, alpha.shape[-1]), dtype), dim=-1)
+
+
+def chisquare(key: Tensor, df: float | Tensor, shape: Shape | None = None,
+              dtype: torch.dtype = torch.float32) -> Tensor:
+    """Chi-square samples with ``df`` > 0 degrees of freedom: ``2 Gamma(df / 2)``
+    (``jax.random.chisquare``).
+
+    Example::
+
+        >>> from torchfn import random
+        >>> x = random.chisquare(random.key(0), 4.0, (10_000,))
+        >>> abs(float(x.mean()) - 4) < 0.15
+        True
+    """
+    k = _check_key(key, "chisquare")
+    dtype = _check_float_dtype(dtype, "chisquare")
+    p = _param(df, "chisquare", "df", dtype, k.device)
+    p = p if isinstance(p, Tensor) else _scalar(p, dtype, k.device)
+    return torch.exp(loggamma(k, p / 2, shape, dtype)) * 2
+
+
+def t(key: Tensor, df: float | Tensor, shape: Shape | None = None,
+      dtype: torch.dtype = torch.float32) -> Tensor:
+    """Student's t samples with ``df`` > 0 degrees of freedom: ``z sqrt((df/2) / g)``,
+    g ~ Gamma(df / 2) (``jax.random.t``).
+
+    Example::
+
+        >>> from torchfn import random
+        >>> x = random.t(random.key(0), 5.0, (10_000,))
+        >>> abs(float(x.var()) - 5 / 3) < 0.2
+        True
+    """
+    k = _check_key(key, "t")
+    dtype = _check_float_dtype(dtype, "t")
+    p = _param(df, "t", "df", dtype, k.device)
+    p = p if isinstance(p, Tensor) else _scalar(p, dtype, k.device)
+    shape = tuple(p.shape) if shape is None else _check_shape(shape, "t")
+    key_n, key_g = split(k)
+    z = normal(key_n, shape, dtype)
+    half_df = p / 2
+    g = gamma(key_g, half_df, shape, dtype)
+    return z * torch.sqrt(half_df / g)

@@ -1,0 +1,277 @@
+"""Univariate samplers built on ``uniform`` / ``normal`` / ``bernoulli``, each the
+same transform of the same bits as its ``jax.random`` namesake: ``exponential``,
+``laplace``, ``logistic``, ``cauchy``, ``rademacher``, ``lognormal``, ``pareto``,
+``weibull_min``, ``rayleigh``, ``maxwell``, ``geometric``, ``triangular``.
+
+They agree with JAX to a few ulp (torch's ``log``/``log1p``/``tan`` are not XLA's).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from torchfn.core.random._checks import (
+    _check_broadcast,
+    _check_float_dtype,
+    _check_key,
+    _check_shape,
+    _eager_tensor,
+    _param,
+    _scalar,
+)
+from torchfn.core.random._discrete import bernoulli
+from torchfn.core.random._floats import normal, uniform
+
+Shape = int | Sequence[int]
+
+
+def _epsneg(dtype: torch.dtype) -> float:
+    return torch.finfo(dtype).eps / 2  # numpy's finfo.epsneg for binary floats
+
+
+def _params_shape(fn: str, shape, dtype, device, **params) -> tuple[tuple[int, ...], dict]:
+    """Params as ``dtype`` tensors or floats, and the output shape: ``shape``, or the
+    params' broadcast shape when it is None (JAX's ``_check_broadcast_shapes``)."""
+    out = {n: _param(v, fn, n, dtype, device) for n, v in params.items()}
+    if shape is None:
+        shape = tuple(torch.broadcast_shapes(*[v.shape for v in out.values()
+                                                 if isinstance(v, Tensor)]))
+    shape = _check_shape(shape, fn)
+    _check_broadcast(shape, fn, **out)
+    return shape, {n: v if isinstance(v, Tensor) else _scalar(v, dtype, device)
+                   for n, v in out.items()}
+
+
+def _check_positive(fn: str, **params) -> None:
+    for name, v in params.items():
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and not v > 0:
+            raise ValueError(f"{fn}: {name} must be > 0, got {v}")
+        if _eager_tensor(v) and not bool((v > 0).all()):
+            raise ValueError(f"{fn}: {name} must be > 0, got {v}")
+
+
+def exponential(key: Tensor, shape: Shape = (), dtype: torch.dtype = torch.float32) -> Tensor:
+    """Standard exponential samples ``-log1p(-u)`` (``jax.random.exponential``).
+
+    Example::
+
+        >>> from torchfn import random
+        >>> e = random.exponential(random.key(0), (10_000,))
+        >>> bool((e >= 0).all()) and abs(float(e.mean()) - 1) < 0.05
+        True
+    """
+    u = uniform(_check_key(key, "exponential"), _check_shape(shape, "exponential"),
+                _check_float_dtype(dtype, "exponential"))
+    return torch.log1p(-u).neg_()
+
+
+def laplace(key: Tensor, shape: Shape = (), dtype: torch.dtype = torch.float32) -> Tensor:
+    """Standard Laplace samples ``sign(u) log1p(-|u|)``, u in (-1, 1) (``jax.random.laplace``).
+
+    Example::
+
+        >>> from torchfn import random
+        >>> x = random.laplace(random.key(0), (10_000,))
+        >>> abs(float(x.abs().mean()) - 1) < 0.05  # E|X| = 1
+        True
+    """
+    dtype = _check_float_dtype(dtype, "laplace")
+    u = uniform(_check_key(key, "laplace"), _check_shape(shape, "laplace"), dtype,
+                minval=-1.0 + _epsneg(dtype), maxval=1.0)
+    return torch.sign(u) * torch.log1p(-u.abs())
+
+
+def logistic(key: Tensor, shape: Shape = (), dtype: torch.dtype = torch.float32) -> Tensor:
+    """Standard logistic samples ``log(u) - log1p(-u)`` (``jax.random.logistic``).
+
+    Example::
+
+        >>> from torchfn import random
+        >>> x = random.logistic(random.key(0), (10_000,))
+        >>> abs(float(x.mean())) < 0.1
+        True
+    """
+    dtype = _check_float_dtype(dtype, "logistic")
+    x = uniform(_check_key(key, "logistic"), _check_shape(shape, "logistic"), dtype,
+                minval=torch.finfo(dtype).tiny, maxval=1.0)
+    return torch.log(x) - torch.log1p(-x)
+
+
+def cauchy(key: Tensor, shape: Shape = (), dtype: torch.dtype = torch.float32) -> Tensor:
+    """Standard Cauchy samples ``tan(pi (u - 1/2))`` (``jax.random.cauchy``).
+
+    Example::
+
+        >>> from torchfn import random
+        >>> x = random.cauchy(random.key(0), (10_001,))
+        >>> abs(float(x.median())) < 0.05
+        True
+    """
+    dtype = _check_float_dtype(dtype, "cauchy")
+    k = _check_key(key, "cauchy")
+    u = uniform(k, _check_shape(shape, "cauchy"), dtype, minval=torch.finfo(dtype).eps,
+                maxval=1.0)
+    return torch.tan(_scalar(math.pi, dtype, k.device) * (u - 0.5))
+
+
+def rademacher(key: Tensor, shape: Shape = (), dtype: torch.dtype = torch.int32) -> Tensor:
+    """-1 or +1 with equal probability (``jax.random.rademacher``): ``2 b - 1`` for
+    ``b = bernoulli(key, 0.5, shape)``.
+
+    Example::
+
+        >>> from torchfn import random
+        >>> random.rademacher(random.key(0), (6,)).abs().tolist()
+        [1, 1, 1, 1, 1, 1]
+    """
+    if not isinstance(dtype, torch.dtype) or dtype in (torch.bool, torch.uint8):
+        raise TypeError(f"rademacher: dtype must be a signed integer or float dtype, got {dtype}")
+    b = bernoulli(_check_key(key, "rademacher"), 0.5, _check_shape(shape, "rademacher"))
+    return (2 * b.to(dtype) - 1).to(dtype)
+
+
+def lognormal(key: Tensor, sigma: float | Tensor = 1.0, shape: Shape | None = None,
+              dtype: torch.dtype = torch.float32) -> Tensor:
+    """``exp(sigma z)``, z standard normal (``jax.random.lognormal``).
+
+    Example::
+
+        >>> from torchfn import random
+        >>> x = random.lognormal(random.key(0), 0.5, (10_000,))
+        >>> abs(float(x.log().std()) - 0.5) < 0.02
+        True
+    """
+    k = _check_key(key, "lognormal")
+    dtype = _check_float_dtype(dtype, "lognormal")
+    shape, p = _params_shape("lognormal", shape, dtype, k.device, sigma=sigma)
+    return torch.exp(normal(k, shape, dtype) * p["sigma"])
+
+
+def pareto(key: Tensor, b: float | Tensor, shape: Shape | None = None,
+           dtype: torch.dtype = torch.float32) -> Tensor:
+    """Pareto samples with shape ``b`` > 0 and scale 1: ``exp(e / b)``, e exponential
+    (``jax.random.pareto``).
+
+    Example::
+
+        >>> from torchfn import random
+        >>> x = random.pareto(random.key(0), 3.0, (10_000,))
+        >>> bool((x >= 1).all()) and abs(float(x.mean()) - 1.5) < 0.05  # b / (b - 1)
+        True
+    """
+    k = _check_key(key, "pareto")
+    dtype = _check_float_dtype(dtype, "pareto")
+    _check_positive("pareto", b=b)
+    shape, p = _params_shape("pareto", shape, dtype, k.device, b=b)
+    return torch.exp(exponential(k, shape, dtype) / p["b"])
+
+
+def weibull_min(key: Tensor, scale: float | Tensor, concentration: float | Tensor,
+                shape: Shape = (), dtype: torch.dtype = torch.float32) -> Tensor:
+    """Weibull samples ``scale * (-log1p(-u))^(1 / concentration)``
+    (``jax.random.weibull_min``).
+
+    Example::
+
+        >>> from torchfn import random
+        >>> x = random.weibull_min(random.key(0), 2.0, 1.0, (10_000,))  # exponential, mean 2
+        >>> abs(float(x.mean()) - 2) < 0.1
+        True
+    """
+    k = _check_key(key, "weibull_min")
+    dtype = _check_float_dtype(dtype, "weibull_min")
+    _check_positive("weibull_min", scale=scale, concentration=concentration)
+    inv = 1.0 / concentration if not isinstance(concentration, Tensor) else None
+    shape, p = _params_shape("weibull_min", shape, dtype, k.device, scale=scale,
+                             concentration=concentration)
+    power = _scalar(inv, dtype, k.device) if inv is not None else 1.0 / p["concentration"]
+    u = uniform(k, shape, dtype)
+    return torch.pow(-torch.log1p(-u), power) * p["scale"]
+
+
+def rayleigh(key: Tensor, scale: float | Tensor, shape: Shape | None = None,
+             dtype: torch.dtype = torch.float32) -> Tensor:
+    """Rayleigh samples ``scale * sqrt(-2 log u)`` (``jax.random.rayleigh``).
+
+    Example::
+
+        >>> import math
+        >>> from torchfn import random
+        >>> x = random.rayleigh(random.key(0), 1.0, (10_000,))
+        >>> abs(float(x.mean()) - math.sqrt(math.pi / 2)) < 0.05
+        True
+    """
+    k = _check_key(key, "rayleigh")
+    dtype = _check_float_dtype(dtype, "rayleigh")
+    _check_positive("rayleigh", scale=scale)
+    shape, p = _params_shape("rayleigh", shape, dtype, k.device, scale=scale)
+    u = uniform(k, shape, dtype)
+    return p["scale"] * torch.sqrt(torch.log(u) * -2.0)
+
+
+def maxwell(key: Tensor, shape: Shape = (), dtype: torch.dtype = torch.float32) -> Tensor:
+    """Maxwell samples: the norm of a standard normal 3-vector (``jax.random.maxwell``).
+
+    Example::
+
+        >>> import math
+        >>> from torchfn import random
+        >>> x = random.maxwell(random.key(0), (10_000,))
+        >>> abs(float(x.mean()) - 2 * math.sqrt(2 / math.pi)) < 0.05
+        True
+    """
+    shape = _check_shape(shape, "maxwell")
+    z = normal(_check_key(key, "maxwell"), (*shape, 3), _check_float_dtype(dtype, "maxwell"))
+    return torch.sqrt((z * z).sum(-1))  # (*shape,)
+
+
+def geometric(key: Tensor, p: float | Tensor, shape: Shape | None = None,
+              dtype: torch.dtype = torch.int32) -> Tensor:
+    """Trials up to the first success, success probability ``p`` in (0, 1]:
+    ``floor(log u / log1p(-p)) + 1`` (``jax.random.geometric``).
+
+    Example::
+
+        >>> from torchfn import random
+        >>> n = random.geometric(random.key(0), 0.25, (10_000,))
+        >>> bool((n >= 1).all()) and abs(float(n.float().mean()) - 4) < 0.2
+        True
+    """
+    k = _check_key(key, "geometric")
+    if isinstance(p, (int, float)) and not isinstance(p, bool) and not 0 < p <= 1:
+        raise ValueError(f"geometric: p must be in (0, 1], got {p}")
+    if _eager_tensor(p) and not bool(((p > 0) & (p <= 1)).all()):
+        raise ValueError(f"geometric: p must be in (0, 1], got {p}")
+    fdtype = p.dtype if isinstance(p, Tensor) and p.is_floating_point() else torch.float32
+    shape, ps = _params_shape("geometric", shape, fdtype, k.device, p=p)
+    u = uniform(k, shape, fdtype)
+    u = torch.where(u == 0, torch.ones_like(u), u)
+    return (torch.floor(torch.log(u) / torch.log1p(-ps["p"])) + 1).to(dtype)
+
+
+def triangular(key: Tensor, left: float | Tensor, mode: float | Tensor, right: float | Tensor,
+               shape: Shape | None = None, dtype: torch.dtype = torch.float32) -> Tensor:
+    """Triangular samples on ``[left, right]`` peaking at ``mode``, by the inverse CDF
+    (``jax.random.triangular``).
+
+    Example::
+
+        >>> from torchfn import random
+        >>> x = random.triangular(random.key(0), 0.0, 0.25, 1.0, (10_000,))
+        >>> bool(((x >= 0) & (x <= 1)).all()) and abs(float(x.mean()) - 1.25 / 3) < 0.02
+        True
+    """
+    k = _check_key(key, "triangular")
+    dtype = _check_float_dtype(dtype, "triangular")
+    shape, p = _params_shape("triangular", shape, dtype, k.device, left=left, mode=mode,
+                             right=right)
+    lo, md, hi = p["left"], p["mode"], p["right"]
+    fc = (md - lo) / (hi - lo)
+    u = uniform(k, shape, dtype)
+    out1 = lo + torch.sqrt(u * (hi - lo) * (md - lo))
+    out2 = hi - torch.sqrt((1 - u) * (hi - lo) * (hi - md))
+    return torch.where(u < fc, out1, out2)
