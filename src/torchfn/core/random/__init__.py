@@ -12,6 +12,11 @@ The generator is Threefry-2x32 (20 rounds) with ``jax.random``'s default
 the same seed; ``normal`` and ``truncated_normal`` reproduce XLA's float32
 ``erf_inv`` polynomial and agree with JAX to a few ulp (torch's ``log1p`` is not
 XLA's); float64 follows JAX with ``jax_enable_x64`` (64 random bits per sample).
+The distributions built on them (``exponential``, ``laplace``, ``logistic``,
+``cauchy``, ``rademacher``, ``lognormal``, ``pareto``, ``weibull_min``, ``rayleigh``,
+``maxwell``, ``geometric``, ``triangular``) and the gamma family (``gamma``,
+``loggamma``, ``beta``, ``dirichlet``, ``chisquare``, ``t``, JAX's per-element
+rejection loops included) give JAX's values to float rounding.
 
 **Key format.** A key is a ``torch.int32`` tensor of shape ``(2,)`` holding the
 bit patterns of JAX's two ``uint32`` key words (``key.view(torch.uint32)`` shows
