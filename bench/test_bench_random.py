@@ -122,3 +122,46 @@ def test_split_256(benchmark, key, impl, monkeypatch):
         _out_of_place(monkeypatch)
     out = benchmark.pedantic(random.split, args=(key, 256), rounds=200, warmup_rounds=10)
     assert torch.equal(out, want)
+
+
+# --------------------------------------------------- the gamma family and exponential
+# 1M samples each against torch's own samplers (global RNG), eager.
+M = 1_000_000
+
+
+@pytest.mark.benchmark(group="gamma-1M-eager")
+def test_torchfn_gamma(benchmark, key):
+    out = benchmark.pedantic(random.gamma, args=(key, 2.0, (M,)), rounds=5, warmup_rounds=1)
+    assert out.shape == (M,)
+
+
+@pytest.mark.benchmark(group="gamma-1M-eager")
+def test_torch_standard_gamma(benchmark):
+    alpha = torch.full((M,), 2.0)
+    out = benchmark.pedantic(torch._standard_gamma, args=(alpha,), rounds=5, warmup_rounds=1)
+    assert out.shape == (M,)
+
+
+@pytest.mark.benchmark(group="beta-1M-eager")
+def test_torchfn_beta(benchmark, key):
+    out = benchmark.pedantic(random.beta, args=(key, 0.4, 0.4, (M,)), rounds=5, warmup_rounds=1)
+    assert out.shape == (M,)
+
+
+@pytest.mark.benchmark(group="beta-1M-eager")
+def test_torch_beta(benchmark):
+    dist = torch.distributions.Beta(torch.tensor(0.4), torch.tensor(0.4))
+    out = benchmark.pedantic(dist.sample, args=((M,),), rounds=5, warmup_rounds=1)
+    assert out.shape == (M,)
+
+
+@pytest.mark.benchmark(group="exponential-10M-eager")
+def test_torchfn_exponential(benchmark, key):
+    out = benchmark.pedantic(random.exponential, args=(key, (N,)), rounds=5, warmup_rounds=1)
+    assert out.shape == (N,)
+
+
+@pytest.mark.benchmark(group="exponential-10M-eager")
+def test_torch_exponential(benchmark):
+    out = benchmark.pedantic(lambda: torch.empty(N).exponential_(), rounds=5, warmup_rounds=1)
+    assert out.shape == (N,)

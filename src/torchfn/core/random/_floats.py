@@ -118,10 +118,15 @@ def normal(
     k = _check_key(key, "normal")
     shape = _check_shape(shape, "normal")
     dtype = _check_float_dtype(dtype, "normal")
-    lo = _scalar(_NORMAL_LO[dtype], dtype, k.device)
+    return _generate(k, shape, dtype, _normal_finish(dtype, k.device))
+
+
+def _normal_finish(dtype: torch.dtype, device):
+    """``(y0, y1) -> normals``: the hash words to JAX's normal samples (in place)."""
+    lo = _scalar(_NORMAL_LO[dtype], dtype, device)
     # (1 - lo) rounds to 2 in every float format: u = 2 * f + lo, exactly as JAX
-    scale = _scalar(1.0, dtype, k.device) - lo
-    sqrt2 = _scalar(_SQRT2, dtype, k.device)
+    scale = _scalar(1.0, dtype, device) - lo
+    sqrt2 = _scalar(_SQRT2, dtype, device)
 
     def finish(y0, y1):
         u = _unit(y0, y1, dtype).mul_(scale).add_(lo)
@@ -131,7 +136,7 @@ def normal(
             return _erfinv_xla(u).mul_(sqrt2)
         return _erfinv_xla(u.float()).to(dtype).mul_(sqrt2)  # XLA upcasts f16/bf16
 
-    return _generate(k, shape, dtype, finish)
+    return finish
 
 
 def truncated_normal(

@@ -23,7 +23,9 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from torchfn.core import _threefry as _tf
 from torchfn.core._eager import plain as _plain
+from torchfn.core.random._bits import _unit
 from torchfn.core.random._checks import (
     _check_broadcast,
     _check_float_dtype,
@@ -33,7 +35,7 @@ from torchfn.core.random._checks import (
     _param,
     _scalar,
 )
-from torchfn.core.random._floats import normal, uniform
+from torchfn.core.random._floats import _normal_finish, normal
 from torchfn.core.random._keys import split
 
 Shape = int | Sequence[int]
@@ -41,16 +43,32 @@ Shape = int | Sequence[int]
 _ROUNDS = 12  # accept/reject tries under transforms
 _NORMAL_TRIES = 6  # normal draws per try under transforms (v <= 0 has p < 0.01)
 
-_vsplit2 = torch.func.vmap(lambda k: split(k, 2))
-_vsplit3 = torch.func.vmap(lambda k: split(k, 3))
+def _split_many(keys: Tensor, num: int) -> Tensor:
+    """``split(k, num)`` for each row of ``keys`` (n, 2) at once: (n, num, 2).
+
+    Plain elementwise threefry on the key columns, so it works the same in eager
+    mode, under ``vmap`` and traced, without functorch's per-call wrapping.
+    """
+    lo = torch.arange(num, dtype=torch.int32, device=keys.device)
+    zero = torch.zeros((), dtype=torch.int32, device=keys.device)
+    y0, y1 = _tf.threefry2x32(keys[:, :1], keys[:, 1:], zero, lo)  # (n, num) each
+    return torch.stack([y0, y1], dim=-1)
+
+
+def _first_words(keys: Tensor) -> tuple[Tensor, Tensor]:
+    """The hash words of counter 0 under each key: a shape-() draw's bits, (n,) each."""
+    zero = torch.zeros((), dtype=torch.int32, device=keys.device)
+    return _tf.threefry2x32(keys[:, 0], keys[:, 1], zero, zero)
 
 
 def _vnormal(keys: Tensor, dtype: torch.dtype) -> Tensor:
-    return torch.func.vmap(lambda k: normal(k, (), dtype))(keys)
+    """``normal(k, (), dtype)`` for each key row: (n,)."""
+    return _normal_finish(dtype, keys.device)(*_first_words(keys))
 
 
 def _vuniform(keys: Tensor, dtype: torch.dtype) -> Tensor:
-    return torch.func.vmap(lambda k: uniform(k, (), dtype))(keys)
+    """``uniform(k, (), dtype)`` for each key row: (n,)."""
+    return _unit(*_first_words(keys), dtype)
 
 
 def _draw_v(keys: Tensor, c: Tensor, eager: bool) -> tuple[Tensor, Tensor]:
@@ -62,7 +80,7 @@ def _draw_v(keys: Tensor, c: Tensor, eager: bool) -> tuple[Tensor, Tensor]:
     if eager:
         todo = torch.arange(n, device=c.device)
         while todo.numel():
-            ks = _vsplit2(keys[todo])  # (m, 2, 2)
+            ks = _split_many(keys[todo], 2)  # (m, 2, 2)
             keys = keys.index_copy(0, todo, ks[:, 0])
             x_new = _vnormal(ks[:, 1], c.dtype)
             v_new = 1 + x_new * c[todo]
@@ -71,7 +89,7 @@ def _draw_v(keys: Tensor, c: Tensor, eager: bool) -> tuple[Tensor, Tensor]:
         return x, v
     for _ in range(_NORMAL_TRIES):
         again = v <= 0
-        ks = _vsplit2(keys)
+        ks = _split_many(keys, 2)
         keys = torch.where(again[:, None], ks[:, 0], keys)
         x_new = _vnormal(ks[:, 1], c.dtype)
         x = torch.where(again, x_new, x)
@@ -98,7 +116,7 @@ def _gamma_flat(keys: Tensor, alpha: Tensor, log_space: bool) -> Tensor:
     a = torch.where(boost, alpha, alpha + one)
     d = a - third
     c = third / torch.sqrt(d)
-    ks = _vsplit2(keys)
+    ks = _split_many(keys, 2)
     keys, boost_keys = ks[:, 0], ks[:, 1]
     n = alpha.shape[0]
     v3 = torch.ones(n, dtype=dtype, device=alpha.device)
@@ -106,7 +124,7 @@ def _gamma_flat(keys: Tensor, alpha: Tensor, log_space: bool) -> Tensor:
     if eager:
         todo = torch.arange(n, device=alpha.device)  # all reject the initial state
         while todo.numel():
-            k3 = _vsplit3(keys[todo])  # (m, 3, 2): next key, normal key, uniform key
+            k3 = _split_many(keys[todo], 3)  # (m, 3, 2): next key, normal key, uniform key
             keys = keys.index_copy(0, todo, k3[:, 0])
             x, v = _draw_v(k3[:, 1], c[todo], eager=True)
             x2, v3_new = x * x, v * v * v
@@ -116,7 +134,7 @@ def _gamma_flat(keys: Tensor, alpha: Tensor, log_space: bool) -> Tensor:
     else:
         going = torch.ones(n, dtype=torch.bool, device=alpha.device)
         for _ in range(_ROUNDS):
-            k3 = _vsplit3(keys)
+            k3 = _split_many(keys, 3)
             keys = torch.where(going[:, None], k3[:, 0], keys)
             x, v = _draw_v(k3[:, 1], c, eager=False)
             x2, v3_new = x * x, v * v * v
