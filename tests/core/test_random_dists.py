@@ -58,6 +58,11 @@ def ours(k: torch.Tensor, f: torch.dtype) -> dict[str, torch.Tensor]:
         "chisquare": random.chisquare(k, 3.0, (200,), f),
         "t": random.t(k, 4.0, (200,), f),
     }
+    cov = torch.tensor([[2.0, 0.6, 0.1], [0.6, 1.0, -0.3], [0.1, -0.3, 0.5]], dtype=f)
+    mean = torch.tensor([1.0, -2.0, 0.5], dtype=f)
+    out["mvn_cholesky"] = random.multivariate_normal(k, mean, cov, (40,), f, "cholesky")
+    out["orthogonal"] = random.orthogonal(k, 5, (3,), f)
+    out["orthogonal_wide"] = random.orthogonal(k, 3, (), f, m=6)
     if f == torch.float64:
         del out["rademacher"]
     return out
@@ -156,6 +161,39 @@ def test_vmap_compile_and_pathwise_gradients_of_the_transforms():
     assert torch.equal(compiled(k), random.beta(k, 2.0, 3.0, (25,)))
 
 
+@pytest.mark.parametrize("method", ["cholesky", "eigh", "svd"])
+@given(seed=st.integers(0, 2**31 - 1))
+def test_multivariate_normal_has_the_mean_and_covariance(method, seed):
+    """Every factorisation gives N(mean, cov): the whitened samples are standard normal
+    (KS per coordinate) and uncorrelated. eigh and svd need only semi-definiteness."""
+    cov = torch.tensor([[2.0, 0.6, 0.1], [0.6, 1.0, -0.3], [0.1, -0.3, 0.5]], dtype=torch.float64)
+    mean = torch.tensor([1.0, -2.0, 0.5], dtype=torch.float64)
+    x = random.multivariate_normal(random.key(seed), mean, cov, (4000,), method=method)
+    white = torch.linalg.solve_triangular(torch.linalg.cholesky(cov), (x - mean).T, upper=False)
+    for row in white:
+        assert scipy.stats.kstest(row.numpy(), "norm").pvalue > ALPHA
+    corr = torch.corrcoef(white)
+    assert float((corr - torch.eye(3, dtype=corr.dtype)).abs().max()) < 0.1
+    singular = torch.tensor([[1.0, 1.0], [1.0, 1.0]], dtype=torch.float64)
+    if method != "cholesky":
+        y = random.multivariate_normal(random.key(seed), torch.zeros(2, dtype=torch.float64),
+                                       singular, (100,), method=method)
+        torch.testing.assert_close(y[:, 0], y[:, 1], rtol=0, atol=1e-6)  # on the line x0 = x1
+
+
+@given(seed=st.integers(0, 2**31 - 1), n=st.integers(1, 7), m=st.integers(1, 7))
+def test_orthogonal_is_orthonormal_and_haar(seed, n, m):
+    q = random.orthogonal(random.key(seed), n, (200,), torch.float64, m=m)
+    assert q.shape == (200, n, m)
+    gram = q.mT @ q if n >= m else q @ q.mT
+    torch.testing.assert_close(gram, torch.eye(min(n, m), dtype=q.dtype).expand_as(gram))
+    if n >= 3 and m == n:  # Haar: an entry times sqrt(n) is about N(0, 1) for large n;
+        # exactly, q[0, 0] has the law of a coordinate of a uniform point on the sphere
+        x = q[:, 0, 0].numpy()
+        law = scipy.stats.beta((n - 1) / 2, (n - 1) / 2, loc=-1, scale=2)
+        assert scipy.stats.kstest(x, law.cdf).pvalue > ALPHA
+
+
 def test_parameter_tensors_broadcast_to_the_shape():
     k = random.key(6)
     a = torch.tensor([[0.5], [5.0]])  # (2, 1)
@@ -184,6 +222,11 @@ def test_parameter_tensors_broadcast_to_the_shape():
     (lambda k: random.lognormal(k, "1"), TypeError, "lognormal: sigma must be a float"),
     (lambda k: random.t(torch.zeros(3, dtype=torch.int32), 2.0), ValueError,
      r"t: key must have shape \(2,\)"),
+    (lambda k: random.multivariate_normal(k, torch.zeros(3), torch.eye(2)), ValueError,
+     r"cov must have shape \(..., 3, 3\) for mean of shape \(3,\), got \(2, 2\)"),
+    (lambda k: random.multivariate_normal(k, torch.zeros(2), torch.eye(2), method="qr"),
+     ValueError, "method must be one of"),
+    (lambda k: random.orthogonal(k, 0), ValueError, "orthogonal: n must be an int >= 1, got 0"),
 ])
 def test_bad_input(call, exc, match):
     with pytest.raises(exc, match=match):

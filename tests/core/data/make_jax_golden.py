@@ -141,6 +141,13 @@ for seed in json.loads(sys.argv[2]):
     c["dirichlet"] = enc(jr.dirichlet(k, jnp.array([0.5, 1.0, 3.0], f), (50,), f))
     c["chisquare"] = enc(jr.chisquare(k, 3.0, (200,), f))
     c["t"] = enc(jr.t(k, 4.0, (200,), f))
+    cov = jnp.array([[2.0, 0.6, 0.1], [0.6, 1.0, -0.3], [0.1, -0.3, 0.5]], f)
+    mean = jnp.array([1.0, -2.0, 0.5], f)
+    # eigh / svd: the factor's column signs are the backend's own, so only the law
+    # (not the values) is shared with JAX; the tests check those two statistically
+    c["mvn_cholesky"] = enc(jr.multivariate_normal(k, mean, cov, (40,), f, "cholesky"))
+    c["orthogonal"] = enc(jr.orthogonal(k, 5, (3,), f))
+    c["orthogonal_wide"] = enc(jr.orthogonal(k, 3, (), f, m=6))
     out.append(c)
 print(json.dumps(out))
 """

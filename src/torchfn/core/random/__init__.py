@@ -16,7 +16,8 @@ The distributions built on them (``exponential``, ``laplace``, ``logistic``,
 ``cauchy``, ``rademacher``, ``lognormal``, ``pareto``, ``weibull_min``, ``rayleigh``,
 ``maxwell``, ``geometric``, ``triangular``) and the gamma family (``gamma``,
 ``loggamma``, ``beta``, ``dirichlet``, ``chisquare``, ``t``, JAX's per-element
-rejection loops included) give JAX's values to float rounding.
+rejection loops included) give JAX's values to float rounding;
+``multivariate_normal`` and ``orthogonal`` do to the rounding of the factorisations.
 
 **Key format.** A key is a ``torch.int32`` tensor of shape ``(2,)`` holding the
 bit patterns of JAX's two ``uint32`` key words (``key.view(torch.uint32)`` shows
@@ -46,6 +47,7 @@ from torchfn.core.random._floats import gumbel, normal, truncated_normal, unifor
 from torchfn.core.random._gamma import beta, chisquare, dirichlet, gamma, loggamma, t
 from torchfn.core.random._integers import randint
 from torchfn.core.random._keys import fold_in, key, split
+from torchfn.core.random._multivariate import multivariate_normal, orthogonal
 from torchfn.core.random._univariate import (
     cauchy,
     exponential,
@@ -93,5 +95,7 @@ __all__ = [
     "dirichlet",
     "chisquare",
     "t",
+    "multivariate_normal",
+    "orthogonal",
     "KEY_DTYPE",
 ]
