@@ -355,7 +355,7 @@ def pad_batch(indices: torch.Tensor, max_batch_size: int) -> tuple[torch.Tensor,
 # Ghost clipping runs eagerly even inside torch.compile(step): it needs torch.autograd.grad
 # and a TorchFunctionMode, which dynamo would break the graph on; the noise and the
 # optimizer around it still compile.
-_ghost_eager = torch.compiler.disable(ghost_clip_grads)
+_ghost_eager = torch._disable_dynamo(ghost_clip_grads)  # lazy: no dynamo import here
 
 
 class DPStep(NamedTuple):

@@ -106,7 +106,7 @@ def _reject(x2: Tensor, v3: Tensor, u: Tensor, d: Tensor) -> Tensor:
         torch.log(u) >= x2 * half + d * ((one - v3) + torch.log(v3)))
 
 
-@torch.compiler.disable  # dynamo would unroll every round; run it eagerly, exactly
+@torch._disable_dynamo  # (lazy: importing dynamo here would import triton) run eagerly
 def _gamma_flat(keys: Tensor, alpha: Tensor, log_space: bool) -> Tensor:
     """One Marsaglia-Tsang variate per (key, alpha) pair: keys (n, 2), alpha (n,)."""
     dtype = alpha.dtype
