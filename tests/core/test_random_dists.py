@@ -231,3 +231,42 @@ def test_parameter_tensors_broadcast_to_the_shape():
 def test_bad_input(call, exc, match):
     with pytest.raises(exc, match=match):
         call(random.key(0))
+
+
+def test_gamma_gradients_are_the_implicit_reparameterisation():
+    """d sample / d a at fixed CDF value, as JAX and torch's Gamma.rsample: equal to
+    torch's _standard_gamma_grad, by autograd, torch.func.grad, vmap(grad) and jvp."""
+    k = random.key(7)
+    a = torch.tensor([0.3, 1.0, 2.5, 10.0])
+    g = random.gamma(k, a)
+    expected = torch._standard_gamma_grad(a, g)
+    leaf = a.clone().requires_grad_(True)
+    random.gamma(k, leaf).sum().backward()
+    torch.testing.assert_close(leaf.grad, expected)
+    torch.testing.assert_close(torch.func.grad(lambda x: random.gamma(k, x).sum())(a), expected)
+    _, tangent = torch.func.jvp(lambda x: random.gamma(k, x), (a,), (torch.ones(4),))
+    torch.testing.assert_close(tangent, expected)
+    batch = torch.stack([a, a * 2])
+    per_row = torch.func.vmap(torch.func.grad(lambda x: random.gamma(k, x).sum()))(batch)
+    for i in range(2):
+        row = torch._standard_gamma_grad(batch[i], random.gamma(k, batch[i]))
+        torch.testing.assert_close(per_row[i], row)
+    assert not random.gamma(k, a).requires_grad  # nothing attached without a gradient
+
+
+@pytest.mark.parametrize("a", [0.5, 3.0])
+def test_gradients_of_expectations_match_closed_forms(a):
+    """Pathwise estimates over 20k samples: d E[G]/da = 1, d E[log G]/da = trigamma(a),
+    d E[Beta(a, 2)]/da = 2 / (a + 2)^2."""
+    import scipy.special
+
+    k1, k2, k3 = random.split(random.key(8), 3)
+    x = torch.tensor(a, dtype=torch.float64)
+    d_mean = torch.func.grad(lambda s: random.gamma(k1, s, (20_000,), torch.float64).mean())(x)
+    assert abs(float(d_mean) - 1.0) < 0.05
+    d_log = torch.func.grad(
+        lambda s: random.loggamma(k2, s, (20_000,), torch.float64).mean())(x)
+    assert abs(float(d_log) / scipy.special.polygamma(1, a) - 1) < 0.05
+    d_beta = torch.func.grad(
+        lambda s: random.beta(k3, s, 2.0, (20_000,), torch.float64).mean())(x)
+    assert abs(float(d_beta) / (2 / (a + 2) ** 2) - 1) < 0.05

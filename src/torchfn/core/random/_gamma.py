@@ -12,8 +12,9 @@ draws), masked: with acceptance >= 0.95 per try, the chance that an element has
 not accepted is below 1e-13, and such an element would be left at its last try.
 Under ``torch.compile`` the sampler is a graph break and runs eagerly (exactly).
 
-No gradient flows to the shape parameter (JAX's implicit reparameterisation is not
-reproduced): the samples are computed from detached parameters.
+Gradients in the shape parameter are JAX's (and ``torch.distributions.Gamma.rsample``'s)
+implicit reparameterisation: the derivative of the sample at a fixed CDF value, first
+order only; ``beta``, ``dirichlet``, ``chisquare`` and ``t`` differentiate through it.
 """
 
 from __future__ import annotations
@@ -151,25 +152,68 @@ def _gamma_flat(keys: Tensor, alpha: Tensor, log_space: bool) -> Tensor:
     return d * v3 * boosted
 
 
-def _shape_param(fn: str, value, shape, dtype, device) -> tuple[Tensor, tuple[int, ...]]:
+class _StandardGammaGrad(torch.autograd.Function):
+    """``d sample / d alpha`` of Gamma(alpha, 1) samples at fixed CDF value (implicit
+    reparameterisation; torch's ``_standard_gamma_grad``, XLA's ``random_gamma_grad``),
+    with the ``vmap`` rule that the aten op lacks. Not differentiated itself."""
+
+    @staticmethod
+    def forward(alpha: Tensor, sample: Tensor) -> Tensor:
+        return torch._standard_gamma_grad(alpha, sample)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:
+        pass
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return None, None
+
+    @staticmethod
+    def vmap(info, in_dims, alpha: Tensor, sample: Tensor):
+        def batched(x: Tensor, dim: int | None) -> Tensor:
+            return x.movedim(dim, 0) if dim is not None else x.expand(info.batch_size, *x.shape)
+
+        alpha, sample = torch.broadcast_tensors(batched(alpha, in_dims[0]),
+                                                batched(sample, in_dims[1]))
+        return torch._standard_gamma_grad(alpha.contiguous(), sample.contiguous()), 0
+
+
+def _attach_grad(sample: Tensor, a: Tensor, alpha: Tensor, log_space: bool) -> Tensor:
+    """``sample`` whose derivative in ``a`` is the implicit-reparameterisation one, as
+    JAX's: ``sample + dsample/da * (a - stop_grad(a))`` (first order)."""
+    if log_space:  # d log g = dg / g; g may underflow to 0: JAX floors it at tiny
+        g = torch.exp(sample.detach())
+        g = torch.where(g == 0, torch.full_like(g, torch.finfo(g.dtype).tiny), g)
+        slope = _StandardGammaGrad.apply(alpha, g) / g
+    else:
+        slope = _StandardGammaGrad.apply(alpha, sample.detach())
+    return sample + slope * (a - a.detach())
+
+
+def _shape_param(fn: str, value, shape, dtype, device):
+    """(the parameter as given, broadcast; the same detached; the output shape)."""
     p = _param(value, fn, "a", dtype, device)
-    p = p.detach() if isinstance(p, Tensor) else _scalar(p, dtype, device)
+    p = p if isinstance(p, Tensor) else _scalar(p, dtype, device)
     if _eager_tensor(p) and not bool((p > 0).all()):
         raise ValueError(f"{fn}: the shape parameter must be > 0, got {value}")
     shape = tuple(p.shape) if shape is None else _check_shape(shape, fn)
     _check_broadcast(shape, fn, a=p)
-    return p.broadcast_to(shape), shape
+    return p.broadcast_to(shape), p.detach().broadcast_to(shape), shape
 
 
 def _gamma(fn: str, key: Tensor, a, shape, dtype, log_space: bool) -> Tensor:
     k = _check_key(key, fn)
     dtype = _check_float_dtype(dtype, fn)
-    alpha, shape = _shape_param(fn, a, shape, dtype, k.device)
+    a_t, alpha, shape = _shape_param(fn, a, shape, dtype, k.device)
     n = alpha.numel()
     if n == 0:
         return torch.empty(shape, dtype=dtype, device=k.device)
     keys = split(k, n)  # (n, 2): one key per element, as JAX
-    return _gamma_flat(keys, alpha.reshape(n), log_space).reshape(shape)
+    sample = _gamma_flat(keys, alpha.reshape(n), log_space).reshape(shape)
+    if isinstance(a, Tensor) and (a.requires_grad or not _plain(a)):  # a may be differentiated
+        sample = _attach_grad(sample, a_t, alpha, log_space)
+    return sample
 
 
 def gamma(key: Tensor, a: float | Tensor, shape: Shape | None = None,
