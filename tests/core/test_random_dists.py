@@ -22,6 +22,7 @@ CASES = GOLDEN["cases"]
 IDS = [f"seed={c['seed']}{'-x64' if c['x64'] else ''}" for c in CASES]
 ALPHA = 1e-6  # KS false-alarm level
 ALPHAS = [0.3, 1.0, 2.5, 10.0, 0.05, 1e-3, 0.999, 40.0] * 25
+LAMS = [0.0, 0.5, 3.0, 9.99, 10.0, 25.0, 150.0, 1e4] * 25
 
 
 def decode(entry: dict) -> torch.Tensor:
@@ -61,6 +62,9 @@ def ours(k: torch.Tensor, f: torch.dtype) -> dict[str, torch.Tensor]:
     cov = torch.tensor([[2.0, 0.6, 0.1], [0.6, 1.0, -0.3], [0.1, -0.3, 0.5]], dtype=f)
     mean = torch.tensor([1.0, -2.0, 0.5], dtype=f)
     out["mvn_cholesky"] = random.multivariate_normal(k, mean, cov, (40,), f, "cholesky")
+    idt = torch.int64 if f == torch.float64 else torch.int32
+    out["poisson"] = random.poisson(k, torch.tensor(LAMS, dtype=f), dtype=idt)
+    out["poisson_scalar"] = random.poisson(k, torch.tensor(4.0, dtype=f), (200,), dtype=idt)
     out["orthogonal"] = random.orthogonal(k, 5, (3,), f)
     out["orthogonal_wide"] = random.orthogonal(k, 3, (), f, m=6)
     if f == torch.float64:
@@ -83,6 +87,9 @@ def test_golden_jax_values(case):
         if value.is_floating_point():
             assert value.dtype == ref.dtype, name
             torch.testing.assert_close(value, ref, msg=name, **tol)
+        elif name == "poisson":  # JAX's values where lam < 10 (see poisson's docstring)
+            knuth = torch.tensor(LAMS) < 10
+            assert value[knuth].tolist() == ref[knuth].tolist(), name
         else:
             assert value.tolist() == ref.tolist(), name
 
@@ -133,6 +140,31 @@ def test_geometric_and_rademacher_frequencies(seed, p):
     assert scipy.stats.binomtest(int((r == 1).sum()), 4000, 0.5).pvalue > ALPHA
 
 
+@pytest.mark.parametrize("lam", [0.7, 6.0, 12.0, 80.0, 3000.0])
+@given(seed=st.integers(0, 2**31 - 1))
+def test_poisson_law(lam, seed):
+    """Chi-square over bins of at least 5 expected counts: Knuth (lam < 10) and the
+    transformed rejection (lam >= 10) both give Poisson(lam)."""
+    n = random.poisson(random.key(seed), lam, (4000,)).numpy()
+    law = scipy.stats.poisson(lam)
+    lo, hi = int(law.ppf(1e-3)), int(law.ppf(1 - 1e-3))
+    edges = list(range(lo, hi + 1))
+    expected = [law.cdf(lo - 1)] + [law.pmf(j) for j in edges[:-1]] + [law.sf(hi - 1)]
+    counts = [int((n < lo).sum())] + [int((n == j).sum()) for j in edges[:-1]] + [
+        int((n >= hi).sum())]
+    # merge neighbouring bins until each expects >= 5
+    merged_c, merged_e, c_acc, e_acc = [], [], 0, 0.0
+    for c, e in zip(counts, expected):
+        c_acc, e_acc = c_acc + c, e_acc + e * 4000
+        if e_acc >= 5:
+            merged_c.append(c_acc), merged_e.append(e_acc)
+            c_acc, e_acc = 0, 0.0
+    merged_c[-1] += c_acc
+    merged_e[-1] += e_acc
+    scale = sum(merged_c) / sum(merged_e)
+    assert scipy.stats.chisquare(merged_c, [e * scale for e in merged_e]).pvalue > ALPHA
+
+
 def test_gamma_loop_under_vmap_equals_the_eager_loop():
     """Under vmap the gamma family runs fixed, masked rounds; eagerly it loops until
     every element accepts. Both must give each key's own samples."""
@@ -141,7 +173,8 @@ def test_gamma_loop_under_vmap_equals_the_eager_loop():
     for fn in (lambda k: random.gamma(k, a), lambda k: random.loggamma(k, a),
                lambda k: random.beta(k, 0.4, 0.4, (40,)),
                lambda k: random.dirichlet(k, torch.tensor([0.2, 1.0, 5.0]), (7,)),
-               lambda k: random.t(k, 3.0, (30,))):
+               lambda k: random.t(k, 3.0, (30,)),
+               lambda k: random.poisson(k, torch.tensor([0.0, 2.0, 9.5, 30.0] * 5))):
         batched = torch.func.vmap(fn)(keys)
         looped = torch.stack([fn(k) for k in keys])
         assert torch.equal(batched, looped)
@@ -231,6 +264,7 @@ def test_parameter_tensors_broadcast_to_the_shape():
     (lambda k: random.multivariate_normal(k, torch.zeros(2), torch.eye(2), method="qr"),
      ValueError, "method must be one of"),
     (lambda k: random.orthogonal(k, 0), ValueError, "orthogonal: n must be an int >= 1, got 0"),
+    (lambda k: random.poisson(k, -1.0), ValueError, "poisson: lam must be >= 0, got -1"),
 ])
 def test_bad_input(call, exc, match):
     with pytest.raises(exc, match=match):

@@ -146,6 +146,9 @@ for seed in json.loads(sys.argv[2]):
     # eigh / svd: the factor's column signs are the backend's own, so only the law
     # (not the values) is shared with JAX; the tests check those two statistically
     c["mvn_cholesky"] = enc(jr.multivariate_normal(k, mean, cov, (40,), f, "cholesky"))
+    lams = jnp.array([0.0, 0.5, 3.0, 9.99, 10.0, 25.0, 150.0, 1e4] * 25, f)
+    c["poisson"] = enc(jr.poisson(k, lams))
+    c["poisson_scalar"] = enc(jr.poisson(k, 4.0, (200,)))
     c["orthogonal"] = enc(jr.orthogonal(k, 5, (3,), f))
     c["orthogonal_wide"] = enc(jr.orthogonal(k, 3, (), f, m=6))
     out.append(c)

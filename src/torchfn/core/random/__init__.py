@@ -14,7 +14,7 @@ the same seed; ``normal`` and ``truncated_normal`` reproduce XLA's float32
 XLA's); float64 follows JAX with ``jax_enable_x64`` (64 random bits per sample).
 The distributions built on them (``exponential``, ``laplace``, ``logistic``,
 ``cauchy``, ``rademacher``, ``lognormal``, ``pareto``, ``weibull_min``, ``rayleigh``,
-``maxwell``, ``geometric``, ``triangular``) and the gamma family (``gamma``,
+``maxwell``, ``geometric``, ``triangular``, ``poisson``) and the gamma family (``gamma``,
 ``loggamma``, ``beta``, ``dirichlet``, ``chisquare``, ``t``, JAX's per-element
 rejection loops included) give JAX's values to float rounding;
 ``multivariate_normal`` and ``orthogonal`` do to the rounding of the factorisations.
@@ -57,6 +57,7 @@ from torchfn.core.random._univariate import (
     lognormal,
     maxwell,
     pareto,
+    poisson,
     rademacher,
     rayleigh,
     triangular,
@@ -89,6 +90,7 @@ __all__ = [
     "maxwell",
     "geometric",
     "triangular",
+    "poisson",
     "gamma",
     "loggamma",
     "beta",

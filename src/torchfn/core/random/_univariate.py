@@ -1,7 +1,7 @@
 """Univariate samplers built on ``uniform`` / ``normal`` / ``bernoulli``, each the
 same transform of the same bits as its ``jax.random`` namesake: ``exponential``,
 ``laplace``, ``logistic``, ``cauchy``, ``rademacher``, ``lognormal``, ``pareto``,
-``weibull_min``, ``rayleigh``, ``maxwell``, ``geometric``, ``triangular``.
+``weibull_min``, ``rayleigh``, ``maxwell``, ``geometric``, ``triangular``, ``poisson``.
 
 They agree with JAX to a few ulp (torch's ``log``/``log1p``/``tan`` are not XLA's).
 """
@@ -14,6 +14,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from torchfn.core._eager import plain as _plain
 from torchfn.core.random._checks import (
     _check_broadcast,
     _check_float_dtype,
@@ -25,6 +26,7 @@ from torchfn.core.random._checks import (
 )
 from torchfn.core.random._discrete import bernoulli
 from torchfn.core.random._floats import normal, uniform
+from torchfn.core.random._keys import split
 
 Shape = int | Sequence[int]
 
@@ -275,3 +277,89 @@ def triangular(key: Tensor, left: float | Tensor, mode: float | Tensor, right: f
     out1 = lo + torch.sqrt(u * (hi - lo) * (md - lo))
     out2 = hi - torch.sqrt((1 - u) * (hi - lo) * (hi - md))
     return torch.where(u < fc, out1, out2)
+
+
+_KNUTH_ROUNDS = 64  # under transforms: P(Poisson(10) >= 64) is about 1e-28
+_REJECTION_ROUNDS = 32  # under transforms: each round accepts with probability > 0.9
+
+
+def _poisson_knuth(k: Tensor, lam: Tensor, eager: bool) -> Tensor:
+    """JAX's Knuth loop: count uniforms until their product falls below exp(-lam); one
+    key for all elements, split once per round (rounds past an element's end keep it)."""
+    count = torch.zeros(lam.shape, dtype=torch.int64, device=lam.device)
+    log_prod = torch.zeros(lam.shape, dtype=torch.float32, device=lam.device)
+    rng, rounds = k, 0
+    while (bool((log_prod > -lam).any()) if eager else rounds < _KNUTH_ROUNDS):
+        rng, sub = split(rng)
+        count = torch.where(log_prod > -lam, count + 1, count)
+        log_prod = log_prod + torch.log(uniform(sub, tuple(lam.shape), torch.float32))
+        rounds += 1
+    return count - 1
+
+
+def _poisson_rejection(k: Tensor, lam: Tensor, eager: bool) -> Tensor:
+    """JAX's transformed rejection (Hormann's PTRS) for lam >= 10."""
+    log_lam = torch.log(lam)
+    b = 0.931 + 2.53 * torch.sqrt(lam)
+    a = -0.059 + 0.02483 * b
+    inv_alpha = 1.1239 + 1.1328 / (b - 3.4)
+    v_r = 0.9277 - 3.6224 / (b - 2)
+    k_out = torch.full(lam.shape, -1.0, dtype=lam.dtype, device=lam.device)
+    accepted = torch.zeros(lam.shape, dtype=torch.bool, device=lam.device)
+    rng, rounds = k, 0
+    while (not bool(accepted.all()) if eager else rounds < _REJECTION_ROUNDS):
+        rng, k0, k1 = split(rng, 3)
+        u = uniform(k0, tuple(lam.shape), lam.dtype) - 0.5
+        v = uniform(k1, tuple(lam.shape), lam.dtype)
+        u_shifted = 0.5 - u.abs()
+        kk = torch.floor((2 * a / u_shifted + b) * u + lam + 0.43)
+        s = torch.log(v * inv_alpha / (a / (u_shifted * u_shifted) + b))
+        t = -lam + kk * log_lam - torch.lgamma(kk + 1)
+        accept1 = (u_shifted >= 0.07) & (v <= v_r)
+        reject = (kk < 0) | ((u_shifted < 0.013) & (v > u_shifted))
+        # JAX's loop condition, as a mask: no round runs once every element accepted
+        # (a later accept would overwrite the count; the eager loop has stopped there)
+        running = ~accepted.all()
+        accept = (accept1 | (~reject & (s <= t))) & running
+        k_out = torch.where(accept, kk, k_out)
+        accepted = accepted | accept
+        rounds += 1
+    return k_out
+
+
+def poisson(key: Tensor, lam: float | Tensor, shape: Shape | None = None,
+            dtype: torch.dtype = torch.int32) -> Tensor:
+    """Poisson(lam) counts, lam >= 0 (``jax.random.poisson``): Knuth's product of
+    uniforms where lam < 10, transformed rejection elsewhere, each on one key for all
+    elements as JAX does. Where lam < 10 the counts are JAX's. Where lam >= 10 the law
+    is, and most counts: JAX's rejection loop keeps the last accepted proposal of every
+    round until all elements have accepted, and its float32 acceptance test cancels
+    terms of size lam log(lam), so an ulp of ``lgamma`` can add a round, and change
+    the counts (as between JAX on two backends).
+
+    In plain eager mode the loops run until every element is done; under ``vmap``,
+    ``grad`` or ``torch.compile`` they run a fixed number of rounds (64 and 32), past
+    which an element is left unfinished with probability below 1e-28.
+
+    Example::
+
+        >>> from torchfn import random
+        >>> n = random.poisson(random.key(0), 3.5, (10_000,))
+        >>> n.dtype, abs(float(n.float().mean()) - 3.5) < 0.1
+        (torch.int32, True)
+    """
+    k = _check_key(key, "poisson")
+    if isinstance(lam, (int, float)) and not isinstance(lam, bool) and not lam >= 0:
+        raise ValueError(f"poisson: lam must be >= 0, got {lam}")
+    if _eager_tensor(lam) and not bool((lam >= 0).all()):
+        raise ValueError(f"poisson: lam must be >= 0, got {lam}")
+    fdtype = lam.dtype if isinstance(lam, Tensor) and lam.is_floating_point() else torch.float32
+    shape, p = _params_shape("poisson", shape, fdtype, k.device, lam=lam)
+    lam_t = p["lam"].broadcast_to(shape)
+    eager = _plain(k) and _plain(lam_t)
+    use_knuth = torch.isnan(lam_t) | (lam_t < 10)
+    knuth = _poisson_knuth(k, torch.where(use_knuth, lam_t, torch.zeros_like(lam_t)), eager)
+    rejection = _poisson_rejection(
+        k, torch.where(use_knuth, torch.full_like(lam_t, 1e5), lam_t), eager)
+    out = torch.where(use_knuth, knuth.to(fdtype), rejection)
+    return torch.where(lam_t == 0, torch.zeros_like(out), out).to(dtype)
