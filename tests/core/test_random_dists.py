@@ -23,6 +23,9 @@ IDS = [f"seed={c['seed']}{'-x64' if c['x64'] else ''}" for c in CASES]
 ALPHA = 1e-6  # KS false-alarm level
 ALPHAS = [0.3, 1.0, 2.5, 10.0, 0.05, 1e-3, 0.999, 40.0] * 25
 LAMS = [0.0, 0.5, 3.0, 9.99, 10.0, 25.0, 150.0, 1e4] * 25
+# draw their random signs by rademacher's bernoulli(0.5), which JAX's x64 mode draws in
+# float64 (see ``ours``)
+X64_SIGNS = {"rademacher", "double_sided_maxwell", "generalized_normal", "ball"}
 
 
 def decode(entry: dict) -> torch.Tensor:
@@ -38,7 +41,8 @@ def ours(k: torch.Tensor, f: torch.dtype) -> dict[str, torch.Tensor]:
     """The same calls as make_jax_golden.py's DISTS_CHILD. JAX's x64 mode draws
     ``geometric(k, 0.3)`` and ``rademacher``'s ``bernoulli(k, 0.5)`` from float64
     uniforms: here a float64 ``p`` does that for geometric; rademacher has no such
-    argument (it draws as JAX's default mode), so it is left out of the x64 cases."""
+    argument (it draws as JAX's default mode), so it and the samplers that draw signs
+    with it are left out of the x64 cases."""
     out = {
         "exponential": random.exponential(k, (200,), f),
         "laplace": random.laplace(k, (200,), f),
@@ -65,10 +69,16 @@ def ours(k: torch.Tensor, f: torch.dtype) -> dict[str, torch.Tensor]:
     idt = torch.int64 if f == torch.float64 else torch.int32
     out["poisson"] = random.poisson(k, torch.tensor(LAMS, dtype=f), dtype=idt)
     out["poisson_scalar"] = random.poisson(k, torch.tensor(4.0, dtype=f), (200,), dtype=idt)
+    out["wald"] = random.wald(k, 1.7, (200,), f)
+    out["double_sided_maxwell"] = random.double_sided_maxwell(k, 0.5, 2.0, (200,), f)
+    out["f"] = random.f(k, 5.0, 7.0, (200,), f)
+    out["generalized_normal"] = random.generalized_normal(k, 1.5, (200,), f)
+    out["ball"] = random.ball(k, 3, 1.5, (40,), f)
     out["orthogonal"] = random.orthogonal(k, 5, (3,), f)
     out["orthogonal_wide"] = random.orthogonal(k, 3, (), f, m=6)
     if f == torch.float64:
-        del out["rademacher"]
+        for name in X64_SIGNS:
+            del out[name]
     return out
 
 
@@ -80,18 +90,34 @@ def test_golden_jax_values(case):
     f = torch.float64 if case["x64"] else torch.float32
     tol = dict(rtol=1e-12, atol=1e-12) if case["x64"] else dict(rtol=4e-6, atol=2e-6)
     got = ours(random.key(case["seed"]), f)
-    assert set(got) == set(case) - {"seed", "x64"} - ({"rademacher"} if case["x64"] else set())
+    assert set(got) == set(case) - {"seed", "x64"} - (X64_SIGNS if case["x64"] else set())
     for name, value in got.items():
         ref = decode(case[name])
         assert value.shape == ref.shape, name
         if value.is_floating_point():
             assert value.dtype == ref.dtype, name
-            torch.testing.assert_close(value, ref, msg=name, **tol)
+            # wald's x = mu + mu^2 y / 2 - (mu / 2) sqrt(...) cancels: a few ulp of the
+            # normal it is made from become ~1e-5 relative
+            loose = dict(tol, rtol=2e-5) if name == "wald" and not case["x64"] else tol
+            torch.testing.assert_close(value, ref, msg=name, **loose)
         elif name == "poisson":  # JAX's values where lam < 10 (see poisson's docstring)
             knuth = torch.tensor(LAMS) < 10
             assert value[knuth].tolist() == ref[knuth].tolist(), name
         else:
             assert value.tolist() == ref.tolist(), name
+
+
+class _DoubleSidedMaxwell:
+    """|X - loc| / scale is Maxwell, the sign is fair."""
+
+    def __init__(self, loc, scale):
+        self.loc, self.scale = loc, scale
+
+    def cdf(self, x):
+        import numpy as np
+
+        z = (np.asarray(x) - self.loc) / self.scale
+        return 0.5 + 0.5 * np.sign(z) * scipy.stats.maxwell.cdf(np.abs(z))
 
 
 @pytest.mark.parametrize("name,sample,law", [
@@ -112,6 +138,12 @@ def test_golden_jax_values(case):
     ("beta", lambda k: random.beta(k, 0.4, 2.0, (4000,)), scipy.stats.beta(0.4, 2.0)),
     ("chisquare", lambda k: random.chisquare(k, 3.0, (4000,)), scipy.stats.chi2(3.0)),
     ("t", lambda k: random.t(k, 4.0, (4000,)), scipy.stats.t(4.0)),
+    ("f", lambda k: random.f(k, 5.0, 7.0, (4000,)), scipy.stats.f(5.0, 7.0)),
+    ("wald", lambda k: random.wald(k, 1.7, (4000,)), scipy.stats.invgauss(1.7)),
+    ("double_sided_maxwell", lambda k: random.double_sided_maxwell(k, 0.5, 2.0, (4000,)),
+     _DoubleSidedMaxwell(0.5, 2.0)),
+    ("generalized_normal", lambda k: random.generalized_normal(k, 1.5, (4000,)),
+     scipy.stats.gennorm(1.5)),
     ("dirichlet_marginal",
      lambda k: random.dirichlet(k, torch.tensor([0.5, 1.0, 3.0]), (4000,))[:, 2],
      scipy.stats.beta(3.0, 1.5)),
@@ -163,6 +195,16 @@ def test_poisson_law(lam, seed):
     merged_e[-1] += e_acc
     scale = sum(merged_c) / sum(merged_e)
     assert scipy.stats.chisquare(merged_c, [e * scale for e in merged_e]).pvalue > ALPHA
+
+
+@given(seed=st.integers(0, 2**31 - 1), p=st.sampled_from([1.0, 1.5, 2.0, 4.0]))
+def test_ball_is_uniform_in_the_p_ball(seed, p):
+    """The p-norm of a uniform point in the d-ball has CDF r^d."""
+    d = 3
+    x = random.ball(random.key(seed), d, p, (4000,), torch.float64)
+    r = (x.abs() ** p).sum(-1) ** (1 / p)
+    assert bool((r <= 1).all())
+    assert scipy.stats.kstest(r.numpy(), lambda v: v**d).pvalue > ALPHA
 
 
 def test_gamma_loop_under_vmap_equals_the_eager_loop():

@@ -14,9 +14,10 @@ the same seed; ``normal`` and ``truncated_normal`` reproduce XLA's float32
 XLA's); float64 follows JAX with ``jax_enable_x64`` (64 random bits per sample).
 The distributions built on them (``exponential``, ``laplace``, ``logistic``,
 ``cauchy``, ``rademacher``, ``lognormal``, ``pareto``, ``weibull_min``, ``rayleigh``,
-``maxwell``, ``geometric``, ``triangular``, ``poisson``) and the gamma family (``gamma``,
-``loggamma``, ``beta``, ``dirichlet``, ``chisquare``, ``t``, JAX's per-element
-rejection loops included) give JAX's values to float rounding;
+``maxwell``, ``double_sided_maxwell``, ``wald``, ``geometric``, ``triangular``) and
+the gamma family (``gamma``, ``loggamma``, ``beta``, ``dirichlet``, ``chisquare``,
+``t``, ``f``, ``generalized_normal``, ``ball``, JAX's per-element rejection loops
+included) give JAX's values to float rounding; ``poisson`` does where lam < 10;
 ``multivariate_normal`` and ``orthogonal`` do to the rounding of the factorisations.
 
 **Key format.** A key is a ``torch.int32`` tensor of shape ``(2,)`` holding the
@@ -44,12 +45,23 @@ from torchfn.core.random._bits import bits
 from torchfn.core.random._checks import KEY_DTYPE
 from torchfn.core.random._discrete import bernoulli, categorical, choice, permutation
 from torchfn.core.random._floats import gumbel, normal, truncated_normal, uniform
-from torchfn.core.random._gamma import beta, chisquare, dirichlet, gamma, loggamma, t
+from torchfn.core.random._gamma import (
+    ball,
+    beta,
+    chisquare,
+    dirichlet,
+    f,
+    gamma,
+    generalized_normal,
+    loggamma,
+    t,
+)
 from torchfn.core.random._integers import randint
 from torchfn.core.random._keys import fold_in, key, split
 from torchfn.core.random._multivariate import multivariate_normal, orthogonal
 from torchfn.core.random._univariate import (
     cauchy,
+    double_sided_maxwell,
     exponential,
     geometric,
     laplace,
@@ -61,6 +73,7 @@ from torchfn.core.random._univariate import (
     rademacher,
     rayleigh,
     triangular,
+    wald,
     weibull_min,
 )
 
@@ -91,12 +104,17 @@ __all__ = [
     "geometric",
     "triangular",
     "poisson",
+    "wald",
+    "double_sided_maxwell",
     "gamma",
     "loggamma",
     "beta",
     "dirichlet",
     "chisquare",
     "t",
+    "f",
+    "generalized_normal",
+    "ball",
     "multivariate_normal",
     "orthogonal",
     "KEY_DTYPE",

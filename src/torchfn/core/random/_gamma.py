@@ -1,5 +1,5 @@
 """Gamma and the samplers built on it: ``gamma``, ``loggamma``, ``beta``, ``dirichlet``,
-``chisquare``, ``t``, with ``jax.random``'s bits.
+``chisquare``, ``t``, ``f``, ``generalized_normal``, ``ball``, with ``jax.random``'s bits.
 
 JAX draws each gamma variate by Marsaglia & Tsang's rejection method, with its own
 key: ``split(key, n)`` gives one key per element, and each element loops (split,
@@ -38,6 +38,7 @@ from torchfn.core.random._checks import (
 )
 from torchfn.core.random._floats import _normal_finish, normal
 from torchfn.core.random._keys import split
+from torchfn.core.random._univariate import exponential, rademacher
 
 Shape = int | Sequence[int]
 
@@ -345,3 +346,79 @@ def t(key: Tensor, df: float | Tensor, shape: Shape | None = None,
     half_df = p / 2
     g = gamma(key_g, half_df, shape, dtype)
     return z * torch.sqrt(half_df / g)
+
+
+def f(key: Tensor, dfnum: float | Tensor, dfden: float | Tensor, shape: Shape | None = None,
+      dtype: torch.dtype = torch.float32) -> Tensor:
+    """F-distribution samples: a ratio of chi-squares over their degrees of freedom
+    (``jax.random.f``).
+
+    Example::
+
+        >>> from torchfn import random
+        >>> x = random.f(random.key(0), 5.0, 10.0, (10_000,))
+        >>> abs(float(x.mean()) - 10 / 8) < 0.05  # dfden / (dfden - 2)
+        True
+    """
+    k = _check_key(key, "f")
+    dtype = _check_float_dtype(dtype, "f")
+    num = _param(dfnum, "f", "dfnum", dtype, k.device)
+    den = _param(dfden, "f", "dfden", dtype, k.device)
+    num = num if isinstance(num, Tensor) else _scalar(num, dtype, k.device)
+    den = den if isinstance(den, Tensor) else _scalar(den, dtype, k.device)
+    if shape is None:
+        shape = tuple(torch.broadcast_shapes(num.shape, den.shape))
+    shape = _check_shape(shape, "f")
+    _check_broadcast(shape, "f", dfnum=num, dfden=den)
+    key_den, key_num = split(k)
+    chi_num = chisquare(key_num, num.broadcast_to(shape), shape, dtype)
+    chi_den = chisquare(key_den, den.broadcast_to(shape), shape, dtype)
+    return (chi_num / num) / (chi_den / den)
+
+
+def generalized_normal(key: Tensor, p: float, shape: Shape = (),
+                       dtype: torch.dtype = torch.float32) -> Tensor:
+    """Samples with density proportional to ``exp(-|x|^p)``, p > 0: a random sign
+    times ``Gamma(1/p)^(1/p)`` (``jax.random.generalized_normal``; p = 2 is a normal
+    with variance 1/2, p = 1 a Laplace).
+
+    Example::
+
+        >>> from torchfn import random
+        >>> x = random.generalized_normal(random.key(0), 2.0, (10_000,))
+        >>> abs(float(x.var()) - 0.5) < 0.03
+        True
+    """
+    k = _check_key(key, "generalized_normal")
+    dtype = _check_float_dtype(dtype, "generalized_normal")
+    if isinstance(p, bool) or not isinstance(p, (int, float)) or not p > 0:
+        raise ValueError(f"generalized_normal: p must be a number > 0, got {p!r}")
+    shape = _check_shape(shape, "generalized_normal")
+    k_gamma, k_sign = split(k)
+    g = gamma(k_gamma, 1 / p, shape, dtype)
+    r = rademacher(k_sign, shape, dtype)
+    return r * g ** (1 / p)
+
+
+def ball(key: Tensor, d: int, p: float = 2, shape: Shape = (),
+         dtype: torch.dtype = torch.float32) -> Tensor:
+    """Points uniform in the unit ``p``-norm ball of dimension ``d``
+    (``jax.random.ball``): ``shape + (d,)``.
+
+    Example::
+
+        >>> import torch
+        >>> from torchfn import random
+        >>> x = random.ball(random.key(0), 3, shape=(1000,))
+        >>> x.shape, bool((torch.linalg.vector_norm(x, dim=-1) <= 1).all())
+        (torch.Size([1000, 3]), True)
+    """
+    k = _check_key(key, "ball")
+    dtype = _check_float_dtype(dtype, "ball")
+    if isinstance(d, bool) or not isinstance(d, int) or d < 1:
+        raise ValueError(f"ball: d must be an int >= 1, got {d!r}")
+    shape = _check_shape(shape, "ball")
+    k1, k2 = split(k)
+    g = generalized_normal(k1, p, (*shape, d), dtype)  # (*shape, d)
+    e = exponential(k2, shape, dtype)  # (*shape,)
+    return g / (((g.abs() ** p).sum(-1) + e) ** (1 / p))[..., None]

@@ -363,3 +363,59 @@ def poisson(key: Tensor, lam: float | Tensor, shape: Shape | None = None,
         k, torch.where(use_knuth, torch.full_like(lam_t, 1e5), lam_t), eager)
     out = torch.where(use_knuth, knuth.to(fdtype), rejection)
     return torch.where(lam_t == 0, torch.zeros_like(out), out).to(dtype)
+
+
+def wald(key: Tensor, mean: float | Tensor, shape: Shape | None = None,
+         dtype: torch.dtype = torch.float32) -> Tensor:
+    """Wald (inverse Gaussian, unit shape) samples with the given ``mean`` > 0, by
+    Michael, Schucany and Haas's transformation (``jax.random.wald``).
+
+    Example::
+
+        >>> from torchfn import random
+        >>> x = random.wald(random.key(0), 2.0, (10_000,))
+        >>> bool((x > 0).all()) and abs(float(x.mean()) - 2) < 0.15
+        True
+    """
+    k = _check_key(key, "wald")
+    dtype = _check_float_dtype(dtype, "wald")
+    _check_positive("wald", mean=mean)
+    shape, p = _params_shape("wald", shape, dtype, k.device, mean=mean)
+    mu = p["mean"].broadcast_to(shape)
+    k1, k2 = split(k)
+    v = normal(k1, shape, dtype)
+    z = uniform(k2, shape, dtype)
+    y = v * v
+    mu2 = mu * mu
+    root = torch.sqrt(4 * mu * y + mu2 * (y * y))
+    x = mu + mu2 * y / 2 - mu / 2 * root
+    return torch.where(z <= mu / (mu + x), x, mu2 / x)
+
+
+def double_sided_maxwell(key: Tensor, loc: float | Tensor, scale: float | Tensor,
+                         shape: Shape = (), dtype: torch.dtype = torch.float32) -> Tensor:
+    """Maxwell samples with a random sign, shifted and scaled: ``s * m * scale + loc``
+    (``jax.random.double_sided_maxwell``). As JAX, the result has shape
+    ``shape + broadcast(loc, scale).shape``.
+
+    Example::
+
+        >>> from torchfn import random
+        >>> x = random.double_sided_maxwell(random.key(0), 1.0, 2.0, (10_000,))
+        >>> abs(float(x.mean()) - 1) < 0.1 and abs(float(x.var()) - 12) < 1  # 3 scale^2
+        True
+    """
+    k = _check_key(key, "double_sided_maxwell")
+    dtype = _check_float_dtype(dtype, "double_sided_maxwell")
+    _check_positive("double_sided_maxwell", scale=scale)
+    lo = _param(loc, "double_sided_maxwell", "loc", dtype, k.device)
+    sc = _param(scale, "double_sided_maxwell", "scale", dtype, k.device)
+    lo = lo if isinstance(lo, Tensor) else _scalar(lo, dtype, k.device)
+    sc = sc if isinstance(sc, Tensor) else _scalar(sc, dtype, k.device)
+    params = tuple(torch.broadcast_shapes(lo.shape, sc.shape))
+    shape = _check_shape(shape, "double_sided_maxwell")
+    shape = (shape or params) + params
+    k_maxwell, k_sign = split(k)
+    m = maxwell(k_maxwell, shape, dtype)
+    sign = rademacher(k_sign, shape, dtype)
+    return sign * m * sc + lo
