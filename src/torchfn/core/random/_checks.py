@@ -113,3 +113,16 @@ def _check_less(lo, hi, fn: str, lo_name: str, hi_name: str) -> None:
 
 def _scalar(value: float, dtype: torch.dtype, device) -> Tensor:
     return torch.tensor(value, dtype=dtype, device=device)
+
+
+def _params_shape(fn: str, shape, dtype, device, **params) -> tuple[tuple[int, ...], dict]:
+    """Params as ``dtype`` tensors or floats, and the output shape: ``shape``, or the
+    params' broadcast shape when it is None (JAX's ``_check_broadcast_shapes``)."""
+    out = {n: _param(v, fn, n, dtype, device) for n, v in params.items()}
+    if shape is None:
+        shape = tuple(torch.broadcast_shapes(*[v.shape for v in out.values()
+                                                 if isinstance(v, Tensor)]))
+    shape = _check_shape(shape, fn)
+    _check_broadcast(shape, fn, **out)
+    return shape, {n: v if isinstance(v, Tensor) else _scalar(v, dtype, device)
+                   for n, v in out.items()}

@@ -34,6 +34,7 @@ from torchfn.core.random._checks import (
     _check_shape,
     _eager_tensor,
     _param,
+    _params_shape,
     _scalar,
 )
 from torchfn.core.random._floats import _normal_finish, normal
@@ -265,17 +266,10 @@ def beta(key: Tensor, a: float | Tensor, b: float | Tensor, shape: Shape | None 
     """
     k = _check_key(key, "beta")
     dtype = _check_float_dtype(dtype, "beta")
-    pa = _param(a, "beta", "a", dtype, k.device)
-    pb = _param(b, "beta", "b", dtype, k.device)
-    pa = pa if isinstance(pa, Tensor) else _scalar(pa, dtype, k.device)
-    pb = pb if isinstance(pb, Tensor) else _scalar(pb, dtype, k.device)
-    if shape is None:
-        shape = tuple(torch.broadcast_shapes(pa.shape, pb.shape))
-    shape = _check_shape(shape, "beta")
-    _check_broadcast(shape, "beta", a=pa, b=pb)
+    shape, p = _params_shape("beta", shape, dtype, k.device, a=a, b=b)
     key_a, key_b = split(k)
-    log_a = loggamma(key_a, pa.broadcast_to(shape), shape, dtype)
-    log_b = loggamma(key_b, pb.broadcast_to(shape), shape, dtype)
+    log_a = loggamma(key_a, p["a"].broadcast_to(shape), shape, dtype)
+    log_b = loggamma(key_b, p["b"].broadcast_to(shape), shape, dtype)
     log_max = torch.maximum(log_a, log_b)
     ga, gb = torch.exp(log_a - log_max), torch.exp(log_b - log_max)
     return ga / (ga + gb)
@@ -362,14 +356,8 @@ def f(key: Tensor, dfnum: float | Tensor, dfden: float | Tensor, shape: Shape | 
     """
     k = _check_key(key, "f")
     dtype = _check_float_dtype(dtype, "f")
-    num = _param(dfnum, "f", "dfnum", dtype, k.device)
-    den = _param(dfden, "f", "dfden", dtype, k.device)
-    num = num if isinstance(num, Tensor) else _scalar(num, dtype, k.device)
-    den = den if isinstance(den, Tensor) else _scalar(den, dtype, k.device)
-    if shape is None:
-        shape = tuple(torch.broadcast_shapes(num.shape, den.shape))
-    shape = _check_shape(shape, "f")
-    _check_broadcast(shape, "f", dfnum=num, dfden=den)
+    shape, p = _params_shape("f", shape, dtype, k.device, dfnum=dfnum, dfden=dfden)
+    num, den = p["dfnum"], p["dfden"]
     key_den, key_num = split(k)
     chi_num = chisquare(key_num, num.broadcast_to(shape), shape, dtype)
     chi_den = chisquare(key_den, den.broadcast_to(shape), shape, dtype)

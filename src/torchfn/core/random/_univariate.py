@@ -16,12 +16,12 @@ from torch import Tensor
 
 from torchfn.core._eager import plain as _plain
 from torchfn.core.random._checks import (
-    _check_broadcast,
     _check_float_dtype,
     _check_key,
     _check_shape,
     _eager_tensor,
     _param,
+    _params_shape,
     _scalar,
 )
 from torchfn.core.random._discrete import bernoulli
@@ -33,19 +33,6 @@ Shape = int | Sequence[int]
 
 def _epsneg(dtype: torch.dtype) -> float:
     return torch.finfo(dtype).eps / 2  # numpy's finfo.epsneg for binary floats
-
-
-def _params_shape(fn: str, shape, dtype, device, **params) -> tuple[tuple[int, ...], dict]:
-    """Params as ``dtype`` tensors or floats, and the output shape: ``shape``, or the
-    params' broadcast shape when it is None (JAX's ``_check_broadcast_shapes``)."""
-    out = {n: _param(v, fn, n, dtype, device) for n, v in params.items()}
-    if shape is None:
-        shape = tuple(torch.broadcast_shapes(*[v.shape for v in out.values()
-                                                 if isinstance(v, Tensor)]))
-    shape = _check_shape(shape, fn)
-    _check_broadcast(shape, fn, **out)
-    return shape, {n: v if isinstance(v, Tensor) else _scalar(v, dtype, device)
-                   for n, v in out.items()}
 
 
 def _check_positive(fn: str, **params) -> None:
