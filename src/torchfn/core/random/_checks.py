@@ -116,7 +116,7 @@ def _scalar(value: float, dtype: torch.dtype, device) -> Tensor:
 
 
 def _params_shape(fn: str, shape, dtype, device, **params) -> tuple[tuple[int, ...], dict]:
-    """Params as ``dtype`` tensors or floats, and the output shape: ``shape``, or the
+    """Params (numbers or tensors) as ``dtype`` tensors, and the output shape: ``shape``, or the
     params' broadcast shape when it is None (JAX's ``_check_broadcast_shapes``)."""
     out = {n: _param(v, fn, n, dtype, device) for n, v in params.items()}
     if shape is None:
