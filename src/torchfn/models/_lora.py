@@ -40,10 +40,11 @@ class LoRALinear(nn.Module):
     Example:
         >>> import torch
         >>> from torch import nn
+        >>> from torchfn import random
         >>> layer = LoRALinear(nn.Linear(4, 3), rank=2)
         >>> layer.lora_A.shape, layer.lora_B.shape
         (torch.Size([2, 4]), torch.Size([3, 2]))
-        >>> x = torch.randn(5, 4)
+        >>> x = random.normal(random.key(1), (5, 4))
         >>> torch.equal(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias))
         True
     """
@@ -140,7 +141,7 @@ def with_lora(
         >>> frozen, adapters = models.split_lora(params)
         >>> def loss(adapters, x):  # only the adapters are trained
         ...     return lora.apply({**frozen, **adapters}, x).square().sum()
-        >>> x = torch.randn(5, 8)
+        >>> x = random.normal(random.key(1), (5, 8))
         >>> per_example = torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0))(adapters, x)
         >>> per_example["0.lora_A"].shape
         torch.Size([5, 4, 8])

@@ -54,7 +54,8 @@ def newton_schulz(
 
     Example:
         >>> import torch
-        >>> x = torch.randn(3, 8, 4, generator=torch.Generator().manual_seed(0))
+        >>> from torchfn import random
+        >>> x = random.normal(random.key(0), (3, 8, 4))
         >>> s = torch.linalg.svdvals(newton_schulz(x, dtype=None))  # (3, 4)
         >>> bool(((s > 0.6) & (s < 1.3)).all())
         True
@@ -131,8 +132,8 @@ def muon(
         >>> params = {"hidden": torch.ones(8, 8), "head": torch.ones(8), "emb": torch.ones(5, 8)}
         >>> labels = lambda p: {k: "muon" if k == "hidden" else "adamw" for k in p}
         >>> tx = optim.partition({"muon": optim.muon(0.02), "adamw": optim.adamw(3e-4)}, labels)
-        >>> grads = {k: torch.randn(v.shape, generator=torch.Generator().manual_seed(0))
-        ...          for k, v in params.items()}
+        >>> from torchfn import random
+        >>> grads = {k: random.normal(random.key(0), tuple(v.shape)) for k, v in params.items()}
         >>> u, state = tx.update(grads, tx.init(params), params)
         >>> u["hidden"].shape
         torch.Size([8, 8])
