@@ -136,7 +136,7 @@ def adafactor(
             torch.minimum(lr_t.to(torch.float64), torch.rsqrt(t)))
 
         # in place on the fresh (R, C) temporaries, where no transform or autograd looks
-        fresh = _ops.fast() and not (torch.is_grad_enabled() and any(x.requires_grad for x in g))
+        fresh = _ops.can_mutate(g)
         updates, new_rows, new_cols, new_nus = [], [], [], []
         for gi, pi, r, c, v in zip(g, p, rows, cols, nus):
             floor = torch.finfo(pi.dtype).eps if eps1 is None else eps1

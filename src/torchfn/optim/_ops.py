@@ -33,7 +33,9 @@ def fast() -> bool:
     return not torch._C._are_functorch_transforms_active()
 
 
-def _can_mutate(xs: Sequence[Tensor]) -> bool:
+def can_mutate(xs: Sequence[Tensor]) -> bool:
+    """True when fresh temporaries computed from ``xs`` may be updated in place: no
+    transform active, and no autograd graph through ``xs``."""
     if not fast():
         return False
     if torch.is_grad_enabled() and any(x.requires_grad for x in xs):
@@ -44,7 +46,7 @@ def _can_mutate(xs: Sequence[Tensor]) -> bool:
 def can_donate(xs: Sequence[Tensor], *scalars: Scalar) -> bool:
     """True when donated state buffers ``xs`` may be overwritten in place: eager,
     no autograd on them, plain Python hyperparameters."""
-    return bool(xs) and _can_mutate(xs) and not any(_is_tensor(s) for s in scalars)
+    return bool(xs) and can_mutate(xs) and not any(_is_tensor(s) for s in scalars)
 
 
 def _is_tensor(s: Scalar) -> bool:
@@ -62,7 +64,7 @@ def mul(xs: Leaves, s: Scalar) -> Leaves:
 
 def mul_(xs: Leaves, s: Scalar) -> Leaves:
     """``[x * s]``, in place on fresh ``xs`` when allowed."""
-    if xs and _can_mutate(xs):
+    if xs and can_mutate(xs):
         torch._foreach_mul_(xs, s)
         return xs
     return mul(xs, s)
@@ -80,7 +82,7 @@ def div_list(xs: Leaves, ys: Leaves) -> Leaves:
 def div_into_(xs: Leaves, ys: Leaves) -> Leaves:
     """``[x / y]``, computed in place in the fresh ``ys`` when allowed (saves an
     allocation, which on CPU costs more than the extra ``reciprocal_`` pass)."""
-    if ys and _can_mutate(ys):
+    if ys and can_mutate(ys):
         torch._foreach_reciprocal_(ys)
         torch._foreach_mul_(ys, xs)
         return ys
@@ -91,7 +93,7 @@ def div_(xs: Leaves, s: Scalar) -> Leaves:
     """``[x / s]``, in place on fresh ``xs`` when allowed."""
     if not xs:
         return []
-    if _can_mutate(xs):
+    if can_mutate(xs):
         torch._foreach_div_(xs, s)
         return xs
     if fast():
@@ -107,7 +109,7 @@ def add_scalar_(xs: Leaves, s: Scalar) -> Leaves:
         # dynamo graph-breaks on _foreach_add_(list, 0-d tensor) (a .item());
         # per-leaf adds fuse into the same kernels
         return [x + s for x in xs]
-    if _can_mutate(xs):
+    if can_mutate(xs):
         torch._foreach_add_(xs, s)
         return xs
     if fast():
@@ -128,7 +130,7 @@ def add(xs: Leaves, ys: Leaves, alpha: Scalar = 1.0) -> Leaves:
 
 def add_(xs: Leaves, ys: Leaves, alpha: Scalar = 1.0) -> Leaves:
     """``[x + alpha * y]``, in place on fresh ``xs`` when allowed."""
-    if xs and _can_mutate(xs):
+    if xs and can_mutate(xs):
         if _is_tensor(alpha):
             torch._foreach_add_(xs, torch._foreach_mul(ys, alpha))
         else:
@@ -164,7 +166,7 @@ def addcmul(xs: Leaves, ys: Leaves, zs: Leaves, value: Scalar = 1.0) -> Leaves:
 
 def addcmul_(xs: Leaves, ys: Leaves, zs: Leaves, value: Scalar = 1.0) -> Leaves:
     """``[x + value * y * z]``, in place on fresh ``xs`` when allowed."""
-    if xs and _can_mutate(xs):
+    if xs and can_mutate(xs):
         if _is_tensor(value):
             torch._foreach_addcmul_(xs, torch._foreach_mul(ys, value), zs)
         else:

@@ -142,7 +142,7 @@ def prodigy(
 
         # In place on the fresh per-leaf temporaries where no transform or autograd
         # looks: on a CPU every new parameter-sized tensor costs page faults.
-        fresh = _ops.fast() and not (torch.is_grad_enabled() and any(x.requires_grad for x in g))
+        fresh = _ops.can_mutate(g)
         ratio = d / d0
         s_weight = ratio * (d if safeguard_warmup else dlr)
         c_mu, c_nu = d * (1 - b1), d * d * (1 - b2)
