@@ -222,3 +222,24 @@ def counter_bits_chunked(
         out[start : start + m] = finish(y0, y1, scratch)
         start += m
     return out
+
+
+def threefry2x32_keyed_(k0: Tensor, k1: Tensor, x0: Tensor, x1: Tensor) -> tuple[Tensor, Tensor]:
+    """:func:`threefry2x32` with a key per element, in place on the caller's fresh
+    counter words ``x0``, ``x1`` (plain eager tensors of the output's shape, which the
+    keys broadcast to). One temporary for the rotations instead of ~100 allocations:
+    the gamma sampler hashes every element's own key several times per draw."""
+    ks2 = k0 ^ k1 ^ _PARITY
+    ks = (k0, k1, ks2)
+    x0.add_(k0)
+    x1.add_(k1)
+    t = torch.empty_like(x1)
+    for i in range(5):
+        for r in _ROTATIONS[i % 2]:
+            x0.add_(x1)
+            torch.bitwise_right_shift(x1, 32 - r, out=t)
+            t.bitwise_and_((1 << r) - 1)
+            x1.bitwise_left_shift_(r).bitwise_or_(t).bitwise_xor_(x0)
+        x0.add_(ks[(i + 1) % 3])
+        x1.add_(ks[(i + 2) % 3]).add_(i + 1)
+    return x0, x1

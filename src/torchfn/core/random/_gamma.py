@@ -54,13 +54,23 @@ def _split_many(keys: Tensor, num: int) -> Tensor:
     """
     lo = torch.arange(num, dtype=torch.int32, device=keys.device)
     zero = torch.zeros((), dtype=torch.int32, device=keys.device)
-    y0, y1 = _tf.threefry2x32(keys[:, :1], keys[:, 1:], zero, lo)  # (n, num) each
+    k0, k1 = keys[:, :1], keys[:, 1:]  # (n, 1) each
+    if _plain(keys):
+        n = keys.shape[0]
+        x0 = torch.zeros((n, num), dtype=torch.int32, device=keys.device)
+        y0, y1 = _tf.threefry2x32_keyed_(k0, k1, x0, lo.expand(n, num).clone())
+    else:
+        y0, y1 = _tf.threefry2x32(k0, k1, zero, lo)  # (n, num) each
     return torch.stack([y0, y1], dim=-1)
 
 
 def _first_words(keys: Tensor) -> tuple[Tensor, Tensor]:
     """The hash words of counter 0 under each key: a shape-() draw's bits, (n,) each."""
     zero = torch.zeros((), dtype=torch.int32, device=keys.device)
+    if _plain(keys):
+        n = keys.shape[0]
+        fresh = torch.zeros(n, dtype=torch.int32, device=keys.device)
+        return _tf.threefry2x32_keyed_(keys[:, 0], keys[:, 1], fresh, fresh.clone())
     return _tf.threefry2x32(keys[:, 0], keys[:, 1], zero, zero)
 
 
