@@ -350,3 +350,15 @@ def test_gradients_of_expectations_match_closed_forms(a):
     d_beta = torch.func.grad(
         lambda s: random.beta(k3, s, 2.0, (20_000,), torch.float64).mean())(x)
     assert abs(float(d_beta) / (2 / (a + 2) ** 2) - 1) < 0.05
+
+
+@given(seed=st.integers(0, 2**31 - 1), n=st.integers(1, 300))
+def test_in_place_keyed_hash_equals_the_out_of_place_hash(seed, n):
+    from torchfn.core import _threefry
+
+    g = torch.Generator().manual_seed(seed)
+    k0, k1, x0, x1 = (torch.randint(-(2**31), 2**31 - 1, (n,), generator=g, dtype=torch.int32)
+                      for _ in range(4))
+    expected = _threefry.threefry2x32(k0, k1, x0, x1)
+    got = _threefry.threefry2x32_keyed_(k0, k1, x0.clone(), x1.clone())
+    assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
