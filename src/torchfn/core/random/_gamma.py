@@ -8,8 +8,8 @@ elements loop together on batches of keys. In plain eager mode the loop runs unt
 every element has accepted, on the ones still going, so every sample is JAX's. Under
 ``vmap``, ``grad`` or ``torch.compile`` a loop cannot read the tensors, so it runs a
 fixed number of rounds (``_ROUNDS`` tries, each with up to ``_NORMAL_TRIES`` normal
-draws), masked: with acceptance >= 0.95 per try, the chance that an element has
-not accepted is below 1e-13, and such an element would be left at its last try.
+draws), masked: with acceptance >= 0.95 per try and v <= 0 below 0.01 per normal
+draw, the chance that an element is left unfinished (at its last try) is about 1e-12.
 Under ``torch.compile`` the sampler is a graph break and runs eagerly (exactly).
 
 Gradients in the shape parameter are JAX's (and ``torch.distributions.Gamma.rsample``'s)
@@ -45,6 +45,7 @@ Shape = int | Sequence[int]
 
 _ROUNDS = 12  # accept/reject tries under transforms
 _NORMAL_TRIES = 6  # normal draws per try under transforms (v <= 0 has p < 0.01)
+
 
 def _split_many(keys: Tensor, num: int) -> Tensor:
     """``split(k, num)`` for each row of ``keys`` (n, 2) at once: (n, num, 2).
