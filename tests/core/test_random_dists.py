@@ -23,6 +23,8 @@ IDS = [f"seed={c['seed']}{'-x64' if c['x64'] else ''}" for c in CASES]
 ALPHA = 1e-6  # KS false-alarm level
 ALPHAS = [0.3, 1.0, 2.5, 10.0, 0.05, 1e-3, 0.999, 40.0] * 25
 LAMS = [0.0, 0.5, 3.0, 9.99, 10.0, 25.0, 150.0, 1e4] * 25
+BIN_N = [0.0, 5.0, 20.0, 30.0, 200.0, 5000.0] * 30
+BIN_P = [0.3] * 60 + [0.9] * 60 + [0.02] * 60
 # draw their random signs by rademacher's bernoulli(0.5), which JAX's x64 mode draws in
 # float64 (see ``ours``)
 X64_SIGNS = {"rademacher", "double_sided_maxwell", "generalized_normal", "ball"}
@@ -69,6 +71,8 @@ def ours(k: torch.Tensor, f: torch.dtype) -> dict[str, torch.Tensor]:
     idt = torch.int64 if f == torch.float64 else torch.int32
     out["poisson"] = random.poisson(k, torch.tensor(LAMS, dtype=f), dtype=idt)
     out["poisson_scalar"] = random.poisson(k, torch.tensor(4.0, dtype=f), (200,), dtype=idt)
+    out["binomial"] = random.binomial(k, torch.tensor(BIN_N, dtype=f),
+                                      torch.tensor(BIN_P, dtype=f), dtype=f)
     out["wald"] = random.wald(k, 1.7, (200,), f)
     out["double_sided_maxwell"] = random.double_sided_maxwell(k, 0.5, 2.0, (200,), f)
     out["f"] = random.f(k, 5.0, 7.0, (200,), f)
@@ -94,7 +98,11 @@ def test_golden_jax_values(case):
     for name, value in got.items():
         ref = decode(case[name])
         assert value.shape == ref.shape, name
-        if value.is_floating_point():
+        if name == "binomial":  # JAX's counts where n min(p, 1 - p) <= 10 (its docstring)
+            n, p = torch.tensor(BIN_N), torch.tensor(BIN_P)
+            inversion = n * torch.minimum(p, 1 - p) <= 10
+            assert value[inversion].tolist() == ref[inversion].tolist(), name
+        elif value.is_floating_point():
             assert value.dtype == ref.dtype, name
             # wald's x = mu + mu^2 y / 2 - (mu / 2) sqrt(...) cancels: a few ulp of the
             # normal it is made from become ~1e-5 relative
@@ -207,6 +215,29 @@ def test_ball_is_uniform_in_the_p_ball(seed, p):
     assert scipy.stats.kstest(r.numpy(), lambda v: v**d).pvalue > ALPHA
 
 
+@pytest.mark.parametrize("n,p", [(12.0, 0.3), (40.0, 0.85), (500.0, 0.4), (3000.0, 0.97)])
+@given(seed=st.integers(0, 2**31 - 1))
+def test_binomial_law(n, p, seed):
+    """Chi-square over bins of at least 5 expected counts, for both samplers (n q <= 10
+    is inversion, above is BTRS) and both sides of p = 1/2."""
+    x = random.binomial(random.key(seed), n, p, (4000,), torch.float64).numpy()
+    law = scipy.stats.binom(int(n), p)
+    lo, hi = int(law.ppf(1e-3)), int(law.ppf(1 - 1e-3))
+    counts = [int((x < lo).sum())] + [int((x == j).sum()) for j in range(lo, hi)] + [
+        int((x >= hi).sum())]
+    expected = [law.cdf(lo - 1)] + [law.pmf(j) for j in range(lo, hi)] + [law.sf(hi - 1)]
+    merged_c, merged_e, c_acc, e_acc = [], [], 0, 0.0
+    for c, e in zip(counts, expected):
+        c_acc, e_acc = c_acc + c, e_acc + e * 4000
+        if e_acc >= 5:
+            merged_c.append(c_acc), merged_e.append(e_acc)
+            c_acc, e_acc = 0, 0.0
+    merged_c[-1] += c_acc
+    merged_e[-1] += e_acc
+    scale = sum(merged_c) / sum(merged_e)
+    assert scipy.stats.chisquare(merged_c, [e * scale for e in merged_e]).pvalue > ALPHA
+
+
 def test_gamma_loop_under_vmap_equals_the_eager_loop():
     """Under vmap the gamma family runs fixed, masked rounds; eagerly it loops until
     every element accepts. Both must give each key's own samples."""
@@ -216,7 +247,8 @@ def test_gamma_loop_under_vmap_equals_the_eager_loop():
                lambda k: random.beta(k, 0.4, 0.4, (40,)),
                lambda k: random.dirichlet(k, torch.tensor([0.2, 1.0, 5.0]), (7,)),
                lambda k: random.t(k, 3.0, (30,)),
-               lambda k: random.poisson(k, torch.tensor([0.0, 2.0, 9.5, 30.0] * 5))):
+               lambda k: random.poisson(k, torch.tensor([0.0, 2.0, 9.5, 30.0] * 5)),
+               lambda k: random.binomial(k, torch.tensor([3.0, 50.0, 400.0] * 5), 0.3)):
         batched = torch.func.vmap(fn)(keys)
         looped = torch.stack([fn(k) for k in keys])
         assert torch.equal(batched, looped)
@@ -307,6 +339,9 @@ def test_parameter_tensors_broadcast_to_the_shape():
      ValueError, "method must be one of"),
     (lambda k: random.orthogonal(k, 0), ValueError, "orthogonal: n must be an int >= 1, got 0"),
     (lambda k: random.poisson(k, -1.0), ValueError, "poisson: lam must be >= 0, got -1"),
+    (lambda k: random.binomial(k, -2.0, 0.5), ValueError, "binomial: n must be >= 0, got -2"),
+    (lambda k: random.binomial(k, 5.0, torch.tensor([0.2, 1.5])), ValueError,
+     r"binomial: p must be in \[0, 1\]"),
 ])
 def test_bad_input(call, exc, match):
     with pytest.raises(exc, match=match):

@@ -17,7 +17,8 @@ The distributions built on them (``exponential``, ``laplace``, ``logistic``,
 ``maxwell``, ``double_sided_maxwell``, ``wald``, ``geometric``, ``triangular``) and
 the gamma family (``gamma``, ``loggamma``, ``beta``, ``dirichlet``, ``chisquare``,
 ``t``, ``f``, ``generalized_normal``, ``ball``, JAX's per-element rejection loops
-included) give JAX's values to float rounding; ``poisson`` does where lam < 10;
+included) give JAX's values to float rounding; ``poisson`` does where lam < 10 and
+``binomial`` where n min(p, 1 - p) <= 10;
 ``multivariate_normal`` and ``orthogonal`` do to the rounding of the factorisations.
 
 **Key format.** A key is a ``torch.int32`` tensor of shape ``(2,)`` holding the
@@ -41,6 +42,7 @@ Example::
     True
 """
 
+from torchfn.core.random._binomial import binomial
 from torchfn.core.random._bits import bits
 from torchfn.core.random._checks import KEY_DTYPE
 from torchfn.core.random._discrete import bernoulli, categorical, choice, permutation
@@ -104,6 +106,7 @@ __all__ = [
     "geometric",
     "triangular",
     "poisson",
+    "binomial",
     "wald",
     "double_sided_maxwell",
     "gamma",
