@@ -73,6 +73,9 @@ def ours(k: torch.Tensor, f: torch.dtype) -> dict[str, torch.Tensor]:
     out["poisson_scalar"] = random.poisson(k, torch.tensor(4.0, dtype=f), (200,), dtype=idt)
     out["binomial"] = random.binomial(k, torch.tensor(BIN_N, dtype=f),
                                       torch.tensor(BIN_P, dtype=f), dtype=f)
+    out["multinomial"] = random.multinomial(
+        k, torch.tensor([7.0, 60.0], dtype=f), torch.tensor([0.1, 0.25, 0.4, 0.25], dtype=f),
+        (2, 4), f)
     out["wald"] = random.wald(k, 1.7, (200,), f)
     out["double_sided_maxwell"] = random.double_sided_maxwell(k, 0.5, 2.0, (200,), f)
     out["f"] = random.f(k, 5.0, 7.0, (200,), f)
@@ -238,6 +241,17 @@ def test_binomial_law(n, p, seed):
     assert scipy.stats.chisquare(merged_c, [e * scale for e in merged_e]).pvalue > ALPHA
 
 
+@given(seed=st.integers(0, 2**31 - 1))
+def test_multinomial_counts_sum_to_n_and_have_the_right_means(seed):
+    p = torch.tensor([0.1, 0.25, 0.4, 0.25], dtype=torch.float64)
+    c = random.multinomial(random.key(seed), torch.full((4000,), 30.0), p, (4000, 4),
+                           torch.float64)
+    assert bool((c.sum(-1) == 30).all()) and bool((c >= 0).all())
+    # each category's count is Binomial(30, p_i): its mean within 6 standard errors
+    se = (30 * p * (1 - p) / 4000).sqrt()
+    assert bool(((c.mean(0) - 30 * p).abs() < 6 * se).all())
+
+
 def test_gamma_loop_under_vmap_equals_the_eager_loop():
     """Under vmap the gamma family runs fixed, masked rounds; eagerly it loops until
     every element accepts. Both must give each key's own samples."""
@@ -340,6 +354,8 @@ def test_parameter_tensors_broadcast_to_the_shape():
     (lambda k: random.orthogonal(k, 0), ValueError, "orthogonal: n must be an int >= 1, got 0"),
     (lambda k: random.poisson(k, -1.0), ValueError, "poisson: lam must be >= 0, got -1"),
     (lambda k: random.binomial(k, -2.0, 0.5), ValueError, "binomial: n must be >= 0, got -2"),
+    (lambda k: random.multinomial(k, 5.0, torch.tensor(0.5)), ValueError,
+     "multinomial: p must be a tensor"),
     (lambda k: random.binomial(k, 5.0, torch.tensor([0.2, 1.5])), ValueError,
      r"binomial: p must be in \[0, 1\]"),
 ])

@@ -151,6 +151,8 @@ for seed in json.loads(sys.argv[2]):
     c["poisson_scalar"] = enc(jr.poisson(k, 4.0, (200,)))
     c["binomial"] = enc(jr.binomial(k, jnp.array([0.0, 5.0, 20.0, 30.0, 200.0, 5000.0] * 30, f),
                                     jnp.array([0.3] * 60 + [0.9] * 60 + [0.02] * 60, f)))
+    c["multinomial"] = enc(jr.multinomial(k, jnp.array([7.0, 60.0], f),
+                                          jnp.array([0.1, 0.25, 0.4, 0.25], f), shape=(2, 4)))
     c["wald"] = enc(jr.wald(k, 1.7, (200,), f))
     c["double_sided_maxwell"] = enc(jr.double_sided_maxwell(k, 0.5, 2.0, (200,), f))
     c["f"] = enc(jr.f(k, 5.0, 7.0, (200,), f))

@@ -42,7 +42,7 @@ Example::
     True
 """
 
-from torchfn.core.random._binomial import binomial
+from torchfn.core.random._binomial import binomial, multinomial
 from torchfn.core.random._bits import bits
 from torchfn.core.random._checks import KEY_DTYPE
 from torchfn.core.random._discrete import bernoulli, categorical, choice, permutation
@@ -107,6 +107,7 @@ __all__ = [
     "triangular",
     "poisson",
     "binomial",
+    "multinomial",
     "wald",
     "double_sided_maxwell",
     "gamma",

@@ -1,5 +1,6 @@
 """``binomial``: JAX's inversion (few expected successes) and BTRS (Hormann's
-transformed rejection) samplers, each run on one key for all elements as JAX does.
+transformed rejection) samplers, each run on one key for all elements as JAX does;
+``multinomial`` as JAX's sequence of binomials.
 
 Where ``n min(p, 1-p) <= 10`` the counts are JAX's. Elsewhere the law is, and most
 counts: as in ``poisson``, JAX keeps the last accepted proposal of every round until
@@ -145,3 +146,41 @@ def binomial(key: Tensor, n: float | Tensor, p: float | Tensor, shape: Shape | N
     samples = torch.where(inf & ~invalid, torch.full_like(samples, float("inf")), samples)
     keep = p_lt_half | bad_count | q_nan | inf
     return torch.where(keep, samples, count - samples)
+
+
+def multinomial(key: Tensor, n: float | Tensor, p: Tensor, shape: Shape | None = None,
+                dtype: torch.dtype = torch.float32) -> Tensor:
+    """Multinomial counts over ``p``'s last dim, by sequential binomials: category i
+    takes ``Binomial(remaining, p_i / (p_i + ... + p_K))`` with its own key from
+    ``split(key, K)`` (``jax.random.multinomial``). Returns ``shape`` (default
+    ``p.shape``) as floats of ``dtype``.
+
+    Example::
+
+        >>> import torch
+        >>> from torchfn import random
+        >>> c = random.multinomial(random.key(0), 100.0, torch.tensor([0.2, 0.5, 0.3]))
+        >>> c.shape, float(c.sum())
+        (torch.Size([3]), 100.0)
+    """
+    k = _check_key(key, "multinomial")
+    dtype = _check_float_dtype(dtype, "multinomial")
+    if not isinstance(p, Tensor) or p.ndim < 1:
+        raise ValueError(f"multinomial: p must be a tensor (..., K), got {p!r}")
+    if _eager_tensor(p) and not bool(((p >= 0) & (p <= 1)).all()):
+        raise ValueError(f"multinomial: p must be probabilities in [0, 1], got {p}")
+    p = p.to(dtype=dtype, device=k.device)
+    shape = tuple(p.shape) if shape is None else tuple(shape)
+    if not shape:
+        raise ValueError("multinomial: shape must have at least one dim (the categories)")
+    _, params = _params_shape("multinomial", shape[:-1], dtype, k.device, n=n)
+    remainder = params["n"].broadcast_to(shape[:-1])
+    p = p.broadcast_to(shape).movedim(-1, 0)  # (K, *batch)
+    remaining = p.flip(0).cumsum(0).flip(0)  # suffix sums, as JAX's reverse cumsum
+    ratios = p / torch.where(remaining == 0, torch.ones_like(remaining), remaining)
+    counts = []
+    for ratio, sub in zip(ratios, split(k, ratios.shape[0])):
+        count = binomial(sub, remainder, ratio.clamp(0, 1), dtype=dtype)
+        remainder = remainder - count
+        counts.append(count)
+    return torch.stack(counts, -1)  # (*batch, K)
