@@ -183,29 +183,35 @@ def test_geometric_and_rademacher_frequencies(seed, p):
     assert scipy.stats.binomtest(int((r == 1).sum()), 4000, 0.5).pvalue > ALPHA
 
 
+def _discrete_chisquare_pvalue(x, law) -> float:
+    """Chi-square p-value of integer samples ``x`` against a scipy discrete ``law``:
+    one bin per value in the law's central 99.8%, two tail bins, and neighbouring
+    bins merged until each expects at least 5 (the test's validity condition)."""
+    n = len(x)
+    lo, hi = int(law.ppf(1e-3)), int(law.ppf(1 - 1e-3))
+    counts = [int((x < lo).sum())] + [int((x == j).sum()) for j in range(lo, hi)] + [
+        int((x >= hi).sum())]
+    expected = [law.cdf(lo - 1)] + [law.pmf(j) for j in range(lo, hi)] + [law.sf(hi - 1)]
+    merged_c, merged_e, c_acc, e_acc = [], [], 0, 0.0
+    for c, e in zip(counts, expected):
+        c_acc, e_acc = c_acc + c, e_acc + e * n
+        if e_acc >= 5:
+            merged_c.append(c_acc)
+            merged_e.append(e_acc)
+            c_acc, e_acc = 0, 0.0
+    merged_c[-1] += c_acc
+    merged_e[-1] += e_acc
+    scale = sum(merged_c) / sum(merged_e)
+    return scipy.stats.chisquare(merged_c, [e * scale for e in merged_e]).pvalue
+
+
 @pytest.mark.parametrize("lam", [0.7, 6.0, 12.0, 80.0, 3000.0])
 @given(seed=st.integers(0, 2**31 - 1))
 def test_poisson_law(lam, seed):
     """Chi-square over bins of at least 5 expected counts: Knuth (lam < 10) and the
     transformed rejection (lam >= 10) both give Poisson(lam)."""
     n = random.poisson(random.key(seed), lam, (4000,)).numpy()
-    law = scipy.stats.poisson(lam)
-    lo, hi = int(law.ppf(1e-3)), int(law.ppf(1 - 1e-3))
-    edges = list(range(lo, hi + 1))
-    expected = [law.cdf(lo - 1)] + [law.pmf(j) for j in edges[:-1]] + [law.sf(hi - 1)]
-    counts = [int((n < lo).sum())] + [int((n == j).sum()) for j in edges[:-1]] + [
-        int((n >= hi).sum())]
-    # merge neighbouring bins until each expects >= 5
-    merged_c, merged_e, c_acc, e_acc = [], [], 0, 0.0
-    for c, e in zip(counts, expected):
-        c_acc, e_acc = c_acc + c, e_acc + e * 4000
-        if e_acc >= 5:
-            merged_c.append(c_acc), merged_e.append(e_acc)
-            c_acc, e_acc = 0, 0.0
-    merged_c[-1] += c_acc
-    merged_e[-1] += e_acc
-    scale = sum(merged_c) / sum(merged_e)
-    assert scipy.stats.chisquare(merged_c, [e * scale for e in merged_e]).pvalue > ALPHA
+    assert _discrete_chisquare_pvalue(n, scipy.stats.poisson(lam)) > ALPHA
 
 
 @given(seed=st.integers(0, 2**31 - 1), p=st.sampled_from([1.0, 1.5, 2.0, 4.0]))
@@ -224,21 +230,7 @@ def test_binomial_law(n, p, seed):
     """Chi-square over bins of at least 5 expected counts, for both samplers (n q <= 10
     is inversion, above is BTRS) and both sides of p = 1/2."""
     x = random.binomial(random.key(seed), n, p, (4000,), torch.float64).numpy()
-    law = scipy.stats.binom(int(n), p)
-    lo, hi = int(law.ppf(1e-3)), int(law.ppf(1 - 1e-3))
-    counts = [int((x < lo).sum())] + [int((x == j).sum()) for j in range(lo, hi)] + [
-        int((x >= hi).sum())]
-    expected = [law.cdf(lo - 1)] + [law.pmf(j) for j in range(lo, hi)] + [law.sf(hi - 1)]
-    merged_c, merged_e, c_acc, e_acc = [], [], 0, 0.0
-    for c, e in zip(counts, expected):
-        c_acc, e_acc = c_acc + c, e_acc + e * 4000
-        if e_acc >= 5:
-            merged_c.append(c_acc), merged_e.append(e_acc)
-            c_acc, e_acc = 0, 0.0
-    merged_c[-1] += c_acc
-    merged_e[-1] += e_acc
-    scale = sum(merged_c) / sum(merged_e)
-    assert scipy.stats.chisquare(merged_c, [e * scale for e in merged_e]).pvalue > ALPHA
+    assert _discrete_chisquare_pvalue(x, scipy.stats.binom(int(n), p)) > ALPHA
 
 
 @given(seed=st.integers(0, 2**31 - 1))
