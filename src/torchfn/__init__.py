@@ -34,6 +34,8 @@ _EXPORTS: dict[str, str] = {
     "CheckpointError": "torchfn.core.checkpoint",
     "load_metadata": "torchfn.core.checkpoint",
     "remat": "torchfn.core.remat",
+    "custom_vjp": "torchfn.core.custom_vjp",
+    "custom_jvp": "torchfn.core.custom_jvp",
     "scan": "torchfn.core.scan",
     "segment_sum": "torchfn.core.segment",
     "segment_mean": "torchfn.core.segment",
