@@ -405,3 +405,29 @@ def test_closure_over_a_differentiated_tensor_is_refused():
         grad(outer)(w)
     # a closure over a tensor that nothing differentiates is fine
     torch.testing.assert_close(grad(lambda x: make(w)(x).sum())(x), w)
+
+
+def test_a_residual_that_is_the_output_is_differentiated_by_the_rule():
+    """fwd saves its own output (exp's derivative is exp): at second order the cotangent
+    on that residual goes through bwd again, so every order equals autodiff of exp."""
+    calls = []
+
+    @torchfn.custom_vjp
+    def exp(x):
+        return torch.exp(x)
+
+    def fwd(x):
+        calls.append("fwd")
+        y = torch.exp(x)
+        return y, y
+
+    exp.defvjp(fwd, lambda y, g: (g * y,))
+    x = normal(28, 4)
+    f = lambda x: exp(x).sum()  # noqa: E731
+    ref = lambda x: torch.exp(x).sum()  # noqa: E731
+    torch.testing.assert_close(hessian(f)(x), hessian(ref)(x))
+    torch.testing.assert_close(jacrev(jacrev(f))(x), hessian(ref)(x))
+    calls.clear()
+    third = jacrev(jacrev(grad(f)))(x)
+    torch.testing.assert_close(third, jacrev(jacrev(grad(ref)))(x))
+    assert calls == ["fwd"]  # fwd is never re-run to differentiate its residuals

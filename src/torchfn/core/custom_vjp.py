@@ -45,8 +45,9 @@ __all__ = ["custom_vjp"]
 
 
 # the static residual leaves mark a tensor's slot by where it comes from:
-_OUT = object()  # a Function output (saved after the primal outputs)
+_RES = object()  # an extra Function output (after the primal outputs)
 _ARG = object()  # (_ARG, i): the i-th tensor argument
+_OUTPUT = object()  # (_OUTPUT, j): the j-th primal output leaf
 
 
 class _Call:
@@ -57,7 +58,8 @@ class _Call:
         self.who = f"custom_vjp({f.__name__})"
         self.out = Outputs(self.who, "fwd's first output")
         self.res_treedef = None
-        self.res_static: list[Any] = []  # non-tensor residual leaves; _OUT or (_ARG, i) for tensors
+        self.res_static: list[Any] = []  # static leaves; _RES, (_ARG, i), (_OUTPUT, j) for tensors
+        self.saved_outputs: list[int] = []  # primal output leaves that are also residuals
         self.res_float: list[bool] = []  # which tensor residuals carry derivatives
 
     def run_fwd(self, tensors) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -69,28 +71,43 @@ class _Call:
         out, res = result
         out_leaves = self.out.flatten(out)
         res_leaves, self.res_treedef = pytree.tree_flatten(res)
-        # a residual that is an argument is saved as that argument, not returned
-        position = {id(t): i for i, t in enumerate(tensors)}
+        # A residual that is an argument is saved as that argument, and one that is an
+        # output as that output (so a cotangent reaching it at second order goes
+        # through bwd, not through fwd's ops); the others are returned as extra outputs.
+        arg_at = {id(t): i for i, t in enumerate(tensors)}
+        out_at = {id(o): j for j, o in enumerate(out_leaves)}
         self.res_static = [
-            (_ARG, position[id(r)]) if isinstance(r, torch.Tensor) and id(r) in position
-            else _OUT if isinstance(r, torch.Tensor) else r
+            r if not isinstance(r, torch.Tensor)
+            else (_ARG, arg_at[id(r)]) if id(r) in arg_at
+            else (_OUTPUT, out_at[id(r)]) if id(r) in out_at
+            else _RES
             for r in res_leaves
         ]
-        res_out = [r for r, s in zip(res_leaves, self.res_static) if s is _OUT]
+        self.saved_outputs = sorted({s[1] for s in self.res_static if _slot(s) is _OUTPUT})
+        res_out = [r for r, s in zip(res_leaves, self.res_static) if s is _RES]
         self.res_float = [is_float(r) for r in res_out]
         return out_leaves, res_out
 
-    def residuals(self, tensors, res_out) -> Any:
+    def residuals(self, tensors, res_out, outputs) -> Any:
+        """fwd's residuals, from the saved arguments, extra outputs and primal outputs."""
         it = iter(res_out)
-        leaves = [next(it) if s is _OUT else tensors[s[1]] if _is_arg(s) else s
+        out_of = dict(zip(self.saved_outputs, outputs))
+        leaves = [next(it) if s is _RES else tensors[s[1]] if _slot(s) is _ARG
+                  else out_of[s[1]] if _slot(s) is _OUTPUT else s
                   for s in self.res_static]
         return pytree.tree_unflatten(leaves, self.res_treedef)
 
-    def cotangents(self, tensors, res_out, g_out) -> list[Any]:
+    def cotangents(self, tensors, res_out, outputs, g_out) -> list[Any]:
         """``bwd``'s cotangents, flat and aligned with the tensor arguments."""
         g = self.out.unflatten(g_out)
-        cts = self.f.bwd(*self.args.nondiff_args, self.residuals(tensors, res_out), g)
+        res = self.residuals(tensors, res_out, outputs)
+        cts = self.f.bwd(*self.args.nondiff_args, res, g)
         return self.args.per_arg(cts, tensors, "bwd")
+
+    def split_saved(self, saved) -> tuple[Any, Any, Any]:
+        """(arguments, extra residual outputs, saved primal outputs)."""
+        n_in, n_res = len(self.args.tensors), len(self.res_float)
+        return saved[:n_in], saved[n_in:n_in + n_res], saved[n_in + n_res:]
 
     def float_residuals(self, tensors) -> tuple[torch.Tensor, ...]:
         """fwd's returned float residuals as a function of the arguments."""
@@ -98,8 +115,9 @@ class _Call:
         return tuple(r for r, f in zip(res, self.res_float) if f)
 
 
-def _is_arg(s: Any) -> bool:
-    return isinstance(s, tuple) and len(s) == 2 and s[0] is _ARG
+def _slot(s: Any) -> Any:
+    """_ARG or _OUTPUT for a residual saved as an argument or an output, else None."""
+    return s[0] if isinstance(s, tuple) and len(s) == 2 and s[0] in (_ARG, _OUTPUT) else None
 
 
 class _CustomVJP(torch.autograd.Function):
@@ -119,17 +137,16 @@ class _CustomVJP(torch.autograd.Function):
         ctx.set_materialize_grads(False)
         call.out.meta = [(o.shape, o.dtype, o.device) for o in output[:n]]
         ctx.mark_non_differentiable(*[o for o in output if not is_float(o)])
-        ctx.save_for_backward(*tensors, *output[n:])
-        ctx.save_for_forward(*tensors, *output[n:])
+        saved = (*tensors, *output[n:], *[output[j] for j in call.saved_outputs])
+        ctx.save_for_backward(*saved)
+        ctx.save_for_forward(*saved)
 
     @staticmethod
     def backward(ctx, *grads):
         call = ctx.call
-        n_in = len(call.args.tensors)
-        saved = ctx.saved_tensors
-        tensors, res = saved[:n_in], saved[n_in:]
+        tensors, res, outputs = call.split_saved(ctx.saved_tensors)
         g_out = call.out.zeros(grads[: call.out.n])
-        cts = call.cotangents(tensors, res, g_out)
+        cts = call.cotangents(tensors, res, outputs, g_out)
         g_res = [g for g, f in zip(grads[call.out.n:], call.res_float) if f]
         if any(g is not None for g in g_res):
             # a cotangent on the residuals (higher order): pull it back through fwd
@@ -139,21 +156,27 @@ class _CustomVJP(torch.autograd.Function):
     @staticmethod
     def jvp(ctx, _call_tangent, *tangents):
         call = ctx.call
-        n_in = len(call.args.tensors)
-        saved = ctx.saved_tensors
-        tensors, res = saved[:n_in], saved[n_in:]
+        tensors, res, outputs = call.split_saved(ctx.saved_tensors)
         mask = call.args.float_mask
         floats = [t for t, f in zip(tensors, mask) if f]
         t_in = [torch.zeros_like(x) if t is None else t
                 for x, t, f in zip(tensors, tangents, mask) if f]
-        g0 = call.out.zeros([None] * call.out.n)
         out_float = call.out.float_positions()
+        if call.f.jvp_rule is not None:  # the user's forward-mode rule
+            it = iter(t_in)
+            full = [next(it) if f else None for f in mask]
+            t_out = call.f.jvp_rule(*call.args.nondiff_args, call.residuals(tensors, res, outputs),
+                                    call.args.tangent_args(full))
+            t_all = call.out.check(t_out, call.out.meta, "the jvp rule")
+            t_res = _residual_tangents(call, tensors, floats, t_in, len(res))
+            return (*[t_all[i] if i in out_float else None for i in range(call.out.n)], *t_res)
+        g0 = call.out.zeros([None] * call.out.n)
 
         def ct_map(*g):  # linear in g: out cotangent -> input cotangents
             full = list(g0)
             for i, gi in zip(out_float, g):
                 full[i] = gi
-            cts = call.cotangents(tensors, res, full)
+            cts = call.cotangents(tensors, res, outputs, full)
             return tuple(torch.zeros_like(x) if c is None else c
                          for x, c, f in zip(tensors, cts, mask) if f)
 
@@ -162,16 +185,22 @@ class _CustomVJP(torch.autograd.Function):
         t_out: list[Any] = [None] * call.out.n
         for i, t in zip(out_float, t_out_float):
             t_out[i] = t
-        t_res: list[Any] = [None] * len(res)
-        if any(call.res_float):
-            def res_map(*x):
-                it = iter(x)
-                return call.float_residuals([next(it) if f else t for t, f in zip(tensors, mask)])
+        return (*t_out, *_residual_tangents(call, tensors, floats, t_in, len(res)))
 
-            _, t_res_float = torch.func.jvp(res_map, tuple(floats), tuple(t_in))
-            it = iter(t_res_float)
-            t_res = [next(it) if f else None for f in call.res_float]
-        return (*t_out, *t_res)
+
+def _residual_tangents(call: _Call, tensors, floats, t_in, n_res: int) -> list[Any]:
+    """Tangents of fwd's extra residual outputs, by forward mode through fwd."""
+    if not any(call.res_float):
+        return [None] * n_res
+    mask = call.args.float_mask
+
+    def res_map(*x):
+        it = iter(x)
+        return call.float_residuals([next(it) if f else t for t, f in zip(tensors, mask)])
+
+    _, t_res_float = torch.func.jvp(res_map, tuple(floats), tuple(t_in))
+    it = iter(t_res_float)
+    return [next(it) if f else None for f in call.res_float]
 
 
 class _CustomVJPCompiled(torch.autograd.Function):
@@ -249,14 +278,23 @@ class custom_vjp:
         self._sig = signature(fun)
         self.fwd: Callable | None = None
         self.bwd: Callable | None = None
+        self.jvp_rule: Callable | None = None
 
-    def defvjp(self, fwd: Callable, bwd: Callable) -> None:
-        """Set the forward ``fwd(*args) -> (out, residuals)`` and ``bwd(residuals, g)``."""
-        for name, rule in (("fwd", fwd), ("bwd", bwd)):
-            if not callable(rule):
+    def defvjp(self, fwd: Callable, bwd: Callable, *, jvp: Callable | None = None) -> None:
+        """Set ``fwd(*args) -> (out, residuals)`` and ``bwd(residuals, g)``.
+
+        ``jvp(*nondiff_args, residuals, tangents) -> tangent_out`` optionally gives
+        forward mode its own rule instead of ``bwd``'s transpose, for a ``bwd`` that
+        is not linear in ``g`` as written (an iterative solve that stops on a
+        tolerance) or a cheaper forward rule. ``tangents`` holds one entry per
+        differentiable argument (``None`` for leaves that are not floating point);
+        ``tangent_out`` has the output's structure.
+        """
+        for name, rule in (("fwd", fwd), ("bwd", bwd), ("jvp", jvp)):
+            if not callable(rule) and not (name == "jvp" and rule is None):
                 raise TypeError(f"custom_vjp({self.__name__}).defvjp: {name} must be callable, "
                                 f"got {type(rule).__name__}")
-        self.fwd, self.bwd = fwd, bwd
+        self.fwd, self.bwd, self.jvp_rule = fwd, bwd, jvp
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.fwd is None:

@@ -27,6 +27,7 @@ from torchfn.transforms._ensemble import (
     ensemble_step,
 )
 from torchfn.transforms._federated import fedavg, federated_round, local_train
+from torchfn.transforms._fixed_point import fixed_point
 from torchfn.transforms._ghost import GhostClipResult, ghost_clip_grads, ghost_norms
 from torchfn.transforms._langevin import langevin
 from torchfn.transforms._per_sample import (
@@ -69,6 +70,8 @@ __all__ = [
     "replay_sample",
     "replay_push",
     "diffusion",
+    # fixed points with implicit derivatives (torchfn.transforms._fixed_point)
+    "fixed_point",
     # adversarial, curvature, ensembles, federated (_adversarial, _curvature, ...)
     "fgsm",
     "pgd",
