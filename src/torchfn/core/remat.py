@@ -18,7 +18,6 @@ from typing import Any, TypeVar
 
 import torch
 import torch.utils._pytree as pytree
-from torch._C._functorch import is_gradtrackingtensor
 from torch.overrides import TorchFunctionMode
 
 __all__ = ["remat"]
@@ -74,9 +73,9 @@ class _NoCapturedGrads(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         for t in pytree.tree_leaves((args, kwargs)):
-            if isinstance(t, torch.Tensor) and id(t) not in self.inputs and (
-                t.requires_grad or is_gradtrackingtensor(t)
-            ):
+            # requires_grad, not is_gradtrackingtensor: torch.func.grad wraps every
+            # argument, also those it does not differentiate
+            if isinstance(t, torch.Tensor) and id(t) not in self.inputs and t.requires_grad:
                 raise ValueError(
                     "remat: fn uses a tensor that is being differentiated but is not one of "
                     f"its arguments (shape {tuple(t.shape)}; a closure over parameters or a "

@@ -68,7 +68,8 @@ def fixed_point(
         method: ``"anderson"`` (Anderson acceleration, ``memory`` past iterates) or
             ``"iterate"`` (``z <- (1 - damping) z + damping f(params, z)``).
         max_iter: iterations at most (always this many under ``vmap``).
-        tol: relative residual ``|f(z) - z| / |f(z)|`` at which eager solves stop.
+        tol: relative residual ``|f(z) - z| / |f(z)|`` at which eager solves stop
+            (0: always ``max_iter`` iterations, with no reads back to the host).
         memory: Anderson's history length.
         damping: the mixing weight beta of the new value (1: none).
 
@@ -129,10 +130,12 @@ def _fwd(f, opts, params, z0):
 
 def _bwd(f, opts, res, g):
     params, z = res
-    _, vjp_fn = torch.func.vjp(f, params, z)
-    # the adjoint u = g + (df/dz)^T u, then dparams = (df/dparams)^T u
-    u = _linear_solve(lambda u: _add(g, vjp_fn(u)[1]), g, opts, "the adjoint")
-    return vjp_fn(u)[0], None
+    # the adjoint u = g + (df/dz)^T u, then dparams = (df/dparams)^T u; the iterations
+    # pull back through z only
+    _, vjp_z = torch.func.vjp(lambda z: f(params, z), z)
+    u = _linear_solve(lambda u: _add(g, vjp_z(u)[0]), g, opts, "the adjoint")
+    _, vjp_p = torch.func.vjp(lambda p: f(p, z), params)
+    return vjp_p(u)[0], None
 
 
 def _jvp(f, opts, res, tangents):
@@ -191,9 +194,10 @@ def _run(g, x, opts: _Options, who: str) -> torch.Tensor:
     history_x: list[torch.Tensor] = []
     history_g: list[torch.Tensor] = []
     residual = math.inf
+    check = eager and opts.tol > 0  # tol=0: exactly max_iter iterations, no host reads
     for _ in range(opts.max_iter):
         gx = g(x)
-        if eager:
+        if check:
             residual = float(torch.linalg.vector_norm(gx - x).detach()
                              / torch.linalg.vector_norm(gx).detach().clamp_min(1e-30))
             if residual <= opts.tol:
@@ -205,7 +209,7 @@ def _run(g, x, opts: _Options, who: str) -> torch.Tensor:
         history_g.append(gx)
         del history_x[:-opts.memory], history_g[:-opts.memory]
         x = _anderson_step(torch.stack(history_x), torch.stack(history_g), opts.damping)
-    if eager and residual > opts.tol:
+    if check and residual > opts.tol:
         warnings.warn(
             f"{who} did not converge: relative residual {residual:.3g} > tol={opts.tol:g} "
             f"after max_iter={opts.max_iter} iterations",
