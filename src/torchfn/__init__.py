@@ -37,6 +37,7 @@ _EXPORTS: dict[str, str] = {
     "custom_vjp": "torchfn.core.custom_vjp",
     "custom_jvp": "torchfn.core.custom_jvp",
     "scan": "torchfn.core.scan",
+    "associative_scan": "torchfn.core.associative_scan",
     "segment_sum": "torchfn.core.segment",
     "segment_mean": "torchfn.core.segment",
     "segment_max": "torchfn.core.segment",
