@@ -69,8 +69,10 @@ def test_linear_solution_and_first_order_equal_closed_form(method):
 
 @pytest.mark.parametrize("method", METHODS)
 def test_linear_second_order_equals_closed_form(method):
+    """Exact second order needs plain iteration in the linear solves (the forward may
+    still be Anderson's)."""
     p = linear_problem(1)
-    f = lambda a: loss(solve({**p, "A": a}, method))  # noqa: E731
+    f = lambda a: loss(solve({**p, "A": a}, method, adjoint_method="iterate"))  # noqa: E731
     want = hessian(lambda a: loss(closed_form({**p, "A": a})))(p["A"])
     close(hessian(f)(p["A"]), want, 1e-8)  # forward over reverse
     close(jacrev(jacrev(f))(p["A"]), want, 1e-8)  # reverse over reverse
@@ -119,7 +121,8 @@ def test_deq_implicit_equals_unrolled(method):
     x_f = lambda x: solve({**p, "x": x}, method, f=deq_layer)  # noqa: E731
     close(jacfwd(x_f)(p["x"]), jacrev(lambda x: unrolled({**p, "x": x}))(p["x"]))
     # second order (Hessian in the input), forward over reverse
-    close(hessian(lambda x: ours({**p, "x": x}))(p["x"]),
+    ours2 = lambda p: loss(solve(p, method, f=deq_layer, adjoint_method="iterate"))  # noqa: E731
+    close(hessian(lambda x: ours2({**p, "x": x}))(p["x"]),
           hessian(lambda x: ref({**p, "x": x}))(p["x"]), 1e-7)
 
 
@@ -169,6 +172,8 @@ def test_bad_input_gets_clear_errors():
     z0 = torch.zeros(5, dtype=F64)
     with pytest.raises(ValueError, match="method must be one of"):
         transforms.fixed_point(linear_map, p, z0, method="broyden")
+    with pytest.raises(ValueError, match="adjoint_method must be one of"):
+        transforms.fixed_point(linear_map, p, z0, adjoint_method="cg")
     with pytest.raises(ValueError, match="max_iter must be a positive int, got 0"):
         transforms.fixed_point(linear_map, p, z0, max_iter=0)
     with pytest.raises(ValueError, match=r"damping must be in \(0, 1\], got 2"):
@@ -180,3 +185,29 @@ def test_bad_input_gets_clear_errors():
         transforms.fixed_point(lambda p, z: linear_map(p, z)[:4], p, z0)
     with pytest.raises(TypeError, match="must return z's structure"):
         transforms.fixed_point(lambda p, z: (linear_map(p, z),), p, z0)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_vmap_stops_when_every_lane_has_converged(method):
+    """As JAX's batched while_loop: the lanes iterate until all are done, and a lane done
+    early keeps its value."""
+    calls = []
+
+    def f(p, z):
+        calls.append(1)
+        return linear_map(p, z)
+
+    ps = [linear_problem(s, contraction=c) for s, c in ((10, 0.1), (11, 0.5), (12, 0.9))]
+    batch = {k: torch.stack([p[k] for p in ps]) for k in ps[0]}
+    z0 = torch.zeros(3, 5, dtype=F64)
+    out = vmap(lambda p, z: transforms.fixed_point(f, p, z, method=method, tol=1e-12,
+                                                   max_iter=400))(batch, z0)
+    n_batched = len(calls)
+    for i, p in enumerate(ps):
+        close(out[i], closed_form(p))
+    per_lane = []
+    for p in ps:
+        calls.clear()
+        transforms.fixed_point(f, p, z0[0], method=method, tol=1e-12, max_iter=400)
+        per_lane.append(len(calls))
+    assert n_batched == max(per_lane) < 400  # the slowest lane's iterations, no more
