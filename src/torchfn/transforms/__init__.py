@@ -30,6 +30,7 @@ from torchfn.transforms._federated import fedavg, federated_round, local_train
 from torchfn.transforms._fixed_point import fixed_point
 from torchfn.transforms._ghost import GhostClipResult, ghost_clip_grads, ghost_norms
 from torchfn.transforms._langevin import langevin
+from torchfn.transforms._odeint import odeint
 from torchfn.transforms._per_sample import (
     clip_coefficients,
     per_sample_grad_norms,
@@ -72,6 +73,8 @@ __all__ = [
     "diffusion",
     # fixed points with implicit derivatives (torchfn.transforms._fixed_point)
     "fixed_point",
+    # ODEs with adjoint derivatives (torchfn.transforms._odeint)
+    "odeint",
     # adversarial, curvature, ensembles, federated (_adversarial, _curvature, ...)
     "fgsm",
     "pgd",
