@@ -10,14 +10,12 @@ naming the argument and the leaf when they disagree.
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
-from torch.overrides import TorchFunctionMode
 
 
 def is_float(x: Any) -> bool:
@@ -243,39 +241,6 @@ class Outputs:
                 )
             out.append(v.to(dtype))
         return out
-
-
-def no_captured_grads(who: str, inputs: Sequence[torch.Tensor]):
-    """``NoCapturedGrads`` in eager mode; under ``torch.compile`` dynamo checks captures itself."""
-    if torch.compiler.is_compiling():
-        return contextlib.nullcontext()
-    return NoCapturedGrads(who, inputs)
-
-
-class NoCapturedGrads(TorchFunctionMode):
-    """Raise when a rule uses a tensor being differentiated that is not one of its arguments.
-
-    An autograd.Function's forward does not record a graph, so such a tensor (a
-    closure over parameters, a module attribute) would silently get no gradient.
-    """
-
-    def __init__(self, who: str, inputs: Sequence[torch.Tensor]):
-        super().__init__()
-        self.who = who
-        self.inputs = {id(t) for t in inputs}
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        for t in pytree.tree_leaves((args, kwargs)):
-            # requires_grad, not is_gradtrackingtensor: torch.func.grad wraps every
-            # argument, also those it does not differentiate
-            if isinstance(t, torch.Tensor) and id(t) not in self.inputs and t.requires_grad:
-                raise ValueError(
-                    f"{self.who}: the function uses a tensor that is being differentiated but "
-                    f"is not one of its arguments (shape {tuple(t.shape)}; a closure over "
-                    "parameters?). Pass it as an argument, or it gets no gradient"
-                )
-        return func(*args, **kwargs)
 
 
 def nothing_differentiates(tensors: Sequence[torch.Tensor]) -> bool:

@@ -19,12 +19,12 @@ from typing import Any
 
 import torch
 
+from torchfn.core._captures import no_captured_grads
 from torchfn.core._custom_args import (
     Outputs,
     _Args,
     fresh,
     is_float,
-    no_captured_grads,
     nondiff_positions,
     nothing_differentiates,
     signature,

@@ -18,7 +18,8 @@ from typing import Any, TypeVar
 
 import torch
 import torch.utils._pytree as pytree
-from torch.overrides import TorchFunctionMode
+
+from torchfn.core._captures import no_captured_grads
 
 __all__ = ["remat"]
 
@@ -59,37 +60,12 @@ class _Call:
         return tuple(out_leaves)
 
 
-class _NoCapturedGrads(TorchFunctionMode):
-    """Raise when ``fn`` uses a tensor that is being differentiated but is not an argument.
-
-    The forward runs without a graph, so such a tensor (a closure over params,
-    an ``nn.Module`` attribute) would silently get a zero gradient.
-    """
-
-    def __init__(self, inputs: tuple[torch.Tensor, ...]):
-        super().__init__()
-        self.inputs = {id(t) for t in inputs}
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        for t in pytree.tree_leaves((args, kwargs)):
-            # requires_grad, not is_gradtrackingtensor: torch.func.grad wraps every
-            # argument, also those it does not differentiate
-            if isinstance(t, torch.Tensor) and id(t) not in self.inputs and t.requires_grad:
-                raise ValueError(
-                    "remat: fn uses a tensor that is being differentiated but is not one of "
-                    f"its arguments (shape {tuple(t.shape)}; a closure over parameters or a "
-                    "module attribute?). Pass it as an argument, or it gets no gradient"
-                )
-        return func(*args, **kwargs)
-
-
 class _Remat(torch.autograd.Function):
     generate_vmap_rule = True
 
     @staticmethod
     def forward(call: _Call, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        with _NoCapturedGrads(tensors):
+        with no_captured_grads("remat", tensors):
             out = call.run(*tensors)
         # an input passed through unchanged (a scan carry's parameters) goes out as a
         # view: autograd cannot save an input that is also returned as-is

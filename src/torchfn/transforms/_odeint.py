@@ -253,28 +253,30 @@ def _solve(f: Callable, y0: torch.Tensor, t: torch.Tensor, opts: _Options,
     """Dormand-Prince on ``y: (n,)`` from ``t[0]``; returns ``(T, n)``, ``y`` at each t."""
     out = [y0]
     y = y0
-    h = _initial_step(f, y0, t[0], t[-1], opts)
+    k1 = f(y0, t[0])  # the slope at the current point, carried from step to step (FSAL)
+    h = _initial_step(f, y0, k1, t[0], t[-1], opts)
     for i in range(t.shape[0] - 1):
-        y, h = _interval(f, y, t[i], t[i + 1], h, opts, who)
+        y, k1, h = _interval(f, y, k1, t[i], t[i + 1], h, opts, who)
         out.append(y)
     return torch.stack(out)
 
 
-def _interval(f, y, t0, t1, h, opts: _Options, who: str):
+def _interval(f, y, k1, t0, t1, h, opts: _Options, who: str):
     """Step from t0 to exactly t1; every lane its own step size, done lanes frozen."""
     tc = t0
     done = torch.zeros((), dtype=torch.bool, device=y.device) | (t0 >= t1)
     for _ in range(opts.mxstep):
         if all_lanes(done):
-            return y, h
+            return y, k1, h
         remaining = (t1 - tc).detach()
         last = h >= remaining
         step = torch.where(last, remaining, h)
-        y_new, err = _dopri_step(f, y, tc, step)
+        y_new, err, k7 = _dopri_step(f, y, k1, tc, step)
         scale = opts.atol + opts.rtol * torch.maximum(y.abs(), y_new.abs())
         err_norm = torch.sqrt(torch.mean((err / scale) ** 2)).detach()
         accept = (err_norm <= 1) & ~done
         y = torch.where(accept, y_new, y)
+        k1 = torch.where(accept, k7, k1)  # the last stage is the slope at y_new
         tc = torch.where(accept, torch.where(last, t1, tc + step), tc)
         # the usual controller: safety 0.9, order 5, growth within [0.2, 10]
         factor = torch.where(err_norm == 0, 10.0,
@@ -287,13 +289,14 @@ def _interval(f, y, t0, t1, h, opts: _Options, who: str):
             f"from t={float(lanes(t0).min()):g}; the problem may be stiff, or rtol/atol "
             "too small for the dtype"
         )
-    return y, h
+    return y, k1, h
 
 
-def _dopri_step(f, y, t, h):
-    """One Dormand-Prince step: the 5th-order solution and the error estimate."""
-    k = []
-    for c, a in zip(_C, _A):
+def _dopri_step(f, y, k1, t, h):
+    """One Dormand-Prince step from the slope ``k1 = f(y, t)``: the 5th-order solution,
+    the error estimate and the last stage, ``f(y_new, t + h)``."""
+    k = [k1]
+    for c, a in zip(_C[1:], _A[1:]):
         yi = y
         for aj, kj in zip(a, k):
             if aj:
@@ -301,12 +304,11 @@ def _dopri_step(f, y, t, h):
         k.append(f(yi, t + c * h))
     y_new = y + h * sum(b * kj for b, kj in zip(_B5, k) if b)
     err = h * sum(e * kj for e, kj in zip(_E, k) if e)
-    return y_new, err
+    return y_new, err, k[-1]
 
 
-def _initial_step(f, y0, t0, t1, opts: _Options) -> torch.Tensor:
+def _initial_step(f, y0, f0, t0, t1, opts: _Options) -> torch.Tensor:
     """Hairer, Norsett and Wanner's starting step (II.4), per lane, at most t1 - t0."""
-    f0 = f(y0, t0)
     scale = opts.atol + opts.rtol * y0.abs()
     d0 = torch.sqrt(torch.mean((y0 / scale) ** 2))
     d1 = torch.sqrt(torch.mean((f0 / scale) ** 2))
@@ -323,6 +325,15 @@ def _initial_step(f, y0, t0, t1, opts: _Options) -> torch.Tensor:
 # -- pytrees <-> flat vectors ----------------------------------------------------------
 
 def _flat_f(func, y, t, args, like, spec):
+    if spec.is_leaf():  # y is one tensor: no pytree work on the hot path
+        out = func(y.reshape(like[0].shape), t, *args)
+        if not isinstance(out, torch.Tensor):
+            raise TypeError(f"odeint: func must return y's structure (a tensor), got "
+                            f"{type(out).__name__}")
+        if out.shape != like[0].shape:
+            raise ValueError(f"odeint: func's leaf 0 is {tuple(out.shape)}; y's is "
+                             f"{tuple(like[0].shape)}")
+        return out.reshape(-1).to(y.dtype)
     out = func(pytree.tree_unflatten(_unravel(y, like), spec), t, *args)
     leaves, out_spec = pytree.tree_flatten(out)
     if out_spec != spec:

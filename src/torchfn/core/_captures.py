@@ -1,0 +1,52 @@
+"""Refuse closures over tensors being differentiated, inside an ``autograd.Function``.
+
+A Function's forward records no graph, so a tensor it uses without receiving it as an
+argument (a closure over parameters, an ``nn.Module`` attribute) would silently get no
+gradient. ``no_captured_grads(who, inputs)`` raises ``ValueError`` instead. It checks
+``requires_grad``, not "is a functorch wrapper": ``torch.func.grad`` wraps every
+argument of the function it differentiates, also those it does not differentiate.
+
+The mode sees every torch call in the forward, so it scans the arguments by hand (one
+level of lists and tuples, as torch ops take them) rather than flattening pytrees.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+
+class _NoCapturedGrads(TorchFunctionMode):
+    def __init__(self, who: str, inputs: Sequence[torch.Tensor]):
+        super().__init__()
+        self.who = who
+        self.inputs = {id(t) for t in inputs}
+
+    def _check(self, t: torch.Tensor) -> None:
+        if t.requires_grad and id(t) not in self.inputs:
+            raise ValueError(
+                f"{self.who}: the function uses a tensor that is being differentiated but is "
+                f"not one of its arguments (shape {tuple(t.shape)}; a closure over "
+                "parameters or a module attribute?). Pass it as an argument, or it gets no "
+                "gradient"
+            )
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        for a in (*args, *(kwargs.values() if kwargs else ())):
+            if isinstance(a, torch.Tensor):
+                self._check(a)
+            elif isinstance(a, (list, tuple)):
+                for b in a:
+                    if isinstance(b, torch.Tensor):
+                        self._check(b)
+        return func(*args, **(kwargs or {}))
+
+
+def no_captured_grads(who: str, inputs: Sequence[torch.Tensor]):
+    """The check in eager mode; under ``torch.compile`` dynamo tracks captures itself."""
+    if torch.compiler.is_compiling():
+        return contextlib.nullcontext()
+    return _NoCapturedGrads(who, inputs)
