@@ -22,3 +22,16 @@ def key(seed):
     from torchfn import random
 
     return random.key(seed)
+
+
+@pytest.fixture
+def fresh_dynamo():
+    """Reset dynamo before and after the test. After a graph break inside ``vmap(grad)``
+    under ``torch.compile``, a later ``torch.compile(grad(g), fullgraph=True)`` of another
+    function fails ("Unsupported functorch tracing attempt") until dynamo is reset; tests
+    that break the graph there must not leave that state to the tests after them."""
+    import torch
+
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()

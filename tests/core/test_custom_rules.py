@@ -286,8 +286,7 @@ def test_plain_eager_calls_fun_and_transforms_call_the_rules():
 # -- torch.compile ---------------------------------------------------------------------
 
 @pytest.mark.parametrize("fullgraph", [False, True])
-def test_compile_with_backward_uses_the_rules(fullgraph):
-    torch._dynamo.reset()
+def test_compile_with_backward_uses_the_rules(fullgraph, fresh_dynamo):
     x = normal(13, 5)
     sp = softplus_fg if fullgraph else softplus
     for f, want in ((lambda x: reverse_gradient(x, 0.5).sum(), -0.5 * torch.ones_like(x)),
@@ -297,10 +296,9 @@ def test_compile_with_backward_uses_the_rules(fullgraph):
         torch.testing.assert_close(xr.grad, want)
 
 
-def test_compile_of_func_transforms_uses_the_rules():
+def test_compile_of_func_transforms_uses_the_rules(fresh_dynamo):
     """Dynamo drops an autograd.Function's backward and jvp inside torch.func transforms
     (pytorch#193279, #192985); the call then runs eagerly and stays right."""
-    torch._dynamo.reset()
     x = normal(14, 5)
     g = torch.compile(grad(lambda x: reverse_gradient(x, 0.5).sum()))(x)
     torch.testing.assert_close(g, -0.5 * torch.ones_like(x))

@@ -142,8 +142,7 @@ def test_pytree_state():
     close(g, grad(lambda x: unrolled({**p, "x": x})[3:].sum())(p["x"]))
 
 
-def test_compile_of_grad_equals_eager():
-    torch._dynamo.reset()
+def test_compile_of_grad_equals_eager(fresh_dynamo):
     p = deq_problem(4)
     f = grad(lambda x: loss(solve({**p, "x": x}, "anderson", f=deq_layer)))
     close(torch.compile(f)(p["x"]), f(p["x"]))

@@ -160,8 +160,7 @@ def test_vmap_keeps_each_examples_steps():
     assert n_batched == max(per_lane) > min(per_lane)
 
 
-def test_compile_of_grad_equals_eager():
-    torch._dynamo.reset()
+def test_compile_of_grad_equals_eager(fresh_dynamo):
     a, y0, t = linear_problem(3)
     f = grad(lambda a: loss(transforms.odeint(linear, y0, t, a, **TOL)))
     close(torch.compile(f)(a), f(a), 1e-12)

@@ -16,6 +16,7 @@ import contextlib
 from collections.abc import Sequence
 
 import torch
+from torch._C._functorch import maybe_get_level
 from torch.overrides import TorchFunctionMode
 
 
@@ -26,7 +27,7 @@ class _NoCapturedGrads(TorchFunctionMode):
         self.inputs = {id(t) for t in inputs}
 
     def _check(self, t: torch.Tensor) -> None:
-        if t.requires_grad and id(t) not in self.inputs:
+        if t.requires_grad and id(t) not in self.inputs and not _made_inside(t):
             raise ValueError(
                 f"{self.who}: the function uses a tensor that is being differentiated but is "
                 f"not one of its arguments (shape {tuple(t.shape)}; a closure over "
@@ -43,6 +44,19 @@ class _NoCapturedGrads(TorchFunctionMode):
                     if isinstance(b, torch.Tensor):
                         self._check(b)
         return func(*args, **(kwargs or {}))
+
+
+def _made_inside(t: torch.Tensor) -> bool:
+    """True for a tensor of a transform run inside the forward: a nested ``jacrev``
+    wraps its inputs with ``requires_grad`` at a level active there, and what it leaves
+    behind is wrapped at a dead level (-2). A captured tensor is a plain one (-1) or
+    wrapped at an outer level, which the forward runs with popped off the stack."""
+    from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
+
+    level = maybe_get_level(t)
+    if level == -1:
+        return False
+    return level == -2 or any(i.level() == level for i in retrieve_all_functorch_interpreters())
 
 
 def no_captured_grads(who: str, inputs: Sequence[torch.Tensor]):
