@@ -243,6 +243,29 @@ class Outputs:
         return out
 
 
+EAGER = object()  # from choose_function: run the call eagerly, hidden from dynamo
+
+
+def choose_function(tensors: Sequence[torch.Tensor], eager_fn, compiled_fn):
+    """Which way to run a custom-rule call: a Function class, ``None`` (call ``fun``
+    itself: nothing differentiates) or ``EAGER`` (rerun the call via ``eager_call``)."""
+    if torch.compiler.is_compiling():
+        if torch._C._functorch.maybe_current_level() is not None:
+            # inside a torch.func transform dynamo drops a Function's own backward and jvp
+            # (pytorch#193279, #192985): run the call eagerly (a graph break)
+            return EAGER
+        if not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)):
+            return None
+        return compiled_fn
+    return None if nothing_differentiates(tensors) else eager_fn
+
+
+@torch._disable_dynamo
+def eager_call(f: Callable, args, kwargs) -> Any:
+    """``f(*args, **kwargs)`` hidden from dynamo (``torch.compiler.disable`` would import it)."""
+    return f(*args, **kwargs)
+
+
 def nothing_differentiates(tensors: Sequence[torch.Tensor]) -> bool:
     """True in plain eager code where no transform and no autograd can see the call."""
     if torch.compiler.is_compiling():

@@ -21,12 +21,14 @@ import torch
 
 from torchfn.core._captures import no_captured_grads
 from torchfn.core._custom_args import (
+    EAGER,
     Outputs,
     _Args,
+    choose_function,
+    eager_call,
     fresh,
     is_float,
     nondiff_positions,
-    nothing_differentiates,
     signature,
 )
 
@@ -191,16 +193,10 @@ class custom_jvp:
             raise TypeError(f"custom_jvp({self.__name__}): set a rule with "
                             f"@{self.__name__}.defjvp before calling it")
         bound = _Args(f"custom_jvp({self.__name__})", self._sig, self.nondiff_argnums, args, kwargs)
-        fn = _CustomJVP
-        if torch.compiler.is_compiling():
-            if torch._C._functorch.maybe_current_level() is not None:
-                # inside a torch.func transform dynamo drops a Function's own backward and
-                # jvp (pytorch#193279, #192985): run this call eagerly (a graph break)
-                return _eager_call(self, args, kwargs)
-            if not (torch.is_grad_enabled() and any(t.requires_grad for t in bound.tensors)):
-                return self.fun(*bound.full)
-            fn = _CustomJVPCompiled
-        elif nothing_differentiates(bound.tensors):
+        fn = choose_function(bound.tensors, _CustomJVP, _CustomJVPCompiled)
+        if fn is EAGER:
+            return eager_call(self, args, kwargs)
+        if fn is None:
             return self.fun(*bound.full)
         call = _Call(self, bound)
         out = fn.apply(call, *bound.tensors)
@@ -211,9 +207,3 @@ def _merge(positions: tuple[int, ...], nondiff, diff) -> list[Any]:
     """All positional arguments from the static ones and the differentiable ones."""
     nd, d = iter(nondiff), iter(diff)
     return [next(nd) if k in positions else next(d) for k in range(len(nondiff) + len(diff))]
-
-
-@torch._disable_dynamo
-def _eager_call(f: custom_jvp, args, kwargs) -> Any:
-    """``f(*args, **kwargs)`` hidden from dynamo (``torch.compiler.disable`` would import it)."""
-    return f(*args, **kwargs)

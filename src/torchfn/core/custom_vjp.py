@@ -32,12 +32,14 @@ import torch.utils._pytree as pytree
 
 from torchfn.core._captures import no_captured_grads
 from torchfn.core._custom_args import (
+    EAGER,
     Outputs,
     _Args,
+    choose_function,
+    eager_call,
     fresh,
     is_float,
     nondiff_positions,
-    nothing_differentiates,
     signature,
 )
 
@@ -301,23 +303,11 @@ class custom_vjp:
             raise TypeError(f"custom_vjp({self.__name__}): call {self.__name__}.defvjp(fwd, bwd) "
                             "before calling it")
         bound = _Args(f"custom_vjp({self.__name__})", self._sig, self.nondiff_argnums, args, kwargs)
-        fn = _CustomVJP
-        if torch.compiler.is_compiling():
-            if torch._C._functorch.maybe_current_level() is not None:
-                # inside a torch.func transform dynamo drops a Function's own backward and
-                # jvp (pytorch#193279, #192985): run this call eagerly (a graph break)
-                return _eager_call(self, args, kwargs)
-            if not (torch.is_grad_enabled() and any(t.requires_grad for t in bound.tensors)):
-                return self.fun(*bound.full)
-            fn = _CustomVJPCompiled
-        elif nothing_differentiates(bound.tensors):
+        fn = choose_function(bound.tensors, _CustomVJP, _CustomVJPCompiled)
+        if fn is EAGER:
+            return eager_call(self, args, kwargs)
+        if fn is None:
             return self.fun(*bound.full)
         call = _Call(self, bound)
         out = fn.apply(call, *bound.tensors)
         return call.out.unflatten(out[: call.out.n])
-
-
-@torch._disable_dynamo
-def _eager_call(f: custom_vjp, args, kwargs) -> Any:
-    """``f(*args, **kwargs)`` hidden from dynamo (``torch.compiler.disable`` would import it)."""
-    return f(*args, **kwargs)
