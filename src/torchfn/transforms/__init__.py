@@ -10,6 +10,7 @@ from torchfn.transforms._accountant import (
 )
 from torchfn.transforms._adversarial import adversarial_loss, fgsm, pgd
 from torchfn.transforms._curvature import gauss_newton_vp, hessian, hvp, jacobian, ntk
+from torchfn.transforms._divergence import divergence
 from torchfn.transforms._dp_sgd import (
     DPSGDState,
     DPStep,
@@ -73,6 +74,8 @@ __all__ = [
     "diffusion",
     # fixed points with implicit derivatives (torchfn.transforms._fixed_point)
     "fixed_point",
+    # divergence, exact or Hutchinson (torchfn.transforms._divergence)
+    "divergence",
     # ODEs with adjoint derivatives (torchfn.transforms._odeint)
     "odeint",
     # adversarial, curvature, ensembles, federated (_adversarial, _curvature, ...)
