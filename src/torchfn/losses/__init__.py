@@ -9,6 +9,7 @@ from torchfn.losses._diffusion import diffusion_loss, min_snr_weight
 from torchfn.losses._ebm import ebm_loss
 from torchfn.losses._gan import gan_losses, gradient_penalty, wgan_losses
 from torchfn.losses._regression import huber, l1, mse
+from torchfn.losses._score_matching import score_matching
 from torchfn.losses._vae import gaussian_kl, vae_elbo
 
 __all__ = [
@@ -16,6 +17,7 @@ __all__ = [
     "ebm_loss",
     "diffusion_loss",
     "min_snr_weight",
+    "score_matching",
     # classification, regression, VAE, GAN (_classification, _regression, _vae, _gan)
     "cross_entropy",
     "binary_cross_entropy_with_logits",
