@@ -114,7 +114,7 @@ def test_bad_input():
     params = torchfn.Model(net).init(random.key(0))
     with pytest.raises(ValueError, match="params hold no adapters"):
         models.split_lora(params)
-    with pytest.raises(ValueError, match="module has no LoRALinear layers"):
+    with pytest.raises(ValueError, match="module has no LoRA layers"):
         models.merge_lora(net, params)
     lora_net = models.with_lora(net, targets=["2"])
     with pytest.raises(ValueError, match="params lack '2.lora_A'"):

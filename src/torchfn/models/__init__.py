@@ -7,7 +7,14 @@ from torchfn.models._energy import MLPEnergy
 from torchfn.models._gan import ConvCritic, ConvGenerator
 from torchfn.models._gat import GATConv
 from torchfn.models._graph import GraphAttention, GraphConv
-from torchfn.models._lora import LoRALinear, merge_lora, split_lora, with_lora
+from torchfn.models._lora import (
+    LoRAConv2d,
+    LoRAEmbedding,
+    LoRALinear,
+    merge_lora,
+    split_lora,
+    with_lora,
+)
 from torchfn.models._mlp import MLP
 from torchfn.models._nerf import NeRF
 from torchfn.models._rnn import GRU, LSTM
@@ -49,6 +56,8 @@ __all__ = [
     "split_lora",
     "merge_lora",
     "LoRALinear",
+    "LoRAConv2d",
+    "LoRAEmbedding",
     # radiance field (_nerf; render with transforms.volume_render)
     "NeRF",
 ]

@@ -1,8 +1,14 @@
-"""LoRA (Hu et al. 2021): low-rank adapters on a module's Linear layers.
+"""LoRA (Hu et al. 2021): low-rank adapters on a module's Linear, Conv2d and Embedding layers.
 
 ``with_lora(module)`` returns a copy whose targeted ``nn.Linear`` layers compute
 
     y = x W^T + b + s (x A^T) B^T        A: (r, in), B: (out, r), s = alpha / r
+
+and, with ``layers=(nn.Linear, nn.Conv2d, nn.Embedding)``, convolutions and embeddings
+too, as PEFT adapts them: a Conv2d's A is a convolution with the layer's own kernel,
+stride, padding and dilation into r channels, its B a 1x1 convolution (B A is then a
+weight of W's shape); an Embedding's A (r, num) is looked up per token and B (dim, r)
+maps it (A starts at zero, B normal).
 
 with ``W``, ``b`` under their original names (so pretrained params load unchanged)
 and the adapters as ``<layer>.lora_A`` / ``<layer>.lora_B``. A is initialised as
@@ -23,7 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["LoRALinear", "with_lora", "split_lora", "merge_lora"]
+__all__ = ["LoRALinear", "LoRAConv2d", "LoRAEmbedding", "with_lora", "split_lora",
+           "merge_lora"]
 
 _ADAPTER = re.compile(r"(^|\.)lora_[AB]$")
 
@@ -54,13 +61,8 @@ class LoRALinear(nn.Module):
         super().__init__()
         if not isinstance(base, nn.Linear):
             raise TypeError(f"base must be an nn.Linear, got {type(base).__name__}")
-        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
-            raise ValueError(f"rank must be an int >= 1, got {rank!r}")
-        alpha = float(rank) if alpha is None else alpha
-        if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not alpha > 0:
-            raise ValueError(f"alpha must be a number > 0, got {alpha!r}")
+        self.scale = _scale(rank, alpha, rslora)
         self.in_features, self.out_features, self.rank = base.in_features, base.out_features, rank
-        self.scale = alpha / (math.sqrt(rank) if rslora else rank)
         self.weight = nn.Parameter(base.weight.detach().clone())
         self.bias = None if base.bias is None else nn.Parameter(base.bias.detach().clone())
         factory = {"device": base.weight.device, "dtype": base.weight.dtype}
@@ -84,9 +86,148 @@ class LoRALinear(nn.Module):
         low = F.linear(F.linear(x, self.lora_A), self.lora_B)  # (..., r) -> (..., out)
         return F.linear(x, self.weight, self.bias) + self.scale * low
 
+    def delta(self, a: Tensor, b: Tensor) -> Tensor:
+        """B A, a weight of W's shape (out, in)."""
+        return b @ a
+
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"rank={self.rank}, scale={self.scale:g}")
+
+
+class LoRAConv2d(nn.Module):
+    """An ``nn.Conv2d`` plus a rank-``rank`` adapter: (N, in, H, W) -> (N, out, H', W').
+
+    ``y = conv(x, W) + b + s conv(conv(x, A), B)`` with A (r, in, kh, kw) convolving as W
+    does (stride, padding, dilation) and B (out, r) a 1x1 convolution, as PEFT's. Merged,
+    ``W + s B A`` (over the channel dims, per kernel offset). Needs ``groups=1`` and zero
+    padding.
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> from torchfn import random
+        >>> layer = LoRAConv2d(nn.Conv2d(3, 8, 3, padding=1), rank=2)
+        >>> layer.lora_A.shape, layer.lora_B.shape
+        (torch.Size([2, 3, 3, 3]), torch.Size([8, 2]))
+        >>> x = random.normal(random.key(1), (2, 3, 5, 5))
+        >>> layer(x).shape
+        torch.Size([2, 8, 5, 5])
+    """
+
+    def __init__(self, base: nn.Conv2d, rank: int, alpha: float | None = None,
+                 rslora: bool = False) -> None:
+        super().__init__()
+        if not isinstance(base, nn.Conv2d):
+            raise TypeError(f"base must be an nn.Conv2d, got {type(base).__name__}")
+        if base.groups != 1 or base.padding_mode != "zeros":
+            raise ValueError(f"LoRAConv2d needs groups=1 and padding_mode='zeros', got "
+                             f"groups={base.groups}, padding_mode={base.padding_mode!r}")
+        self.rank, self.scale = rank, _scale(rank, alpha, rslora)
+        self.conv = dict(stride=base.stride, padding=base.padding, dilation=base.dilation)
+        self.weight = nn.Parameter(base.weight.detach().clone())  # (out, in, kh, kw)
+        self.bias = None if base.bias is None else nn.Parameter(base.bias.detach().clone())
+        out_ch, in_ch, kh, kw = base.weight.shape
+        factory = {"device": base.weight.device, "dtype": base.weight.dtype}
+        self.lora_A = nn.Parameter(torch.empty(rank, in_ch, kh, kw, **factory))
+        self.lora_B = nn.Parameter(torch.empty(out_ch, rank, **factory))
+        self._reset_adapter()
+
+    def _reset_adapter(self) -> None:
+        nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))  # as nn.Conv2d's weights
+        nn.init.zeros_(self.lora_B)
+
+    def reset_parameters(self) -> None:
+        """nn.Conv2d's init for W and b (what ``Model.init`` draws), then the adapter's."""
+        nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
+        if self.bias is not None:
+            fan_in = self.weight[0].numel()
+            bound = 1 / math.sqrt(fan_in) if fan_in > 0 else 0
+            nn.init.uniform_(self.bias, -bound, bound)
+        self._reset_adapter()
+
+    def forward(self, x: Tensor) -> Tensor:  # (N, in, H, W) -> (N, out, H', W')
+        low = F.conv2d(x, self.lora_A, None, **self.conv)  # (N, r, H', W')
+        low = F.conv2d(low, self.lora_B[:, :, None, None])  # (N, out, H', W')
+        return F.conv2d(x, self.weight, self.bias, **self.conv) + self.scale * low
+
+    def delta(self, a: Tensor, b: Tensor) -> Tensor:
+        """B A as a weight of W's shape: (out, r) x (r, in, kh, kw) -> (out, in, kh, kw)."""
+        return torch.einsum("or,rikl->oikl", b, a)
+
+    def extra_repr(self) -> str:
+        return f"weight={tuple(self.weight.shape)}, rank={self.rank}, scale={self.scale:g}"
+
+
+class LoRAEmbedding(nn.Module):
+    """An ``nn.Embedding`` plus a rank-``rank`` adapter: (...) int -> (..., dim).
+
+    ``y = W[x] + s A[:, x]^T B^T`` with A (r, num) and B (dim, r); A starts at zero and
+    B normal, as PEFT's (the lookup is into A, so zeros there keep a fresh adapter
+    inert). Merged, ``W + s (B A)^T``. Needs no ``max_norm`` (it renormalises W in
+    place).
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> layer = LoRAEmbedding(nn.Embedding(10, 4), rank=2)
+        >>> layer.lora_A.shape, layer.lora_B.shape
+        (torch.Size([2, 10]), torch.Size([4, 2]))
+        >>> layer(torch.tensor([[1, 2, 3]])).shape
+        torch.Size([1, 3, 4])
+    """
+
+    def __init__(self, base: nn.Embedding, rank: int, alpha: float | None = None,
+                 rslora: bool = False) -> None:
+        super().__init__()
+        if not isinstance(base, nn.Embedding):
+            raise TypeError(f"base must be an nn.Embedding, got {type(base).__name__}")
+        if base.max_norm is not None:
+            raise ValueError("LoRAEmbedding needs max_norm=None (it renormalises W in place)")
+        self.rank, self.scale = rank, _scale(rank, alpha, rslora)
+        self.padding_idx = base.padding_idx
+        self.weight = nn.Parameter(base.weight.detach().clone())  # (num, dim)
+        num, dim = base.weight.shape
+        factory = {"device": base.weight.device, "dtype": base.weight.dtype}
+        self.lora_A = nn.Parameter(torch.empty(rank, num, **factory))
+        self.lora_B = nn.Parameter(torch.empty(dim, rank, **factory))
+        self._reset_adapter()
+
+    def _reset_adapter(self) -> None:
+        nn.init.zeros_(self.lora_A)  # PEFT's: A zero, B normal
+        nn.init.normal_(self.lora_B)
+
+    def reset_parameters(self) -> None:
+        """nn.Embedding's init for W (what ``Model.init`` draws), then the adapter's."""
+        nn.init.normal_(self.weight)
+        if self.padding_idx is not None:
+            with torch.no_grad():
+                self.weight[self.padding_idx].fill_(0)
+        self._reset_adapter()
+
+    def forward(self, x: Tensor) -> Tensor:  # (...) -> (..., dim)
+        low = F.embedding(x, self.lora_A.T)  # (..., r)
+        return F.embedding(x, self.weight, self.padding_idx) + self.scale * (low @ self.lora_B.T)
+
+    def delta(self, a: Tensor, b: Tensor) -> Tensor:
+        """(B A)^T, a weight of W's shape (num, dim)."""
+        return (b @ a).T
+
+    def extra_repr(self) -> str:
+        return f"weight={tuple(self.weight.shape)}, rank={self.rank}, scale={self.scale:g}"
+
+
+def _scale(rank: Any, alpha: Any, rslora: bool) -> float:
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+        raise ValueError(f"rank must be an int >= 1, got {rank!r}")
+    alpha = float(rank) if alpha is None else alpha
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not alpha > 0:
+        raise ValueError(f"alpha must be a number > 0, got {alpha!r}")
+    return alpha / (math.sqrt(rank) if rslora else rank)
+
+
+_WRAPPERS = {nn.Linear: LoRALinear, nn.Conv2d: LoRAConv2d, nn.Embedding: LoRAEmbedding}
+_LORA_LAYERS = (LoRALinear, LoRAConv2d, LoRAEmbedding)
 
 
 def _matches(targets: Any) -> Callable[[str, nn.Module], bool]:
@@ -113,8 +254,9 @@ def with_lora(
     *,
     targets: Any = None,
     rslora: bool = False,
+    layers: Sequence[type] = (nn.Linear,),
 ) -> nn.Module:
-    """A copy of ``module`` with its targeted ``nn.Linear`` layers as ``LoRALinear``.
+    """A copy of ``module`` with its targeted layers given LoRA adapters.
 
     ``module`` itself is not changed. Base params keep their names, so
     ``model.extract(pretrained)`` or a pretrained state dict fills them; the new
@@ -128,6 +270,8 @@ def with_lora(
             (``["qkv", "out"]`` matches ``blocks.0.attn.qkv``), or a callable
             ``(name, module) -> bool``.
         rslora: scale by ``alpha / sqrt(r)`` instead.
+        layers: the layer types to adapt, among ``nn.Linear`` (``LoRALinear``),
+            ``nn.Conv2d`` (``LoRAConv2d``) and ``nn.Embedding`` (``LoRAEmbedding``).
 
     Example:
         >>> import torch, torchfn
@@ -148,20 +292,29 @@ def with_lora(
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+    layers = tuple(layers)
+    if not layers or any(t not in _WRAPPERS for t in layers):
+        raise ValueError(f"layers must be some of {[t.__name__ for t in _WRAPPERS]}, got "
+                         f"{[getattr(t, '__name__', t) for t in layers]}")
     match = _matches(targets)
     out = copy.deepcopy(module)
-    chosen = [name for name, m in out.named_modules()
-              if isinstance(m, nn.Linear) and not isinstance(m, LoRALinear) and match(name, m)]
+
+    def kind(m: nn.Module) -> type | None:
+        return next((t for t in layers if isinstance(m, t)), None)
+
+    chosen = [name for name, m in out.named_modules() if kind(m) and match(name, m)]
     if not chosen:
-        linears = [n for n, m in out.named_modules() if isinstance(m, nn.Linear)]
-        raise ValueError(f"targets={targets!r} matched no nn.Linear; the module's Linear "
-                         f"layers are {linears}")
-    if chosen == [""]:  # the module is itself a Linear
-        return LoRALinear(out, rank, alpha, rslora)
+        found = [n for n, m in out.named_modules() if kind(m)]
+        names = "/".join(f"nn.{t.__name__}" for t in layers)
+        raise ValueError(f"targets={targets!r} matched no {names}; the module's {names} "
+                         f"layers are {found}")
+    if chosen == [""]:  # the module is itself such a layer
+        return _WRAPPERS[kind(out)](out, rank, alpha, rslora)
     for name in chosen:
         parent_name, _, child = name.rpartition(".")
         parent = out.get_submodule(parent_name) if parent_name else out
-        setattr(parent, child, LoRALinear(getattr(parent, child), rank, alpha, rslora))
+        base = getattr(parent, child)
+        setattr(parent, child, _WRAPPERS[kind(base)](base, rank, alpha, rslora))
     return out
 
 
@@ -203,9 +356,9 @@ def merge_lora(module: nn.Module, params: dict[str, Tensor]) -> dict[str, Tensor
         >>> sorted(models.merge_lora(lora_net, params))
         ['bias', 'weight']
     """
-    layers = {n: m for n, m in module.named_modules() if isinstance(m, LoRALinear)}
+    layers = {n: m for n, m in module.named_modules() if isinstance(m, _LORA_LAYERS)}
     if not layers:
-        raise ValueError("module has no LoRALinear layers: pass the models.with_lora copy")
+        raise ValueError("module has no LoRA layers: pass the models.with_lora copy")
     out = dict(params)
     for name, layer in layers.items():
         prefix = f"{name}." if name else ""
@@ -215,5 +368,5 @@ def merge_lora(module: nn.Module, params: dict[str, Tensor]) -> dict[str, Tensor
         except KeyError as missing:
             raise ValueError(f"params lack {missing.args[0]!r}, which the module's "
                              f"LoRA layer {name or '<root>'!r} needs") from None
-        out[prefix + "weight"] = w + layer.scale * (b @ a)  # (out, r) @ (r, in)
+        out[prefix + "weight"] = w + layer.scale * layer.delta(a, b)
     return out
