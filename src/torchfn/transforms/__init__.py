@@ -40,6 +40,7 @@ from torchfn.transforms._per_sample import (
 from torchfn.transforms._rendering import Rendered, stratified_depths, volume_render
 from torchfn.transforms._replay import ReplayBuffer, replay_init, replay_push, replay_sample
 from torchfn.transforms._sam import sam
+from torchfn.transforms._sdeint import sdeint
 
 __all__ = [
     # per-sample gradients (torchfn.transforms._per_sample)
@@ -76,8 +77,9 @@ __all__ = [
     "fixed_point",
     # divergence, exact or Hutchinson (torchfn.transforms._divergence)
     "divergence",
-    # ODEs with adjoint derivatives (torchfn.transforms._odeint)
+    # ODEs with adjoint derivatives, SDEs on keyed paths (_odeint, _sdeint)
     "odeint",
+    "sdeint",
     # adversarial, curvature, ensembles, federated (_adversarial, _curvature, ...)
     "fgsm",
     "pgd",
