@@ -37,16 +37,12 @@ def signature(fun: Callable) -> inspect.Signature | None:
 
 def nondiff_positions(nondiff_argnums: Any, who: str) -> tuple[int, ...]:
     """Validate ``nondiff_argnums``: an int or a sequence of non-negative ints."""
-    if isinstance(nondiff_argnums, int):
-        nondiff_argnums = (nondiff_argnums,)
-    if isinstance(nondiff_argnums, (str, bytes)):
-        nondiff_argnums = None  # not a sequence of ints
-    try:
-        positions = tuple(sorted({int(i) for i in nondiff_argnums}))
-    except (TypeError, ValueError):
-        raise TypeError(
-            f"{who}: nondiff_argnums must be an int or a sequence of ints, got {nondiff_argnums!r}"
-        ) from None
+    given = (nondiff_argnums,) if isinstance(nondiff_argnums, int) else nondiff_argnums
+    if (isinstance(given, (str, bytes)) or not isinstance(given, Sequence)
+            or not all(isinstance(i, int) and not isinstance(i, bool) for i in given)):
+        raise TypeError(f"{who}: nondiff_argnums must be an int or a sequence of ints, got "
+                        f"{nondiff_argnums!r}")
+    positions = tuple(sorted(set(given)))
     if any(i < 0 for i in positions):
         raise ValueError(f"{who}: nondiff_argnums must be non-negative, got {positions}")
     return positions
