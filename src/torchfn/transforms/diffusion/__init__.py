@@ -16,6 +16,11 @@
 The training loss lives in ``torchfn.losses.diffusion_loss``.
 """
 
+from torchfn.transforms.diffusion._probability_flow import (
+    probability_flow_log_likelihood,
+    probability_flow_sample,
+    vp_alpha_bar,
+)
 from torchfn.transforms.diffusion._q_sample import (
     PREDICTIONS,
     predict_eps_from_v,
@@ -55,9 +60,12 @@ __all__ = [
     "predict_eps_from_x0",
     "predict_x0_from_eps",
     "predict_x0_from_v",
+    "probability_flow_log_likelihood",
+    "probability_flow_sample",
     "q_posterior",
     "q_sample",
     "schedule_from_betas",
+    "vp_alpha_bar",
     "sigmoid_schedule",
     "velocity",
 ]
