@@ -84,3 +84,11 @@ def test_vp_alpha_bar_matches_the_linear_schedule_limit():
     ours = diffusion.vp_alpha_bar((i + 1).to(F64) / 1000)
     torch.testing.assert_close(ours, s.alphas_cumprod[i].to(F64), rtol=0.02, atol=1e-5)
     assert vmap(diffusion.vp_alpha_bar)(torch.zeros(3, dtype=F64)).eq(1).all()
+
+
+def test_reverse_sde_samples_have_the_data_covariance():
+    xs = diffusion.reverse_sde_sample(eps_exact, (4000, 2), random.key(3), C, dt=2e-3,
+                                      dtype=F64, t_min=T_MIN)
+    torch.testing.assert_close(torch.cov(xs.T), marginal_cov(covariance(C), T_MIN),
+                               rtol=0.08, atol=0.04)
+    assert abs(float(xs.mean())) < 0.06

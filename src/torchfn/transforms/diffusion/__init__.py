@@ -19,6 +19,7 @@ The training loss lives in ``torchfn.losses.diffusion_loss``.
 from torchfn.transforms.diffusion._probability_flow import (
     probability_flow_log_likelihood,
     probability_flow_sample,
+    reverse_sde_sample,
     vp_alpha_bar,
 )
 from torchfn.transforms.diffusion._q_sample import (
@@ -64,6 +65,7 @@ __all__ = [
     "probability_flow_sample",
     "q_posterior",
     "q_sample",
+    "reverse_sde_sample",
     "schedule_from_betas",
     "vp_alpha_bar",
     "sigmoid_schedule",

@@ -33,7 +33,8 @@ from torch.func import vjp
 from torchfn import random
 from torchfn.transforms._odeint import odeint
 
-__all__ = ["vp_alpha_bar", "probability_flow_sample", "probability_flow_log_likelihood"]
+__all__ = ["vp_alpha_bar", "probability_flow_sample", "probability_flow_log_likelihood",
+           "reverse_sde_sample"]
 
 
 def vp_alpha_bar(t: Tensor, beta_min: float = 0.1, beta_max: float = 20.0) -> Tensor:
@@ -97,6 +98,48 @@ def probability_flow_sample(model_fn: Callable[..., Tensor], shape: Sequence[int
     s = torch.tensor([0.0, 1.0 - t_min], dtype=dtype)  # s = 1 - t runs forward
     return odeint(lambda x, s, *a: -f(x, 1.0 - s, *a), x1, s, *model_args, rtol=rtol,
                   atol=atol)[-1]
+
+
+def reverse_sde_sample(model_fn: Callable[..., Tensor], shape: Sequence[int], key: Tensor,
+                       *model_args, dt: float = 1e-3, beta_min: float = 0.1,
+                       beta_max: float = 20.0, time_scale: float = 999.0, t_min: float = 1e-3,
+                       dtype: torch.dtype = torch.float32) -> Tensor:
+    """Samples by the reverse-time VP SDE (Song et al. 2021), Euler-Maruyama steps of ``dt``.
+
+    ``dx = [1/2 beta x - beta eps / sigma] ds + sqrt(beta) dW`` in ``s = 1 - t``, from
+    ``x(1) ~ N(0, I)`` to ``t_min``, on ``transforms.sdeint``: the start and the Brownian
+    path both come from ``key`` (so ``vmap`` over keys gives independent samplers).
+
+    Example::
+
+        >>> import torch
+        >>> from torchfn import random
+        >>> from torchfn.transforms import diffusion
+        >>> eps_fn = lambda x, t: torch.zeros_like(x)      # a model of N(0, I) data
+        >>> diffusion.reverse_sde_sample(eps_fn, (4, 2), random.key(0), dt=0.01).shape
+        torch.Size([4, 2])
+    """
+    from torchfn.transforms._sdeint import sdeint
+
+    k_start, k_path = random.split(key)
+    x1 = random.normal(k_start, tuple(shape), dtype=dtype)
+
+    def coefficients(s):
+        t = 1.0 - s
+        beta = beta_min + t * (beta_max - beta_min)
+        sigma = torch.sqrt(-torch.expm1(-beta_min * t - 0.5 * (beta_max - beta_min) * t * t))
+        return t, beta, sigma
+
+    def drift(x, s, *model_args):
+        t, beta, sigma = coefficients(s)
+        eps = model_fn(x, (t * time_scale).expand(x.shape[0]).to(x.dtype), *model_args)
+        return 0.5 * beta * x - beta * eps / sigma  # the score is -eps / sigma
+
+    def diffusion(x, s, *model_args):
+        return torch.sqrt(coefficients(s)[1]) * torch.ones_like(x)
+
+    s = torch.tensor([0.0, 1.0 - t_min], dtype=dtype)
+    return sdeint(drift, diffusion, x1, s, k_path, *model_args, dt=dt)[-1]
 
 
 def probability_flow_log_likelihood(model_fn: Callable[..., Tensor], x: Tensor, *model_args,
