@@ -124,6 +124,36 @@ def odeint(func: Callable[..., Any], y0: Any, t: torch.Tensor, *args: Any,
     return _odeint(func, _Options(float(rtol), float(atol), mxstep), y0, t.to(dtype), args)
 
 
+class _FloatArgs:
+    """``args``' floating-point tensor leaves, and ``args`` rebuilt around new ones."""
+
+    def __init__(self, args):
+        self.leaves, self.spec = pytree.tree_flatten(args)
+        self.where = [i for i, a in enumerate(self.leaves) if _is_float(a)]
+        self.tensors = [self.leaves[i] for i in self.where]
+
+    def with_(self, tensors) -> Any:
+        full = list(self.leaves)
+        for i, x in zip(self.where, tensors):
+            full[i] = x
+        return pytree.tree_unflatten(full, self.spec)
+
+    def tangents(self, t_args) -> list[torch.Tensor]:
+        """The float leaves' tangents (zeros where none was given)."""
+        given = pytree.tree_leaves(t_args, is_leaf=_none)
+        return [torch.zeros_like(self.leaves[i]) if given[i] is None else given[i]
+                for i in self.where]
+
+    def cotangent(self, flat: torch.Tensor) -> Any:
+        """``args``' structure from one flat vector over the float leaves (None elsewhere)."""
+        out: list[Any] = [None] * len(self.leaves)
+        start = 0
+        for i, a in zip(self.where, self.tensors):
+            out[i] = flat[start:start + a.numel()].reshape(a.shape)
+            start += a.numel()
+        return pytree.tree_unflatten(out, self.spec)
+
+
 @functools.partial(custom_vjp, nondiff_argnums=(0, 1))
 def _odeint(func, opts: _Options, y0, t, args):
     return _forward(func, opts, y0, t, args)
@@ -151,25 +181,17 @@ def _bwd(func, opts, res, g):
     ys_flat = torch.stack([_ravel([y[i] for y in y_leaves]) for i in range(t.shape[0])])
     g_leaves = pytree.tree_leaves(g)
     gs = torch.stack([_ravel([gl[i] for gl in g_leaves]) for i in range(t.shape[0])])
-    a_leaves, a_spec = pytree.tree_flatten(args)
-    float_args = [i for i, a in enumerate(a_leaves) if _is_float(a)]
-    arg_tensors = [a_leaves[i] for i in float_args]
+    fargs = _FloatArgs(args)
     n = ys_flat.shape[-1]
-    n_args = sum(a.numel() for a in arg_tensors)
-
-    def args_with(tensors):
-        full = list(a_leaves)
-        for i, x in zip(float_args, tensors):
-            full[i] = x
-        return pytree.tree_unflatten(full, a_spec)
+    n_args = sum(a.numel() for a in fargs.tensors)
 
     def aug(s, tau):  # the state [y, a_y, a_args] in reversed time tau = -t
         y, a_y = s[:n], s[n:2 * n]
 
         def f_y_args(y, *tensors):
-            return _flat_f(func, y, -tau, args_with(tensors), like, spec)
+            return _flat_f(func, y, -tau, fargs.with_(tensors), like, spec)
 
-        fy, pull = torch.func.vjp(f_y_args, y, *arg_tensors)
+        fy, pull = torch.func.vjp(f_y_args, y, *fargs.tensors)
         ct = pull(a_y)
         parts = [-fy, ct[0]] + [c.reshape(-1) for c in ct[1:]]
         return torch.cat(parts) if n_args else torch.cat(parts[:2])
@@ -191,12 +213,7 @@ def _bwd(func, opts, res, g):
     ct_t[0] = -(a_y * f_at(0)).sum()
     a_y = a_y + gs[0]
     ct_y0 = pytree.tree_unflatten(_unravel(a_y, like), spec)
-    ct_args_leaves: list[Any] = [None] * len(a_leaves)
-    start = 0
-    for i, a in zip(float_args, arg_tensors):
-        ct_args_leaves[i] = a_args[start:start + a.numel()].reshape(a.shape)
-        start += a.numel()
-    return ct_y0, torch.stack(ct_t), pytree.tree_unflatten(ct_args_leaves, a_spec)
+    return ct_y0, torch.stack(ct_t), fargs.cotangent(a_args)
 
 
 def _jvp(func, opts, res, tangents):
@@ -210,26 +227,15 @@ def _jvp(func, opts, res, tangents):
     ty0_out = ty0  # ys[0] = y0 whatever t_0 is
     if t_t is not None:  # moving t_0 starts the flow later: y shifts back by f(y0, t0) dt0
         ty0 = ty0 - _flat_f(func, y0, t[0], args, like, spec) * t_t[0]
-    a_leaves, a_spec = pytree.tree_flatten(args)
-    ta_leaves = pytree.tree_leaves(t_args, is_leaf=_none)
-    float_args = [i for i, a in enumerate(a_leaves) if _is_float(a)]
-    arg_tensors = [a_leaves[i] for i in float_args]
-    arg_tangents = [torch.zeros_like(a_leaves[i]) if ta_leaves[i] is None else ta_leaves[i]
-                    for i in float_args]
+    fargs = _FloatArgs(args)
+    arg_tangents = fargs.tangents(t_args)
     n = y0.shape[-1]
-
-    def args_with(tensors):
-        full = list(a_leaves)
-        for i, x in zip(float_args, tensors):
-            full[i] = x
-        return pytree.tree_unflatten(full, a_spec)
 
     def aug(s, time):  # [y, ty]: dty/dt = df/dy ty + df/dargs targs
         def f_y_args(y, *tensors):
-            return _flat_f(func, y, time, args_with(tensors), like, spec)
+            return _flat_f(func, y, time, fargs.with_(tensors), like, spec)
 
-        fy, tf = torch.func.jvp(f_y_args, (s[:n], *arg_tensors),
-                                (s[n:], *arg_tangents))
+        fy, tf = torch.func.jvp(f_y_args, (s[:n], *fargs.tensors), (s[n:], *arg_tangents))
         return torch.cat([fy, tf])
 
     out = _solve(aug, torch.cat([y0, ty0]), t, opts, "odeint (the tangent solve)")  # (T, 2n)
