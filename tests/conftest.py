@@ -49,3 +49,20 @@ def fresh_dynamo():
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()
+
+
+@pytest.fixture
+def example():
+    """``example("dp_lora")``: ``examples/dp_lora.py`` loaded as a module."""
+    import importlib.util
+    from pathlib import Path
+
+    examples = Path(__file__).resolve().parents[1] / "examples"
+
+    def load(name: str):
+        spec = importlib.util.spec_from_file_location(f"example_{name}", examples / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+
+    return load

@@ -2,26 +2,15 @@
 over a grid it sums to 1, which holds only if the flow, the trace integral and the solver
 agree (the change of variables, checked numerically)."""
 
-import importlib.util
 import math
-from pathlib import Path
 
 import torch
 
 from torchfn import random
 
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
-
-def load():
-    spec = importlib.util.spec_from_file_location("example_cnf_2d", EXAMPLES / "cnf_2d.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-def test_cnf_density_integrates_to_one():
-    cnf = load()
+def test_cnf_density_integrates_to_one(example):
+    cnf = example("cnf_2d")
     params = cnf.init(random.key(3), 32)
     params["w3"] = params["w3"] * 100  # a flow far from the identity
     side = torch.linspace(-7, 7, 141)
@@ -34,8 +23,8 @@ def test_cnf_density_integrates_to_one():
     assert (p.log() - base).abs().max() > 0.5  # the flow does move the density
 
 
-def test_cnf_learns():
-    result = load().main(["--steps", "40", "--batch-size", "128"])
+def test_cnf_learns(example):
+    result = example("cnf_2d").main(["--steps", "40", "--batch-size", "128"])
     assert result["test_nll"] < result["first_nll"] - 0.3
     assert math.isfinite(result["test_nll"])
     assert result["samples"].shape == (2000, 2)

@@ -1,22 +1,9 @@
 """examples/deq_digits.py: a DEQ classifier trains on implicit gradients, and at the
 trained weights its implicit gradient equals autodiff through a long unrolled iteration."""
 
-import importlib.util
-from pathlib import Path
 
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
-
-
-def load():
-    spec = importlib.util.spec_from_file_location("example_deq_digits",
-                                                  EXAMPLES / "deq_digits.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-def test_deq_learns_digits_with_implicit_gradients():
-    result = load().main(["--steps", "100"])
+def test_deq_learns_digits_with_implicit_gradients(example):
+    result = example("deq_digits").main(["--steps", "100"])
     assert result["deq_accuracy"] > 0.85  # chance is 0.1
     assert result["unrolled_accuracy"] > 0.85
     assert result["grad_rel_err"] < 1e-4  # implicit == unrolled to the solve's tolerance

@@ -1,21 +1,9 @@
 """examples/dp_lora.py: DP-SGD on LoRA adapters (all of them, or B alone) learns the
 private domain the public model fails on, with the adapters' parameter counts."""
 
-import importlib.util
-from pathlib import Path
 
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
-
-
-def load():
-    spec = importlib.util.spec_from_file_location("example_dp_lora", EXAMPLES / "dp_lora.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-def test_dp_lora_learns_the_private_domain():
-    lora = load()
+def test_dp_lora_learns_the_private_domain(example):
+    lora = example("dp_lora")
     both = lora.main(["--steps", "100", "--epsilon", "8", "--lr-lora", "0.2", "--lr-full", "0.2"])
     b_only = lora.main(["--steps", "100", "--epsilon", "8", "--lr-lora", "0.3", "--freeze-a"])
     assert abs(both["epsilon"] - 8.0) < 0.05

@@ -3,23 +3,14 @@ wgan_digits.py run end to end on a tiny config."""
 
 import importlib.util
 import json
-from pathlib import Path
 
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 # the PNG needs matplotlib (the "plots" extra); without it the scripts run with --no-plot
 PLOT = importlib.util.find_spec("matplotlib") is not None
 NO_PLOT = [] if PLOT else ["--no-plot"]
 
 
-def load(name):
-    spec = importlib.util.spec_from_file_location(f"example_{name}", EXAMPLES / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-def test_ddpm_2d_tiny(tmp_path):
-    ddpm = load("ddpm_2d")
+def test_ddpm_2d_tiny(tmp_path, example):
+    ddpm = example("ddpm_2d")
     args = [
         "--steps",
         "30",
@@ -50,8 +41,8 @@ def test_ddpm_2d_tiny(tmp_path):
     )
 
 
-def test_ebm_2d_tiny(tmp_path):
-    ebm = load("ebm_2d")
+def test_ebm_2d_tiny(tmp_path, example):
+    ebm = example("ebm_2d")
     args = [
         "--steps",
         "8",
@@ -75,8 +66,8 @@ def test_ebm_2d_tiny(tmp_path):
     assert saved["final_loss"] == m["final_loss"]
 
 
-def test_ddpm_digits_tiny(tmp_path):
-    ddpm = load("ddpm_digits")
+def test_ddpm_digits_tiny(tmp_path, example):
+    ddpm = example("ddpm_digits")
     args = ["--steps", "12", "--batch", "32", "--timesteps", "20", "--channels", "8",
             "--per-class", "2", "--ddim-steps", "3", "--classifier-steps", "30", "--seed", "1"]
     m = ddpm.main(args + NO_PLOT + ["--out", str(tmp_path / "a")])
@@ -91,8 +82,8 @@ def test_ddpm_digits_tiny(tmp_path):
         "samples_classified_as_their_condition"]
 
 
-def test_gru_lyapunov_tiny(tmp_path):
-    lyap = load("gru_lyapunov")
+def test_gru_lyapunov_tiny(tmp_path, example):
+    lyap = example("gru_lyapunov")
     args = ["--hidden", "8", "--k", "3", "--steps", "30", "--warmup", "5", "--gains", "0.5,8",
             "--check-steps", "20", "--out", str(tmp_path)]
     m = lyap.main(args + NO_PLOT)
@@ -106,8 +97,8 @@ def test_gru_lyapunov_tiny(tmp_path):
     assert saved["largest_exponent"] == m["largest_exponent"]
 
 
-def test_wgan_2d_tiny(tmp_path):
-    wgan = load("wgan_2d")
+def test_wgan_2d_tiny(tmp_path, example):
+    wgan = example("wgan_2d")
     args = ["--steps", "6", "--critic-steps", "2", "--batch", "32", "--hidden", "16",
             "--samples", "64", "--seed", "2"]
     m = wgan.main(args + NO_PLOT + ["--out", str(tmp_path / "a")])
@@ -120,8 +111,8 @@ def test_wgan_2d_tiny(tmp_path):
     assert again["energy_distance"] == m["energy_distance"]
 
 
-def test_wgan_digits_tiny(tmp_path):
-    wgan = load("wgan_digits")
+def test_wgan_digits_tiny(tmp_path, example):
+    wgan = example("wgan_digits")
     args = ["--steps", "20", "--critic-steps", "2", "--batch", "32", "--latent", "8",
             "--width", "8", "--per-class", "3", "--classifier-steps", "30", "--seed", "1"]
     m = wgan.main(args + NO_PLOT + ["--out", str(tmp_path / "a")])

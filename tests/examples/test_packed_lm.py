@@ -1,24 +1,13 @@
 """examples/packed_lm.py: packing is lossless, and the packed LM learns each document."""
 
-import importlib.util
-from pathlib import Path
 
 import torch
 
 from torchfn import random
 
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
-
-def load():
-    spec = importlib.util.spec_from_file_location("example_packed_lm", EXAMPLES / "packed_lm.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-def test_pack_keeps_every_document_whole_and_in_order():
-    lm = load()
+def test_pack_keeps_every_document_whole_and_in_order(example):
+    lm = example("packed_lm")
     docs = lm.documents(random.key(0), 50)
     tokens, ids, used = lm.pack(docs, 4, 64)
     assert 0 < used < 50
@@ -30,15 +19,15 @@ def test_pack_keeps_every_document_whole_and_in_order():
     assert ((ids == lm.PAD) == (ids < 0)).all() and (tokens[ids == lm.PAD] == 0).all()
 
 
-def test_packed_lm_learns_each_document():
-    result = load().main(["--steps", "80", "--rows", "4", "--seed", "1"])
+def test_packed_lm_learns_each_document(example):
+    result = example("packed_lm").main(["--steps", "80", "--rows", "4", "--seed", "1"])
     # chance is 1/32: the step of a document is read from its own two earlier tokens
     assert result["loss_last"] < result["loss_first"] / 3
     assert result["test_accuracy"] > 0.8
 
 
-def test_packed_lm_learns_with_muon_and_schedule_free():
-    lm = load()
+def test_packed_lm_learns_with_muon_and_schedule_free(example):
+    lm = example("packed_lm")
     muon = lm.main(["--steps", "60", "--rows", "4", "--seed", "1", "--optimizer", "muon"])
     free = lm.main(["--steps", "60", "--rows", "4", "--seed", "1", "--lr", "2e-2",
                     "--optimizer", "schedule_free"])

@@ -1,9 +1,7 @@
 """examples/quickstart.py, dp_sgd.py and dp_graphs.py run end to end with a few steps."""
 
-import importlib.util
 import json
 import math
-from pathlib import Path
 
 import pytest
 import torch
@@ -11,18 +9,9 @@ import torch
 from torchfn import random
 from torchfn.transforms import rdp_epsilon
 
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
-
-def _load(name):
-    spec = importlib.util.spec_from_file_location(f"example_{name}", EXAMPLES / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_quickstart_loss_falls_and_is_deterministic():
-    qs = _load("quickstart")
+def test_quickstart_loss_falls_and_is_deterministic(example):
+    qs = example("quickstart")
     a = qs.main(["--steps", "40", "--seed", "1", "--log-every", "20"])
     assert a["loss_last"] < 0.8 * a["loss_first"]
     assert a["test_accuracy"] > 0.3  # 10 classes: chance is 0.1
@@ -31,8 +20,8 @@ def test_quickstart_loss_falls_and_is_deterministic():
 
 
 @pytest.mark.parametrize("method", ["vmap", "ghost"])
-def test_dp_sgd_writes_metrics_and_plot(tmp_path, method):
-    dp = _load("dp_sgd")
+def test_dp_sgd_writes_metrics_and_plot(tmp_path, method, example):
+    dp = example("dp_sgd")
     m = dp.main(["--steps", "30", "--eval-every", "10", "--method", method, "--out",
                  str(tmp_path)])
     saved = json.loads((tmp_path / "metrics.json").read_text())
@@ -42,8 +31,8 @@ def test_dp_sgd_writes_metrics_and_plot(tmp_path, method):
     assert math.isclose(m["epsilon"], rdp_epsilon(1.2, m["sample_rate"], 30, 1e-5))
 
 
-def test_dp_graphs_learns_from_the_edges_only(tmp_path):
-    dp = _load("dp_graphs")
+def test_dp_graphs_learns_from_the_edges_only(tmp_path, example):
+    dp = example("dp_graphs")
     tiny = ["--graphs", "400", "--test-graphs", "200", "--steps", "60", "--batch-size", "32",
             "--eval-every", "30"]
     m = dp.main(tiny + ["--out", str(tmp_path / "a")])
@@ -55,8 +44,8 @@ def test_dp_graphs_learns_from_the_edges_only(tmp_path):
     assert blind["test_accuracy"] < 0.62  # features alone: chance (0.5 at seed 0)
 
 
-def test_dp_graphs_data_are_padded_undirected_graphs():
-    dp = _load("dp_graphs")
+def test_dp_graphs_data_are_padded_undirected_graphs(example):
+    dp = example("dp_graphs")
     x, edges, weight, y = dp.make_graphs(random.key(0), 200, 24)
     assert x.shape == (200, 24, 4) and edges.shape[:2] == (200, 2)
     assert weight.shape == (200, edges.shape[2])
