@@ -41,8 +41,9 @@ def test_every_public_name_has_an_example():
             )
             if callable(obj) and not record and ">>>" not in (obj.__doc__ or ""):
                 missing.append(f"torchfn.{package}.{name}")
-    for name in ("Model", "save", "load", "remat", "scan", "make_train_step", "fit",
-                 "segment_sum", "segment_mean", "segment_max", "segment_min", "segment_softmax"):
+    for name in ("Model", "save", "load", "remat", "checkpoint_name", "scan",
+                 "make_train_step", "fit", "segment_sum", "segment_mean", "segment_max",
+                 "segment_min", "segment_softmax"):
         if ">>>" not in (getattr(torchfn, name).__doc__ or ""):
             missing.append(f"torchfn.{name}")
     assert not missing, f"no docstring example: {missing}"

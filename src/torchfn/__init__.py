@@ -34,6 +34,8 @@ _EXPORTS: dict[str, str] = {
     "CheckpointError": "torchfn.core.checkpoint",
     "load_metadata": "torchfn.core.checkpoint",
     "remat": "torchfn.core.remat",
+    "checkpoint_policies": "torchfn.core.checkpoint_policies",
+    "checkpoint_name": "torchfn.core.checkpoint_policies",
     "custom_vjp": "torchfn.core.custom_vjp",
     "custom_jvp": "torchfn.core.custom_jvp",
     "scan": "torchfn.core.scan",
@@ -53,6 +55,8 @@ _EXPORTS: dict[str, str] = {
     "fit": "torchfn.train",
 }
 
+_MODULES = {"checkpoint_policies"}  # modules exported from deeper down
+
 __all__ = sorted(_EXPORTS) + ["__version__"]
 
 
@@ -62,7 +66,8 @@ def __getattr__(name: str) -> Any:
     except KeyError:
         raise AttributeError(f"module 'torchfn' has no attribute {name!r}") from None
     module = importlib.import_module(module_name)
-    value = module if module_name == f"torchfn.{name}" else getattr(module, name)
+    is_module = module_name == f"torchfn.{name}" or name in _MODULES
+    value = module if is_module else getattr(module, name)
     globals()[name] = value
     return value
 

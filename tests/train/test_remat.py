@@ -193,3 +193,32 @@ def test_an_input_returned_unchanged_gets_its_gradient():
     w_req = w.clone().requires_grad_()
     loss(w_req, torchfn.remat(f)).backward()
     assert torch.allclose(w_req.grad, got, atol=1e-6)
+
+
+@pytest.mark.parametrize("transform", ["grad", "vmap_grad", "autograd"])
+def test_nested_remat(problem, transform):
+    """A remat inside a remat'd function: its backward runs inside the outer backward
+    (torch.func's vjp_fn would run it after the level it saved tensors at was gone)."""
+    ps, x = problem
+    inner = torchfn.remat(block)
+    outer = torchfn.remat(lambda p, q, x: inner(q, block(p, x)))
+    nested = lambda ps, x: outer(ps[0], ps[1], x).square().mean()
+    plain = lambda ps, x: block(ps[1], block(ps[0], x)).square().mean()
+    if transform == "grad":
+        assert_trees_equal(grad(nested)(ps, x), grad(plain)(ps, x))
+    elif transform == "vmap_grad":
+        per_example = lambda f: vmap(grad(lambda p, xi: f(p, xi[None])), (None, 0))(ps, x)
+        assert_trees_equal(per_example(nested), per_example(plain))
+    else:
+        leaves = [{k: v.clone().requires_grad_() for k, v in p.items()} for p in ps]
+        got = torch.autograd.grad(nested(leaves, x), optree.tree_leaves(leaves[:2]))
+        assert_trees_equal(got, grad(plain)(ps, x)[:2])
+
+
+def test_complex_outputs(key):
+    """The backward pulls back <out, cotangent> as real pairs, as autograd's vjp does."""
+    w = torch.randn(3, 3, dtype=torch.complex128, generator=torch.Generator().manual_seed(0))
+    x = torch.randn(2, 3, dtype=torch.complex128, generator=torch.Generator().manual_seed(1))
+    f = lambda w, x: torch.exp(x @ w) * 1j
+    loss = lambda f: lambda w: f(w, x).abs().square().sum()
+    torch.testing.assert_close(grad(loss(torchfn.remat(f)))(w), grad(loss(f))(w))

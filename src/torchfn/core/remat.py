@@ -3,11 +3,16 @@
 ``torch.utils.checkpoint`` relies on saved-tensor hooks, which ``torch.func``
 transforms reject ("don't yet support saved tensor hooks"). ``remat`` is an
 ``autograd.Function`` instead: its forward runs ``fn`` without recording a graph
-and saves only the inputs; its backward recomputes ``fn`` under
-``torch.func.vjp`` and pulls the cotangents back. Because the backward is made
-of ordinary differentiable ops it works under ``grad``, ``vmap(grad)``,
-grad-of-grad and ``jacrev``; under ``torch.compile`` the compiler's own
-rematerialisation takes over.
+and saves only the inputs; its backward recomputes ``fn`` at a ``torch.func``
+grad level of its own and pulls the cotangents back there (``_pullback``).
+Because the backward is made of ordinary differentiable ops it works under
+``grad``, ``vmap(grad)``, grad-of-grad, ``jacrev``, ``jvp`` and ``hessian``, and
+remats nest; under ``torch.compile`` the compiler's own rematerialisation takes
+over.
+
+With a ``policy`` (``torchfn.checkpoint_policies``) the forward also keeps the
+outputs of the ops the policy names, and the recomputation reuses them instead of
+running those ops again (``_remat_tape``).
 """
 
 from __future__ import annotations
@@ -19,7 +24,9 @@ from typing import Any, TypeVar
 import torch
 import torch.utils._pytree as pytree
 
+from torchfn.core import checkpoint_policies
 from torchfn.core._captures import no_captured_grads
+from torchfn.core._remat_tape import Record, Replay
 
 __all__ = ["remat"]
 
@@ -30,11 +37,42 @@ def _is_diff(x: Any) -> bool:
     return isinstance(x, torch.Tensor) and (x.is_floating_point() or x.is_complex())
 
 
+def _pullback(f, primals, cotangents) -> tuple[torch.Tensor, ...]:
+    """``torch.func.vjp(f, *primals)[1](cotangents)``, with two differences.
+
+    The pullback runs inside the level ``f`` ran at: ``vjp``'s ``vjp_fn`` runs after
+    the level is gone, where the backward of a remat nested in ``f`` finds its saved
+    tensors dead ("escaped?"). And it records a graph only when the caller's backward
+    does (``create_graph``, or an outer ``torch.func`` transform): ``torch.func.grad``
+    always records one, which costs time and memory in a plain ``.backward()``.
+    """
+    from torch._functorch import eager_transforms as et
+
+    create_graph = torch.is_grad_enabled()
+    with et.grad_increment_nesting() as level, torch.enable_grad():
+        primals = [et._create_differentiable(et._wrap_all_tensors(p, level), level)
+                   for p in primals]
+        outs = f(*primals)
+        grads = et._autograd_grad(outs, primals, cotangents, create_graph=create_graph)
+        return et._undo_create_differentiable(grads, level)
+
+
+def _forward_mode_active() -> bool:
+    from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
+
+    jvp = torch._C._functorch.TransformType.Jvp
+    if any(i.key() == jvp for i in retrieve_all_functorch_interpreters()):
+        return True
+    return torch.autograd.forward_ad._current_level >= 0
+
+
 class _Call:
     """Everything about one call that is not a tensor input."""
 
-    def __init__(self, fn, treedef, leaves, tensor_idx, diff_mask):
+    def __init__(self, fn, treedef, leaves, tensor_idx, diff_mask, policy):
         self.fn = fn
+        self.policy = policy  # None: save nothing but the inputs
+        self.record: Record | None = None  # what the forward kept, for the policy
         self.treedef = treedef  # structure of (args, kwargs)
         self.leaves = leaves  # non-tensor leaves; tensor slots hold None
         self.tensor_idx = tensor_idx  # positions of the tensor leaves
@@ -59,6 +97,43 @@ class _Call:
                 )
         return tuple(out_leaves)
 
+    def forward(self, *tensors):
+        """Run ``fn``; with a policy, keep what it asks for."""
+        if self.policy is None:
+            return self.run(*tensors)
+        # under vjp, as the recomputation will be: code that branches on whether
+        # grad is needed (SDPA's backend choice, fast no-grad paths) then runs the
+        # same ops both times
+        f, diff = self.differentiable(tensors, replay=False)
+        record = Record(self.policy)
+        with record:
+            out = torch.func.vjp(f, *diff)[0] if diff else self.run(*tensors)
+        record.finish()
+        self.record = record
+        return out
+
+    def recompute(self, *tensors):
+        """Run ``fn`` again, reusing what the forward kept, once: the kept values are
+        let go as the backward moves on, as autograd frees saved tensors (a second
+        backward through a retained graph recomputes everything). Not under
+        forward-mode AD: its tangent ops would run between the recorded ones."""
+        record, self.record = self.record, None
+        if record is None or _forward_mode_active():
+            return self.run(*tensors)
+        with Replay(record):
+            return self.run(*tensors)
+
+    def differentiable(self, tensors, *, replay=True):
+        """``fn`` as a function of the differentiated tensors alone, and those tensors."""
+        mask = self.diff_mask
+        run = self.recompute if replay else self.run
+
+        def f(*d):
+            it = iter(d)
+            return run(*[next(it) if m else t for t, m in zip(tensors, mask)])
+
+        return f, [t for t, m in zip(tensors, mask) if m]
+
 
 class _Remat(torch.autograd.Function):
     generate_vmap_rule = True
@@ -66,7 +141,7 @@ class _Remat(torch.autograd.Function):
     @staticmethod
     def forward(call: _Call, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         with no_captured_grads("remat", tensors):
-            out = call.run(*tensors)
+            out = call.forward(*tensors)
         # an input passed through unchanged (a scan carry's parameters) goes out as a
         # view: autograd cannot save an input that is also returned as-is
         inputs = {id(t) for t in tensors}
@@ -77,23 +152,26 @@ class _Remat(torch.autograd.Function):
         call, *tensors = inputs
         ctx.call = call
         ctx.save_for_backward(*tensors)  # inputs only: activations are recomputed
+        ctx.save_for_forward(*tensors)
 
     @staticmethod
     def backward(ctx, *cotangents):
-        tensors = ctx.saved_tensors
-        mask = ctx.call.diff_mask
-        diff = [t for t, d in zip(tensors, mask) if d]
+        f, diff = ctx.call.differentiable(ctx.saved_tensors)
+        grads = iter(_pullback(f, diff, cotangents))
+        return (None, *[next(grads) if m else None for m in ctx.call.diff_mask])
 
-        def run_diff(*d):
-            it = iter(d)
-            return ctx.call.run(*[next(it) if m else t for t, m in zip(tensors, mask)])
+    @staticmethod
+    def jvp(ctx, _call, *tangents):
+        # forward mode recomputes fn under jvp (the forward kept no activations)
+        f, diff = ctx.call.differentiable(ctx.saved_tensors, replay=False)
+        tangents = [
+            torch.zeros_like(t) if dt is None else dt
+            for t, dt, m in zip(ctx.saved_tensors, tangents, ctx.call.diff_mask) if m
+        ]
+        return torch.func.jvp(f, tuple(diff), tuple(tangents))[1]
 
-        _, vjp_fn = torch.func.vjp(run_diff, *diff)
-        grads = iter(vjp_fn(tuple(cotangents)))
-        return (None, *[next(grads) if m else None for m in mask])
 
-
-def remat(fn: F) -> F:
+def remat(fn: F | None = None, *, policy: Callable[..., bool] | None = None) -> F:
     """Wrap ``fn`` so its activations are recomputed in the backward pass.
 
     The wrapped function returns the same values and the same gradients as
@@ -111,11 +189,20 @@ def remat(fn: F) -> F:
     (or an ``nn.Module``'s own weights) would get no gradient, so ``remat``
     raises ``ValueError`` when it sees one.
 
+    ``policy`` (``jax.checkpoint``'s) chooses what else the forward keeps, from
+    ``torchfn.checkpoint_policies``: with ``dots_saveable`` the outputs of matrix
+    products and convolutions are kept, so the backward recomputes only the
+    elementwise ops between them; ``save_only_these_names`` keeps the values
+    marked with ``torchfn.checkpoint_name``. The default, ``nothing_saveable``,
+    keeps the inputs alone; ``everything_saveable`` is no remat at all. Used as
+    a decorator with a policy: ``@torchfn.remat(policy=...)``.
+
     Works under ``torch.func.grad``, ``vmap(grad)``, grad-of-grad, ``jacrev``,
-    ``torch.autograd.grad`` and ``torch.compile`` (``fullgraph=True`` too).
-    Inside ``torch.compile`` it calls ``fn`` directly: the compiler's
-    partitioner decides what to save and what to recompute (trade memory for
-    compute there with ``torch._functorch.config.activation_memory_budget``).
+    ``jvp``, ``jacfwd``, ``hessian``, ``torch.autograd.grad`` and
+    ``torch.compile`` (``fullgraph=True`` too). Inside ``torch.compile`` it
+    calls ``fn`` directly and ignores ``policy``: the compiler's partitioner
+    decides what to save and what to recompute (trade memory for compute there
+    with ``torch._functorch.config.activation_memory_budget``).
 
     Example::
 
@@ -132,8 +219,19 @@ def remat(fn: F) -> F:
         >>> len(g), g[0].shape
         (3, torch.Size([4, 4]))
     """
+    if policy is not None and not callable(policy):
+        raise TypeError(
+            "remat: policy must be a function (op, *args, **kwargs) -> bool, such as "
+            f"torchfn.checkpoint_policies.dots_saveable, got {type(policy).__name__}"
+        )
+    if fn is None:
+        return functools.partial(remat, policy=policy)  # type: ignore[return-value]
     if not callable(fn):
         raise TypeError(f"remat: fn must be callable, got {type(fn).__name__}")
+    if policy is checkpoint_policies.everything_saveable:
+        return fn  # keep every activation: plain autograd
+    if policy is checkpoint_policies.nothing_saveable:
+        policy = None
 
     @functools.wraps(fn)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
@@ -145,7 +243,7 @@ def remat(fn: F) -> F:
         tensor_idx = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
         tensors = [leaves[i] for i in tensor_idx]
         rest = [None if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
-        call = _Call(fn, treedef, rest, tensor_idx, [_is_diff(t) for t in tensors])
+        call = _Call(fn, treedef, rest, tensor_idx, [_is_diff(t) for t in tensors], policy)
         out = _Remat.apply(call, *tensors)
         return pytree.tree_unflatten(list(out), call.out_treedef)
 
