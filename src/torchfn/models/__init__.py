@@ -8,7 +8,9 @@ from torchfn.models._gan import ConvCritic, ConvGenerator
 from torchfn.models._gat import GATConv
 from torchfn.models._graph import GraphAttention, GraphConv
 from torchfn.models._lora import (
+    LoRAConv1d,
     LoRAConv2d,
+    LoRAConv3d,
     LoRAEmbedding,
     LoRALinear,
     merge_lora,
@@ -51,12 +53,14 @@ __all__ = [
     "SAGEConv",
     "GINConv",
     "aggregate_neighbours",
-    # low-rank adapters on Linear layers (_lora)
+    # low-rank adapters on Linear, Conv and Embedding layers (_lora)
     "with_lora",
     "split_lora",
     "merge_lora",
     "LoRALinear",
+    "LoRAConv1d",
     "LoRAConv2d",
+    "LoRAConv3d",
     "LoRAEmbedding",
     # radiance field (_nerf; render with transforms.volume_render)
     "NeRF",

@@ -1,14 +1,15 @@
-"""LoRA (Hu et al. 2021): low-rank adapters on a module's Linear, Conv2d and Embedding layers.
+"""LoRA (Hu et al. 2021): low-rank adapters on a module's Linear, Conv and Embedding layers.
 
 ``with_lora(module)`` returns a copy whose targeted ``nn.Linear`` layers compute
 
     y = x W^T + b + s (x A^T) B^T        A: (r, in), B: (out, r), s = alpha / r
 
-and, with ``layers=(nn.Linear, nn.Conv2d, nn.Embedding)``, convolutions and embeddings
-too, as PEFT adapts them: a Conv2d's A is a convolution with the layer's own kernel,
-stride, padding and dilation into r channels, its B a 1x1 convolution (B A is then a
-weight of W's shape); an Embedding's A (r, num) is looked up per token and B (dim, r)
-maps it (A starts at zero, B normal).
+and, with ``layers=(nn.Linear, nn.Conv2d, nn.Embedding)`` (or ``nn.Conv1d`` /
+``nn.Conv3d``), convolutions and embeddings too, as PEFT adapts them: a conv's A is a
+convolution with the layer's own kernel, stride, padding, dilation and groups into r
+channels, its B a 1x1 convolution in the same groups (B A is then a weight of W's
+shape); an Embedding's A (r, num) is looked up per token and B (dim, r) maps it (A
+starts at zero, B normal).
 
 with ``W``, ``b`` under their original names (so pretrained params load unchanged)
 and the adapters as ``<layer>.lora_A`` / ``<layer>.lora_B``. A is initialised as
@@ -29,8 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["LoRALinear", "LoRAConv2d", "LoRAEmbedding", "with_lora", "split_lora",
-           "merge_lora"]
+__all__ = ["LoRALinear", "LoRAConv1d", "LoRAConv2d", "LoRAConv3d", "LoRAEmbedding",
+           "with_lora", "split_lora", "merge_lora"]
 
 _ADAPTER = re.compile(r"(^|\.)lora_[AB]$")
 
@@ -95,13 +96,79 @@ class LoRALinear(nn.Module):
                 f"rank={self.rank}, scale={self.scale:g}")
 
 
-class LoRAConv2d(nn.Module):
+class _LoRAConv(nn.Module):
+    """An ``nn.Conv{1,2,3}d`` plus a rank-``rank`` adapter (see ``LoRAConv2d``)."""
+
+    _base: type[nn.Module] = nn.Conv2d
+    _conv: Callable[..., Tensor] = staticmethod(F.conv2d)
+
+    def __init__(self, base: nn.Module, rank: int, alpha: float | None = None,
+                 rslora: bool = False) -> None:
+        super().__init__()
+        kind = self._base.__name__
+        if not isinstance(base, self._base):
+            raise TypeError(f"base must be an nn.{kind}, got {type(base).__name__}")
+        self.rank, self.scale = rank, _scale(rank, alpha, rslora)
+        if rank % base.groups:
+            raise ValueError(f"rank must be divisible by the {kind}'s groups (each group "
+                             f"gets rank / groups), got rank={rank}, groups={base.groups}")
+        self.groups, self.padding_mode = base.groups, base.padding_mode
+        self._pad = base._reversed_padding_repeated_twice  # for a non-zero padding mode
+        padding = base.padding if base.padding_mode == "zeros" else 0
+        self.conv = dict(stride=base.stride, padding=padding, dilation=base.dilation,
+                         groups=base.groups)
+        self.weight = nn.Parameter(base.weight.detach().clone())  # (out, in / g, *k)
+        self.bias = None if base.bias is None else nn.Parameter(base.bias.detach().clone())
+        out_ch, in_per_group, *kernel = base.weight.shape
+        factory = {"device": base.weight.device, "dtype": base.weight.dtype}
+        self.lora_A = nn.Parameter(torch.empty(rank, in_per_group, *kernel, **factory))
+        self.lora_B = nn.Parameter(torch.empty(out_ch, rank // base.groups, **factory))
+        self._reset_adapter()
+
+    def _reset_adapter(self) -> None:
+        nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))  # as the conv's weights
+        nn.init.zeros_(self.lora_B)
+
+    def reset_parameters(self) -> None:
+        """The conv's init for W and b (what ``Model.init`` draws), then the adapter's."""
+        nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
+        if self.bias is not None:
+            fan_in = self.weight[0].numel()
+            bound = 1 / math.sqrt(fan_in) if fan_in > 0 else 0
+            nn.init.uniform_(self.bias, -bound, bound)
+        self._reset_adapter()
+
+    def forward(self, x: Tensor) -> Tensor:  # (N, in, *spatial) -> (N, out, *spatial')
+        if self.padding_mode != "zeros":
+            x = F.pad(x, self._pad, mode=self.padding_mode)
+        ones = (1,) * (self.weight.dim() - 2)
+        low = self._conv(x, self.lora_A, None, **self.conv)  # (N, r, *spatial')
+        low = self._conv(low, self.lora_B.reshape(*self.lora_B.shape, *ones),
+                         groups=self.groups)  # (N, out, *spatial')
+        return self._conv(x, self.weight, self.bias, **self.conv) + self.scale * low
+
+    def delta(self, a: Tensor, b: Tensor) -> Tensor:
+        """B A as a weight of W's shape, group by group: (out, r / g) x (r, in / g, *k)
+        -> (out, in / g, *k)."""
+        g, out_ch = self.groups, b.shape[0]
+        per_group = b.reshape(g, out_ch // g, -1) @ a.reshape(g, a.shape[0] // g, -1)
+        return per_group.reshape(out_ch, *a.shape[1:])
+
+    def extra_repr(self) -> str:
+        groups = f", groups={self.groups}" if self.groups > 1 else ""
+        return (f"weight={tuple(self.weight.shape)}, rank={self.rank}, "
+                f"scale={self.scale:g}{groups}")
+
+
+class LoRAConv2d(_LoRAConv):
     """An ``nn.Conv2d`` plus a rank-``rank`` adapter: (N, in, H, W) -> (N, out, H', W').
 
-    ``y = conv(x, W) + b + s conv(conv(x, A), B)`` with A (r, in, kh, kw) convolving as W
-    does (stride, padding, dilation) and B (out, r) a 1x1 convolution, as PEFT's. Merged,
-    ``W + s B A`` (over the channel dims, per kernel offset). Needs ``groups=1`` and zero
-    padding.
+    ``y = conv(x, W) + b + s conv(conv(x, A), B)`` with A (r, in / g, kh, kw) convolving
+    as W does (stride, padding, dilation, padding mode, groups g) and B (out, r / g) a
+    1x1 convolution in the same groups, so that merged, ``W + s B A`` (group by group,
+    per kernel offset) is a weight of W's shape. For ``groups=1`` this is PEFT's layout;
+    PEFT's grouped adapter mixes all input channels in A and cannot be merged. The rank
+    must be divisible by the groups.
 
     Example:
         >>> import torch
@@ -115,48 +182,42 @@ class LoRAConv2d(nn.Module):
         torch.Size([2, 8, 5, 5])
     """
 
-    def __init__(self, base: nn.Conv2d, rank: int, alpha: float | None = None,
-                 rslora: bool = False) -> None:
-        super().__init__()
-        if not isinstance(base, nn.Conv2d):
-            raise TypeError(f"base must be an nn.Conv2d, got {type(base).__name__}")
-        if base.groups != 1 or base.padding_mode != "zeros":
-            raise ValueError(f"LoRAConv2d needs groups=1 and padding_mode='zeros', got "
-                             f"groups={base.groups}, padding_mode={base.padding_mode!r}")
-        self.rank, self.scale = rank, _scale(rank, alpha, rslora)
-        self.conv = dict(stride=base.stride, padding=base.padding, dilation=base.dilation)
-        self.weight = nn.Parameter(base.weight.detach().clone())  # (out, in, kh, kw)
-        self.bias = None if base.bias is None else nn.Parameter(base.bias.detach().clone())
-        out_ch, in_ch, kh, kw = base.weight.shape
-        factory = {"device": base.weight.device, "dtype": base.weight.dtype}
-        self.lora_A = nn.Parameter(torch.empty(rank, in_ch, kh, kw, **factory))
-        self.lora_B = nn.Parameter(torch.empty(out_ch, rank, **factory))
-        self._reset_adapter()
+    _base = nn.Conv2d
+    _conv = staticmethod(F.conv2d)
 
-    def _reset_adapter(self) -> None:
-        nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))  # as nn.Conv2d's weights
-        nn.init.zeros_(self.lora_B)
 
-    def reset_parameters(self) -> None:
-        """nn.Conv2d's init for W and b (what ``Model.init`` draws), then the adapter's."""
-        nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
-        if self.bias is not None:
-            fan_in = self.weight[0].numel()
-            bound = 1 / math.sqrt(fan_in) if fan_in > 0 else 0
-            nn.init.uniform_(self.bias, -bound, bound)
-        self._reset_adapter()
+class LoRAConv1d(_LoRAConv):
+    """An ``nn.Conv1d`` plus a rank-``rank`` adapter: (N, in, L) -> (N, out, L'); as
+    ``LoRAConv2d`` with one spatial dim (A: (r, in / g, k), B: (out, r / g)).
 
-    def forward(self, x: Tensor) -> Tensor:  # (N, in, H, W) -> (N, out, H', W')
-        low = F.conv2d(x, self.lora_A, None, **self.conv)  # (N, r, H', W')
-        low = F.conv2d(low, self.lora_B[:, :, None, None])  # (N, out, H', W')
-        return F.conv2d(x, self.weight, self.bias, **self.conv) + self.scale * low
+    Example:
+        >>> from torch import nn
+        >>> from torchfn import random
+        >>> layer = LoRAConv1d(nn.Conv1d(4, 6, 5, groups=2), rank=2)
+        >>> layer.lora_A.shape, layer.lora_B.shape
+        (torch.Size([2, 2, 5]), torch.Size([6, 1]))
+        >>> layer(random.normal(random.key(1), (3, 4, 9))).shape
+        torch.Size([3, 6, 5])
+    """
 
-    def delta(self, a: Tensor, b: Tensor) -> Tensor:
-        """B A as a weight of W's shape: (out, r) x (r, in, kh, kw) -> (out, in, kh, kw)."""
-        return torch.einsum("or,rikl->oikl", b, a)
+    _base = nn.Conv1d
+    _conv = staticmethod(F.conv1d)
 
-    def extra_repr(self) -> str:
-        return f"weight={tuple(self.weight.shape)}, rank={self.rank}, scale={self.scale:g}"
+
+class LoRAConv3d(_LoRAConv):
+    """An ``nn.Conv3d`` plus a rank-``rank`` adapter: (N, in, D, H, W) -> (N, out, D', H',
+    W'); as ``LoRAConv2d`` with three spatial dims (A: (r, in / g, kd, kh, kw)).
+
+    Example:
+        >>> from torch import nn
+        >>> from torchfn import random
+        >>> layer = LoRAConv3d(nn.Conv3d(2, 4, 3, padding=1), rank=3)
+        >>> layer(random.normal(random.key(1), (1, 2, 4, 4, 4))).shape
+        torch.Size([1, 4, 4, 4, 4])
+    """
+
+    _base = nn.Conv3d
+    _conv = staticmethod(F.conv3d)
 
 
 class LoRAEmbedding(nn.Module):
@@ -226,8 +287,9 @@ def _scale(rank: Any, alpha: Any, rslora: bool) -> float:
     return alpha / (math.sqrt(rank) if rslora else rank)
 
 
-_WRAPPERS = {nn.Linear: LoRALinear, nn.Conv2d: LoRAConv2d, nn.Embedding: LoRAEmbedding}
-_LORA_LAYERS = (LoRALinear, LoRAConv2d, LoRAEmbedding)
+_WRAPPERS = {nn.Linear: LoRALinear, nn.Conv1d: LoRAConv1d, nn.Conv2d: LoRAConv2d,
+             nn.Conv3d: LoRAConv3d, nn.Embedding: LoRAEmbedding}
+_LORA_LAYERS = (LoRALinear, _LoRAConv, LoRAEmbedding)
 
 
 def _matches(targets: Any) -> Callable[[str, nn.Module], bool]:
@@ -271,7 +333,8 @@ def with_lora(
             ``(name, module) -> bool``.
         rslora: scale by ``alpha / sqrt(r)`` instead.
         layers: the layer types to adapt, among ``nn.Linear`` (``LoRALinear``),
-            ``nn.Conv2d`` (``LoRAConv2d``) and ``nn.Embedding`` (``LoRAEmbedding``).
+            ``nn.Conv1d`` / ``nn.Conv2d`` / ``nn.Conv3d`` (``LoRAConv1d`` / ``2d`` /
+            ``3d``) and ``nn.Embedding`` (``LoRAEmbedding``).
 
     Example:
         >>> import torch, torchfn
