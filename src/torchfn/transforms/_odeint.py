@@ -1,4 +1,5 @@
-"""``odeint``: adaptive Dormand-Prince with adjoint gradients (``jax.experimental.ode.odeint``).
+"""``odeint``: adaptive Dormand-Prince (or a fixed grid) with adjoint gradients
+(``jax.experimental.ode.odeint``).
 
 ``ys = odeint(func, y0, t, *args)`` integrates ``dy/dt = func(y, t, *args)`` and
 returns ``y`` at every time in ``t`` (``ys[0] = y0``). Derivatives come from their
@@ -20,6 +21,7 @@ that branches on the error norm cannot run under ``vmap`` at all.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -52,11 +54,25 @@ class _Options(NamedTuple):
     rtol: float
     atol: float
     mxstep: int
+    method: str = "dopri5"
+    step_size: float | None = None
+
+
+# fixed-grid Runge-Kutta methods: (nodes c, stage matrix a, weights b), Butcher's tableau
+_FIXED = {
+    "euler": ((0.0,), ((),), (1.0,)),
+    "midpoint": ((0.0, 0.5), ((), (0.5,)), (0.0, 1.0)),
+    "heun": ((0.0, 1.0), ((), (1.0,)), (0.5, 0.5)),
+    "rk4": ((0.0, 0.5, 0.5, 1.0), ((), (0.5,), (0.0, 0.5), (0.0, 0.0, 1.0)),
+            (1 / 6, 1 / 3, 1 / 3, 1 / 6)),
+}
+_METHODS = ("dopri5", *_FIXED)
 
 
 def odeint(func: Callable[..., Any], y0: Any, t: torch.Tensor, *args: Any,
            rtol: float | None = None, atol: float | None = None,
-           mxstep: int = 10_000) -> Any:
+           mxstep: int = 10_000, method: str = "dopri5",
+           step_size: float | None = None) -> Any:
     """Integrate ``dy/dt = func(y, t, *args)`` from ``y0`` at ``t[0]``; ``y`` at each ``t``.
 
     Args:
@@ -69,6 +85,14 @@ def odeint(func: Callable[..., Any], y0: Any, t: torch.Tensor, *args: Any,
             (RMS norm). Defaults: JAX's 1.4e-8 for float64, 1e-6 and 1e-9 otherwise.
         mxstep: steps per interval between output times at most; past it
             ``odeint`` raises (a stiff problem, or tolerances beyond the dtype).
+        method: ``"dopri5"`` (adaptive, the default), or a fixed grid as torchdiffeq's
+            fixed-grid methods: ``"euler"``, ``"midpoint"``, ``"heun"`` (order 2) or
+            ``"rk4"`` (the classical one; torchdiffeq's ``"rk4"`` is the 3/8 rule).
+            A fixed grid ignores ``rtol``, ``atol`` and ``mxstep``: its cost is known
+            in advance, and its error is not controlled.
+        step_size: a fixed grid's step: each interval between output times is cut
+            into ``ceil(length / step_size)`` equal steps. None: one step per interval.
+            The adjoint and tangent solves use the same grid, backwards and forwards.
 
     Returns:
         A pytree like ``y0`` whose leaves have a leading T dim: ``ys[i]`` at ``t[i]``.
@@ -121,7 +145,19 @@ def odeint(func: Callable[..., Any], y0: Any, t: torch.Tensor, *args: Any,
             raise ValueError(f"odeint: {name} must be a non-negative number, got {v!r}")
     if rtol == 0 and atol == 0:
         raise ValueError("odeint: rtol and atol cannot both be 0")
-    return _odeint(func, _Options(float(rtol), float(atol), mxstep), y0, t.to(dtype), args)
+    if method not in _METHODS:
+        raise ValueError(f"odeint: method must be one of {list(_METHODS)}, got {method!r}")
+    if step_size is not None:
+        if method == "dopri5":
+            raise ValueError("odeint: step_size is for the fixed-grid methods "
+                             f"{list(_FIXED)}; method='dopri5' chooses its own steps")
+        if isinstance(step_size, bool) or not (isinstance(step_size, (int, float))
+                                               and step_size > 0):
+            raise ValueError(f"odeint: step_size must be a number > 0 or None, got "
+                             f"{step_size!r}")
+        step_size = float(step_size)
+    opts = _Options(float(rtol), float(atol), mxstep, method, step_size)
+    return _odeint(func, opts, y0, t.to(dtype), args)
 
 
 class _FloatArgs:
@@ -184,6 +220,9 @@ def _bwd(func, opts, res, g):
     fargs = _FloatArgs(args)
     n = ys_flat.shape[-1]
     n_args = sum(a.numel() for a in fargs.tensors)
+    # record the pullbacks' own ops only if something differentiates this backward
+    # (second order): under a single torch.func.grad they would be recorded for nothing
+    graph = any(x.requires_grad for x in (ys_flat, gs, t, *fargs.tensors))
 
     def aug(s, tau):  # the state [y, a_y, a_args] in reversed time tau = -t
         y, a_y = s[:n], s[n:2 * n]
@@ -192,7 +231,7 @@ def _bwd(func, opts, res, g):
             return _flat_f(func, y, -tau, fargs.with_(tensors), like, spec)
 
         fy, pull = torch.func.vjp(f_y_args, y, *fargs.tensors)
-        ct = pull(a_y)
+        ct = pull(a_y, create_graph=graph)
         parts = [-fy, ct[0]] + [c.reshape(-1) for c in ct[1:]]
         return torch.cat(parts) if n_args else torch.cat(parts[:2])
 
@@ -256,7 +295,13 @@ _odeint.defvjp(_fwd, _bwd, jvp=_jvp)
 @torch._disable_dynamo  # a loop that decides steps from the error: not for a graph
 def _solve(f: Callable, y0: torch.Tensor, t: torch.Tensor, opts: _Options,
            who: str) -> torch.Tensor:
-    """Dormand-Prince on ``y: (n,)`` from ``t[0]``; returns ``(T, n)``, ``y`` at each t."""
+    """Dormand-Prince (or a fixed grid) on ``y: (n,)`` from ``t[0]``; returns ``(T, n)``,
+    ``y`` at each t."""
+    if opts.method != "dopri5":
+        out = [y0]
+        for i in range(t.shape[0] - 1):
+            out.append(_fixed_interval(f, out[-1], t[i], t[i + 1], opts))
+        return torch.stack(out)
     out = [y0]
     y = y0
     k1 = f(y0, t[0])  # the slope at the current point, carried from step to step (FSAL)
@@ -296,6 +341,25 @@ def _interval(f, y, k1, t0, t1, h, opts: _Options, who: str):
             "too small for the dtype"
         )
     return y, k1, h
+
+
+def _fixed_interval(f, y, t0, t1, opts: _Options):
+    """From t0 to t1 in equal steps of at most ``opts.step_size`` (one step if None)."""
+    c, a, b = _FIXED[opts.method]
+    length = float(lanes((t1 - t0).detach()).abs().max())
+    n = 1 if opts.step_size is None else max(1, math.ceil(length / opts.step_size - 1e-9))
+    h = (t1 - t0) / n
+    for j in range(n):
+        tj = t0 + j * h
+        k: list[torch.Tensor] = []
+        for ci, ai in zip(c, a):
+            yi = y
+            for aij, kj in zip(ai, k):
+                if aij:
+                    yi = yi + (h * aij) * kj
+            k.append(f(yi, tj + ci * h))
+        y = y + h * sum(bi * ki for bi, ki in zip(b, k) if bi)
+    return y
 
 
 def _dopri_step(f, y, k1, t, h):
