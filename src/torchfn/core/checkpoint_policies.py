@@ -13,6 +13,12 @@ Saving matrix products (``dots_saveable``) is the usual choice: the backward
 then recomputes only the cheap elementwise ops and normalisations between them,
 while the large activations those ops make are not kept.
 
+A policy has a fixed cost per op: the forward is recorded under ``vjp`` and both it
+and the recomputation pass every op through a Python dispatch mode (about 10 µs an
+op on a CPU). On a 2-core CPU, on eight MLP blocks of width 256 and hidden 1024
+``dots_saveable`` took 0.85x the time of plain remat; on a Transformer of width 32 it
+took 1.4x, since the ops it skips are tiny there (``bench/RESULTS.md``).
+
 Example::
 
     >>> import torch, torchfn

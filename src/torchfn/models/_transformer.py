@@ -8,6 +8,7 @@ import torch
 from torch import Tensor, nn
 
 from torchfn.models._mlp import _check_dims
+from torchfn.models._remat_block import call_remat, remat_policy
 
 __all__ = ["TransformerEncoder", "TransformerBlock", "MultiHeadAttention"]
 
@@ -159,6 +160,10 @@ class TransformerEncoder(nn.Module):
         attn_dropout: attention dropout (on the probabilities, in the fused kernel), keyed
             by ``Model.apply``'s ``key`` in train mode.
         attend: the attention function (default ``torchfn.kernels.attention``).
+        remat: recompute each block's activations in the backward (``torchfn.remat``):
+            ``True`` keeps only the blocks' inputs, a policy from
+            ``torchfn.checkpoint_policies`` keeps what it names (``dots_saveable``:
+            the projections' outputs). Dropout masks are the same as without remat.
 
     Example::
 
@@ -189,9 +194,12 @@ class TransformerEncoder(nn.Module):
         softcap: float | None = None,
         attn_dropout: float = 0.0,
         attend: AttendFn | None = None,
+        remat: bool | Callable[..., bool] = False,
     ) -> None:
         super().__init__()
         _check_dims(dim=dim, heads=heads, depth=depth, max_len=max_len, mlp_ratio=mlp_ratio)
+        self.remat = remat_policy(remat, "TransformerEncoder")
+        self._stochastic = dropout > 0 or attn_dropout > 0
         if vocab_size is not None and in_dim is not None:
             raise ValueError(
                 f"give vocab_size (token input) or in_dim (feature input), not both: "
@@ -237,6 +245,10 @@ class TransformerEncoder(nn.Module):
             positions = positions - segment_ranges(segment_ids, segment_ids)[0]  # (B, N)
         h = self.drop(self.embed(x) + self.pos(positions))  # (B, N, dim)
         for block in self.blocks:
-            h = block(h, key_padding_mask, segment_ids)
+            if self.remat is None:
+                h = block(h, key_padding_mask, segment_ids)
+            else:
+                h = call_remat(block, self.remat, h, key_padding_mask, segment_ids,
+                               stochastic=self._stochastic)
         out = self.head(self.ln(h))  # (B, N, out_dim)
         return out.squeeze(0) if one else out
