@@ -1,8 +1,9 @@
 """DDPM on a 2-D toy distribution (8 Gaussians), the torchfn way.
 
 An MLP denoiser learns to predict the noise in x_t = sqrt(abar_t) x_0 + sqrt(1 - abar_t) eps
-(Ho et al. 2020); we then draw samples with ancestral DDPM (all T steps) and with DDIM
-(50 steps). Everything is a pure function of explicit PRNG keys, so a seed fixes the run.
+(Ho et al. 2020); we then draw samples with ancestral DDPM (all T steps), with DDIM
+(50 steps) and with DPM-Solver++(2M) (10 steps, diffusers' default sampler).
+Everything is a pure function of explicit PRNG keys, so a seed fixes the run.
 
     python examples/ddpm_2d.py                          # about 1-2 min on 2 CPU cores
     python examples/ddpm_2d.py --steps 300 --out /tmp/ddpm_smoke
@@ -41,6 +42,7 @@ def parse_args(argv=None):
     p.add_argument("--depth", type=int, default=3)
     p.add_argument("--samples", type=int, default=2000, help="samples per sampler")
     p.add_argument("--ddim-steps", type=int, default=50)
+    p.add_argument("--dpm-steps", type=int, default=10, help="DPM-Solver++(2M) steps")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=str, default="runs/ddpm_2d")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG (no matplotlib needed)")
@@ -94,7 +96,8 @@ def main(argv=None) -> dict:
             bar.set_postfix(loss=f"{sum(losses[-50:]) / len(losses[-50:]):.4f}")
     train_seconds = time.perf_counter() - t0
 
-    # ---- sample: ancestral DDPM over all T steps, and DDIM on a subset of timesteps
+    # ---- sample: ancestral DDPM over all T steps; DDIM and DPM-Solver++ on subsets
+    k_dpm = random.fold_in(k_ddim, 1)
     eps_fn = lambda x_t, t: model.apply(params, x_t, t)
     shape = (args.samples, 2)
     t0 = time.perf_counter()
@@ -106,6 +109,8 @@ def main(argv=None) -> dict:
             )
             * scale
         )
+        dpm = diffusion.dpm_solver_sample(eps_fn, schedule, shape, k_dpm,
+                                          steps=args.dpm_steps) * scale
     sample_seconds = time.perf_counter() - t0
 
     # ---- held-out log-likelihood by the probability-flow ODE (the linear schedule's
@@ -125,16 +130,20 @@ def main(argv=None) -> dict:
         "energy_distance": {
             "ddpm": data.energy_distance(ddpm, test).item(),
             f"ddim{args.ddim_steps}": data.energy_distance(ddim, test).item(),
+            f"dpm_solver{args.dpm_steps}": data.energy_distance(dpm, test).item(),
             "data_baseline": data.energy_distance(reference, test).item(),
         },
         "modes_covered": {
             "ddpm": data.modes_covered(ddpm, centers, radius=radius),
             f"ddim{args.ddim_steps}": data.modes_covered(ddim, centers, radius=radius),
+            f"dpm_solver{args.dpm_steps}": data.modes_covered(dpm, centers, radius=radius),
             "data": data.modes_covered(reference, centers, radius=radius),
         },
         "share_within_3_std_of_a_mode": {
             "ddpm": data.mode_shares(ddpm, centers, radius=radius).sum().item(),
             f"ddim{args.ddim_steps}": data.mode_shares(ddim, centers, radius=radius).sum().item(),
+            f"dpm_solver{args.dpm_steps}": data.mode_shares(dpm, centers,
+                                                            radius=radius).sum().item(),
             "data": data.mode_shares(reference, centers, radius=radius).sum().item(),
         },
         "test_nll_probability_flow": nll,

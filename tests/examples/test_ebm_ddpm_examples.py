@@ -20,6 +20,8 @@ def test_ddpm_2d_tiny(tmp_path, example):
         "40",
         "--ddim-steps",
         "5",
+        "--dpm-steps",
+        "4",
         "--samples",
         "64",
         "--hidden",
@@ -32,7 +34,7 @@ def test_ddpm_2d_tiny(tmp_path, example):
     m = ddpm.main(args + NO_PLOT + ["--out", str(tmp_path / "a")])
     assert not PLOT or (tmp_path / "a" / "ddpm_2d.png").stat().st_size > 0
     saved = json.loads((tmp_path / "a" / "metrics.json").read_text())
-    assert set(saved["energy_distance"]) == {"ddpm", "ddim5", "data_baseline"}
+    assert set(saved["energy_distance"]) == {"ddpm", "ddim5", "dpm_solver4", "data_baseline"}
     assert 0 <= saved["modes_covered"]["ddpm"] <= 1
     # deterministic from the seed
     again = ddpm.main(args + ["--out", str(tmp_path / "b"), "--no-plot"])

@@ -1,4 +1,5 @@
-"""Discrete-time diffusion (DDPM / DDIM): schedules, the forward process, samplers.
+"""Discrete-time diffusion (DDPM / DDIM / DPM-Solver++): schedules, the forward process,
+samplers.
 
     >>> import torch
     >>> from torchfn import random
@@ -16,6 +17,7 @@
 The training loss lives in ``torchfn.losses.diffusion_loss``.
 """
 
+from torchfn.transforms.diffusion._dpm_solver import dpm_solver_sample, dpm_solver_timesteps
 from torchfn.transforms.diffusion._probability_flow import (
     probability_flow_log_likelihood,
     probability_flow_sample,
@@ -56,6 +58,8 @@ __all__ = [
     "ddim_timesteps",
     "ddpm_sample",
     "ddpm_step",
+    "dpm_solver_sample",
+    "dpm_solver_timesteps",
     "linear_schedule",
     "predict_eps_from_v",
     "predict_eps_from_x0",
