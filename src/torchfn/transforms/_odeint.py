@@ -350,28 +350,27 @@ def _fixed_interval(f, y, t0, t1, opts: _Options):
     n = 1 if opts.step_size is None else max(1, math.ceil(length / opts.step_size - 1e-9))
     h = (t1 - t0) / n
     for j in range(n):
-        tj = t0 + j * h
-        k: list[torch.Tensor] = []
-        for ci, ai in zip(c, a):
-            yi = y
-            for aij, kj in zip(ai, k):
-                if aij:
-                    yi = yi + (h * aij) * kj
-            k.append(f(yi, tj + ci * h))
+        k = _stages(f, y, t0 + j * h, h, c, a, [])
         y = y + h * sum(bi * ki for bi, ki in zip(b, k) if bi)
     return y
+
+
+def _stages(f, y, t, h, c, a, k: list[torch.Tensor]) -> list[torch.Tensor]:
+    """A Runge-Kutta step's stages after the ``len(k)`` given: ``k_i = f(y + h sum_j
+    a_ij k_j, t + c_i h)`` for the tableau's rows ``c``, ``a``."""
+    for ci, ai in zip(c[len(k):], a[len(k):]):
+        yi = y
+        for aij, kj in zip(ai, k):
+            if aij:
+                yi = yi + (h * aij) * kj
+        k.append(f(yi, t + ci * h))
+    return k
 
 
 def _dopri_step(f, y, k1, t, h):
     """One Dormand-Prince step from the slope ``k1 = f(y, t)``: the 5th-order solution,
     the error estimate and the last stage, ``f(y_new, t + h)``."""
-    k = [k1]
-    for c, a in zip(_C[1:], _A[1:]):
-        yi = y
-        for aj, kj in zip(a, k):
-            if aj:
-                yi = yi + (h * aj) * kj
-        k.append(f(yi, t + c * h))
+    k = _stages(f, y, t, h, _C, _A, [k1])
     y_new = y + h * sum(b * kj for b, kj in zip(_B5, k) if b)
     err = h * sum(e * kj for e, kj in zip(_E, k) if e)
     return y_new, err, k[-1]
