@@ -26,6 +26,7 @@ import torch.utils._pytree as pytree
 
 from torchfn.core import checkpoint_policies
 from torchfn.core._captures import no_captured_grads
+from torchfn.core._dropout import forward_ad_active
 from torchfn.core._remat_tape import Record, Replay
 
 __all__ = ["remat"]
@@ -38,14 +39,11 @@ def _is_diff(x: Any) -> bool:
 
 
 def _pullback(f, primals, cotangents) -> tuple[torch.Tensor, ...]:
-    """``torch.func.vjp(f, *primals)[1](cotangents)``, with two differences.
-
-    The pullback runs inside the level ``f`` ran at: ``vjp``'s ``vjp_fn`` runs after
-    the level is gone, where the backward of a remat nested in ``f`` finds its saved
-    tensors dead ("escaped?"). And it records a graph only when the caller's backward
-    does (``create_graph``, or an outer ``torch.func`` transform): ``torch.func.grad``
-    always records one, which costs time and memory in a plain ``.backward()``.
-    """
+    """``torch.func.vjp(f, *primals)[1](cotangents)``, pulled back inside the level
+    ``f`` ran at: ``vjp``'s ``vjp_fn`` runs after the level is gone, where the
+    backward of a remat nested in ``f`` finds its saved tensors dead ("escaped?").
+    As ``vjp_fn``, it records a graph only when the caller's backward does
+    (``create_graph``, or an outer ``torch.func`` transform)."""
     from torch._functorch import eager_transforms as et
 
     create_graph = torch.is_grad_enabled()
@@ -55,15 +53,6 @@ def _pullback(f, primals, cotangents) -> tuple[torch.Tensor, ...]:
         outs = f(*primals)
         grads = et._autograd_grad(outs, primals, cotangents, create_graph=create_graph)
         return et._undo_create_differentiable(grads, level)
-
-
-def _forward_mode_active() -> bool:
-    from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
-
-    jvp = torch._C._functorch.TransformType.Jvp
-    if any(i.key() == jvp for i in retrieve_all_functorch_interpreters()):
-        return True
-    return torch.autograd.forward_ad._current_level >= 0
 
 
 class _Call:
@@ -118,7 +107,7 @@ class _Call:
         backward through a retained graph recomputes everything). Not under
         forward-mode AD: its tangent ops would run between the recorded ones."""
         record, self.record = self.record, None
-        if record is None or _forward_mode_active():
+        if record is None or forward_ad_active():
             return self.run(*tensors)
         with Replay(record):
             return self.run(*tensors)
