@@ -56,6 +56,57 @@ def test_sample_equals_the_diffusers_loop(order, steps, prediction):
         torch.testing.assert_close(chain[i + 1], x, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("order", [1, 2, 3])
+@pytest.mark.parametrize("steps", [5, 20])
+def test_karras_levels_equal_diffusers(order, steps):
+    """"DPM++ 2M Karras": the timesteps the model sees and every step's sample."""
+    s = D.linear_schedule(1000)
+    model_fn = gaussian_model(s, 0.8, 0.6, "eps")
+    chain = D.dpm_solver_sample(model_fn, s, (16, 3), random.key(2), steps=steps, order=order,
+                                karras=True, return_chain=True)
+    ref = diffusers.DPMSolverMultistepScheduler(num_train_timesteps=1000, solver_order=order,
+                                                use_karras_sigmas=True)
+    ref.set_timesteps(steps)
+    seen = []
+    x = chain[0]
+    for i, t in enumerate(ref.timesteps):
+        x = ref.step(model_fn(x, t.repeat(16)), t, x).prev_sample
+        torch.testing.assert_close(chain[i + 1], x, atol=1e-4, rtol=1e-4)
+        seen.append(int(t))
+
+    calls = []
+    D.dpm_solver_sample(lambda x, t: calls.append(int(t[0])) or model_fn(x, t), s, (16, 3),
+                        random.key(2), steps=steps, order=order, karras=True)
+    assert calls == seen
+
+
+@pytest.mark.parametrize("order", [1, 2])
+@pytest.mark.parametrize("karras", [False, True])
+def test_stochastic_equals_diffusers_sde_dpmsolver_given_the_same_noise(order, karras):
+    """The key decides x_T and each step's noise (split(key): x_T from the first half,
+    the steps' noise from a NoiseStream on the second); given that noise, each step
+    equals diffusers' "sde-dpmsolver++"."""
+    from torchfn.transforms._noise import NoiseStream
+
+    s, steps, shape = D.linear_schedule(1000), 12, (16, 3)
+    model_fn = gaussian_model(s, 0.8, 0.6, "eps")
+    key = random.key(3)
+    chain = D.dpm_solver_sample(model_fn, s, shape, key, steps=steps, order=order,
+                                karras=karras, stochastic=True, return_chain=True)
+    noise = NoiseStream(random.split(key)[1], shape, steps, torch.float32, None)
+    ref = diffusers.DPMSolverMultistepScheduler(
+        num_train_timesteps=1000, solver_order=order, algorithm_type="sde-dpmsolver++",
+        use_karras_sigmas=karras)
+    ref.set_timesteps(steps)
+    x = chain[0]
+    for i, t in enumerate(ref.timesteps):
+        x = ref.step(model_fn(x, t.repeat(16)), t, x, variance_noise=noise(i)).prev_sample
+        torch.testing.assert_close(chain[i + 1], x, atol=1e-4, rtol=1e-4)
+    again = D.dpm_solver_sample(model_fn, s, shape, key, steps=steps, order=order,
+                                karras=karras, stochastic=True)
+    assert torch.equal(again, chain[-1])
+
+
 def test_order_one_is_ddim_on_the_same_timesteps():
     s = D.cosine_schedule(200)
     model_fn = gaussian_model(s, -0.3, 1.2, "eps")
@@ -97,6 +148,8 @@ def test_bad_input():
     with pytest.raises(ValueError, match=r"steps must be an int in \[1, T - 1\] = \[1, 9\], "
                                          "got 10"):
         D.dpm_solver_sample(fn, s, (2, 2), random.key(0), steps=10)
+    with pytest.raises(ValueError, match="order must be 1 or 2 with stochastic=True"):
+        D.dpm_solver_sample(fn, s, (2, 2), random.key(0), steps=3, order=3, stochastic=True)
     with pytest.raises(ValueError, match="spacing must be one of"):
         D.dpm_solver_timesteps(10, 3, "uniform")
     with pytest.raises(ValueError, match=r"model_fn\(x, t\) must return x's shape \(2, 2\), "

@@ -15,6 +15,11 @@ as diffusers' ``DPMSolverMultistepScheduler(algorithm_type="dpmsolver++")`` with
 defaults: the first steps warm up at lower order, the last step is first order down to
 ``sigma = 0`` (``final_sigmas_type="zero"``), and with fewer than 15 steps the one
 before it is at most second order (``lower_order_final``).
+
+``stochastic=True`` is the SDE variant (``"sde-dpmsolver++"``, orders 1 and 2): each
+step also injects fresh noise, ``x_t = (sigma_t / sigma_s) e^-h x + alpha_t (1 - e^-2h)
+(x0 + D1 / 2) + sigma_t sqrt(1 - e^-2h) z``. ``karras=True`` places the steps at
+Karras et al.'s noise levels (``use_karras_sigmas``; "DPM++ 2M Karras").
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from torchfn.transforms._noise import NoiseStream
 from torchfn.transforms.diffusion._samplers import (
     ModelFn,
     _check_common,
@@ -71,12 +77,35 @@ def dpm_solver_timesteps(T: int, steps: int, spacing: str = "linspace") -> Tenso
     return torch.from_numpy(ts.astype(np.int64).copy())
 
 
+def _karras(levels_all: Tensor, steps: int) -> tuple[list[int], list[float]]:
+    """Karras et al.'s ``steps`` noise levels between the schedule's extremes, and the
+    timesteps whose levels they fall between, interpolated in log level and rounded
+    (diffusers' ``_convert_to_karras`` and ``_sigma_to_t``)."""
+    lo, hi = float(levels_all[0]), float(levels_all[-1])
+    ramp = np.linspace(0, 1, steps)
+    levels = (hi ** (1 / 7) + ramp * (lo ** (1 / 7) - hi ** (1 / 7))) ** 7  # descending
+    log_all = np.log(levels_all.numpy())
+    log_l = np.log(np.maximum(levels, 1e-10))
+    low = np.clip(np.searchsorted(log_all, log_l, side="right") - 1, 0, len(log_all) - 2)
+    w = np.clip((log_all[low] - log_l) / (log_all[low] - log_all[low + 1]), 0, 1)
+    ts = np.round((1 - w) * low + w * (low + 1)).astype(np.int64)
+    return ts.tolist(), levels.tolist()
+
+
 def _update(x: Tensor, x0s: list[Tensor], lams: list[float], alpha_t: float, sigma_t: float,
-            sigma_s: float, lam_t: float, order: int) -> Tensor:
+            sigma_s: float, lam_t: float, order: int, noise: Tensor | None) -> Tensor:
     """One DPM-Solver++ step of ``order`` from the last predictions ``x0s`` (newest last)
-    made at ``lams``."""
+    made at ``lams``; with ``noise``, the SDE variant's step."""
     lam_s = lams[-1]
     h = lam_t - lam_s
+    if noise is not None:  # sde-dpmsolver++: (1 - e^-2h) in place of -(e^-h - 1)
+        decay = math.exp(-h)
+        gain = -math.expm1(-2.0 * h)
+        x_t = (sigma_t / sigma_s * decay) * x + (alpha_t * gain) * x0s[-1]
+        if order == 2:
+            d1_0 = (x0s[-1] - x0s[-2]) * (h / (lam_s - lams[-2]))
+            x_t = x_t + (0.5 * alpha_t * gain) * d1_0
+        return x_t + (sigma_t * gain**0.5) * noise
     phi = math.expm1(-h)  # e^-h - 1 (-1 at the last step, where lambda_t = inf)
     ratio = sigma_t / sigma_s
     x_t = ratio * x - (alpha_t * phi) * x0s[-1]  # (B, ...)
@@ -106,15 +135,18 @@ def dpm_solver_sample(
     device: torch.device | str | None = None,
     prediction: str = "eps",
     clip_x0: float | None = None,
+    karras: bool = False,
+    stochastic: bool = False,
     return_chain: bool = False,
     progress: bool = False,
 ) -> Tensor:
     """DPM-Solver++ multistep sampling (``order`` 1, 2 or 3), from ``x_T ~ N(0, I)``.
 
-    Deterministic given ``key`` (only ``x_T`` is drawn). Equal to diffusers'
-    ``DPMSolverMultistepScheduler(algorithm_type="dpmsolver++", solver_order=order)``
-    with its other defaults. ``order=1`` is DDIM with ``eta = 0`` on these timesteps;
-    ``order=2`` (DPM-Solver++(2M)) reaches in 10-20 steps what DDIM needs 50-100 for.
+    Deterministic given ``key`` (only ``x_T`` is drawn, and with ``stochastic`` each
+    step's noise). Equal to diffusers' ``DPMSolverMultistepScheduler(algorithm_type=
+    "dpmsolver++", solver_order=order)`` with its other defaults. ``order=1`` is DDIM
+    with ``eta = 0`` on these timesteps; ``order=2`` (DPM-Solver++(2M)) reaches in 10-20
+    steps what DDIM needs 50-100 for.
 
     Args:
         model_fn: ``model_fn(x, t) -> (B, ...)``, ``x: (B, ...)``, ``t: (B,)`` int64.
@@ -128,6 +160,11 @@ def dpm_solver_sample(
         prediction: what the model predicts: ``"eps"``, ``"x0"`` or ``"v"``.
         clip_x0: clamp each ``x0`` prediction to ``[-clip_x0, clip_x0]`` (diffusers has
             dynamic thresholding instead; off by default in both).
+        karras: step at Karras et al.'s noise levels, ``sigma_i`` from ``sigma_max`` to
+            ``sigma_min`` evenly in ``sigma^(1/7)`` (diffusers' ``use_karras_sigmas``);
+            the model sees each level's nearest integer timestep (diffusers keeps
+            fractional ones for its cosine schedule).
+        stochastic: the SDE variant (``"sde-dpmsolver++"``), orders 1 and 2.
         return_chain: also keep every intermediate ``x``.
 
     Returns:
@@ -149,19 +186,30 @@ def dpm_solver_sample(
     _check_common(prediction, clip_x0)
     if order not in (1, 2, 3) or isinstance(order, bool):
         raise ValueError(f"order must be 1, 2 or 3, got {order!r}")
+    if stochastic and order == 3:
+        raise ValueError("order must be 1 or 2 with stochastic=True (diffusers' "
+                         "sde-dpmsolver++ has no third order), got 3")
     ts = dpm_solver_timesteps(T, steps, spacing).tolist()
-    abar = [float(schedule.alphas_cumprod[t]) for t in ts] + [1.0]  # the end: sigma = 0
-    alphas = [a**0.5 for a in abar]
-    sigmas = [(1.0 - a) ** 0.5 for a in abar]
+    # noise levels in diffusers' variance-exploding form, s = sqrt((1 - abar) / abar)
+    abar_all = schedule.alphas_cumprod.double()
+    levels_all = ((1 - abar_all) / abar_all).sqrt()  # (T,) increasing in t
+    if karras:
+        ts, levels = _karras(levels_all, steps)
+    else:
+        levels = [float(levels_all[t]) for t in ts]
+    levels = [*levels, 0.0]  # the end: sigma = 0
+    alphas = [1.0 / (v * v + 1.0) ** 0.5 for v in levels]
+    sigmas = [v * a for v, a in zip(levels, alphas)]
     lams = [math.log(a) - math.log(s) if s > 0 else math.inf for a, s in zip(alphas, sigmas)]
-    x, _ = _init(key, shape, dtype, device)  # (B, ...)
+    x, k_noise = _init(key, shape, dtype, device)  # (B, ...)
+    stream = NoiseStream(k_noise, shape, steps, dtype, x.device) if stochastic else None
     chain = [x] if return_chain else None
     x0s: list[Tensor] = []
     for i in _progress(range(steps), steps, progress, "dpm-solver++"):
         tt = torch.full((shape[0],), ts[i], dtype=torch.int64, device=x.device)  # (B,)
         out = model_fn(x, tt)  # (B, ...)
         _check_out(out, x)
-        x0, _ = _x0_eps(x, out, abar[i], prediction)
+        x0, _ = _x0_eps(x, out, alphas[i] ** 2, prediction)
         if clip_x0 is not None:
             x0 = x0.clamp(-clip_x0, clip_x0)
         x0s = [*x0s[-(order - 1):], x0] if order > 1 else [x0]
@@ -172,8 +220,9 @@ def dpm_solver_sample(
             k = 1
         elif i == steps - 2 and steps < 15:
             k = min(k, 2)
+        noise = stream(i) if stream is not None else None  # (B, ...)
         x = _update(x, x0s, lams[max(0, i + 1 - len(x0s)):i + 1], alphas[i + 1], sigmas[i + 1],
-                    sigmas[i], lams[i + 1], k)
+                    sigmas[i], lams[i + 1], k, noise)
         if chain is not None:
             chain.append(x)
     return torch.stack(chain) if chain is not None else x
