@@ -15,7 +15,11 @@ right, which the per-document accuracy shows.
 weight matrices with AdamW for the rest (``optim.partition``), or schedule-free AdamW
 (evaluated at its averaged params, ``optim.schedule_free_eval_params``).
 
-    python examples/packed_lm.py --steps 300 --seed 0 [--optimizer muon]
+``--remat`` recomputes each block's activations in the backward: ``full`` keeps only
+the blocks' inputs, ``dots`` also the projections' outputs (``checkpoint_policies.
+dots_saveable``). The training run is the same to the bit, for less memory.
+
+    python examples/packed_lm.py --steps 300 --seed 0 [--optimizer muon] [--remat dots]
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 import torchfn
-from torchfn import optim, random
+from torchfn import checkpoint_policies, optim, random
 from torchfn.models import TransformerEncoder
 
 VOCAB, PAD = 32, -1  # token ids; the segment id of a row's unused tail
@@ -49,6 +53,9 @@ OPTIMIZERS = {
 }
 
 
+REMAT = {"none": False, "full": True, "dots": checkpoint_policies.dots_saveable}
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=300)
@@ -56,6 +63,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--row-len", type=int, default=128)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--optimizer", choices=list(OPTIMIZERS), default="adam")
+    p.add_argument("--remat", choices=list(REMAT), default="none",
+                   help="recompute each block's activations in the backward")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-every", type=int, default=50)
     return p.parse_args(argv)
@@ -91,7 +100,8 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     init_key, data_key = random.split(random.key(args.seed))
     model = torchfn.Model(TransformerEncoder(dim=64, heads=4, depth=2, vocab_size=VOCAB,
-                                             out_dim=VOCAB, causal=True, max_len=args.row_len))
+                                             out_dim=VOCAB, causal=True, max_len=args.row_len,
+                                             remat=REMAT[args.remat]))
     params = model.init(init_key)
 
     def loss_and_acc(params, tokens, ids):  # tokens, ids: (R, N)

@@ -34,3 +34,12 @@ def test_packed_lm_learns_with_muon_and_schedule_free(example):
     for result in (muon, free):  # schedule-free's accuracy is at its averaged params
         assert result["loss_last"] < result["loss_first"] / 3
         assert result["test_accuracy"] > 0.8
+
+
+def test_remat_trains_to_the_same_bits(example):
+    """--remat full / dots: each block recomputed in the backward, the run unchanged."""
+    lm = example("packed_lm")
+    args = ["--steps", "3", "--rows", "2", "--row-len", "64", "--seed", "2"]
+    plain = lm.main(args)
+    for remat in ("full", "dots"):
+        assert lm.main(args + ["--remat", remat]) == plain
