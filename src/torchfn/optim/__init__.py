@@ -37,6 +37,14 @@ from torchfn.optim._ema import EmaState, ema, ema_params
 from torchfn.optim._finite import ApplyIfFiniteState, all_finite, apply_if_finite
 from torchfn.optim._hyperparams import InjectHyperparamsState, inject_hyperparams
 from torchfn.optim._lamb import LambState, lamb, scale_by_trust_ratio
+from torchfn.optim._lbfgs import (
+    BacktrackingState,
+    LbfgsState,
+    lbfgs,
+    scale_by_backtracking_linesearch,
+    scale_by_lbfgs,
+    value_and_grad_from_state,
+)
 from torchfn.optim._lion import LionState, lion
 from torchfn.optim._lookahead import LookaheadState, lookahead
 from torchfn.optim._masking import (
@@ -99,6 +107,7 @@ __all__ = [
     "adadelta",
     "adafactor",
     "lamb",
+    "lbfgs",
     "muon",
     "prodigy",
     "schedule_free_adamw",
@@ -112,6 +121,9 @@ __all__ = [
     "unitwise_norm",
     "lookahead",
     "scale_by_trust_ratio",
+    "scale_by_lbfgs",
+    "scale_by_backtracking_linesearch",
+    "value_and_grad_from_state",
     "newton_schulz",
     "scale",
     "scale_by_schedule",
@@ -155,6 +167,8 @@ __all__ = [
     "AdadeltaState",
     "AdafactorState",
     "LambState",
+    "LbfgsState",
+    "BacktrackingState",
     "MuonState",
     "ScheduleFreeState",
     "LookaheadState",

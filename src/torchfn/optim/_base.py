@@ -62,6 +62,17 @@ def call_update(tx: Any, grads: Any, state: Any, params: Any, inplace_kw: bool) 
     return tx.update(grads, state, params=params)
 
 
+def takes_extra(update: Callable[..., Any]) -> bool:
+    """Whether ``update`` takes optax's extra arguments (``value``, ``grad``,
+    ``value_fn``, for line searches): it names ``value_fn`` or takes ``**kwargs``."""
+    try:
+        sig = inspect.signature(update)
+    except (TypeError, ValueError):
+        return False
+    return any(p.name == "value_fn" or p.kind is inspect.Parameter.VAR_KEYWORD
+               for p in sig.parameters.values())
+
+
 def bind_update(tx: Any) -> Callable[[Any, Any, Any], tuple[Any, Any]]:
     """``(grads, state, params) -> (updates, state)`` calling ``tx.update`` purely."""
     kw = takes_inplace(tx.update)
@@ -84,7 +95,9 @@ def chain(*transforms: Any) -> GradientTransformation:
     """Compose transformations left to right; the state is the tuple of their states.
 
     Any object with torchopt's ``init``/``update`` works, e.g. ``torchopt.transform.scale``;
-    torchopt transforms are called with ``inplace=False`` so they stay pure.
+    torchopt transforms are called with ``inplace=False`` so they stay pure. Keywords
+    beyond ``params`` (optax's extra arguments: ``value``, ``grad``, ``value_fn``) go to
+    the transforms that take them (line searches, ``lbfgs``).
 
     Example:
         >>> import torch
@@ -102,11 +115,13 @@ def chain(*transforms: Any) -> GradientTransformation:
                 f"(a GradientTransformation), got {type(tx).__name__}"
             )
     calls = tuple(bind_update(tx) for tx in transforms)
+    extra_ok = tuple(takes_extra(tx.update) for tx in transforms)
 
     def init(params: Any) -> tuple[Any, ...]:
         return tuple(tx.init(params) for tx in transforms)
 
-    def update(grads: Any, state: tuple[Any, ...], params: Any = None, *, inplace: Any = None):
+    def update(grads: Any, state: tuple[Any, ...], params: Any = None, *, inplace: Any = None,
+               **extra: Any):
         if not isinstance(state, tuple) or len(state) != len(transforms):
             got = len(state) if isinstance(state, tuple) else type(state).__name__
             raise ValueError(
@@ -114,8 +129,11 @@ def chain(*transforms: Any) -> GradientTransformation:
                 f"{len(transforms)}, got {got}"
             )
         new_state = []
-        for call, s in zip(calls, state):
-            grads, s = call(grads, s, params)
+        for tx, call, ok, s in zip(transforms, calls, extra_ok, state):
+            if extra and ok:  # optax's extra arguments (a line search's value_fn, ...)
+                grads, s = tx.update(grads, s, params, inplace=False, **extra)
+            else:
+                grads, s = call(grads, s, params)
             new_state.append(s)
         return grads, tuple(new_state)
 
