@@ -152,3 +152,25 @@ def test_bad_input():
         tx.update(p, tx.init(p), p, value=torch.tensor(0.0), grad=p)
     with pytest.raises(ValueError, match="scale_by_lbfgs"):
         optim.scale_by_lbfgs().update(p, optim.scale_by_lbfgs().init(p))  # no params
+
+
+def test_store_grad_reuses_the_accepted_trial_to_the_bit():
+    """value_and_grad_from_state hands over the search's value and gradient at the
+    accepted point, which are the next params': the iterates stay the same, with one
+    gradient evaluation fewer per iteration."""
+    p0 = {"x": torch.full((5,), -1.0, dtype=F64)}
+    plain, _, _ = run(rosenbrock, p0, optim.lbfgs(), 20)
+    search = optim.scale_by_backtracking_linesearch(store_grad=True)
+    tx = optim.lbfgs(linesearch=search)
+    calls = []
+    f = lambda p: calls.append(1) or rosenbrock(p)
+    value_and_grad = optim.value_and_grad_from_state(f)
+    p, state = p0, tx.init(p0)
+    for _ in range(20):
+        v, g = value_and_grad(p, state=state)
+        u, state = tx.update(g, state, p, value=v, grad=g, value_fn=f)
+        p = optim.apply_updates(p, u)
+    assert torch.equal(p["x"], plain["x"])
+    assert len(calls) == int(state[1][1].evaluations) + 1  # the searches' and the first
+    with pytest.raises(ValueError, match="one line search made with store_grad=True"):
+        optim.value_and_grad_from_state(f)(p0, state=optim.lbfgs().init(p0))
