@@ -174,3 +174,19 @@ def test_store_grad_reuses_the_accepted_trial_to_the_bit():
     assert len(calls) == int(state[1][1].evaluations) + 1  # the searches' and the first
     with pytest.raises(ValueError, match="one line search made with store_grad=True"):
         optim.value_and_grad_from_state(f)(p0, state=optim.lbfgs().init(p0))
+
+
+def test_scale_by_lbfgs_compiles_whole(fresh_dynamo):
+    """The memory and the compact-form product are plain tensor ops: one graph."""
+    tx = optim.chain(optim.scale_by_lbfgs(memory_size=3), optim.scale(-0.1))
+    p = {"w": normal(0, 4), "b": normal(1, 2)}
+    step = torch.compile(lambda g, s, p: tx.update(g, s, p), fullgraph=True,
+                         backend="aot_eager")
+    s_eager = s_comp = tx.init(p)
+    for i in range(4):
+        g = {"w": normal(2 + i, 4), "b": normal(9 + i, 2)}
+        u_comp, s_comp = step(g, s_comp, p)
+        u_eager, s_eager = tx.update(g, s_eager, p)
+        for k in p:
+            torch.testing.assert_close(u_comp[k], u_eager[k], rtol=1e-12, atol=1e-12)
+        p = optim.apply_updates(p, u_eager)
