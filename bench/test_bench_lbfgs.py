@@ -4,9 +4,9 @@ Multinomial logistic regression on the 8x8 digits (1797 x 64, 10 classes, an L2
 penalty of 1e-3), full batch, each solver run until the gradient's norm is below 1e-5 (at
 most 300 iterations), from zero weights:
 
-* ``single``: one problem. torchfn's L-BFGS (memory 10, backtracking Armijo with
-  ``store_grad``, in a ``torchfn.while_loop``) against torch's (history 10, strong-Wolfe
-  line search), each counting its own iterations.
+* ``single``: one problem. torchfn's L-BFGS (memory 10, the accepted trial's gradient
+  reused, in a ``torchfn.while_loop``) with its strong-Wolfe zoom search (the default)
+  or Armijo backtracking, against torch's (history 10, strong-Wolfe line search).
 * ``bootstrap``: the same regression on 32 bootstrap resamples of the data (each
   example weighted by how often the resample draws it), as one ``vmap`` over
   torchfn's loop, against a Python loop of torch's LBFGS over the resamples.
@@ -56,11 +56,14 @@ def zeros():
             "b": torch.zeros(10, dtype=torch.float64)}
 
 
-def torchfn_solve(weights=None):
+def torchfn_solve(weights=None, search="zoom"):
     """L-BFGS in a ``while_loop``: under ``vmap`` every problem stops at its own
     tolerance, and the loop runs until the last one has."""
     f = loss_fn(LAM, weights)
-    tx = optim.lbfgs(linesearch=optim.scale_by_backtracking_linesearch(store_grad=True))
+    if search == "zoom":  # the strong-Wolfe zoom search, as torch's (the default)
+        tx = optim.lbfgs()
+    else:
+        tx = optim.lbfgs(linesearch=optim.scale_by_backtracking_linesearch(store_grad=True))
     value_and_grad = optim.value_and_grad_from_state(f)
 
     def norm(g):
@@ -108,9 +111,14 @@ def torch_bootstrap(weights):
     return {k: torch.stack([o[k] for o in outs]) for k in outs[0]}
 
 
-@pytest.mark.parametrize("impl", ["torchfn", "torch"])
+SINGLE = {"torchfn_zoom": torchfn_solve,
+          "torchfn_backtracking": lambda: torchfn_solve(search="backtracking"),
+          "torch": torch_solve}
+
+
+@pytest.mark.parametrize("impl", list(SINGLE))
 def test_single(benchmark, impl):
-    fn = torchfn_solve if impl == "torchfn" else torch_solve
+    fn = SINGLE[impl]
     f = loss_fn(LAM)
     assert abs(float(f(fn())) - float(f(torch_solve()))) < 1e-6
     benchmark(fn)

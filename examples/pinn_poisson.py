@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"after {args.adam_steps} Adam steps: loss {adam_loss:.3e}, "
           f"relative L2 error {adam_error:.3e}")
 
-    lbfgs = optim.lbfgs(linesearch=optim.scale_by_backtracking_linesearch(store_grad=True))
+    lbfgs = optim.lbfgs()  # the strong-Wolfe zoom search
     value_and_grad = optim.value_and_grad_from_state(loss)
     state = lbfgs.init(params)
     for _ in range(args.lbfgs_steps):

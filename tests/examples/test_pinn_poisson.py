@@ -6,6 +6,6 @@ def test_lbfgs_finishes_what_adam_started(example):
     pinn = example("pinn_poisson")
     out = pinn.main(["--adam-steps", "200", "--lbfgs-steps", "100", "--points", "32",
                      "--hidden", "16"])
-    # measured: Adam alone 1.3 relative L2 error, then L-BFGS 0.015
+    # measured: Adam alone 2.4 relative L2 error, then L-BFGS (zoom search) 0.028
     assert out["final_loss"] < out["adam_loss"] / 100
     assert out["final_error"] < 0.05 < out["adam_error"]

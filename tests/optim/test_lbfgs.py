@@ -154,14 +154,16 @@ def test_bad_input():
         optim.scale_by_lbfgs().update(p, optim.scale_by_lbfgs().init(p))  # no params
 
 
-def test_store_grad_reuses_the_accepted_trial_to_the_bit():
+@pytest.mark.parametrize("search", ["backtracking", "zoom"])
+def test_value_and_grad_from_state_reuses_the_accepted_trial_to_the_bit(search):
     """value_and_grad_from_state hands over the search's value and gradient at the
     accepted point, which are the next params': the iterates stay the same, with one
-    gradient evaluation fewer per iteration."""
+    evaluation fewer per iteration."""
+    make = {"backtracking": lambda **kw: optim.scale_by_backtracking_linesearch(**kw),
+            "zoom": lambda **kw: optim.scale_by_zoom_linesearch(**kw)}[search]
     p0 = {"x": torch.full((5,), -1.0, dtype=F64)}
-    plain, _, _ = run(rosenbrock, p0, optim.lbfgs(), 20)
-    search = optim.scale_by_backtracking_linesearch(store_grad=True)
-    tx = optim.lbfgs(linesearch=search)
+    plain, _, _ = run(rosenbrock, p0, optim.lbfgs(linesearch=make()), 20)
+    tx = optim.lbfgs(linesearch=make(store_grad=True) if search == "backtracking" else make())
     calls = []
     f = lambda p: calls.append(1) or rosenbrock(p)
     value_and_grad = optim.value_and_grad_from_state(f)
@@ -173,7 +175,41 @@ def test_store_grad_reuses_the_accepted_trial_to_the_bit():
     assert torch.equal(p["x"], plain["x"])
     assert len(calls) == int(state[1][1].evaluations) + 1  # the searches' and the first
     with pytest.raises(ValueError, match="one line search made with store_grad=True"):
-        optim.value_and_grad_from_state(f)(p0, state=optim.lbfgs().init(p0))
+        optim.value_and_grad_from_state(f)(p0, state=optim.lbfgs(learning_rate=1.0).init(p0))
+
+
+@given(seed=st.integers(0, 2**16), n=st.integers(2, 6))
+def test_zoom_steps_satisfy_the_strong_wolfe_conditions(seed, n):
+    """Every accepted step on Rosenbrock from a random start: sufficient decrease and
+    |slope| <= 0.9 |initial slope|, the curvature s.y > 0 that follows from it."""
+    p = {"x": normal(seed, n)}
+    tx = optim.lbfgs()
+    state = tx.init(p)
+    for _ in range(15):
+        g, v = grad_and_value(rosenbrock)(p)
+        if g["x"].norm() < 1e-8:
+            break
+        u, state = tx.update(g, state, p, value=v, grad=g, value_fn=rosenbrock)
+        new = optim.apply_updates(p, u)
+        slope0 = (g["x"] * u["x"]).sum()  # t <g, d>
+        g_new = grad_and_value(rosenbrock)(new)[0]
+        assert rosenbrock(new) <= v + 1e-4 * slope0 + 1e-12
+        assert (g_new["x"] * u["x"]).sum().abs() <= 0.9 * slope0.abs() + 1e-12
+        assert ((new["x"] - p["x"]) @ (g_new["x"] - g["x"])) > 0
+        p = new
+
+
+def test_zoom_takes_fewer_evaluations_than_backtracking():
+    p0 = {"x": torch.full((10,), -1.0, dtype=F64)}
+    counts = {}
+    for name, search in (("zoom", optim.scale_by_zoom_linesearch()),
+                         ("backtracking", optim.scale_by_backtracking_linesearch())):
+        params, state, history = run(rosenbrock, p0, optim.lbfgs(linesearch=search), 150)
+        torch.testing.assert_close(params["x"], torch.ones(10, dtype=F64), rtol=1e-7,
+                                   atol=1e-7)
+        done = next(i for i, (v, g, u) in enumerate(history) if g["x"].norm() < 1e-8)
+        counts[name] = done
+    assert counts["zoom"] <= counts["backtracking"], counts
 
 
 def test_scale_by_lbfgs_compiles_whole(fresh_dynamo):

@@ -37,12 +37,12 @@ from torchfn.optim._ema import EmaState, ema, ema_params
 from torchfn.optim._finite import ApplyIfFiniteState, all_finite, apply_if_finite
 from torchfn.optim._hyperparams import InjectHyperparamsState, inject_hyperparams
 from torchfn.optim._lamb import LambState, lamb, scale_by_trust_ratio
-from torchfn.optim._lbfgs import (
+from torchfn.optim._lbfgs import LbfgsState, lbfgs, scale_by_lbfgs
+from torchfn.optim._linesearch import (
     BacktrackingState,
-    LbfgsState,
-    lbfgs,
+    ZoomState,
     scale_by_backtracking_linesearch,
-    scale_by_lbfgs,
+    scale_by_zoom_linesearch,
     value_and_grad_from_state,
 )
 from torchfn.optim._lion import LionState, lion
@@ -123,6 +123,7 @@ __all__ = [
     "scale_by_trust_ratio",
     "scale_by_lbfgs",
     "scale_by_backtracking_linesearch",
+    "scale_by_zoom_linesearch",
     "value_and_grad_from_state",
     "newton_schulz",
     "scale",
@@ -169,6 +170,7 @@ __all__ = [
     "LambState",
     "LbfgsState",
     "BacktrackingState",
+    "ZoomState",
     "MuonState",
     "ScheduleFreeState",
     "LookaheadState",

@@ -1,39 +1,37 @@
-"""L-BFGS as gradient transformations (``optax.lbfgs``), with a backtracking line search.
+"""L-BFGS as gradient transformations (``optax.lbfgs``).
 
-    tx = lbfgs()                                   # memory 10, Armijo backtracking
+    tx = lbfgs()                                   # memory 10, strong-Wolfe zoom search
     state = tx.init(params)
     value, grads = value_and_grad(loss)(params)
-    updates, state = tx.update(grads, state, params, value=value, value_fn=loss)
+    updates, state = tx.update(grads, state, params, value=value, grad=grads,
+                               value_fn=loss)
     params = apply_updates(params, updates)
 
 ``scale_by_lbfgs`` turns the gradient into ``H g``, ``H`` the inverse-Hessian estimate
-of the last ``memory_size`` steps (the two-loop recursion, Nocedal & Wright Alg. 7.4);
-``scale_by_backtracking_linesearch`` then picks the step along ``-H g`` by the Armijo
-condition, calling ``value_fn`` on trial params. Everything is tensors and
+of the last ``memory_size`` steps (Byrd, Nocedal & Schnabel's compact form of the
+two-loop recursion); a line search (``optim._linesearch``) then picks the step along
+``-H g``, calling ``value_fn`` on trial params. Everything is tensors and
 ``torch.where``: ``vmap`` over a batch of problems runs one L-BFGS per problem, each
 with its own memory and steps, where ``torch.optim.LBFGS`` solves one at a time.
 
-The memory keeps a pair ``(s, y)`` only when its curvature ``s.y`` is positive (a
-backtracking search does not enforce the Wolfe curvature condition, which keeps ``H``
-positive definite; optax's zoom search does, and stores every pair).
+The memory keeps a pair ``(s, y)`` only when its curvature ``s.y`` is positive: the
+zoom search's Wolfe conditions guarantee it, a backtracking search does not.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import optree
 import torch
 from torch import Tensor
 
-from torchfn.core._lanes import all_lanes
 from torchfn.optim._base import GradientTransformation, chain, check_state, new_count
 from torchfn.optim._elementary import scale
+from torchfn.optim._linesearch import scale_by_zoom_linesearch
 from torchfn.optim._tree import check_params
 
-__all__ = ["LbfgsState", "BacktrackingState", "scale_by_lbfgs",
-           "scale_by_backtracking_linesearch", "value_and_grad_from_state", "lbfgs"]
+__all__ = ["LbfgsState", "scale_by_lbfgs", "lbfgs"]
 
 
 class LbfgsState(NamedTuple):
@@ -44,10 +42,6 @@ class LbfgsState(NamedTuple):
     diff_params: Tensor  # (m, n) s_i = x_{i+1} - x_i, a ring buffer
     diff_grads: Tensor  # (m, n) y_i = g_{i+1} - g_i
     gamma: Tensor  # () the initial inverse-Hessian scale s.y / y.y of the newest pair
-
-
-def _dot(a: list[Tensor], b: list[Tensor]) -> Tensor:
-    return sum((x * y).sum() for x, y in zip(a, b))
 
 
 def _flat(leaves: list[Tensor], dtype: torch.dtype) -> Tensor:
@@ -151,165 +145,14 @@ def scale_by_lbfgs(memory_size: int = 10, scale_init_precond: bool = True
     return GradientTransformation(init, update)
 
 
-class BacktrackingState(NamedTuple):
-    learning_rate: Tensor  # () the last accepted step size
-    evaluations: Tensor  # () int32, value_fn calls so far
-    value: Tensor  # () f at the accepted point (with store_grad; nan before the first)
-    grad: Any  # its gradient, the params' structure (with store_grad; else ())
-
-
-def scale_by_backtracking_linesearch(
-    max_backtracking_steps: int = 15,
-    slope_rtol: float = 1e-4,
-    decrease_factor: float = 0.8,
-    increase_factor: float = 1.5,
-    max_learning_rate: float = 1.0,
-    store_grad: bool = False,
-) -> GradientTransformation:
-    """Scale a descent direction ``d`` (the incoming updates) by the first step size
-    ``t`` that satisfies Armijo's condition ``f(x + t d) <= f(x) + slope_rtol t <g, d>``
-    (``optax.scale_by_backtracking_linesearch``).
-
-    The search starts at ``min(increase_factor * t_prev, max_learning_rate)`` and
-    multiplies by ``decrease_factor`` until the condition holds, at most
-    ``max_backtracking_steps`` times (it then takes the last, smallest, step). Its
-    ``update`` needs the keywords ``value=f(x)``, ``grad=g`` (the gradient at ``x``:
-    the incoming updates are the direction, which an earlier transform made) and
-    ``value_fn=f``; ``chain`` passes them on. Under ``vmap`` the search stops when
-    every problem has accepted; each keeps its own step.
-
-    With ``store_grad=True`` each trial computes the gradient too, and the state keeps
-    the accepted point's value and gradient: :func:`value_and_grad_from_state` then
-    hands them to the next iteration instead of computing them again (optax's
-    ``store_grad``), one forward and backward per iteration when the first trial is
-    accepted, where a value-only search costs two forwards and a backward.
-
-    Example:
-        >>> import torch
-        >>> from torchfn import optim
-        >>> f = lambda p: (p["w"] ** 2).sum()
-        >>> p = {"w": torch.tensor([3.0])}
-        >>> tx = optim.scale_by_backtracking_linesearch()
-        >>> g = {"w": 2 * p["w"]}
-        >>> u, s = tx.update({"w": -g["w"]}, tx.init(p), p, value=f(p), grad=g, value_fn=f)
-        >>> float(f(optim.apply_updates(p, u))) < float(f(p))
-        True
-    """
-    for name, v, ok in (("max_backtracking_steps", max_backtracking_steps,
-                         isinstance(max_backtracking_steps, int) and max_backtracking_steps >= 1),
-                        ("slope_rtol", slope_rtol, 0 <= slope_rtol < 1),
-                        ("decrease_factor", decrease_factor, 0 < decrease_factor < 1),
-                        ("increase_factor", increase_factor, increase_factor >= 1),
-                        ("max_learning_rate", max_learning_rate, max_learning_rate > 0)):
-        if not ok or isinstance(v, bool):
-            raise ValueError(f"scale_by_backtracking_linesearch: {name} is out of range, "
-                             f"got {v!r}")
-
-    def init(params: Any) -> BacktrackingState:
-        leaves, spec = optree.tree_flatten(params)
-        like = leaves[0] if leaves else torch.zeros(())
-        # the first search starts at max_learning_rate
-        t0 = torch.full((), max_learning_rate / increase_factor, dtype=like.dtype,
-                        device=like.device)
-        nan = torch.full((), float("nan"), dtype=like.dtype, device=like.device)
-        grad = optree.tree_unflatten(spec, [torch.zeros_like(x) for x in leaves])
-        return BacktrackingState(t0, new_count(leaves), nan, grad if store_grad else ())
-
-    def update(updates: Any, state: BacktrackingState, params: Any = None, *,
-               inplace: Any = None, value: Tensor | None = None, grad: Any = None,
-               value_fn: Callable[[Any], Tensor] | None = None, **extra: Any):
-        check_state(state, BacktrackingState, "scale_by_backtracking_linesearch")
-        if value is None or value_fn is None or grad is None:
-            missing = [n for n, v in (("value", value), ("grad", grad), ("value_fn", value_fn))
-                       if v is None]
-            raise ValueError(
-                "scale_by_backtracking_linesearch: update needs value=f(params), "
-                f"grad=df/dparams and value_fn=f as keywords; missing {missing}")
-        d, spec = optree.tree_flatten(updates)
-        p = check_params(params, spec, "scale_by_backtracking_linesearch")
-        slope = _dot(optree.tree_leaves(grad), d)  # <g, d> < 0 for a descent direction
-        t = torch.clamp(state.learning_rate * increase_factor, max=max_learning_rate)
-        accepted = torch.zeros((), dtype=torch.bool, device=t.device)
-        chosen, f_chosen, g_chosen = t, value, None
-        evaluations = state.evaluations
-        for _ in range(max_backtracking_steps):
-            trial = optree.tree_unflatten(spec, [x + t * dx for x, dx in zip(p, d)])
-            if store_grad:
-                g_t, f_t = torch.func.grad_and_value(value_fn)(trial)
-            else:
-                f_t = value_fn(trial)
-            evaluations = evaluations + 1
-            ok = ~accepted & torch.isfinite(f_t) & (f_t <= value + slope_rtol * t * slope)
-            take = ok | ~accepted  # accepted now, or still the last tried
-            chosen = torch.where(take, t, chosen)
-            f_chosen = torch.where(take, f_t, f_chosen)
-            if store_grad:
-                g_t = optree.tree_leaves(g_t)
-                g_chosen = g_t if g_chosen is None else [
-                    torch.where(take, a, b) for a, b in zip(g_t, g_chosen)]
-            accepted = accepted | ok
-            if all_lanes(accepted):
-                break
-            t = t * decrease_factor
-        out = [chosen * dx for dx in d]
-        stored = optree.tree_unflatten(spec, g_chosen) if store_grad else ()
-        new = BacktrackingState(chosen, evaluations, f_chosen if store_grad else state.value,
-                                stored)
-        return optree.tree_unflatten(spec, out), new
-
-    return GradientTransformation(init, update)
-
-
-def value_and_grad_from_state(value_fn: Callable[[Any], Tensor]
-                              ) -> Callable[..., tuple[Tensor, Any]]:
-    """``(params, *, state) -> (value, grad)``: what a ``store_grad`` line search in
-    ``state`` (an optimizer state, searched for its ``BacktrackingState``) computed at
-    ``params``, or ``torch.func.grad_and_value(value_fn)(params)`` before its first
-    step (``optax.value_and_grad_from_state``).
-
-    Example:
-        >>> import torch
-        >>> from torchfn import optim
-        >>> f = lambda p: ((p["x"] - 1.0) ** 2).sum()
-        >>> tx = optim.lbfgs(linesearch=optim.scale_by_backtracking_linesearch(store_grad=True))
-        >>> value_and_grad = optim.value_and_grad_from_state(f)
-        >>> p = {"x": torch.zeros(3)}
-        >>> state = tx.init(p)
-        >>> for _ in range(5):
-        ...     value, g = value_and_grad(p, state=state)
-        ...     u, state = tx.update(g, state, p, value=value, grad=g, value_fn=f)
-        ...     p = optim.apply_updates(p, u)
-        >>> float(f(p)) < 1e-10
-        True
-    """
-    grad_and_value = torch.func.grad_and_value(value_fn)
-
-    def value_and_grad(params: Any, *, state: Any) -> tuple[Tensor, Any]:
-        found = [s for s in optree.tree_leaves(state, is_leaf=_is_search,
-                                               none_is_leaf=True) if _is_search(s)]
-        if len(found) != 1 or isinstance(found[0].grad, tuple):
-            raise ValueError("value_and_grad_from_state: state must hold one line search "
-                             "made with store_grad=True")
-        search = found[0]
-        if all_lanes(~torch.isnan(search.value)):  # the search has stepped: reuse
-            return search.value, search.grad
-        g, v = grad_and_value(params)  # the first step
-        return v, g
-
-    return value_and_grad
-
-
-def _is_search(x: Any) -> bool:
-    return isinstance(x, BacktrackingState)
-
-
 def lbfgs(learning_rate: float | None = None, memory_size: int = 10,
           scale_init_precond: bool = True,
           linesearch: GradientTransformation | None = None) -> GradientTransformation:
     """L-BFGS (``optax.lbfgs``): ``scale_by_lbfgs``, then a step along ``-H g``.
 
     With ``learning_rate=None`` (the default) the step comes from ``linesearch``
-    (default :func:`scale_by_backtracking_linesearch`), and ``update`` needs the
+    (default :func:`scale_by_zoom_linesearch`, the strong Wolfe conditions, as optax's
+    and torch's "strong_wolfe"), and ``update`` needs the
     keywords ``value=f(params)``, ``grad=g`` and ``value_fn=f``; with a learning rate
     the step is ``-learning_rate H g`` and no line search runs.
 
@@ -335,5 +178,5 @@ def lbfgs(learning_rate: float | None = None, memory_size: int = 10,
             raise ValueError("lbfgs: give learning_rate or linesearch, not both")
         step = scale(-learning_rate)
     else:
-        step = chain(scale(-1.0), linesearch or scale_by_backtracking_linesearch())
+        step = chain(scale(-1.0), linesearch or scale_by_zoom_linesearch())
     return chain(scale_by_lbfgs(memory_size, scale_init_precond), step)
