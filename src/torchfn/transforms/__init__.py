@@ -31,6 +31,7 @@ from torchfn.transforms._federated import fedavg, federated_round, local_train
 from torchfn.transforms._fixed_point import fixed_point
 from torchfn.transforms._ghost import GhostClipResult, ghost_clip_grads, ghost_norms
 from torchfn.transforms._langevin import langevin
+from torchfn.transforms._least_squares import LeastSquaresInfo, least_squares
 from torchfn.transforms._odeint import odeint
 from torchfn.transforms._per_sample import (
     clip_coefficients,
@@ -75,6 +76,9 @@ __all__ = [
     "diffusion",
     # fixed points with implicit derivatives (torchfn.transforms._fixed_point)
     "fixed_point",
+    # nonlinear least squares, Levenberg-Marquardt (torchfn.transforms._least_squares)
+    "least_squares",
+    "LeastSquaresInfo",
     # divergence, exact or Hutchinson (torchfn.transforms._divergence)
     "divergence",
     # ODEs with adjoint derivatives, SDEs on keyed paths (_odeint, _sdeint)
