@@ -86,3 +86,69 @@ def test_bad_input():
         transforms.least_squares(decay, P0, T, T, jacobian="auto")
     with pytest.raises(ValueError, match="max_steps must be an int >= 1, got 0"):
         transforms.least_squares(decay, P0, T, T, max_steps=0)
+
+
+def test_implicit_derivative_of_a_linear_fit_is_the_pseudo_inverse():
+    """theta*(y) = (X^T X)^-1 X^T y: d(w . theta*)/dy = X (X^T X)^-1 w, in every mode."""
+    X = random.normal(random.key(1), (30, 4), dtype=F64)
+    y = random.normal(random.key(2), (30,), dtype=F64)
+    w = random.normal(random.key(3), (4,), dtype=F64)
+    p0 = torch.zeros(4, dtype=F64)
+
+    def out(y):
+        fit, _ = transforms.least_squares(lambda p, y: X @ p - y, p0, y)
+        return fit @ w
+
+    want = X @ torch.linalg.solve(X.T @ X, w)  # (30,)
+    torch.testing.assert_close(torch.func.grad(out)(y), want, rtol=1e-9, atol=1e-11)
+    torch.testing.assert_close(torch.func.jacfwd(out)(y), want, rtol=1e-9, atol=1e-11)
+    ys = torch.stack([y, 2 * y, y + 1])
+    per = vmap(torch.func.grad(out))(ys)  # the same for every dataset (linear)
+    torch.testing.assert_close(per, want.expand(3, 30), rtol=1e-9, atol=1e-11)
+
+
+def test_implicit_derivative_of_a_nonlinear_fit_equals_finite_differences():
+    y = decay_data(7)
+    w = torch.tensor([1.0, -2.0, 0.5], dtype=F64)
+    tight = dict(ftol=1e-15, xtol=1e-15, gtol=1e-15)
+
+    def out(y):
+        fit, _ = transforms.least_squares(decay, P0, T, y, **tight)
+        return torch.stack([fit[k] for k in "abc"]) @ w
+
+    v = random.normal(random.key(8), (60,), dtype=F64)
+    eps = 1e-5
+    fd = (out(y + eps * v) - out(y - eps * v)) / (2 * eps)
+    # the fits at y +- eps v are converged to about 1e-10: finite differences to ~1e-6
+    torch.testing.assert_close(torch.func.grad(out)(y) @ v, fd, rtol=1e-5, atol=1e-7)
+    y_req = y.clone().requires_grad_()
+    out(y_req).backward()  # plain autograd takes the same rule
+    torch.testing.assert_close(y_req.grad, torch.func.grad(out)(y))
+
+
+def test_a_differentiated_closure_is_refused():
+    """The implicit rule differentiates args only: a residual that closes over a tensor
+    being differentiated would silently get no gradient, so it raises."""
+    y = decay_data(0)
+
+    def out(scale):
+        fit, _ = transforms.least_squares(lambda p, t: decay(p, t, y * scale), P0, T)
+        return fit["a"]
+
+    with pytest.raises(ValueError, match="not one of its arguments"):
+        torch.func.grad(out)(torch.tensor(1.0, dtype=F64))
+
+
+def test_integer_args_pass_through_under_transforms():
+    """An index tensor among args (a subset of the points to fit) under grad and vmap."""
+    idx = torch.arange(0, 60, 2)
+    y = decay_data(3)
+
+    def out(y, idx):
+        fit, _ = transforms.least_squares(lambda p, t, y, i: decay(p, t, y)[i], P0, T, y, idx)
+        return fit["b"]
+
+    g = torch.func.grad(out)(y, idx)
+    assert (g[1::2] == 0).all() and (g[::2] != 0).any()  # the unused points do not count
+    per = vmap(torch.func.grad(out), in_dims=(0, None))(torch.stack([y, y]), idx)
+    torch.testing.assert_close(per[0], g)

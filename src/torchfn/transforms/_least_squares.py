@@ -10,10 +10,16 @@ a good step by how well the quadratic model predicted it, double up after a bad 
 Everything is tensors and ``torch.where``: under ``vmap`` every problem (a dataset to
 fit, a starting point) keeps its own damping and stops at its own tolerance; the loop
 runs until the last one has.
+
+The solution's derivatives in ``args`` are implicit (jaxopt's ``implicit_diff``): at
+the minimum the gradient ``F = J^T r`` vanishes, so ``d params / d args = -H^-1
+dF/d args`` with ``H`` the cost's Hessian in the params. The iterations themselves are
+not differentiated: the cost is one Hessian and one solve, whatever the step count.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -22,6 +28,7 @@ import torch
 from torch import Tensor
 
 from torchfn.core._lanes import all_lanes
+from torchfn.core.custom_vjp import custom_vjp
 
 __all__ = ["LeastSquaresInfo", "least_squares"]
 
@@ -60,8 +67,11 @@ def least_squares(
 
     Returns:
         ``(params, info)``: the fitted params (the input's structure and dtypes) and a
-        :class:`LeastSquaresInfo`. Gradients flow through the iterations (unrolled); no
-        implicit differentiation of the solution.
+        :class:`LeastSquaresInfo`. Derivatives of the params in the floating-point
+        tensors of ``args`` are implicit (one Hessian and one solve); they need the
+        minimum to be strict (an invertible Hessian) and ``residual_fn`` to read
+        every tensor it differentiates from ``args`` (not from a closure). The
+        starting params get no gradient: the minimum does not depend on them.
 
     Example (an exponential decay, the same fit scipy's MINPACK finds)::
 
@@ -91,19 +101,25 @@ def least_squares(
         if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
             raise ValueError(f"least_squares: {name} must be a number >= 0, got {v!r}")
     dtype = leaves[0].dtype
-    sizes = [x.numel() for x in leaves]
+    layout = [(x.shape, x.dtype) for x in leaves]
 
     def unflat(theta: Tensor) -> Any:
-        parts = torch.split(theta, sizes)
-        return optree.tree_unflatten(spec, [p.reshape(x.shape).to(x.dtype)
-                                            for p, x in zip(parts, leaves)])
+        parts = torch.split(theta, [s.numel() for s, _ in layout])
+        return optree.tree_unflatten(spec, [p.reshape(s).to(d)
+                                            for p, (s, d) in zip(parts, layout)])
 
-    def r(theta: Tensor) -> Tensor:  # (m,)
+    def residuals(theta: Tensor, args: tuple) -> Tensor:  # (m,)
         out = optree.tree_leaves(residual_fn(unflat(theta), *args))
         return torch.cat([o.reshape(-1).to(dtype) for o in out])
 
+    fixed_args = optree.tree_map(
+        lambda a: a.detach() if isinstance(a, Tensor) else a, args)  # the loop's data
+
+    def r(theta: Tensor) -> Tensor:  # (m,)
+        return residuals(theta, fixed_args)
+
     jac = torch.func.jacrev(r) if jacobian == "rev" else torch.func.jacfwd(r)
-    theta = torch.cat([x.reshape(-1).to(dtype) for x in leaves])  # (n,)
+    theta = torch.cat([x.detach().reshape(-1).to(dtype) for x in leaves])  # (n,)
     n = theta.shape[0]
     eye = torch.eye(n, dtype=dtype, device=theta.device)
 
@@ -140,4 +156,68 @@ def least_squares(
         A, g = J.T @ J, J.T @ res
         steps = steps + go.to(steps.dtype)
         converged = converged | small | flat | (go & (g.abs().max() <= gtol))
+    arg_leaves, arg_spec = optree.tree_flatten(args)
+    if any(_is_float(a) for a in arg_leaves):
+        tensors = [a for a in arg_leaves if isinstance(a, Tensor)]
+        theta = _implicit(_Residuals(residuals, arg_leaves, arg_spec), theta, tensors)
     return unflat(theta), LeastSquaresInfo(cost, steps, converged)
+
+
+def _is_float(x: Any) -> bool:
+    return isinstance(x, Tensor) and x.is_floating_point()
+
+
+class _Residuals:
+    """``residuals(theta, args)`` as a function of ``theta`` and args' tensor leaves
+    (all of them go through the rule: a tensor kept here from outside a transform
+    cannot be used inside it)."""
+
+    def __init__(self, residuals, arg_leaves, arg_spec):
+        self.residuals, self.arg_spec = residuals, arg_spec
+        self.is_tensor = [isinstance(a, Tensor) for a in arg_leaves]
+        self.others = [None if t else a for a, t in zip(arg_leaves, self.is_tensor)]
+
+    def cost(self, theta: Tensor, tensors: list[Tensor]) -> Tensor:
+        it = iter(tensors)
+        leaves = [next(it) if t else a for a, t in zip(self.others, self.is_tensor)]
+        r = self.residuals(theta, optree.tree_unflatten(self.arg_spec, leaves))
+        return 0.5 * r @ r
+
+
+@functools.partial(custom_vjp, nondiff_argnums=(0,))
+def _implicit(res: _Residuals, theta: Tensor, tensors: list[Tensor]) -> Tensor:
+    """``theta`` (the minimum), with the implicit derivative in ``tensors``."""
+    return theta.clone()
+
+
+def _implicit_fwd(res, theta, tensors):
+    # one residual evaluation inside the rule, so that custom_vjp's closure check sees
+    # a tensor residual_fn captures while it is being differentiated (its gradient
+    # would otherwise be silently lost)
+    res.cost(theta, tensors)
+    return theta.clone(), (theta, tensors)
+
+
+def _implicit_bwd(res, saved, g):
+    theta, tensors = saved
+    float_at = [i for i, t in enumerate(tensors) if t.is_floating_point()]
+
+    def with_floats(floats):
+        full = list(tensors)
+        for i, f in zip(float_at, floats):
+            full[i] = f
+        return full
+
+    floats = [tensors[i] for i in float_at]
+    H = torch.func.hessian(res.cost)(theta, tensors)  # (n, n), at the minimum
+    u = torch.linalg.solve(H, g)
+    grad_theta = torch.func.grad(res.cost)  # F(theta, args) = J^T r, zero at the minimum
+    _, pull = torch.func.vjp(lambda fl: grad_theta(theta, with_floats(fl)), floats)
+    (ct_floats,) = pull(-u)
+    ct = [None] * len(tensors)
+    for i, c in zip(float_at, ct_floats):
+        ct[i] = c
+    return None, ct
+
+
+_implicit.defvjp(_implicit_fwd, _implicit_bwd)
