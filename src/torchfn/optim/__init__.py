@@ -39,8 +39,7 @@ from torchfn.optim._hyperparams import InjectHyperparamsState, inject_hyperparam
 from torchfn.optim._lamb import LambState, lamb, scale_by_trust_ratio
 from torchfn.optim._lbfgs import LbfgsState, lbfgs, scale_by_lbfgs
 from torchfn.optim._linesearch import (
-    BacktrackingState,
-    ZoomState,
+    LineSearchState,
     scale_by_backtracking_linesearch,
     scale_by_zoom_linesearch,
     value_and_grad_from_state,
@@ -169,8 +168,7 @@ __all__ = [
     "AdafactorState",
     "LambState",
     "LbfgsState",
-    "BacktrackingState",
-    "ZoomState",
+    "LineSearchState",
     "MuonState",
     "ScheduleFreeState",
     "LookaheadState",

@@ -18,6 +18,7 @@ each problem keeps its own step, and the loop stops when every problem has accep
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -29,8 +30,8 @@ from torchfn.core._lanes import all_lanes
 from torchfn.optim._base import GradientTransformation, check_state, new_count
 from torchfn.optim._tree import check_params
 
-__all__ = ["BacktrackingState", "ZoomState", "scale_by_backtracking_linesearch",
-           "scale_by_zoom_linesearch", "value_and_grad_from_state"]
+__all__ = ["LineSearchState", "scale_by_backtracking_linesearch", "scale_by_zoom_linesearch",
+           "value_and_grad_from_state"]
 
 
 def _dot(a: list[Tensor], b: list[Tensor]) -> Tensor:
@@ -45,11 +46,26 @@ def _need_extra(who: str, value, grad, value_fn) -> None:
                          f"value_fn=f as keywords; missing {missing}")
 
 
-class BacktrackingState(NamedTuple):
+class LineSearchState(NamedTuple):
     learning_rate: Tensor  # () the last accepted step size
     evaluations: Tensor  # () int32, value_fn calls so far
-    value: Tensor  # () f at the accepted point (with store_grad; nan before the first)
-    grad: Any  # its gradient, the params' structure (with store_grad; else ())
+    value: Tensor  # () f at the accepted point (nan before the first search)
+    grad: Any  # its gradient, the params' structure (() when not kept)
+
+
+def _check_ranges(who: str, checks: tuple) -> None:
+    for name, v, ok in checks:
+        if not ok or isinstance(v, bool):
+            raise ValueError(f"{who}: {name} is out of range, got {v!r}")
+
+
+def _init_state(params: Any, t0: float, keep_grad: bool) -> LineSearchState:
+    leaves, spec = optree.tree_flatten(params)
+    like = leaves[0] if leaves else torch.zeros(())
+    full = functools.partial(torch.full, (), dtype=like.dtype, device=like.device)
+    grad = optree.tree_unflatten(spec, [torch.zeros_like(x) for x in leaves])
+    return LineSearchState(full(t0), new_count(leaves), full(float("nan")),
+                           grad if keep_grad else ())
 
 
 def scale_by_backtracking_linesearch(
@@ -89,30 +105,22 @@ def scale_by_backtracking_linesearch(
         >>> float(f(optim.apply_updates(p, u))) < float(f(p))
         True
     """
-    for name, v, ok in (("max_backtracking_steps", max_backtracking_steps,
-                         isinstance(max_backtracking_steps, int) and max_backtracking_steps >= 1),
-                        ("slope_rtol", slope_rtol, 0 <= slope_rtol < 1),
-                        ("decrease_factor", decrease_factor, 0 < decrease_factor < 1),
-                        ("increase_factor", increase_factor, increase_factor >= 1),
-                        ("max_learning_rate", max_learning_rate, max_learning_rate > 0)):
-        if not ok or isinstance(v, bool):
-            raise ValueError(f"scale_by_backtracking_linesearch: {name} is out of range, "
-                             f"got {v!r}")
+    _check_ranges("scale_by_backtracking_linesearch", (
+        ("max_backtracking_steps", max_backtracking_steps,
+         isinstance(max_backtracking_steps, int) and max_backtracking_steps >= 1),
+        ("slope_rtol", slope_rtol, 0 <= slope_rtol < 1),
+        ("decrease_factor", decrease_factor, 0 < decrease_factor < 1),
+        ("increase_factor", increase_factor, increase_factor >= 1),
+        ("max_learning_rate", max_learning_rate, max_learning_rate > 0)))
 
-    def init(params: Any) -> BacktrackingState:
-        leaves, spec = optree.tree_flatten(params)
-        like = leaves[0] if leaves else torch.zeros(())
+    def init(params: Any) -> LineSearchState:
         # the first search starts at max_learning_rate
-        t0 = torch.full((), max_learning_rate / increase_factor, dtype=like.dtype,
-                        device=like.device)
-        nan = torch.full((), float("nan"), dtype=like.dtype, device=like.device)
-        grad = optree.tree_unflatten(spec, [torch.zeros_like(x) for x in leaves])
-        return BacktrackingState(t0, new_count(leaves), nan, grad if store_grad else ())
+        return _init_state(params, max_learning_rate / increase_factor, store_grad)
 
-    def update(updates: Any, state: BacktrackingState, params: Any = None, *,
+    def update(updates: Any, state: LineSearchState, params: Any = None, *,
                inplace: Any = None, value: Tensor | None = None, grad: Any = None,
                value_fn: Callable[[Any], Tensor] | None = None, **extra: Any):
-        check_state(state, BacktrackingState, "scale_by_backtracking_linesearch")
+        check_state(state, LineSearchState, "scale_by_backtracking_linesearch")
         _need_extra("scale_by_backtracking_linesearch", value, grad, value_fn)
         d, spec = optree.tree_flatten(updates)
         p = check_params(params, spec, "scale_by_backtracking_linesearch")
@@ -142,18 +150,11 @@ def scale_by_backtracking_linesearch(
             t = t * decrease_factor
         out = [chosen * dx for dx in d]
         stored = optree.tree_unflatten(spec, g_chosen) if store_grad else ()
-        new = BacktrackingState(chosen, evaluations, f_chosen if store_grad else state.value,
-                                stored)
+        new = LineSearchState(chosen, evaluations, f_chosen if store_grad else state.value,
+                              stored)
         return optree.tree_unflatten(spec, out), new
 
     return GradientTransformation(init, update)
-
-
-class ZoomState(NamedTuple):
-    learning_rate: Tensor  # () the last accepted step size
-    evaluations: Tensor  # () int32, value-and-gradient calls so far
-    value: Tensor  # () f at the accepted point (nan before the first search)
-    grad: Any  # its gradient, the params' structure
 
 
 def _select(cases: list[tuple[Tensor, tuple]], default: tuple) -> tuple:
@@ -209,29 +210,22 @@ def scale_by_zoom_linesearch(
         >>> bool(f(new) < f(p)) and bool(abs(4 * new["w"] ** 3 * g["w"]) <= 0.9 * g["w"] ** 2)
         True
     """
-    for name, v, ok in (("max_linesearch_steps", max_linesearch_steps,
-                         isinstance(max_linesearch_steps, int) and max_linesearch_steps >= 1),
-                        ("slope_rtol", slope_rtol, 0 < slope_rtol < 1),
-                        ("curv_rtol", curv_rtol, slope_rtol < curv_rtol < 1),
-                        ("initial_guess", initial_guess, initial_guess > 0),
-                        ("max_learning_rate", max_learning_rate,
-                         max_learning_rate >= initial_guess)):
-        if not ok or isinstance(v, bool):
-            raise ValueError(f"scale_by_zoom_linesearch: {name} is out of range, got {v!r}")
+    _check_ranges("scale_by_zoom_linesearch", (
+        ("max_linesearch_steps", max_linesearch_steps,
+         isinstance(max_linesearch_steps, int) and max_linesearch_steps >= 1),
+        ("slope_rtol", slope_rtol, 0 < slope_rtol < 1),
+        ("curv_rtol", curv_rtol, slope_rtol < curv_rtol < 1),
+        ("initial_guess", initial_guess, initial_guess > 0),
+        ("max_learning_rate", max_learning_rate, max_learning_rate >= initial_guess)))
     grad_and_value = torch.func.grad_and_value
 
-    def init(params: Any) -> ZoomState:
-        leaves, spec = optree.tree_flatten(params)
-        like = leaves[0] if leaves else torch.zeros(())
-        t0 = torch.full((), initial_guess, dtype=like.dtype, device=like.device)
-        nan = torch.full((), float("nan"), dtype=like.dtype, device=like.device)
-        grad = optree.tree_unflatten(spec, [torch.zeros_like(x) for x in leaves])
-        return ZoomState(t0, new_count(leaves), nan, grad)
+    def init(params: Any) -> LineSearchState:
+        return _init_state(params, initial_guess, keep_grad=True)
 
-    def update(updates: Any, state: ZoomState, params: Any = None, *, inplace: Any = None,
+    def update(updates: Any, state: LineSearchState, params: Any = None, *, inplace: Any = None,
                value: Tensor | None = None, grad: Any = None,
                value_fn: Callable[[Any], Tensor] | None = None, **extra: Any):
-        check_state(state, ZoomState, "scale_by_zoom_linesearch")
+        check_state(state, LineSearchState, "scale_by_zoom_linesearch")
         _need_extra("scale_by_zoom_linesearch", value, grad, value_fn)
         d, spec = optree.tree_flatten(updates)
         p = check_params(params, spec, "scale_by_zoom_linesearch")
@@ -289,7 +283,7 @@ def scale_by_zoom_linesearch(
                             torch.clamp(2 * t, max=max_learning_rate))
         # unaccepted: the best point with sufficient decrease, else the first trial
         out = [best_t * dx for dx in d]
-        new = ZoomState(best_t, evaluations, best_f, optree.tree_unflatten(spec, best_g))
+        new = LineSearchState(best_t, evaluations, best_f, optree.tree_unflatten(spec, best_g))
         return optree.tree_unflatten(spec, out), new
 
     return GradientTransformation(init, update)
@@ -298,7 +292,7 @@ def scale_by_zoom_linesearch(
 def value_and_grad_from_state(value_fn: Callable[[Any], Tensor]
                               ) -> Callable[..., tuple[Tensor, Any]]:
     """``(params, *, state) -> (value, grad)``: what a ``store_grad`` line search in
-    ``state`` (an optimizer state, searched for its ``BacktrackingState``) computed at
+    ``state`` (an optimizer state, searched for its ``LineSearchState``) computed at
     ``params``, or ``torch.func.grad_and_value(value_fn)(params)`` before its first
     step (``optax.value_and_grad_from_state``).
 
@@ -335,6 +329,6 @@ def value_and_grad_from_state(value_fn: Callable[[Any], Tensor]
 
 
 def _is_search(x: Any) -> bool:
-    return isinstance(x, (BacktrackingState, ZoomState))
+    return isinstance(x, LineSearchState)
 
 
