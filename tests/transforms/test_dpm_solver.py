@@ -155,3 +155,20 @@ def test_bad_input():
     with pytest.raises(ValueError, match=r"model_fn\(x, t\) must return x's shape \(2, 2\), "
                                          r"got \(2,\)"):
         D.dpm_solver_sample(lambda x, t: x[:, 0], s, (2, 2), random.key(0), steps=3)
+
+
+@pytest.mark.parametrize("ratio, max_value", [(0.995, 1.0), (0.9, 1.5)])
+def test_dynamic_thresholding_equals_diffusers(ratio, max_value):
+    """Imagen's thresholding of each x0 prediction (here it binds: data at +-2)."""
+    s = D.linear_schedule(1000)
+    model_fn = gaussian_model(s, 2.0, 0.5, "eps")
+    kw = dict(thresholding=True, dynamic_thresholding_ratio=ratio, sample_max_value=max_value)
+    chain = D.dpm_solver_sample(model_fn, s, (16, 3, 2), random.key(6), steps=8,
+                                return_chain=True, **kw)
+    ref = diffusers.DPMSolverMultistepScheduler(num_train_timesteps=1000, **kw)
+    ref.set_timesteps(8)
+    x = chain[0]
+    for i, t in enumerate(ref.timesteps):
+        x = ref.step(model_fn(x.reshape(16, -1), t.repeat(16)).reshape(x.shape), t, x).prev_sample
+        torch.testing.assert_close(chain[i + 1], x, atol=1e-4, rtol=1e-4)
+    assert chain[-1].abs().max() <= max_value + 1e-6  # the last step is x0 itself
