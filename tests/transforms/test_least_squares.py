@@ -27,7 +27,9 @@ def decay(p, t, y):  # residuals (60,)
 P0 = {k: torch.tensor(1.0, dtype=F64) for k in "abc"}
 
 
-@given(seed=st.integers(0, 2**16), a=st.floats(0.5, 3), b=st.floats(0.3, 3),
+# decays the 60 noisy points determine: with a small, slow decay the noise leaves a
+# flat valley (b -> 0, a -> inf, c -> -inf) where any two solvers stop apart
+@given(seed=st.integers(0, 2**16), a=st.floats(1, 3), b=st.floats(0.6, 3),
        c=st.floats(-1, 1))
 def test_equals_scipy_minpack(seed, a, b, c):
     y = decay_data(seed, a, b, c)
