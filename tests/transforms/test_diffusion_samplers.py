@@ -295,7 +295,7 @@ def test_sampler_bad_input():
         D.ddim_sample(f, s, (2, 2), k, steps=21)
     with pytest.raises(ValueError, match="eta must be >= 0"):
         D.ddim_sample(f, s, (2, 2), k, steps=5, eta=-0.1)
-    with pytest.raises(ValueError, match="clip_x0 must be None or a float > 0"):
+    with pytest.raises(ValueError, match="clip_x0 must be None, a float > 0 or a DynamicThreshold"):
         D.ddpm_sample(f, s, (2, 2), k, clip_x0=0.0)
     with pytest.raises(ValueError, match="shape must be"):
         D.ddpm_sample(f, s, (0, 2), k)
@@ -311,3 +311,33 @@ def test_sampler_bad_input():
         D.ddpm_step(s, torch.ones(2), 5, torch.ones(2))
     with pytest.raises(TypeError, match="dtype must be a floating dtype"):
         D.ddpm_sample(f, s, (2, 2), k, dtype=torch.int64)
+
+
+@pytest.mark.parametrize("scheduler", ["ddpm", "ddim"])
+@pytest.mark.parametrize("ratio, max_value", [(0.995, 1.0), (0.8, 2.0)])
+def test_dynamic_threshold_equals_diffusers_thresholding(scheduler, ratio, max_value):
+    """``clip_x0=DynamicThreshold(...)`` is diffusers' ``thresholding=True`` (Imagen)."""
+    T, t = 1000, 600
+    g = torch.Generator().manual_seed(0)
+    x, out, noise = (3 * torch.randn(8, 3, 4, generator=g) for _ in range(3))
+    kw = dict(num_train_timesteps=T, thresholding=True, dynamic_thresholding_ratio=ratio,
+              sample_max_value=max_value)
+    threshold = D.DynamicThreshold(ratio, max_value)
+    if scheduler == "ddpm":
+        expect = diffusers.DDPMScheduler(**kw).step(
+            out, t, x, generator=torch.Generator().manual_seed(1)).prev_sample
+        noise = torch.randn(8, 3, 4, generator=torch.Generator().manual_seed(1))
+        got = D.ddpm_step(D.linear_schedule(T), x, t, out, noise, clip_x0=threshold)
+    else:
+        ref = diffusers.DDIMScheduler(timestep_spacing="trailing", **kw)
+        ref.set_timesteps(10)
+        expect = ref.step(out, t, x).prev_sample
+        got = D.ddim_step(D.linear_schedule(T), x, t, t - T // 10, out, clip_x0=threshold)
+    torch.testing.assert_close(got, expect, atol=1e-4, rtol=1e-4)
+
+
+def test_bad_threshold():
+    s = D.linear_schedule(10)
+    with pytest.raises(ValueError, match="a DynamicThreshold needs ratio in"):
+        D.ddim_step(s, torch.ones(2, 2), 5, 3, torch.zeros(2, 2),
+                    clip_x0=D.DynamicThreshold(ratio=1.5))

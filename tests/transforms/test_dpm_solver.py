@@ -164,7 +164,8 @@ def test_dynamic_thresholding_equals_diffusers(ratio, max_value):
     model_fn = gaussian_model(s, 2.0, 0.5, "eps")
     kw = dict(thresholding=True, dynamic_thresholding_ratio=ratio, sample_max_value=max_value)
     chain = D.dpm_solver_sample(model_fn, s, (16, 3, 2), random.key(6), steps=8,
-                                return_chain=True, **kw)
+                                return_chain=True,
+                                clip_x0=D.DynamicThreshold(ratio, max_value))
     ref = diffusers.DPMSolverMultistepScheduler(num_train_timesteps=1000, **kw)
     ref.set_timesteps(8)
     x = chain[0]

@@ -35,6 +35,7 @@ from torchfn.transforms.diffusion._q_sample import (
     velocity,
 )
 from torchfn.transforms.diffusion._samplers import (
+    DynamicThreshold,
     ddim_sample,
     ddim_step,
     ddim_timesteps,
@@ -58,6 +59,7 @@ __all__ = [
     "ddim_timesteps",
     "ddpm_sample",
     "ddpm_step",
+    "DynamicThreshold",
     "dpm_solver_sample",
     "dpm_solver_timesteps",
     "linear_schedule",

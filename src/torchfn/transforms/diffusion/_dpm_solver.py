@@ -33,6 +33,7 @@ from torch import Tensor
 
 from torchfn.transforms._noise import NoiseStream
 from torchfn.transforms.diffusion._samplers import (
+    DynamicThreshold,
     ModelFn,
     _check_common,
     _check_out,
@@ -41,6 +42,7 @@ from torchfn.transforms.diffusion._samplers import (
     _init,
     _progress,
     _x0_eps,
+    clip,
 )
 from torchfn.transforms.diffusion._schedules import Schedule
 
@@ -92,15 +94,6 @@ def _karras(levels_all: Tensor, steps: int) -> tuple[list[int], list[float]]:
     return ts.tolist(), levels.tolist()
 
 
-def _dynamic_threshold(x0: Tensor, ratio: float, max_value: float) -> Tensor:
-    """Imagen's dynamic thresholding of an ``x0`` prediction, per example (dim 0)."""
-    flat = x0.reshape(x0.shape[0], -1)  # (B, D)
-    s = torch.quantile(flat.abs().to(torch.float32 if flat.dtype not in (
-        torch.float32, torch.float64) else flat.dtype), ratio, dim=1)
-    s = torch.clamp(s, min=1.0, max=max_value)[:, None].to(flat.dtype)  # (B, 1)
-    return (torch.clamp(flat, -s, s) / s).reshape(x0.shape)
-
-
 def _update(x: Tensor, x0s: list[Tensor], lams: list[float], alpha_t: float, sigma_t: float,
             sigma_s: float, lam_t: float, order: int, noise: Tensor | None) -> Tensor:
     """One DPM-Solver++ step of ``order`` from the last predictions ``x0s`` (newest last)
@@ -143,10 +136,7 @@ def dpm_solver_sample(
     dtype: torch.dtype = torch.float32,
     device: torch.device | str | None = None,
     prediction: str = "eps",
-    clip_x0: float | None = None,
-    thresholding: bool = False,
-    dynamic_thresholding_ratio: float = 0.995,
-    sample_max_value: float = 1.0,
+    clip_x0: float | DynamicThreshold | None = None,
     karras: bool = False,
     stochastic: bool = False,
     return_chain: bool = False,
@@ -170,11 +160,8 @@ def dpm_solver_sample(
         spacing: ``"linspace"`` | ``"leading"`` | ``"trailing"`` (diffusers'
             ``timestep_spacing``; see :func:`dpm_solver_timesteps`).
         prediction: what the model predicts: ``"eps"``, ``"x0"`` or ``"v"``.
-        clip_x0: clamp each ``x0`` prediction to ``[-clip_x0, clip_x0]``.
-        thresholding, dynamic_thresholding_ratio, sample_max_value: diffusers' dynamic
-            thresholding (Imagen): per example, ``s`` is the ``ratio`` quantile of
-            ``|x0|``, clamped to ``[1, sample_max_value]``, and ``x0`` becomes
-            ``clamp(x0, -s, s) / s``. Off by default, as in diffusers.
+        clip_x0: clamp each ``x0`` prediction to ``[-clip_x0, clip_x0]``, or threshold
+            it with a :class:`DynamicThreshold` (diffusers' ``thresholding=True``).
         karras: step at Karras et al.'s noise levels, ``sigma_i`` from ``sigma_max`` to
             ``sigma_min`` evenly in ``sigma^(1/7)`` (diffusers' ``use_karras_sigmas``);
             the model sees each level's nearest integer timestep (diffusers keeps
@@ -201,9 +188,6 @@ def dpm_solver_sample(
     _check_common(prediction, clip_x0)
     if order not in (1, 2, 3) or isinstance(order, bool):
         raise ValueError(f"order must be 1, 2 or 3, got {order!r}")
-    if not 0 < dynamic_thresholding_ratio <= 1 or not sample_max_value >= 1:
-        raise ValueError("dynamic_thresholding_ratio must be in (0, 1] and sample_max_value "
-                         f">= 1, got {dynamic_thresholding_ratio!r} and {sample_max_value!r}")
     if stochastic and order == 3:
         raise ValueError("order must be 1 or 2 with stochastic=True (diffusers' "
                          "sde-dpmsolver++ has no third order), got 3")
@@ -228,10 +212,7 @@ def dpm_solver_sample(
         out = model_fn(x, tt)  # (B, ...)
         _check_out(out, x)
         x0, _ = _x0_eps(x, out, alphas[i] ** 2, prediction)
-        if clip_x0 is not None:
-            x0 = x0.clamp(-clip_x0, clip_x0)
-        if thresholding:
-            x0 = _dynamic_threshold(x0, dynamic_thresholding_ratio, sample_max_value)
+        x0 = clip(x0, clip_x0)
         x0s = [*x0s[-(order - 1):], x0] if order > 1 else [x0]
         # diffusers' rules: warm up from order 1; the last step first order (to sigma 0),
         # and with fewer than 15 steps the one before it at most second order

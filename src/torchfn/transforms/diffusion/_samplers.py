@@ -14,6 +14,7 @@ model's parameters require grad, unless you mean to differentiate through them.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -24,7 +25,8 @@ from torchfn.transforms._noise import NoiseStream
 from torchfn.transforms.diffusion._q_sample import PREDICTIONS
 from torchfn.transforms.diffusion._schedules import Schedule
 
-__all__ = ["ddpm_sample", "ddpm_step", "ddim_sample", "ddim_step", "ddim_timesteps"]
+__all__ = ["DynamicThreshold", "ddpm_sample", "ddpm_step", "ddim_sample", "ddim_step",
+           "ddim_timesteps"]
 
 VARIANCES = ("fixed_small", "fixed_large")
 SPACINGS = ("trailing", "leading", "linspace")
@@ -52,11 +54,46 @@ def _check_t(t: int, T: int, name: str = "t", allow_minus_one: bool = False) -> 
     return int(t)
 
 
-def _check_common(prediction: str, clip_x0: float | None) -> None:
+class DynamicThreshold(NamedTuple):
+    """Imagen's dynamic thresholding of the ``x0`` prediction (diffusers'
+    ``thresholding=True``), given as ``clip_x0``: per example, ``s`` is the ``ratio``
+    quantile of ``|x0|``, clamped to ``[1, max_value]``, and ``x0`` becomes
+    ``clamp(x0, -s, s) / s``.
+
+    Example::
+
+        >>> x0 = torch.tensor([[0.5, -3.0, 2.0, 1.0]])
+        >>> clip(x0, DynamicThreshold(ratio=1.0, max_value=2.0))
+        tensor([[ 0.2500, -1.0000,  1.0000,  0.5000]])
+    """
+
+    ratio: float = 0.995
+    max_value: float = 1.0
+
+
+def _check_common(prediction: str, clip_x0: float | DynamicThreshold | None) -> None:
     if prediction not in PREDICTIONS:
         raise ValueError(f"prediction must be one of {PREDICTIONS}, got {prediction!r}")
-    if clip_x0 is not None and not (isinstance(clip_x0, (int, float)) and clip_x0 > 0):
-        raise ValueError(f"clip_x0 must be None or a float > 0, got {clip_x0!r}")
+    if isinstance(clip_x0, DynamicThreshold):
+        if not (0 < clip_x0.ratio <= 1 and clip_x0.max_value >= 1):
+            raise ValueError("clip_x0: a DynamicThreshold needs ratio in (0, 1] and "
+                             f"max_value >= 1, got {clip_x0}")
+    elif clip_x0 is not None and not (isinstance(clip_x0, (int, float)) and clip_x0 > 0):
+        raise ValueError(f"clip_x0 must be None, a float > 0 or a DynamicThreshold, got "
+                         f"{clip_x0!r}")
+
+
+def clip(x0: Tensor, clip_x0: float | DynamicThreshold | None) -> Tensor:
+    """``x0`` clamped to ``[-clip_x0, clip_x0]``, or dynamically thresholded."""
+    if clip_x0 is None:
+        return x0
+    if not isinstance(clip_x0, DynamicThreshold):
+        return x0.clamp(-clip_x0, clip_x0)
+    flat = x0.reshape(x0.shape[0], -1)  # (B, D)
+    work = flat if flat.dtype in (torch.float32, torch.float64) else flat.float()
+    s = torch.quantile(work.abs(), clip_x0.ratio, dim=1)
+    s = torch.clamp(s, min=1.0, max=clip_x0.max_value)[:, None].to(flat.dtype)  # (B, 1)
+    return (torch.clamp(flat, -s, s) / s).reshape(x0.shape)
 
 
 def _check_shape(shape: Sequence[int]) -> tuple[int, ...]:
@@ -97,12 +134,13 @@ def ddpm_step(
     *,
     prediction: str = "eps",
     variance: str = "fixed_small",
-    clip_x0: float | None = None,
+    clip_x0: float | DynamicThreshold | None = None,
 ) -> Tensor:
     """One ancestral step ``x_t -> x_{t-1}`` (Ho et al. 2020), as diffusers' ``DDPMScheduler.step``.
 
     ``x_{t-1} = coef1_t x0_hat + coef2_t x_t + sigma_t noise`` where ``x0_hat`` comes from the
-    model output (clamped to ``[-clip_x0, clip_x0]`` if given) and
+    model output (clamped to ``[-clip_x0, clip_x0]`` if given, or thresholded by a
+    :class:`DynamicThreshold`) and
 
     * ``variance="fixed_small"``: ``sigma_t^2 = beta_t (1 - abar_{t-1}) / (1 - abar_t)``
       (the posterior variance; diffusers clamps it at 1e-20),
@@ -131,8 +169,7 @@ def ddpm_step(
     _check_out(model_out, x)
     abar = float(schedule.alphas_cumprod[t])
     x0, _ = _x0_eps(x, model_out, abar, prediction)
-    if clip_x0 is not None:
-        x0 = x0.clamp(-clip_x0, clip_x0)
+    x0 = clip(x0, clip_x0)
     mean = (
         float(schedule.posterior_mean_coef1[t]) * x0 + float(schedule.posterior_mean_coef2[t]) * x
     )
@@ -159,7 +196,7 @@ def ddim_step(
     *,
     prediction: str = "eps",
     eta: float = 0.0,
-    clip_x0: float | None = None,
+    clip_x0: float | DynamicThreshold | None = None,
 ) -> Tensor:
     """One DDIM step ``x_t -> x_{t_prev}`` (Song et al. 2021), as diffusers' ``DDIMScheduler.step``.
 
@@ -190,8 +227,7 @@ def ddim_step(
     a = float(schedule.alphas_cumprod[t])
     a_prev = float(schedule.alphas_cumprod[t_prev]) if t_prev >= 0 else 1.0
     x0, eps = _x0_eps(x, model_out, a, prediction)
-    if clip_x0 is not None:
-        x0 = x0.clamp(-clip_x0, clip_x0)
+    x0 = clip(x0, clip_x0)
     sigma = eta * ((1.0 - a_prev) / (1.0 - a) * (1.0 - a / a_prev)) ** 0.5
     x_prev = a_prev**0.5 * x0 + max(1.0 - a_prev - sigma**2, 0.0) ** 0.5 * eps
     if sigma > 0.0:
@@ -264,7 +300,7 @@ def ddpm_sample(
     device: torch.device | str | None = None,
     prediction: str = "eps",
     variance: str = "fixed_small",
-    clip_x0: float | None = None,
+    clip_x0: float | DynamicThreshold | None = None,
     return_chain: bool = False,
     progress: bool = False,
 ) -> Tensor:
@@ -323,7 +359,7 @@ def ddim_sample(
     dtype: torch.dtype = torch.float32,
     device: torch.device | str | None = None,
     prediction: str = "eps",
-    clip_x0: float | None = None,
+    clip_x0: float | DynamicThreshold | None = None,
     return_chain: bool = False,
     progress: bool = False,
 ) -> Tensor:
