@@ -7,6 +7,8 @@ from torchfn.losses._classification import (
 )
 from torchfn.losses._diffusion import diffusion_loss, min_snr_weight
 from torchfn.losses._ebm import ebm_loss
+from torchfn.losses._edm import edm_loss
+from torchfn.losses._flow_matching import flow_matching_loss, ot_pairing
 from torchfn.losses._gan import gan_losses, gradient_penalty, wgan_losses
 from torchfn.losses._regression import huber, l1, mse
 from torchfn.losses._score_matching import score_matching
@@ -17,6 +19,9 @@ __all__ = [
     "ebm_loss",
     "diffusion_loss",
     "min_snr_weight",
+    "flow_matching_loss",
+    "ot_pairing",
+    "edm_loss",
     "score_matching",
     # classification, regression, VAE, GAN (_classification, _regression, _vae, _gan)
     "cross_entropy",

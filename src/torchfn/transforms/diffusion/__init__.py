@@ -1,5 +1,6 @@
-"""Discrete-time diffusion (DDPM / DDIM / DPM-Solver++): schedules, the forward process,
-samplers.
+"""Diffusion and flow models: discrete-time DDPM / DDIM / DPM-Solver++ (schedules, the
+forward process, samplers), rectified flow (``flow_sample``), EDM (``edm_sample``) and
+the VP probability flow.
 
     >>> import torch
     >>> from torchfn import random
@@ -14,10 +15,17 @@ samplers.
     >>> x.shape
     torch.Size([64, 2])
 
-The training loss lives in ``torchfn.losses.diffusion_loss``.
+The training losses live in ``torchfn.losses``: ``diffusion_loss``,
+``flow_matching_loss``, ``edm_loss``.
 """
 
 from torchfn.transforms.diffusion._dpm_solver import dpm_solver_sample, dpm_solver_timesteps
+from torchfn.transforms.diffusion._edm import edm_denoiser, edm_sample, edm_scalings, edm_sigmas
+from torchfn.transforms.diffusion._flow_matching import (
+    flow_sample,
+    flow_sigmas,
+    resolution_shift_mu,
+)
 from torchfn.transforms.diffusion._probability_flow import (
     probability_flow_log_likelihood,
     probability_flow_sample,
@@ -62,6 +70,13 @@ __all__ = [
     "DynamicThreshold",
     "dpm_solver_sample",
     "dpm_solver_timesteps",
+    "edm_denoiser",
+    "edm_sample",
+    "edm_scalings",
+    "edm_sigmas",
+    "flow_sample",
+    "flow_sigmas",
+    "resolution_shift_mu",
     "linear_schedule",
     "predict_eps_from_v",
     "predict_eps_from_x0",
