@@ -169,3 +169,20 @@ def test_ot_coupling_keeps_the_noise_and_shortens_the_paths():
     order = lambda e: e[torch.argsort(e[:, 0])]  # noqa: E731
     torch.testing.assert_close(order(eps_ind), order(eps_ot))
     assert (eps_ot - x0).square().sum(1).mean() < 0.4 * (eps_ind - x0).square().sum(1).mean()
+
+
+def test_ot_coupling_under_grad_and_not_under_vmap():
+    x0 = random.normal(random.key(12), (32, 2))
+
+    def loss(w):
+        return losses.flow_matching_loss(lambda x, t: w * x, x0, random.key(13), coupling="ot")
+
+    g = grad(loss)(torch.tensor(0.3))
+    eps = 1e-3
+    fd = (loss(torch.tensor(0.3 + eps)) - loss(torch.tensor(0.3 - eps))) / (2 * eps)
+    assert g.item() == pytest.approx(fd.item(), rel=1e-3)
+    with pytest.raises(ValueError, match="ot_pairing pairs a whole batch: x0 must not be vmapped"):
+        vmap(lambda x: losses.flow_matching_loss(lambda y, t: y, x, random.key(0),
+                                                 coupling="ot"))(x0[None].repeat(2, 1, 1))
+    with pytest.raises(ValueError, match="coupling must be one of"):
+        losses.flow_matching_loss(lambda y, t: y, x0, random.key(0), coupling="sinkhorn")

@@ -6,8 +6,10 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
+import numpy as np
 import torch
 from torch import Tensor
+from torch._C._functorch import get_unwrapped, is_batchedtensor, is_functorch_wrapped_tensor
 
 from torchfn import random
 
@@ -26,6 +28,18 @@ def _check_x0(x0) -> None:
         )
 
 
+def _host(t: Tensor, name: str) -> np.ndarray:
+    """``t``'s values as a float64 numpy array, unwrapped from ``grad`` levels (and copied
+    with the levels switched off: inside one, every new tensor is wrapped again)."""
+    while is_functorch_wrapped_tensor(t):
+        if is_batchedtensor(t):
+            raise ValueError(f"ot_pairing pairs a whole batch: {name} must not be vmapped "
+                             "(pair the batch first, then vmap)")
+        t = get_unwrapped(t)
+    with torch._C._DisableFuncTorch(), torch.no_grad():
+        return t.double().cpu().numpy().reshape(t.shape[0], -1)
+
+
 def ot_pairing(x0: Tensor, eps: Tensor) -> Tensor:
     """The ``(B,)`` permutation ``p`` minimising ``sum_i |x0_i - eps_p[i]|^2``: the exact
     optimal transport between the two batches as point clouds (scipy's
@@ -41,9 +55,9 @@ def ot_pairing(x0: Tensor, eps: Tensor) -> Tensor:
         from scipy.optimize import linear_sum_assignment
     except ImportError as e:  # pragma: no cover - scipy comes with the dev extra
         raise ImportError("coupling='ot' needs scipy (pip install scipy)") from e
-    a = x0.detach().reshape(x0.shape[0], -1).double().cpu()  # (B, D)
-    b = eps.detach().reshape(eps.shape[0], -1).double().cpu()  # (B, D)
-    _, cols = linear_sum_assignment(torch.cdist(a, b).square().numpy())
+    a, b = _host(x0, "x0"), _host(eps, "eps")  # (B, D) each
+    cost = (a * a).sum(1)[:, None] + (b * b).sum(1)[None, :] - 2.0 * a @ b.T  # (B, B)
+    _, cols = linear_sum_assignment(cost)
     return torch.from_numpy(cols).to(x0.device)
 
 

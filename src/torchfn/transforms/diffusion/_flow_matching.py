@@ -140,8 +140,11 @@ def flow_sample(
       the data at any number of steps (tested on Gaussian data).
 
     diffusers' levels stop at ``sigma_min`` (``1 / T``, shifted) before the final 0, and
-    the step from there to 0 is an Euler step in both methods, so Heun's error stops
-    falling near that step's; pass ``sigmas`` that approach 0 for a convergent sampler.
+    the step from there to 0 is an Euler step in both methods. That short last step
+    makes Heun more accurate at usual step counts than a grid running to 0 (whose last,
+    long step is Euler), but it leaves an error floor that more steps do not lower
+    (about 3e-4 with shift 3 on Gaussian data; see bench/RESULTS.md). Pass ``sigmas``
+    that run to 0 for a sampler that converges at order 2 without a floor.
 
     Deterministic given ``key``: the start from ``split(key)[0]``, the steps' noise from
     ``split(key)[1]``. The sampler does not touch grad mode, so it differentiates through
