@@ -16,6 +16,7 @@ Prodigy: against the ``prodigyopt`` package (its authors'), which reads four num
 back to the host per leaf per step; torchfn keeps them on the device.
 Adafactor: torch reads rms(p), rms(u) and the step back to the host per leaf;
 torchfn keeps them on the device.
+AdaBelief, Adan, AdEMAMix, ADOPT: against ``pytorch_optimizer`` (foreach, in place).
 
 Run: ``pytest bench/test_bench_optim_more.py --benchmark-only
 --benchmark-columns=min,median``; ratios are median torchfn / median torch.
@@ -25,6 +26,7 @@ import contextlib
 import io
 
 import pytest
+import pytorch_optimizer as po
 import schedulefree
 import torch
 from prodigyopt import Prodigy
@@ -57,6 +59,15 @@ CASES = {
     "schedule_free_adamw": (lambda: optim.schedule_free_adamw(),
                             lambda ps: _train_mode(schedulefree.AdamWScheduleFree(ps)), True),
     "prodigy": (lambda: optim.prodigy(), lambda ps: _quiet(Prodigy, ps), True),
+    # the 2024 optimizers, against pytorch_optimizer 4.1 (foreach, in place)
+    "adabelief": (lambda: optim.adabelief(1e-3, weight_decay=0.01),
+                  lambda ps: po.AdaBelief(ps, weight_decay=0.01, foreach=True), True),
+    "adan": (lambda: optim.adan(1e-3, weight_decay=0.01),
+             lambda ps: po.Adan(ps, weight_decay=0.01, foreach=True), True),
+    "ademamix": (lambda: optim.ademamix(1e-3, weight_decay=0.01),
+                 lambda ps: po.AdEMAMix(ps, weight_decay=0.01, weight_decouple=True,
+                                        foreach=True), True),
+    "adopt": (lambda: optim.adopt(1e-3), lambda ps: po.ADOPT(ps, foreach=True), True),
 }
 
 

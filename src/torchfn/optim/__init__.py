@@ -14,11 +14,15 @@ checkpoint.
 """
 
 from torchfn.optim._accumulate import MultiStepsState, multi_steps
+from torchfn.optim._adabelief import AdaBeliefState, adabelief
 from torchfn.optim._adadelta import AdadeltaState, adadelta
 from torchfn.optim._adafactor import AdafactorState, adafactor
 from torchfn.optim._adagrad import AdagradState, adagrad
 from torchfn.optim._adam import AdamState, adam, adamw
 from torchfn.optim._adamax import AdamaxState, adamax
+from torchfn.optim._adan import AdanState, adan
+from torchfn.optim._ademamix import AdEMAMixState, ademamix
+from torchfn.optim._adopt import ADOPTState, adopt
 from torchfn.optim._base import EmptyState, GradientTransformation, apply_updates, chain, identity
 from torchfn.optim._clip import (
     adaptive_grad_clip,
@@ -106,6 +110,10 @@ __all__ = [
     "adadelta",
     "adafactor",
     "lamb",
+    "adabelief",
+    "adan",
+    "ademamix",
+    "adopt",
     "lbfgs",
     "muon",
     "prodigy",
@@ -167,6 +175,10 @@ __all__ = [
     "AdadeltaState",
     "AdafactorState",
     "LambState",
+    "AdaBeliefState",
+    "AdanState",
+    "AdEMAMixState",
+    "ADOPTState",
     "LbfgsState",
     "LineSearchState",
     "MuonState",
