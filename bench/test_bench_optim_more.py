@@ -17,6 +17,8 @@ back to the host per leaf per step; torchfn keeps them on the device.
 Adafactor: torch reads rms(p), rms(u) and the step back to the host per leaf;
 torchfn keeps them on the device.
 AdaBelief, Adan, AdEMAMix, ADOPT: against ``pytorch_optimizer`` (foreach, in place).
+SOAP: against ``pytorch_optimizer.SOAP`` (per leaf, in place); 10 rounds cover one
+refresh of the bases (every 10 steps) in both.
 
 Run: ``pytest bench/test_bench_optim_more.py --benchmark-only
 --benchmark-columns=min,median``; ratios are median torchfn / median torch.
@@ -68,6 +70,7 @@ CASES = {
                  lambda ps: po.AdEMAMix(ps, weight_decay=0.01, weight_decouple=True,
                                         foreach=True), True),
     "adopt": (lambda: optim.adopt(1e-3), lambda ps: po.ADOPT(ps, foreach=True), True),
+    "soap": (lambda: optim.soap(), lambda ps: po.SOAP(ps), True),
 }
 
 

@@ -12,8 +12,9 @@ document and not at all from another's. Packed rows leak nothing when the model 
 right, which the per-document accuracy shows.
 
 ``--optimizer`` picks the training rule: Adam (the default), Muon for the blocks'
-weight matrices with AdamW for the rest (``optim.partition``), or schedule-free AdamW
-(evaluated at its averaged params, ``optim.schedule_free_eval_params``).
+weight matrices with AdamW for the rest (``optim.partition``), schedule-free AdamW
+(evaluated at its averaged params, ``optim.schedule_free_eval_params``), SOAP,
+AdEMAMix (its alpha and beta3 warmed up over 300 steps) or ADOPT.
 
 ``--remat`` recomputes each block's activations in the backward: ``full`` keeps only
 the blocks' inputs, ``dots`` also the projections' outputs (``checkpoint_policies.
@@ -50,6 +51,9 @@ OPTIMIZERS = {
         {"muon": optim.muon(0.02, weight_decay=0.0), "adamw": optim.adamw(lr, weight_decay=0.0)},
         _muon_labels),
     "schedule_free": lambda lr: optim.schedule_free_adamw(lr, warmup_steps=20),
+    "soap": lambda lr: optim.soap(lr, weight_decay=0.0),
+    "ademamix": lambda lr: optim.ademamix(lr, warmup=300),
+    "adopt": lambda lr: optim.adopt(lr),
 }
 
 

@@ -36,6 +36,14 @@ def test_packed_lm_learns_with_muon_and_schedule_free(example):
         assert result["test_accuracy"] > 0.8
 
 
+def test_packed_lm_learns_with_soap(example):
+    """SOAP's bases (refreshed every 10 steps) on the blocks' matrices, in a real run."""
+    result = example("packed_lm").main(["--steps", "60", "--rows", "4", "--seed", "1",
+                                        "--lr", "1e-2", "--optimizer", "soap"])
+    assert result["loss_last"] < result["loss_first"] / 3
+    assert result["test_accuracy"] > 0.8
+
+
 def test_remat_trains_to_the_same_bits(example):
     """--remat full / dots: each block recomputed in the backward, the run unchanged."""
     lm = example("packed_lm")

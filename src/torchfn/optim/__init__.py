@@ -89,6 +89,7 @@ from torchfn.optim._schedules import (
     warmup_cosine,
 )
 from torchfn.optim._sgd import SGDState, sgd
+from torchfn.optim._soap import SOAPState, soap
 
 __all__ = [
     # protocol
@@ -114,6 +115,7 @@ __all__ = [
     "adan",
     "ademamix",
     "adopt",
+    "soap",
     "lbfgs",
     "muon",
     "prodigy",
@@ -179,6 +181,7 @@ __all__ = [
     "AdanState",
     "AdEMAMixState",
     "ADOPTState",
+    "SOAPState",
     "LbfgsState",
     "LineSearchState",
     "MuonState",
