@@ -85,7 +85,7 @@ def _eigenbases(gg: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
             continue
         eye = torch.eye(mat.shape[0], dtype=mat.dtype, device=mat.device)
         _, vecs = torch.linalg.eigh(mat + 1e-30 * eye)
-        out.append(torch.flip(vecs, dims=[1]))
+        out.append(torch.flip(vecs, dims=[1]).contiguous())  # row-major, as a reload
     return tuple(out)
 
 
@@ -102,7 +102,7 @@ def _refresh(gg: tuple[Tensor, ...], qs: tuple[Tensor, ...], nu: Tensor
         order = torch.argsort(est, descending=True)
         nu = nu.index_select(i, order)
         new_q, _ = torch.linalg.qr(product.index_select(1, order).to(torch.float32))
-        out.append(new_q.to(q.dtype))
+        out.append(new_q.to(q.dtype).contiguous())  # LAPACK's Q is column-major
     return tuple(out), nu
 
 
