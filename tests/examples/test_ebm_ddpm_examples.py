@@ -4,6 +4,8 @@ wgan_digits.py run end to end on a tiny config."""
 import importlib.util
 import json
 
+import pytest
+
 # the PNG needs matplotlib (the "plots" extra); without it the scripts run with --no-plot
 PLOT = importlib.util.find_spec("matplotlib") is not None
 NO_PLOT = [] if PLOT else ["--no-plot"]
@@ -68,10 +70,12 @@ def test_ebm_2d_tiny(tmp_path, example):
     assert saved["final_loss"] == m["final_loss"]
 
 
-def test_ddpm_digits_tiny(tmp_path, example):
+@pytest.mark.parametrize("objective", ["ddpm", "flow"])
+def test_ddpm_digits_tiny(tmp_path, example, objective):
     ddpm = example("ddpm_digits")
     args = ["--steps", "12", "--batch", "32", "--timesteps", "20", "--channels", "8",
-            "--per-class", "2", "--ddim-steps", "3", "--classifier-steps", "30", "--seed", "1"]
+            "--per-class", "2", "--ddim-steps", "3", "--classifier-steps", "30", "--seed", "1",
+            "--objective", objective]
     m = ddpm.main(args + NO_PLOT + ["--out", str(tmp_path / "a")])
     assert not PLOT or (tmp_path / "a" / "samples.png").stat().st_size > 0
     saved = json.loads((tmp_path / "a" / "metrics.json").read_text())

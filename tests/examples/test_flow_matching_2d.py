@@ -7,7 +7,7 @@ import json
 
 NO_PLOT = [] if importlib.util.find_spec("matplotlib") else ["--no-plot"]
 SMALL = ["--steps", "300", "--batch", "128", "--hidden", "64", "--depth", "2",
-         "--calls", "2", "32", "--samples", "500", "--seed", "0"]
+         "--calls", "2", "32", "--samples", "500", "--nll-points", "200", "--seed", "0"]
 
 
 def test_ot_pairing_samples_well_in_two_steps(tmp_path, example):
@@ -22,12 +22,15 @@ def test_ot_pairing_samples_well_in_two_steps(tmp_path, example):
     # with enough calls every objective gets close: far below the two-step random pairing
     assert max(ed["flow"][many], ed["flow_ot"][many], ed["edm"]["32_calls (heun16)"]) < \
         0.1 * ed["flow"][two]
+    # both flows are densities too, and better ones than the best single Gaussian
+    nll = m["test_nll"]
+    assert max(nll["flow"], nll["flow_ot"]) < nll["single_gaussian"] - 0.3
 
 
 def test_the_seed_fixes_the_run(tmp_path, example):
     fm = example("flow_matching_2d")
     tiny = ["--steps", "12", "--batch", "32", "--hidden", "16", "--depth", "1",
-            "--calls", "2", "--samples", "64", "--no-plot"]
+            "--calls", "2", "--samples", "64", "--nll-points", "16", "--no-plot"]
     a = fm.main(tiny + ["--out", str(tmp_path / "a")])
     b = fm.main(tiny + ["--out", str(tmp_path / "b")])
     assert a["energy_distance"] == b["energy_distance"] and a["final_loss"] == b["final_loss"]

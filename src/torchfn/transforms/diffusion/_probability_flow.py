@@ -165,6 +165,15 @@ def probability_flow_log_likelihood(model_fn: Callable[..., Tensor], x: Tensor, 
         (B,) log-likelihoods.
     """
     f = _field(model_fn, beta_min, beta_max, time_scale)
+    return ode_log_likelihood(f, x, model_args, key, samples, t_min, 1.0, rtol, atol)
+
+
+def ode_log_likelihood(f: Callable[..., Tensor], x: Tensor, model_args: tuple,
+                       key: Tensor | None, samples: int, t0: float, t1: float,
+                       rtol: float, atol: float) -> Tensor:
+    """``log N(x(t1); 0, I) + int_t0^t1 tr(df/dx) dt`` along ``dx/dt = f(x, t, *args)``
+    from ``x(t0) = x``: (B,). The trace exact (``key=None``) or Hutchinson's, with
+    ``samples`` Rademacher probes from ``key`` fixed along the path."""
     batch, dims = x.shape[0], math.prod(x.shape[1:])
     if key is None:  # every basis direction, the same for every example
         probes = torch.eye(dims, dtype=x.dtype, device=x.device).reshape(dims, 1, *x.shape[1:])
@@ -186,7 +195,7 @@ def probability_flow_log_likelihood(model_fn: Callable[..., Tensor], x: Tensor, 
 
     state0 = torch.cat([x.reshape(batch, dims), torch.zeros(batch, 1, dtype=x.dtype,
                                                             device=x.device)], -1)
-    t = torch.tensor([t_min, 1.0], dtype=x.dtype)
+    t = torch.tensor([t0, t1], dtype=x.dtype)
     state1 = odeint(augmented, state0, t, *model_args, rtol=rtol, atol=atol)[-1]
     z, delta = state1[:, :dims], state1[:, dims]
     prior = -0.5 * (z * z).sum(-1) - 0.5 * dims * math.log(2 * math.pi)
