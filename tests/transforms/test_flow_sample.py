@@ -237,7 +237,7 @@ def test_given_sigmas_are_used_as_they_are():
     ({"method": "rk4"}, "method must be one of"),
     ({"method": "heun", "stochastic": True}, "method must be 'euler'"),
     ({"sigmas": [0.2, 0.5, 0.0]}, "sigmas must be a decreasing"),
-    ({"sigmas": [1.0, 0.5]}, "final 0"),
+    ({"sigmas": [1.0, 0.5]}, "ending in 0"),
     ({"sigmas": [1.0, 0.0], "shift": 3.0}, "used as given"),
     ({"time_scale": 0}, "time_scale must be"),
 ])

@@ -61,12 +61,7 @@ def adan(
         tensor([-0.1000,  0.1000])
     """
     _checks.lr(lr)
-    try:
-        b1, b2, b3 = betas
-    except (TypeError, ValueError):
-        raise ValueError(f"betas must be a triple (beta1, beta2, beta3), got {betas!r}") from None
-    for i, b in enumerate((b1, b2, b3)):
-        _checks.unit_interval(f"betas[{i}]", b)
+    b1, b2, b3 = _checks.betas3(betas)
     _checks.nonneg("eps", eps)
     _checks.nonneg("weight_decay", weight_decay)
     has_wd = not _checks.is_zero(weight_decay)

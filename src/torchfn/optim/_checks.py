@@ -65,6 +65,16 @@ def betas(value: Any) -> tuple[Any, Any]:
     return b1, b2
 
 
+def betas3(value: Any) -> tuple[Any, Any, Any]:
+    try:
+        b1, b2, b3 = value
+    except (TypeError, ValueError):
+        raise ValueError(f"betas must be a triple (beta1, beta2, beta3), got {value!r}") from None
+    for i, b in enumerate((b1, b2, b3)):
+        unit_interval(f"betas[{i}]", b)
+    return b1, b2, b3
+
+
 def is_zero(value: Any) -> bool:
     """Statically zero (a Python 0); a tensor is never statically zero."""
     return not isinstance(value, Tensor) and value == 0

@@ -24,7 +24,13 @@ import torch
 from torch import Tensor
 
 from torchfn.transforms._noise import NoiseStream
-from torchfn.transforms.diffusion._samplers import _check_out, _check_shape, _init, _progress
+from torchfn.transforms.diffusion._samplers import (
+    _check_levels,
+    _check_out,
+    _check_shape,
+    _init,
+    _progress,
+)
 
 __all__ = ["edm_sigmas", "edm_scalings", "edm_denoiser", "edm_sample"]
 
@@ -174,12 +180,7 @@ def edm_sample(
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
             raise ValueError(f"{name} must be a float >= 0, got {value!r}")
     if sigmas is not None:
-        levels = torch.as_tensor(sigmas, dtype=torch.float64).flatten()
-        ok = levels.numel() >= 2 and bool((levels[1:] < levels[:-1]).all())
-        if not ok or float(levels[-1]) != 0.0:
-            raise ValueError("sigmas must be a decreasing sequence of at least 2 levels "
-                             f"ending in 0, got {levels.tolist()[:8]}")
-        levels = levels.tolist()
+        levels = _check_levels(sigmas)
         steps = len(levels) - 1
     else:
         levels = edm_sigmas(steps, sigma_min=sigma_min, sigma_max=sigma_max, rho=rho).tolist()

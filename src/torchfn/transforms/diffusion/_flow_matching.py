@@ -22,7 +22,13 @@ import torch
 from torch import Tensor
 
 from torchfn.transforms._noise import NoiseStream
-from torchfn.transforms.diffusion._samplers import _check_out, _check_shape, _init, _progress
+from torchfn.transforms.diffusion._samplers import (
+    _check_levels,
+    _check_out,
+    _check_shape,
+    _init,
+    _progress,
+)
 
 __all__ = ["flow_sigmas", "flow_sample", "resolution_shift_mu"]
 
@@ -92,15 +98,6 @@ def flow_sigmas(steps: int, *, shift: float = 1.0, mu: float | None = None,
         one_minus = 1.0 - s
         s = 1.0 - one_minus / (one_minus[-1] / (1.0 - terminal))
     return torch.from_numpy(np.append(s, 0.0))
-
-
-def _check_sigmas(sigmas) -> list[float]:
-    s = torch.as_tensor(sigmas, dtype=torch.float64).flatten()
-    ok = s.numel() >= 2 and bool((s[1:] < s[:-1]).all()) and float(s[0]) <= 1.0
-    if not ok or float(s[-1]) != 0.0:
-        raise ValueError("sigmas must be a decreasing sequence of at least 2 levels from <= 1 "
-                         f"down to a final 0, got {s.tolist()[:8]}")
-    return s.tolist()
 
 
 def flow_sample(
@@ -191,7 +188,7 @@ def flow_sample(
         if shift != 1.0 or mu is not None or terminal is not None:
             raise ValueError("sigmas are used as given: leave shift, mu and terminal at "
                              "their defaults")
-        levels = _check_sigmas(sigmas)
+        levels = _check_levels(sigmas, at_most=1.0)
         steps = len(levels) - 1
     else:
         levels = flow_sigmas(steps, shift=shift, mu=mu, terminal=terminal, T=T).tolist()

@@ -106,6 +106,18 @@ def _check_shape(shape: Sequence[int]) -> tuple[int, ...]:
     return shape
 
 
+def _check_levels(sigmas, at_most: float | None = None) -> list[float]:
+    """Noise levels given by hand: decreasing, at least two, ending in 0."""
+    s = torch.as_tensor(sigmas, dtype=torch.float64).flatten()
+    ok = s.numel() >= 2 and bool((s[1:] < s[:-1]).all())
+    ok = ok and (at_most is None or float(s[0]) <= at_most)
+    if not ok or float(s[-1]) != 0.0:
+        top = "" if at_most is None else f" from <= {at_most:g}"
+        raise ValueError(f"sigmas must be a decreasing sequence of at least 2 levels{top} "
+                         f"ending in 0, got {s.tolist()[:8]}")
+    return s.tolist()
+
+
 def _check_out(out: Tensor, x: Tensor) -> None:
     if not isinstance(out, Tensor) or out.shape != x.shape:
         got = tuple(out.shape) if isinstance(out, Tensor) else type(out).__name__
