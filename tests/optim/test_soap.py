@@ -6,6 +6,8 @@ import optree
 import pytest
 import torch
 from _optim_problem import assert_trees_close
+from hypothesis import given
+from hypothesis import strategies as st
 
 from torchfn import optim
 
@@ -21,8 +23,8 @@ def problem(seed=0, steps=25, shapes=None):
     return params, grads
 
 
-def run_both(kwargs, ours_kwargs=None, shapes=None, steps=25):
-    params, grads = problem(steps=steps, shapes=shapes)
+def run_both(kwargs, ours_kwargs=None, shapes=None, steps=25, seed=0):
+    params, grads = problem(seed=seed, steps=steps, shapes=shapes)
     tx = optim.soap(**(ours_kwargs or kwargs))
     state, p = tx.init(params), params
     leaves = {k: v.clone().requires_grad_(True) for k, v in params.items()}
@@ -164,3 +166,14 @@ def test_resume_from_a_checkpoint_equals_the_uninterrupted_run(tmp_path):
     resumed, _ = run(back["params"], back["opt"], grads[7:])
     assert all(torch.equal(a, b) for a, b in
                zip(optree.tree_leaves(resumed), optree.tree_leaves(straight)))
+
+
+@given(shape=st.lists(st.integers(1, 5), min_size=0, max_size=4),
+       max_dim=st.integers(1, 6), one_d=st.booleans(), freq=st.integers(1, 4),
+       seed=st.integers(0, 2**16))
+def test_any_rank_and_dimension_cap_matches_pytorch_optimizer(shape, max_dim, one_d, freq,
+                                                              seed):
+    """Leaves of rank 0 to 4, any dims against the cap: still the reference's steps."""
+    run_both(dict(lr=1e-2, precondition_frequency=freq, max_precondition_dim=max_dim,
+                  precondition_1d=one_d), shapes={"x": tuple(shape), "w": (3, 2)}, steps=7,
+             seed=seed)

@@ -6,6 +6,8 @@ import math
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 from torch.func import vmap
 
 from torchfn import random
@@ -165,3 +167,12 @@ def test_denoiser_checks():
 def test_bad_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
         D.edm_sample(gaussian_denoiser(0.0, 0.5), (4, 2), random.key(0), **kwargs)
+
+
+@given(steps=st.integers(1, 300), rho=st.floats(1.0, 10.0),
+       lo=st.floats(1e-4, 0.5), span=st.floats(1.5, 2000.0))
+def test_drawn_levels_equal_diffusers(steps, rho, lo, span):
+    ref = diffusers.EDMEulerScheduler(sigma_min=lo, sigma_max=lo * span, rho=rho)
+    ref.set_timesteps(steps)
+    got = D.edm_sigmas(steps, sigma_min=lo, sigma_max=lo * span, rho=rho)
+    torch.testing.assert_close(got.float(), ref.sigmas, atol=1e-6, rtol=2e-6)

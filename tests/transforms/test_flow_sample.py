@@ -6,6 +6,8 @@ import math
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 from torch.func import grad, vmap
 
 from torchfn import random
@@ -251,3 +253,17 @@ def test_model_with_the_wrong_shape():
         D.flow_sample(lambda x, t: x.sum(1), (4, 2), random.key(0), steps=2)
     with pytest.raises(TypeError, match="velocity_fn must be callable"):
         D.flow_sample(None, (4, 2), random.key(0))
+
+
+@given(steps=st.integers(1, 200), shift=st.floats(0.3, 8.0), T=st.integers(10, 2000),
+       terminal=st.one_of(st.none(), st.floats(0.005, 0.2)))
+def test_drawn_levels_equal_diffusers(steps, shift, T, terminal):
+    if terminal is not None and steps == 1:  # diffusers divides 0 by 0 there
+        with pytest.raises(ValueError, match="it needs steps >= 2"):
+            D.flow_sigmas(steps, shift=shift, T=T, terminal=terminal)
+        return
+    ref = diffusers.FlowMatchEulerDiscreteScheduler(num_train_timesteps=T, shift=shift,
+                                                    shift_terminal=terminal)
+    ref.set_timesteps(steps)
+    got = D.flow_sigmas(steps, shift=shift, T=T, terminal=terminal)
+    torch.testing.assert_close(got.float(), ref.sigmas, atol=2e-6, rtol=2e-6)

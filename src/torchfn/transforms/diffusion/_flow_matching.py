@@ -89,6 +89,9 @@ def flow_sigmas(steps: int, *, shift: float = 1.0, mu: float | None = None,
                          f"shift={shift!r}, mu={mu!r}")
     if terminal is not None and not 0 < terminal < 1:
         raise ValueError(f"terminal must lie in (0, 1), got {terminal!r}")
+    if terminal is not None and steps < 2:  # diffusers divides by zero here
+        raise ValueError(f"terminal stretches the levels between 1 and the last: it needs "
+                         f"steps >= 2, got {steps}")
     if mu is None:
         lo = float(_shifted(np.float64(1.0 / T), shift))
         s = _shifted(np.linspace(1.0, lo, steps), shift)
