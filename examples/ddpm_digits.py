@@ -11,6 +11,10 @@ ceiling). Everything is a pure function of explicit PRNG keys, so a seed fixes t
 velocity ``eps - x0`` of ``x_s = (1 - s) x0 + s eps``, its time input ``s T``) and
 samples with as many Euler steps as DDIM takes.
 
+``--p-uncond 0.1`` trains with each label replaced by a null class 10% of the time
+(``diffusion.drop_condition``), so that ``--guidance 1 2 4`` can sample with
+classifier-free guidance at each weight (``diffusion.classifier_free_guidance``).
+
     python examples/ddpm_digits.py                              # about 3 min on 2 CPU cores
     python examples/ddpm_digits.py --objective flow
     python examples/ddpm_digits.py --steps 200 --out /tmp/ddpm_digits_smoke
@@ -47,6 +51,10 @@ def parse_args(argv=None):
     p.add_argument("--channels", type=int, default=32, help="U-Net width")
     p.add_argument("--per-class", type=int, default=20, help="samples per digit")
     p.add_argument("--objective", choices=["ddpm", "flow"], default="ddpm")
+    p.add_argument("--p-uncond", type=float, default=0.0,
+                   help="label dropout for classifier-free guidance")
+    p.add_argument("--guidance", type=float, nargs="+", default=[1.0],
+                   help="guidance weights to sample at (1: none; others need --p-uncond)")
     p.add_argument("--ddim-steps", type=int, default=50,
                    help="sampling steps: DDIM's, or Euler's with --objective flow")
     p.add_argument("--classifier-steps", type=int, default=400)
@@ -85,13 +93,21 @@ def main(argv=None) -> dict:
     images = (x_train * 2 - 1).reshape(-1, 1, 8, 8)  # (N, 1, 8, 8)
 
     # ---- model, noise schedule, optimizer
-    model = torchfn.Model(UNet(1, channels=args.channels, mults=(1, 2), num_classes=10))
+    guided = args.p_uncond > 0  # class 10 is then the null condition
+    if not guided and any(w != 1.0 for w in args.guidance):
+        raise SystemExit("--guidance other than 1 needs a model trained with --p-uncond > 0")
+    null = torch.tensor([10])
+    model = torchfn.Model(UNet(1, channels=args.channels, mults=(1, 2),
+                               num_classes=11 if guided else 10))
     params = model.init(k_init)
     schedule = diffusion.cosine_schedule(args.timesteps)
     tx = optim.adam(optim.warmup_cosine(args.lr, args.steps // 20, args.steps, args.lr / 20))
     opt_state = tx.init(params)
 
     def loss_fn(params, x0, labels, key):  # x0: (B, 1, 8, 8), labels: (B,)
+        if guided:
+            k_drop, key = random.split(key)
+            labels = diffusion.drop_condition(k_drop, labels, null, args.p_uncond)
         net = lambda x_t, t: model.apply(params, x_t, t, labels)  # noqa: E731
         if args.objective == "flow":  # the U-Net sees s T, in DDPM's range of timesteps
             return flow_matching_loss(net, x0, key, time_scale=float(args.timesteps))
@@ -118,19 +134,23 @@ def main(argv=None) -> dict:
             bar.set_postfix(loss=f"{sum(losses[-50:]) / len(losses[-50:]):.4f}")
     train_seconds = time.perf_counter() - t0
 
-    # ---- sample each digit with DDIM (or Euler on the flow)
+    # ---- sample each digit with DDIM (or Euler on the flow), at each guidance weight
     labels = torch.arange(10).repeat_interleave(args.per_class)  # (10 n,)
-    net = lambda x_t, t: model.apply(params, x_t, t, labels)  # noqa: E731
     shape = (labels.shape[0], 1, 8, 8)
+    by_guidance = {}
     t0 = time.perf_counter()
-    with torch.no_grad():
-        if args.objective == "flow":
-            samples = diffusion.flow_sample(net, shape, k_sample, steps=args.ddim_steps,
-                                            time_scale=float(args.timesteps), progress=True)
-        else:
-            samples = diffusion.ddim_sample(net, schedule, shape, k_sample,
-                                            steps=args.ddim_steps, clip_x0=1.0, progress=True)
-    samples = ((samples.clamp(-1, 1) + 1) / 2)  # (10 n, 1, 8, 8) in [0, 1]
+    for w in args.guidance:
+        net = diffusion.classifier_free_guidance(
+            lambda x_t, t, y: model.apply(params, x_t, t, y), labels, null, w)
+        with torch.no_grad():
+            if args.objective == "flow":
+                x = diffusion.flow_sample(net, shape, k_sample, steps=args.ddim_steps,
+                                          time_scale=float(args.timesteps), progress=True)
+            else:
+                x = diffusion.ddim_sample(net, schedule, shape, k_sample,
+                                          steps=args.ddim_steps, clip_x0=1.0, progress=True)
+        by_guidance[w] = (x.clamp(-1, 1) + 1) / 2  # (10 n, 1, 8, 8) in [0, 1]
+    samples = by_guidance[args.guidance[0]]
     sample_seconds = time.perf_counter() - t0
 
     # ---- judge: a classifier trained on the real training digits reads the samples
@@ -144,6 +164,11 @@ def main(argv=None) -> dict:
         .float().mean().item(),
         "within_class_spread_vs_real": class_spread(samples.flatten(1), labels, x_train,
                                                     y_train).item(),
+        "by_guidance": {
+            str(w): {"classified_as_condition": (predict(x) == labels).float().mean().item(),
+                     "within_class_spread_vs_real": class_spread(x.flatten(1), labels,
+                                                                 x_train, y_train).item()}
+            for w, x in by_guidance.items()},
         "train_seconds": round(train_seconds, 1),
         "sample_seconds": round(sample_seconds, 1),
     }

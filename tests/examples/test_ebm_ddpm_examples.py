@@ -88,6 +88,21 @@ def test_ddpm_digits_tiny(tmp_path, example, objective):
         "samples_classified_as_their_condition"]
 
 
+def test_ddpm_digits_with_guidance_tiny(tmp_path, example):
+    """Label dropout in training, then one sampling run per guidance weight; weight 1
+    is the plain conditional sampler."""
+    ddpm = example("ddpm_digits")
+    args = ["--steps", "12", "--batch", "32", "--timesteps", "20", "--channels", "8",
+            "--per-class", "2", "--ddim-steps", "3", "--classifier-steps", "30", "--seed", "1",
+            "--objective", "flow", "--p-uncond", "0.2", "--no-plot"]
+    m = ddpm.main(args + ["--guidance", "1", "3", "--out", str(tmp_path / "a")])
+    assert set(m["by_guidance"]) == {"1.0", "3.0"}
+    assert m["by_guidance"]["1.0"]["within_class_spread_vs_real"] == m[
+        "within_class_spread_vs_real"]
+    with pytest.raises(SystemExit, match="needs a model trained with --p-uncond"):
+        ddpm.main(args[:-3] + ["--no-plot", "--guidance", "2", "--out", str(tmp_path / "b")])
+
+
 def test_gru_lyapunov_tiny(tmp_path, example):
     lyap = example("gru_lyapunov")
     args = ["--hidden", "8", "--k", "3", "--steps", "30", "--warmup", "5", "--gains", "0.5,8",

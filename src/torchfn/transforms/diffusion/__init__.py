@@ -27,6 +27,7 @@ from torchfn.transforms.diffusion._flow_matching import (
     flow_sigmas,
     resolution_shift_mu,
 )
+from torchfn.transforms.diffusion._guidance import classifier_free_guidance, drop_condition
 from torchfn.transforms.diffusion._probability_flow import (
     probability_flow_log_likelihood,
     probability_flow_sample,
@@ -62,6 +63,7 @@ from torchfn.transforms.diffusion._schedules import (
 __all__ = [
     "PREDICTIONS",
     "Schedule",
+    "classifier_free_guidance",
     "cosine_schedule",
     "ddim_sample",
     "ddim_step",
@@ -71,6 +73,7 @@ __all__ = [
     "DynamicThreshold",
     "dpm_solver_sample",
     "dpm_solver_timesteps",
+    "drop_condition",
     "edm_denoiser",
     "edm_sample",
     "edm_scalings",
