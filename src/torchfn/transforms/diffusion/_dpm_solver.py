@@ -94,7 +94,28 @@ def _karras(levels_all: Tensor, steps: int) -> tuple[list[int], list[float]]:
     return ts.tolist(), levels.tolist()
 
 
-def _update(x: Tensor, x0s: list[Tensor], lams: list[float], alpha_t: float, sigma_t: float,
+def order_at(i: int, steps: int, order: int) -> int:
+    """The order of step ``i`` of ``steps``, by diffusers' rules: warm up from order 1;
+    the last step first order (to sigma 0), and with fewer than 15 steps the one before
+    it at most second order."""
+    k = min(order, i + 1)
+    if i == steps - 1:
+        return 1
+    if i == steps - 2 and steps < 15:
+        return min(k, 2)
+    return k
+
+
+def log_snr(alpha: float, sigma: float) -> float:
+    """``lambda = log(alpha / sigma)``, infinite at either end."""
+    if sigma == 0:
+        return math.inf
+    if alpha == 0:
+        return -math.inf
+    return math.log(alpha) - math.log(sigma)
+
+
+def update(x: Tensor, x0s: list[Tensor], lams: list[float], alpha_t: float, sigma_t: float,
             sigma_s: float, lam_t: float, order: int, noise: Tensor | None) -> Tensor:
     """One DPM-Solver++ step of ``order`` from the last predictions ``x0s`` (newest last)
     made at ``lams``; with ``noise``, the SDE variant's step."""
@@ -202,7 +223,7 @@ def dpm_solver_sample(
     levels = [*levels, 0.0]  # the end: sigma = 0
     alphas = [1.0 / (v * v + 1.0) ** 0.5 for v in levels]
     sigmas = [v * a for v, a in zip(levels, alphas)]
-    lams = [math.log(a) - math.log(s) if s > 0 else math.inf for a, s in zip(alphas, sigmas)]
+    lams = [log_snr(a, s) for a, s in zip(alphas, sigmas)]
     x, k_noise = _init(key, shape, dtype, device)  # (B, ...)
     stream = NoiseStream(k_noise, shape, steps, dtype, x.device) if stochastic else None
     chain = [x] if return_chain else None
@@ -214,15 +235,9 @@ def dpm_solver_sample(
         x0, _ = _x0_eps(x, out, alphas[i] ** 2, prediction)
         x0 = clip(x0, clip_x0)
         x0s = [*x0s[-(order - 1):], x0] if order > 1 else [x0]
-        # diffusers' rules: warm up from order 1; the last step first order (to sigma 0),
-        # and with fewer than 15 steps the one before it at most second order
-        k = min(order, i + 1)
-        if i == steps - 1:
-            k = 1
-        elif i == steps - 2 and steps < 15:
-            k = min(k, 2)
+        k = order_at(i, steps, order)
         noise = stream(i) if stream is not None else None  # (B, ...)
-        x = _update(x, x0s, lams[max(0, i + 1 - len(x0s)):i + 1], alphas[i + 1], sigmas[i + 1],
+        x = update(x, x0s, lams[max(0, i + 1 - len(x0s)):i + 1], alphas[i + 1], sigmas[i + 1],
                     sigmas[i], lams[i + 1], k, noise)
         if chain is not None:
             chain.append(x)
