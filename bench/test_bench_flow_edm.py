@@ -3,7 +3,8 @@
 ``EDMEulerScheduler`` loops, and the OT pairing's cost in ``flow_matching_loss``; CPU,
 float32.
 
-Sampling: 28 steps (SD3's default; shift 3), 4096 samples of a 2-D distribution, the
+Sampling: 28 steps (SD3's default; shift 3; DPM-Solver++(2M) on diffusers' flow levels
+as SANA samples), 4096 samples of a 2-D distribution, the
 model a 2-layer MLP (2 + 1 -> 128 -> 2). Each pair produces the same samples (checked
 first); the ratio is the sampler's overhead around the same model calls. One torch
 thread, as in ``test_bench_dpm_solver.py``.
@@ -44,14 +45,20 @@ def torchfn_flow(method):
 
 
 def diffusers_flow(method):
-    cls = {"euler": diffusers.FlowMatchEulerDiscreteScheduler,
-           "heun": diffusers.FlowMatchHeunDiscreteScheduler}[method]
-    sched = cls(shift=3.0)
+    if method == "dpm_solver":  # SANA's: DPM-Solver++(2M) on flow levels
+        sched = diffusers.DPMSolverMultistepScheduler(use_flow_sigmas=True, flow_shift=3.0,
+                                                      prediction_type="flow_prediction")
+    else:
+        cls = {"euler": diffusers.FlowMatchEulerDiscreteScheduler,
+               "heun": diffusers.FlowMatchHeunDiscreteScheduler}[method]
+        sched = cls(shift=3.0)
     sched.set_timesteps(STEPS)
     x = start()
     with torch.no_grad():
-        for t in sched.timesteps:
-            x = sched.step(model(x, t.repeat(N)), t, x).prev_sample
+        for i, t in enumerate(sched.timesteps):
+            # the model reads sigma * 1000 (DPM-Solver's own timesteps are int(sigma T))
+            tt = sched.sigmas[i] * 1000 if method == "dpm_solver" else t
+            x = sched.step(model(x, tt.repeat(N)), t, x).prev_sample
     return x
 
 
@@ -76,7 +83,7 @@ def diffusers_edm():
 
 
 @pytest.mark.parametrize("impl", ["torchfn", "diffusers"])
-@pytest.mark.parametrize("method", ["euler", "heun"])
+@pytest.mark.parametrize("method", ["euler", "heun", "dpm_solver"])
 def test_flow_sample(benchmark, impl, method):
     fn = torchfn_flow if impl == "torchfn" else diffusers_flow
     torch.testing.assert_close(fn(method), diffusers_flow(method), rtol=1e-4, atol=1e-4)
