@@ -259,6 +259,64 @@ def test_grad_of_grad(case, rel_err):
         assert rel_err(a, b) <= case["tol2"]
 
 
+def tangent_readout(fn, w, tq, tv):
+    """(q, k, v) -> a scalar of attention's output and of its jvp along (tq, cos k, tv):
+    its gradient runs reverse mode over forward mode (MeanFlow's loss does this)."""
+
+    def scalar(q, k, v):
+        o, to = jvp(fn, (q, k, v), (tq.to(q.dtype), torch.cos(k), tv.to(q.dtype)))
+        return (to * w.to(q.dtype)).sum() + (torch.tanh(o) * to).sum()
+
+    return scalar
+
+
+def test_grad_of_jvp(case, rel_err):
+    """grad of a function of the jvp's tangent: the tangent's own derivatives in q, k, v
+    (the Hessian of <g, attention> along the tangents) and its pullback to them."""
+    q, k, v = case["qkv"]
+    tq, tv = case["normal"](*q.shape), case["normal"](*v.shape)
+    ours = grad(tangent_readout(case["ours"], case["w"], tq, tv), argnums=(0, 1, 2))(q, k, v)
+    ref = grad(tangent_readout(case["ref"], case["w"].double(), tq.double(), tv.double()),
+               argnums=(0, 1, 2))(q.double(), k.double(), v.double())
+    for a, b in zip(ours, ref):
+        assert rel_err(a, b) <= case["tol2"]
+
+
+def test_vmap_of_grad_of_jvp_equals_loop(case, rel_err):
+    if case["backend"] == "triton":
+        pytest.skip("the torch backends cover the vmap rule of the jvp Function; the "
+                    "interpreter is slow")
+    q, k, v = case["qkv"]
+    tq, tv = case["normal"](*q.shape), case["normal"](*v.shape)
+    qs = torch.stack([q, q.flip(-1), 0.5 * q])  # 3 examples of q, shared k, v
+
+    def one(qi):
+        return grad(tangent_readout(case["ours"], case["w"], tq, tv))(qi, k, v)
+
+    assert rel_err(vmap(one)(qs), torch.stack([one(x) for x in qs])) <= case["tol"]
+
+
+def test_backward_through_a_forward_mode_tangent(case, rel_err):
+    """torch.autograd.forward_ad's dual tensors, then loss.backward() on the tangent (of
+    a sum: an expanded cotangent). The reference is torch.func's grad-of-jvp of the
+    materialised attention: its own dual-tensor backward fails in torch (softmax's
+    forward AD leaves a tensor modified in place that the backward needs)."""
+    import torch.autograd.forward_ad as fwAD
+
+    q, k, v = (x.clone().requires_grad_(True) for x in case["qkv"])
+    tq = case["normal"](*q.shape)
+    with fwAD.dual_level():  # (the backward after the level: torch nests no dual levels)
+        to = fwAD.unpack_dual(case["ours"](fwAD.make_dual(q, tq), k, v)).tangent
+    to.sum().backward()
+
+    def tangent_sum(q, k, v):
+        return jvp(lambda q: case["ref"](q, k, v), (q,), (tq.double(),))[1].sum()
+
+    want = grad(tangent_sum, argnums=(0, 1, 2))(*(x.detach().double() for x in case["qkv"]))
+    for a, b in zip((q.grad, k.grad, v.grad), want):
+        assert rel_err(a, b) <= case["tol2"]
+
+
 def test_hvp_and_grad_of_grad_one_query_row_at_a_time(case, rel_err, monkeypatch):
     """With the second-order formula run one query row per block (``_second_order``),
     a Hessian-vector product (forward-over-reverse) and grad-of-grad == the reference's:

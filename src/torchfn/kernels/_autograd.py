@@ -326,9 +326,16 @@ class _Attention(torch.autograd.Function):
     @staticmethod
     def jvp(ctx, tq, tk, tv, *_):
         q, k, v, mask, q_ids, kv_ids, seeds, slopes = ctx.saved_tensors
-        _, _, to, tlse = _call(attention_jvp, q, k, v, tq, tk, tv, mask, ctx.causal, ctx.scale,
-                               ctx.backend, *ctx.window, q_ids, kv_ids, ctx.softcap,
-                               ctx.dropout, seeds, slopes)
+        tangents = [t for t in (tq, tk, tv) if t is not None]
+        if _needs_autograd(q, k, v, *tangents):  # the tangent itself is differentiated
+            _, _, to, tlse = _AttentionJvp.apply(
+                q, k, v, tq, tk, tv, mask, ctx.causal, ctx.scale, ctx.backend,
+                ctx.deterministic, *ctx.window, q_ids, kv_ids, ctx.softcap, ctx.dropout, seeds,
+                ctx.lse_grad, slopes)
+        else:
+            _, _, to, tlse = _call(attention_jvp, q, k, v, tq, tk, tv, mask, ctx.causal,
+                                   ctx.scale, ctx.backend, *ctx.window, q_ids, kv_ids,
+                                   ctx.softcap, ctx.dropout, seeds, slopes)
         return to, tlse if ctx.lse_grad else None
 
 
@@ -354,6 +361,68 @@ class _AttentionCompiled(torch.autograd.Function):
                                    ctx.deterministic, *ctx.window, q_ids, kv_ids, ctx.softcap,
                                    ctx.dropout, seeds, dlse if ctx.lse_grad else None, slopes)
         return dq, dk, dv, *_NO_GRADS
+
+
+class _AttentionJvp(torch.autograd.Function):
+    """(q, k, v, tq, tk, tv) -> (o, lse, to, tlse) with the fused forward-mode kernel;
+    differentiable, so reverse mode runs over forward mode (``grad`` of a loss that
+    takes a ``jvp`` through attention: MeanFlow's target, tangent regularisers).
+
+    ``to`` is linear in the tangents: its pullback to them is attention's own vjp at
+    the cotangent, and to (q, k, v) it is the Hessian of ``<g, attention>`` applied to
+    the tangents, the jvp of the vjp formula (``_second_order.jvp``). o and lse are
+    returned for that vjp and carry no derivative.
+    """
+
+    @staticmethod
+    def vmap(info, in_dims, *args):
+        outs = _AttentionJvp.apply(*_fold_args(info, in_dims, args, mask_at=6))
+        return tuple(_unfold(x, info.batch_size) for x in outs), (0, 0, 0, 0)
+
+    @staticmethod
+    def forward(q, k, v, tq, tk, tv, mask, causal, scale, backend, deterministic, win_l, win_r,
+                q_ids, kv_ids, softcap, dropout, seeds, lse_grad, slopes):
+        return _call(attention_jvp, q, k, v, tq, tk, tv, mask, causal, scale, backend, win_l,
+                     win_r, q_ids, kv_ids, softcap, dropout, seeds, slopes)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        q, k, v, tq, tk, tv, mask, causal, scale, backend, deterministic, win_l, win_r = \
+            inputs[:13]
+        q_ids, kv_ids, softcap, dropout, seeds, lse_grad, slopes = inputs[13:]
+        o, lse = output[:2]
+        ctx.mark_non_differentiable(o, lse)
+        ctx.has_tangent = (tq is not None, tk is not None, tv is not None)
+        ctx.save_for_backward(q, k, v, tq, tk, tv, o, lse, mask, q_ids, kv_ids, seeds, slopes)
+        ctx.causal, ctx.scale, ctx.backend, ctx.deterministic = causal, scale, backend, \
+            deterministic
+        ctx.window, ctx.softcap, ctx.dropout, ctx.lse_grad = (win_l, win_r), softcap, \
+            dropout, lse_grad
+
+    @staticmethod
+    def backward(ctx, _go, _glse, gto, gtlse):
+        q, k, v, tq, tk, tv, o, lse, mask, q_ids, kv_ids, seeds, slopes = ctx.saved_tensors
+        # contiguous: a cotangent is often expanded (that of a sum), and torch.func.jvp's
+        # dual tensors cannot be made from an expanded primal
+        gto = torch.zeros_like(o) if gto is None else gto.contiguous()
+        dlse = ((torch.zeros_like(lse) if gtlse is None else gtlse.contiguous())
+                if ctx.lse_grad else None)
+        # to the tangents: attention's vjp at the cotangent (differentiable when needed)
+        fn = _AttentionBackward.apply if _needs_autograd(q, k, v, gto) else partial(
+            _call, attention_bwd)
+        dtq, dtk, dtv = fn(q, k, v, o, lse, gto, mask, ctx.causal, ctx.scale, ctx.backend,
+                           ctx.deterministic, *ctx.window, q_ids, kv_ids, ctx.softcap,
+                           ctx.dropout, seeds, dlse, slopes)
+        # to the primals: the jvp of that vjp along the tangents
+        primals = (q, k, v, gto) if dlse is None else (q, k, v, gto, dlse)
+        args = dict(mask=mask, causal=ctx.causal, scale=ctx.scale, window=ctx.window,
+                    segments=None if q_ids is None else (q_ids, kv_ids), softcap=ctx.softcap,
+                    dropout=ctx.dropout, seeds=seeds, slopes=slopes)
+        dq, dk, dv = _second_order.jvp(primals, (tq, tk, tv, None, None)[:len(primals)],
+                                       **args)
+        keep = ctx.has_tangent
+        return (dq, dk, dv, dtq if keep[0] else None, dtk if keep[1] else None,
+                dtv if keep[2] else None, *(None,) * 14)
 
 
 def _second_order_args(ctx) -> tuple[tuple, dict]:
