@@ -1,17 +1,21 @@
-"""Flow matching, OT flow matching and EDM on a 2-D toy (8 Gaussians), at equal budgets.
+"""Flow matching, OT flow matching, EDM and MeanFlow on a 2-D toy (8 Gaussians), at
+equal budgets.
 
-Three copies of one MLP learn the same data by three objectives:
+Copies of one MLP learn the same data by four objectives:
 
 * ``flow``: rectified flow (``losses.flow_matching_loss``), noise paired with data at random;
 * ``flow_ot``: the same, with each batch's noise paired by exact optimal transport
   (``coupling="ot"``), which straightens the paths;
-* ``edm``: Karras et al.'s preconditioned denoiser (``losses.edm_loss``).
+* ``edm``: Karras et al.'s preconditioned denoiser (``losses.edm_loss``);
+* ``mean_flow``: the average velocity over an interval (``losses.mean_flow_loss``,
+  whose target takes a ``jvp`` of the network), for one-step sampling; its MLP also
+  embeds the interval's start (``MLPDenoiser(times=2)``).
 
-Then each is sampled with few model calls (``flow_sample`` with Euler or Heun,
-``edm_sample`` with Heun), and the samples are scored by their energy distance to held-out
-data, next to a second held-out set (the data-vs-data floor). The two flows are also
-continuous normalizing flows, so their held-out log-likelihood is exact
-(``diffusion.flow_log_likelihood``).
+Then each is sampled with few model calls (``flow_sample`` with Euler, ``edm_sample``
+with Heun, ``mean_flow_sample`` with one call per interval), and the samples are
+scored by their energy distance to held-out data, next to a second held-out set (the
+data-vs-data floor). The two flows are also continuous normalizing flows, so their
+held-out log-likelihood is exact (``diffusion.flow_log_likelihood``).
 
     python examples/flow_matching_2d.py                  # about 2-3 min on 2 cores
     python examples/flow_matching_2d.py --steps 300 --out /tmp/fm_smoke
@@ -39,7 +43,7 @@ from torchfn import data, losses, optim, random
 from torchfn.models import MLPDenoiser
 from torchfn.transforms import diffusion
 
-OBJECTIVES = ("flow", "flow_ot", "edm")
+OBJECTIVES = ("flow", "flow_ot", "edm", "mean_flow")
 
 
 def parse_args(argv=None):
@@ -62,6 +66,11 @@ def parse_args(argv=None):
 
 def make_loss(objective: str, model: torchfn.Model):
     """``loss(params, x0, key)`` for one objective; the model sees time in [0, 1000]."""
+    if objective == "mean_flow":
+        def loss(params, x0, key):  # the model reads (z, t, r); u_fn is u(z, r, t)
+            u = lambda z, r, t: model.apply(params, z, t, r)  # noqa: E731
+            return losses.mean_flow_loss(u, x0, key, time_scale=1000.0)
+        return loss
     if objective == "edm":
         def loss(params, x0, key):  # EDM's c_noise = log(sigma) / 4 in about [-1.6, 1.1]
             net = lambda x_in, c_noise: model.apply(params, x_in, 250.0 * c_noise)  # noqa: E731
@@ -78,7 +87,12 @@ def make_loss(objective: str, model: torchfn.Model):
 
 def sample(objective: str, model, params, shape, key, calls: int) -> tuple[str, torch.Tensor]:
     """Samples at a budget of ``calls`` model calls: Euler for the flows (one per step),
-    Heun for EDM (2 steps - 1 calls, so steps = (calls + 1) // 2)."""
+    Heun for EDM (2 steps - 1 calls, so steps = (calls + 1) // 2), one interval per call
+    for MeanFlow."""
+    if objective == "mean_flow":
+        u = lambda z, r, t: model.apply(params, z, t, r)  # noqa: E731
+        return f"mean_flow{calls}", diffusion.mean_flow_sample(u, shape, key, steps=calls,
+                                                               time_scale=1000.0)
     if objective == "edm":
         net = lambda x_in, c_noise: model.apply(params, x_in, 250.0 * c_noise)  # noqa: E731
         steps = max(1, (calls + 1) // 2)
@@ -101,7 +115,9 @@ def main(argv=None) -> dict:
     reference = data.eight_gaussians(k_ref, args.samples)  # (n, 2): the data-vs-data floor
     scale = train.std()  # unit-variance coordinates, so sigma_data = 1
 
-    model = torchfn.Model(MLPDenoiser(2, hidden=args.hidden, depth=args.depth))
+    models = {name: torchfn.Model(MLPDenoiser(2, hidden=args.hidden, depth=args.depth,
+                                              times=2 if name == "mean_flow" else 1))
+              for name in OBJECTIVES}
     tx = optim.adam(optim.warmup_cosine(args.lr, max(1, args.steps // 20), args.steps,
                                         args.lr / 20))
     metrics: dict = {"config": vars(args), "final_loss": {}, "train_seconds": {},
@@ -109,7 +125,8 @@ def main(argv=None) -> dict:
     shape = (args.samples, 2)
     n_train, per_epoch = train.shape[0], train.shape[0] // args.batch
     for objective in OBJECTIVES:
-        params = model.init(k_init)  # the same start for every objective
+        model = models[objective]
+        params = model.init(k_init)  # the same start for every objective (but MeanFlow's)
         opt_state = tx.init(params)
         grad_fn = torch.func.grad_and_value(make_loss(objective, model))
         history = []
@@ -135,8 +152,8 @@ def main(argv=None) -> dict:
                 if calls == max(args.calls):
                     metrics["samples"][objective] = x
         metrics["energy_distance"][objective] = scores
-        if objective != "edm" and args.nll_points > 0:  # the flow's exact density (nats)
-            v = lambda x, t, p=params: model.apply(p, x, t)  # noqa: E731
+        if objective in ("flow", "flow_ot") and args.nll_points > 0:  # exact densities
+            v = lambda x, t, p=params, m=model: m.apply(p, x, t)  # noqa: E731
             with torch.no_grad():
                 ll = diffusion.flow_log_likelihood(v, test[:args.nll_points] / scale,
                                                    time_scale=1000.0, rtol=1e-4, atol=1e-4)

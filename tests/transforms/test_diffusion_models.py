@@ -42,6 +42,24 @@ def test_denoiser_is_a_pure_model_that_vmaps():
     assert set(g) == set(params) and all(torch.isfinite(v).all() for v in g.values())
 
 
+def test_denoiser_with_two_times_reads_the_interval():
+    """times=2 (MeanFlow's u(z, r, t)): the output depends on r, jvp goes through both
+    times, and r is required exactly then."""
+    model = torchfn.Model(MLPDenoiser(2, hidden=16, depth=1, time_dim=8, times=2))
+    params = model.init(random.key(2))
+    x = torch.randn(4, 2, generator=torch.Generator().manual_seed(1))
+    t, r = torch.tensor([0.9, 0.5, 0.3, 1.0]) * 1000, torch.tensor([0.1, 0.5, 0.0, 0.2]) * 1000
+    out = model.apply(params, x, t, r)
+    assert out.shape == (4, 2) and not torch.allclose(out, model.apply(params, x, t, t))
+    _, dt = torch.func.jvp(lambda t, r: model.apply(params, x, t, r), (t, r),
+                           (torch.ones_like(t), torch.zeros_like(r)))
+    assert dt.abs().max() > 0
+    with pytest.raises(ValueError, match="pass r exactly when times=2"):
+        model.apply(params, x, t)
+    with pytest.raises(ValueError, match="times must be 1 or 2"):
+        MLPDenoiser(2, times=3)
+
+
 def test_energy_is_scalar_per_example():
     model = torchfn.Model(MLPEnergy(2, hidden=16))
     params = model.init(random.key(1))

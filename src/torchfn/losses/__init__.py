@@ -10,6 +10,7 @@ from torchfn.losses._ebm import ebm_loss
 from torchfn.losses._edm import edm_loss
 from torchfn.losses._flow_matching import flow_matching_loss, ot_pairing
 from torchfn.losses._gan import gan_losses, gradient_penalty, wgan_losses
+from torchfn.losses._mean_flow import mean_flow_loss
 from torchfn.losses._regression import huber, l1, mse
 from torchfn.losses._score_matching import score_matching
 from torchfn.losses._vae import gaussian_kl, vae_elbo
@@ -21,6 +22,7 @@ __all__ = [
     "min_snr_weight",
     "flow_matching_loss",
     "ot_pairing",
+    "mean_flow_loss",
     "edm_loss",
     "score_matching",
     # classification, regression, VAE, GAN (_classification, _regression, _vae, _gan)

@@ -66,6 +66,10 @@ class MLPDenoiser(nn.Module):
     ``W_2 silu(W_1 silu(h) + W_t temb)``, ``temb`` an MLP of the sinusoidal embedding of
     ``t``. Data is expected at about unit scale.
 
+    With ``times=2`` the model takes a second time, ``model(x, t, r)``, and embeds ``t``
+    and ``t - r`` (MeanFlow's average velocity over ``[r, t]``,
+    :func:`torchfn.losses.mean_flow_loss`).
+
     Example::
 
         >>> import torchfn
@@ -82,8 +86,12 @@ class MLPDenoiser(nn.Module):
         time_dim: int = 64,
         fourier: int = 16,
         max_freq: float = 25.0,
+        times: int = 1,
     ) -> None:
         super().__init__()
+        if times not in (1, 2):
+            raise ValueError(f"times must be 1 or 2, got {times!r}")
+        self.times = times
         if min(dim, hidden, depth, time_dim) < 1:
             raise ValueError(
                 f"dim, hidden, depth and time_dim must be >= 1, got dim={dim}, hidden={hidden}, "
@@ -93,7 +101,7 @@ class MLPDenoiser(nn.Module):
             raise ValueError(f"fourier must be >= 0 and max_freq >= 1, got {fourier}, {max_freq}")
         self.time_dim, self.fourier, self.max_freq = time_dim, fourier, max_freq
         self.time_mlp = nn.Sequential(
-            nn.Linear(time_dim, hidden), nn.SiLU(), nn.Linear(hidden, hidden)
+            nn.Linear(times * time_dim, hidden), nn.SiLU(), nn.Linear(hidden, hidden)
         )
         self.inp = nn.Linear(dim * (1 + 2 * fourier), hidden)
         self.blocks = nn.ModuleList(
@@ -108,8 +116,13 @@ class MLPDenoiser(nn.Module):
         )
         self.out = nn.Linear(hidden, dim)
 
-    def forward(self, x: Tensor, t: Tensor) -> Tensor:
-        temb = self.time_mlp(timestep_embedding(t, self.time_dim).to(x.dtype))  # (B, H)
+    def forward(self, x: Tensor, t: Tensor, r: Tensor | None = None) -> Tensor:
+        if (r is None) != (self.times == 1):
+            raise ValueError(f"MLPDenoiser(times={self.times}): pass r exactly when times=2")
+        emb = timestep_embedding(t, self.time_dim)  # (B, T)
+        if r is not None:
+            emb = torch.cat([emb, timestep_embedding(t - r, self.time_dim)], dim=-1)  # (B, 2T)
+        temb = self.time_mlp(emb.to(x.dtype))  # (B, H)
         temb = nn.functional.silu(temb)
         h = self.inp(fourier_features(x, self.fourier, self.max_freq))  # (B, H)
         for blk in self.blocks:

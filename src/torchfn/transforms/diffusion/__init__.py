@@ -16,7 +16,7 @@ the VP probability flow.
     torch.Size([64, 2])
 
 The training losses live in ``torchfn.losses``: ``diffusion_loss``,
-``flow_matching_loss``, ``edm_loss``.
+``flow_matching_loss``, ``mean_flow_loss``, ``edm_loss``.
 """
 
 from torchfn.transforms.diffusion._dpm_solver import dpm_solver_sample, dpm_solver_timesteps
@@ -28,6 +28,7 @@ from torchfn.transforms.diffusion._flow_matching import (
     resolution_shift_mu,
 )
 from torchfn.transforms.diffusion._guidance import classifier_free_guidance, drop_condition
+from torchfn.transforms.diffusion._mean_flow import mean_flow_sample
 from torchfn.transforms.diffusion._probability_flow import (
     probability_flow_log_likelihood,
     probability_flow_sample,
@@ -83,6 +84,7 @@ __all__ = [
     "flow_sigmas",
     "resolution_shift_mu",
     "linear_schedule",
+    "mean_flow_sample",
     "predict_eps_from_v",
     "predict_eps_from_x0",
     "predict_x0_from_eps",
