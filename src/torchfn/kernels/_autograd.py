@@ -38,6 +38,8 @@ from functools import partial
 
 import torch
 from torch import Tensor
+from torch._C._functorch import TransformType
+from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
 from torch.autograd import forward_ad
 
 from torchfn.core._eager import plain
@@ -89,9 +91,9 @@ def _call(op, *args):
     under ``torch.compile``, ``make_fx`` and other dispatch modes, for meta / fake
     tensors, and for a ``torch.func`` wrapper (its vmap rule)."""
     q = args[0]
-    if plain(q) and q.device.type != "meta":
+    if q.device.type != "meta" and all(plain(x) for x in args if isinstance(x, Tensor)):
         return _BODIES[op](*args)
-    return op(*args)
+    return op(*args)  # (any wrapped argument: a tangent may be batched where q is not)
 
 
 @_op("attention_fwd")
@@ -326,6 +328,8 @@ class _Attention(torch.autograd.Function):
     @staticmethod
     def jvp(ctx, tq, tk, tv, *_):
         q, k, v, mask, q_ids, kv_ids, seeds, slopes = ctx.saved_tensors
+        # forward AD's efficient zeros have no storage for a kernel to read: None is zero
+        tq, tk, tv = (None if t is None or t._is_zerotensor() else t for t in (tq, tk, tv))
         tangents = [t for t in (tq, tk, tv) if t is not None]
         if _needs_autograd(q, k, v, *tangents):  # the tangent itself is differentiated
             _, _, to, tlse = _AttentionJvp.apply(
@@ -363,6 +367,19 @@ class _AttentionCompiled(torch.autograd.Function):
         return dq, dk, dv, *_NO_GRADS
 
 
+def check_forward_levels(allowed: int, what: str) -> None:
+    """Refuse a forward-mode level outside a rule that differentiates with ``torch.func``
+    inside: such a level sees none of the rule's ops, so its derivative came out as
+    zeros (measured, torch 2.13): an error, not a silently wrong third derivative.
+    ``allowed``: the forward-mode levels the rule itself may be running for."""
+    levels = sum(i.key() == TransformType.Jvp for i in retrieve_all_functorch_interpreters())
+    if levels > allowed:
+        raise NotImplementedError(
+            f"attention: forward mode (jvp / jacfwd) around {what} is not supported (a "
+            "third derivative with its outer levels in forward mode); take the outer "
+            "derivative in reverse mode (grad / jacrev), which is")
+
+
 class _AttentionJvp(torch.autograd.Function):
     """(q, k, v, tq, tk, tv) -> (o, lse, to, tlse) with the fused forward-mode kernel;
     differentiable, so reverse mode runs over forward mode (``grad`` of a loss that
@@ -382,6 +399,13 @@ class _AttentionJvp(torch.autograd.Function):
     @staticmethod
     def forward(q, k, v, tq, tk, tv, mask, causal, scale, backend, deterministic, win_l, win_r,
                 q_ids, kv_ids, softcap, dropout, seeds, lse_grad, slopes):
+        # forward AD's efficient zeros have no storage: a zero tangent is None here
+        tq, tk, tv = (None if t is None or t._is_zerotensor() else t for t in (tq, tk, tv))
+        # contiguous: jacfwd's basis tangents, and a primal the vmap rule broadcast over
+        # the folded batch, are expanded (stride 0), which the Triton interpreter cannot
+        # read (a copy only for those: this is forward over forward, a rare path)
+        q, k, v, tq, tk, tv = (None if t is None else t.contiguous()
+                               for t in (q, k, v, tq, tk, tv))
         return _call(attention_jvp, q, k, v, tq, tk, tv, mask, causal, scale, backend, win_l,
                      win_r, q_ids, kv_ids, softcap, dropout, seeds, slopes)
 
@@ -394,13 +418,47 @@ class _AttentionJvp(torch.autograd.Function):
         ctx.mark_non_differentiable(o, lse)
         ctx.has_tangent = (tq is not None, tk is not None, tv is not None)
         ctx.save_for_backward(q, k, v, tq, tk, tv, o, lse, mask, q_ids, kv_ids, seeds, slopes)
+        ctx.save_for_forward(q, k, v, tq, tk, tv, mask, q_ids, kv_ids, seeds, slopes)
         ctx.causal, ctx.scale, ctx.backend, ctx.deterministic = causal, scale, backend, \
             deterministic
         ctx.window, ctx.softcap, ctx.dropout, ctx.lse_grad = (win_l, win_r), softcap, \
             dropout, lse_grad
 
     @staticmethod
+    def jvp(ctx, sq, sk, sv, stq, stk, stv, *_):
+        """Forward over forward: the tangent ``to`` moves by the jvp along the tangents'
+        own tangents plus the second directional derivative along (s, t), materialised
+        in blocks of query rows (o and lse are returned without derivatives)."""
+        check_forward_levels(1, "a jvp / jacfwd around a jvp of attention")
+        q, k, v, tq, tk, tv, mask, q_ids, kv_ids, seeds, slopes = ctx.saved_tensors
+        opts = (mask, ctx.causal, ctx.scale, ctx.backend, ctx.deterministic, *ctx.window,
+                q_ids, kv_ids, ctx.softcap, ctx.dropout, seeds, ctx.lse_grad, slopes)
+
+        def first(a, b, c):  # attention's (o, lse) tangents along (a, b, c); None if all None
+            if a is None and b is None and c is None:
+                return None, None
+            return _AttentionJvp.apply(q, k, v, a, b, c, *opts)[2:]
+
+        a, alse = first(stq, stk, stv)
+        to, tlse = a, alse
+        if any(x is not None for x in (sq, sk, sv)) and any(
+                x is not None for x in (tq, tk, tv)):
+            args = dict(mask=mask, causal=ctx.causal, scale=ctx.scale, window=ctx.window,
+                        segments=None if q_ids is None else (q_ids, kv_ids),
+                        softcap=ctx.softcap, dropout=ctx.dropout, seeds=seeds, slopes=slopes)
+            d2o, d2lse = _second_order.second_jvp((q, k, v), (tq, tk, tv), (sq, sk, sv),
+                                                  **args)
+            to = d2o if to is None else to + d2o
+            tlse = d2lse.to(_lse_dtype(q.dtype)) if tlse is None else tlse + d2lse.to(tlse.dtype)
+        if to is None:
+            to = q.new_zeros(*q.shape[:3], v.shape[-1])
+        if tlse is None:
+            tlse = q.new_zeros(q.shape[:3], dtype=_lse_dtype(q.dtype))
+        return None, None, to, tlse  # o and lse carry no derivative here
+
+    @staticmethod
     def backward(ctx, _go, _glse, gto, gtlse):
+        check_forward_levels(0, "a reverse pass over a jvp of attention")
         q, k, v, tq, tk, tv, o, lse, mask, q_ids, kv_ids, seeds, slopes = ctx.saved_tensors
         # contiguous: a cotangent is often expanded (that of a sum), and torch.func.jvp's
         # dual tensors cannot be made from an expanded primal
@@ -415,6 +473,8 @@ class _AttentionJvp(torch.autograd.Function):
                            ctx.dropout, seeds, dlse, slopes)
         # to the primals: the jvp of that vjp along the tangents
         primals = (q, k, v, gto) if dlse is None else (q, k, v, gto, dlse)
+        primals = tuple(x.contiguous() for x in primals)
+        tq, tk, tv = (None if x is None else x.contiguous() for x in (tq, tk, tv))
         args = dict(mask=mask, causal=ctx.causal, scale=ctx.scale, window=ctx.window,
                     segments=None if q_ids is None else (q_ids, kv_ids), softcap=ctx.softcap,
                     dropout=ctx.dropout, seeds=seeds, slopes=slopes)
@@ -470,6 +530,7 @@ class _AttentionBackward(torch.autograd.Function):
 
     @staticmethod
     def jvp(ctx, *t):  # t: the tangents of the inputs (q, k, v, o, lse, do, ..., dlse, slopes)
+        check_forward_levels(1, "a jvp of attention's backward (hessian)")
         primals, args = _second_order_args(ctx)
         tangents = (t[0], t[1], t[2], t[5], t[18])[: len(primals)]
         return _second_order.jvp(primals, tangents, **args)

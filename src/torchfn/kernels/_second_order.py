@@ -143,8 +143,14 @@ class _BlockPullback(torch.autograd.Function):
 
     @staticmethod
     def jvp(ctx, _make, _n, *tangents):
+        from ._autograd import check_forward_levels  # _autograd imports this module
+
+        check_forward_levels(1, "a jvp of attention's second-order backward")
         xs, options = ctx.saved_tensors[:-_N_OPTIONS], ctx.saved_tensors[-_N_OPTIONS:]
-        tangents = tuple(torch.zeros_like(x) if t is None else t for x, t in zip(xs, tangents))
+        # contiguous: an expanded tangent (jacfwd's basis) cannot make a dual tensor
+        tangents = tuple(torch.zeros_like(x) if t is None else t.contiguous()
+                         for x, t in zip(xs, tangents))
+        xs = tuple(x.contiguous() for x in xs)
         return torch.func.jvp(lambda *xs: _pull(ctx.make, ctx.n, *xs, *options), xs,
                               tangents)[1]
 
@@ -171,7 +177,10 @@ def vjp(primals: tuple, cotangents: tuple, *, budget: int | None = None, **args)
 def jvp(primals: tuple, tangents: tuple, *, budget: int | None = None, **args) -> tuple:
     """The jvp of (q, k, v, do[, dlse]) -> (dq, dk, dv) at ``primals`` along
     ``tangents`` (one per primal; None: zero): (tdq, tdk, tdv)."""
-    tangents = tuple(torch.zeros_like(p) if t is None else t for p, t in zip(primals, tangents))
+    # contiguous: an expanded primal or tangent (jacfwd's basis) cannot make a dual tensor
+    tangents = tuple(torch.zeros_like(p) if t is None else t.contiguous()
+                     for p, t in zip(primals, tangents))
+    primals = tuple(p.contiguous() for p in primals)
     nq = primals[0].shape[2]
     statics, options = _split_args(args)
     tdq, tdk, tdv = [], None, None
@@ -182,3 +191,58 @@ def jvp(primals: tuple, tangents: tuple, *, budget: int | None = None, **args) -
         tdq.append(tq)
         tdk, tdv = (tk, tv) if tdk is None else (tdk + tk, tdv + tv)
     return torch.cat(tdq, dim=2), tdk, tdv
+
+
+def _rows_forward(i0: int, i1: int, nq: int, causal: bool, scale: float,
+                  window: tuple[int, int], softcap: float, dropout: float) -> Callable:
+    """Materialised attention of the query rows [i0, i1): ``(mask, q_ids, kv_ids,
+    seeds, slopes) -> ((q[rows], k, v) -> (o[rows], lse[rows]))``, in fp32 or fp64."""
+    whole = (i0, i1) == (0, nq)
+
+    def with_options(mask, q_ids, kv_ids, seeds, slopes):
+        if mask is not None and mask.shape[2] > 1 and not whole:
+            mask = mask[:, :, i0:i1]
+        segments = None
+        if q_ids is not None:
+            segments = (q_ids if whole else q_ids[:, i0:i1], kv_ids)
+
+        def forward(q, k, v):
+            g = q.shape[1] // k.shape[1]
+            kr, vr = _reference._repeat_kv(k, g), _reference._repeat_kv(v, g)
+            shift = None if whole else i0 + k.shape[2] - nq
+            p, lse = _reference._probs(q, kr, mask, causal, scale, window, segments, softcap,
+                                       slopes, shift)
+            return _reference.dropped(p, dropout, seeds, i0) @ vr, lse
+
+        return forward
+
+    return with_options
+
+
+def second_jvp(primals: tuple, t: tuple, s: tuple, *, budget: int | None = None,
+               **args) -> tuple[Tensor, Tensor]:
+    """The second directional derivative of attention's (o, lse) at (q, k, v) along the
+    tangents ``t`` and ``s`` (each (tq, tk, tv), None: zero), by blocks of query rows:
+    (d2o (B, H, Nq, Dv), d2lse (B, H, Nq)). This is forward-over-forward's extra term
+    (``jvp`` of a ``jvp``, ``jacfwd(jacfwd)``)."""
+    q = primals[0]
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    # contiguous: jacfwd's basis tangents are expanded, and a dual tensor cannot be one
+    primals = tuple(x.to(acc).contiguous() for x in primals)
+    t, s = ((torch.zeros_like(p) if x is None else x.to(acc).contiguous()
+             for p, x in zip(primals, d)) for d in (t, s))
+    t, s = tuple(t), tuple(s)
+    nq = q.shape[2]
+    statics, options = _split_args(args)
+    d2o, d2lse = [], []
+    for i0, i1 in _blocks(primals, budget):
+        forward = _rows_forward(i0, i1, nq, **statics)(*options)
+        tb, pb, sb = (_block_of(xs, i0, i1) for xs in (t, primals, s))  # q's rows only
+
+        def along_t(*x, forward=forward, tb=tb):
+            return torch.func.jvp(forward, x, tb)[1]
+
+        _, (o2, lse2) = torch.func.jvp(along_t, pb, sb)
+        d2o.append(o2)
+        d2lse.append(lse2)
+    return torch.cat(d2o, dim=2).to(q.dtype), torch.cat(d2lse, dim=2)
