@@ -59,6 +59,18 @@ def row_blocks(b: int, h: int, nq: int, nk: int, budget: int | None = None):
     return [(i0, min(nq, i0 + rows)) for i0 in range(0, nq, rows)]
 
 
+def _row_options(i0: int, i1: int, nq: int, mask: Tensor | None, q_ids: Tensor | None,
+                 kv_ids: Tensor | None) -> tuple[Tensor | None, tuple | None]:
+    """The compact mask's and the query segment ids' rows [i0, i1), and the segments."""
+    whole = (i0, i1) == (0, nq)
+    if mask is not None and mask.shape[2] > 1 and not whole:
+        mask = mask[:, :, i0:i1]
+    segments = None
+    if q_ids is not None:
+        segments = (q_ids if whole else q_ids[:, i0:i1], kv_ids)
+    return mask, segments
+
+
 def _block_formula(i0: int, i1: int, nq: int, causal: bool, scale: float,
                    window: tuple[int, int], softcap: float, dropout: float) -> Callable:
     """The vjp formula of query rows [i0, i1), given the option tensors:
@@ -69,11 +81,7 @@ def _block_formula(i0: int, i1: int, nq: int, causal: bool, scale: float,
     whole = (i0, i1) == (0, nq)
 
     def with_options(mask, q_ids, kv_ids, seeds, slopes):
-        if mask is not None and mask.shape[2] > 1 and not whole:
-            mask = mask[:, :, i0:i1]
-        segments = None
-        if q_ids is not None:
-            segments = (q_ids if whole else q_ids[:, i0:i1], kv_ids)
+        mask, segments = _row_options(i0, i1, nq, mask, q_ids, kv_ids)
 
         def formula(q, k, v, do, dlse=None):
             return _reference.attention_vjp(q, k, v, do, mask, causal, scale, window,
@@ -200,11 +208,7 @@ def _rows_forward(i0: int, i1: int, nq: int, causal: bool, scale: float,
     whole = (i0, i1) == (0, nq)
 
     def with_options(mask, q_ids, kv_ids, seeds, slopes):
-        if mask is not None and mask.shape[2] > 1 and not whole:
-            mask = mask[:, :, i0:i1]
-        segments = None
-        if q_ids is not None:
-            segments = (q_ids if whole else q_ids[:, i0:i1], kv_ids)
+        mask, segments = _row_options(i0, i1, nq, mask, q_ids, kv_ids)
 
         def forward(q, k, v):
             g = q.shape[1] // k.shape[1]
