@@ -401,11 +401,6 @@ class _AttentionJvp(torch.autograd.Function):
                 q_ids, kv_ids, softcap, dropout, seeds, lse_grad, slopes):
         # forward AD's efficient zeros have no storage: a zero tangent is None here
         tq, tk, tv = (None if t is None or t._is_zerotensor() else t for t in (tq, tk, tv))
-        # contiguous: jacfwd's basis tangents, and a primal the vmap rule broadcast over
-        # the folded batch, are expanded (stride 0), which the Triton interpreter cannot
-        # read (a copy only for those: this is forward over forward, a rare path)
-        q, k, v, tq, tk, tv = (None if t is None else t.contiguous()
-                               for t in (q, k, v, tq, tk, tv))
         return _call(attention_jvp, q, k, v, tq, tk, tv, mask, causal, scale, backend, win_l,
                      win_r, q_ids, kv_ids, softcap, dropout, seeds, slopes)
 
