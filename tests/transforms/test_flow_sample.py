@@ -246,6 +246,9 @@ def test_given_sigmas_are_used_as_they_are():
     ({"sigmas": [1.0, 0.5]}, "ending in 0"),
     ({"sigmas": [1.0, 0.0], "shift": 3.0}, "used as given"),
     ({"time_scale": 0}, "time_scale must be"),
+    ({"order": 3}, "order is DPM-Solver's"),
+    ({"method": "dpm_solver", "order": 4}, "order must be 1, 2 or 3"),
+    ({"method": "dpm_solver", "terminal": 0.02}, "terminal is not used"),
 ])
 def test_bad_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):

@@ -197,6 +197,9 @@ def flow_sample(
                          f"'euler', got {method!r}")
     if order not in (1, 2, 3) or isinstance(order, bool):
         raise ValueError(f"order must be 1, 2 or 3, got {order!r}")
+    if order != 2 and method != "dpm_solver":
+        raise ValueError(f"order is DPM-Solver's (method='dpm_solver'); {method!r} has its "
+                         f"own, got order={order!r}")
     if not (isinstance(time_scale, (int, float)) and time_scale > 0):
         raise ValueError(f"time_scale must be a float > 0, got {time_scale!r}")
     if sigmas is not None:
