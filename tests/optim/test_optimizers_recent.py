@@ -150,3 +150,30 @@ def test_weight_decay_needs_params(tx):
     g = {"w": torch.ones(2)}
     with pytest.raises(ValueError, match="with weight_decay"):
         tx.update(g, tx.init(g))
+
+
+@pytest.mark.parametrize("sigma_rel", [0.05, 0.10, 0.15, 0.25])
+def test_sigma_rel_to_gamma_inverts_the_width(sigma_rel):
+    g = optim.sigma_rel_to_gamma(sigma_rel)
+    assert ((g + 1) / ((g + 2) ** 2 * (g + 3))) ** 0.5 == pytest.approx(sigma_rel, rel=1e-9)
+
+
+def test_power_ema_weights_follow_the_power_profile():
+    """ema_params with power_ema_decay over T steps weighs step i's params by
+    (1 - b_i) (i / T)^(g + 1), summing to 1 and approaching (g + 1) i^g / T^(g + 1)."""
+    T, gamma = 400, 6.94
+    params = [{"w": torch.tensor([float(i)], dtype=torch.float64)} for i in range(1, T + 1)]
+    avg = {"w": torch.zeros(1, dtype=torch.float64)}
+    for i, p in enumerate(params, start=1):
+        avg = optim.ema_params(avg, p, optim.power_ema_decay(i, gamma=gamma))
+    weights = [(1 - optim.power_ema_decay(i, gamma=gamma)) * (i / T) ** (gamma + 1)
+               for i in range(1, T + 1)]
+    assert sum(weights) == pytest.approx(1.0, rel=1e-12)
+    assert avg["w"].item() == pytest.approx(sum(w * i for i, w in enumerate(weights, 1)),
+                                            rel=1e-12)
+    # the power profile: the mean step is about (g + 1) / (g + 2) of the run
+    assert avg["w"].item() / T == pytest.approx((gamma + 1) / (gamma + 2), rel=0.01)
+    with pytest.raises(ValueError, match="exactly one of gamma and sigma_rel"):
+        optim.power_ema_decay(3)
+    with pytest.raises(ValueError, match="sigma_rel must lie in"):
+        optim.sigma_rel_to_gamma(0.5)
