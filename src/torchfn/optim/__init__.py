@@ -37,7 +37,15 @@ from torchfn.optim._elementary import (
     scale,
     scale_by_schedule,
 )
-from torchfn.optim._ema import EmaState, ema, ema_params, power_ema_decay, sigma_rel_to_gamma
+from torchfn.optim._ema import (
+    EmaState,
+    ema,
+    ema_params,
+    posthoc_ema,
+    posthoc_ema_coefficients,
+    power_ema_decay,
+    sigma_rel_to_gamma,
+)
 from torchfn.optim._finite import ApplyIfFiniteState, all_finite, apply_if_finite
 from torchfn.optim._hyperparams import InjectHyperparamsState, inject_hyperparams
 from torchfn.optim._lamb import LambState, lamb, scale_by_trust_ratio
@@ -150,6 +158,8 @@ __all__ = [
     "ema_params",
     "power_ema_decay",
     "sigma_rel_to_gamma",
+    "posthoc_ema",
+    "posthoc_ema_coefficients",
     # schedules
     "constant",
     "step_lr",
