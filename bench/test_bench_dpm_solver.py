@@ -50,3 +50,33 @@ def test_sample(benchmark, impl):
     fn = torchfn_sample if impl == "torchfn" else diffusers_sample
     torch.testing.assert_close(fn(), diffusers_sample(), rtol=1e-4, atol=1e-4)
     benchmark(fn)
+
+
+def torchfn_euler():
+    with torch.no_grad():
+        return D.euler_sample(eps_float, SCHEDULE, (N, 2), random.key(0), steps=STEPS)
+
+
+def diffusers_euler():
+    sched = diffusers.EulerDiscreteScheduler(num_train_timesteps=1000)
+    sched.set_timesteps(STEPS)
+    x = random.normal(random.split(random.key(0))[0], (N, 2)) * sched.init_noise_sigma
+    with torch.no_grad():
+        for t in sched.timesteps:
+            x = sched.step(eps_float(sched.scale_model_input(x, t), t.repeat(N)), t,
+                           x).prev_sample
+    return x
+
+
+def eps_float(x, t):  # the same MLP, fractional timesteps
+    h = torch.cat([x, (t / 1000)[:, None]], 1) @ W1
+    return torch.tanh(h) @ W2
+
+
+@pytest.mark.parametrize("impl", ["torchfn", "diffusers"])
+def test_euler(benchmark, impl):
+    """Euler ("Euler" in SD UIs), 20 steps: ``euler_sample`` against diffusers'
+    ``EulerDiscreteScheduler`` loop."""
+    fn = torchfn_euler if impl == "torchfn" else diffusers_euler
+    torch.testing.assert_close(fn(), diffusers_euler(), rtol=1e-4, atol=1e-4)
+    benchmark(fn)

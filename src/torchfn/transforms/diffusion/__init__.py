@@ -21,6 +21,7 @@ The training losses live in ``torchfn.losses``: ``diffusion_loss``,
 
 from torchfn.transforms.diffusion._dpm_solver import dpm_solver_sample, dpm_solver_timesteps
 from torchfn.transforms.diffusion._edm import edm_denoiser, edm_sample, edm_scalings, edm_sigmas
+from torchfn.transforms.diffusion._euler import euler_levels, euler_sample
 from torchfn.transforms.diffusion._flow_likelihood import flow_log_likelihood
 from torchfn.transforms.diffusion._flow_matching import (
     flow_sample,
@@ -79,6 +80,8 @@ __all__ = [
     "edm_sample",
     "edm_scalings",
     "edm_sigmas",
+    "euler_levels",
+    "euler_sample",
     "flow_log_likelihood",
     "flow_sample",
     "flow_sigmas",
