@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from torchfn.transforms._noise import NoiseStream
+from torchfn.transforms.diffusion._dpm_solver import log_snr, order_at, update
 from torchfn.transforms.diffusion._samplers import (
     _check_levels,
     _check_out,
@@ -34,7 +35,7 @@ from torchfn.transforms.diffusion._samplers import (
 
 __all__ = ["edm_sigmas", "edm_scalings", "edm_denoiser", "edm_sample"]
 
-METHODS = ("heun", "euler")
+METHODS = ("heun", "euler", "dpm_solver")
 
 
 def _positive(name: str, value) -> float:
@@ -124,6 +125,7 @@ def edm_sample(
     sigma_max: float = 80.0,
     rho: float = 7.0,
     sigmas: Sequence[float] | Tensor | None = None,
+    order: int = 2,
     churn: float = 0.0,
     churn_min: float = 0.0,
     churn_max: float = math.inf,
@@ -146,7 +148,9 @@ def edm_sample(
 
     ``method="euler", churn=0`` equals diffusers' ``EDMEulerScheduler`` loop. With churn,
     diffusers evaluates the model before adding the noise (at ``sigma``, not
-    ``sigma_hat``); this follows the paper.
+    ``sigma_hat``); this follows the paper. ``method="dpm_solver"`` is DPM-Solver++ of
+    ``order`` 1-3 on these levels (``x = x0 + sigma eps``: alpha = 1, lambda = -log
+    sigma), one call per step, equal to diffusers' ``EDMDPMSolverMultistepScheduler``.
 
     Args:
         denoiser_fn: ``D(x, sigma) -> (B, ...)``, ``sigma: (B,)`` float (every entry the
@@ -154,7 +158,9 @@ def edm_sample(
         shape: ``(B, ...)``.
         key: PRNG key (the start from ``split(key)[0]``, the churn from ``split(key)[1]``).
         steps: levels before the final 0.
-        method: ``"heun"`` (second order; Euler on the last step to 0) or ``"euler"``.
+        method: ``"heun"`` (second order; Euler on the last step to 0), ``"euler"`` or
+            ``"dpm_solver"`` (no churn).
+        order: DPM-Solver's order, 1, 2 or 3.
         sigma_min, sigma_max, rho: the levels, see :func:`edm_sigmas`.
         sigmas: the levels themselves, decreasing, ending in 0.
         return_chain: also return every intermediate ``x``.
@@ -176,6 +182,11 @@ def edm_sample(
     shape = _check_shape(shape)
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    if order not in (1, 2, 3) or isinstance(order, bool):
+        raise ValueError(f"order must be 1, 2 or 3, got {order!r}")
+    if method == "dpm_solver" and churn > 0:
+        raise ValueError(f"churn is Algorithm 2's (heun / euler), not DPM-Solver's: got "
+                         f"churn={churn!r} with method='dpm_solver'")
     for name, value in (("churn", churn), ("churn_min", churn_min), ("noise_scale", noise_scale)):
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
             raise ValueError(f"{name} must be a float >= 0, got {value!r}")
@@ -197,6 +208,8 @@ def edm_sample(
         _check_out(out, x)
         return (x - out) / level
 
+    if method == "dpm_solver":
+        return _dpm_solver(denoiser_fn, x, levels, order, dtype, return_chain, progress)
     chain = [x] if return_chain else None
     for i in _progress(range(steps), steps, progress, f"edm ({method})"):
         s, s_next = levels[i], levels[i + 1]
@@ -209,6 +222,26 @@ def edm_sample(
         if method == "heun" and s_next > 0:
             x_next = x + (s_next - s_hat) * 0.5 * (d + slope(x_next, s_next))
         x = x_next
+        if chain is not None:
+            chain.append(x)
+    return torch.stack(chain) if chain is not None else x
+
+
+def _dpm_solver(denoiser_fn: Callable[[Tensor, Tensor], Tensor], x: Tensor, levels: list[float],
+                order: int, dtype: torch.dtype, return_chain: bool, progress: bool) -> Tensor:
+    """DPM-Solver++ on ``x = x0 + sigma eps`` with the denoiser's ``x0``."""
+    steps, B = len(levels) - 1, x.shape[0]
+    lams = [log_snr(1.0, s) for s in levels]  # -log sigma
+    chain = [x] if return_chain else None
+    x0s: list[Tensor] = []
+    for i in _progress(range(steps), steps, progress, "edm (dpm-solver++)"):
+        sigma = torch.full((B,), levels[i], dtype=dtype, device=x.device)  # (B,)
+        x0 = denoiser_fn(x, sigma)
+        _check_out(x0, x)
+        x0s = [*x0s[-(order - 1):], x0] if order > 1 else [x0]
+        k = order_at(i, steps, order)
+        x = update(x, x0s, lams[max(0, i + 1 - len(x0s)):i + 1], 1.0, levels[i + 1],
+                   levels[i], lams[i + 1], k, None)
         if chain is not None:
             chain.append(x)
     return torch.stack(chain) if chain is not None else x
