@@ -80,3 +80,27 @@ def test_euler(benchmark, impl):
     fn = torchfn_euler if impl == "torchfn" else diffusers_euler
     torch.testing.assert_close(fn(), diffusers_euler(), rtol=1e-4, atol=1e-4)
     benchmark(fn)
+
+
+def torchfn_unipc():
+    with torch.no_grad():
+        return D.unipc_sample(eps_fn, SCHEDULE, (N, 2), random.key(0), steps=STEPS)
+
+
+def diffusers_unipc():
+    sched = diffusers.UniPCMultistepScheduler(num_train_timesteps=1000)
+    sched.set_timesteps(STEPS)
+    x = random.normal(random.split(random.key(0))[0], (N, 2))
+    with torch.no_grad():
+        for t in sched.timesteps:
+            x = sched.step(eps_fn(x, t.repeat(N)), t, x).prev_sample
+    return x
+
+
+@pytest.mark.parametrize("impl", ["torchfn", "diffusers"])
+def test_unipc(benchmark, impl):
+    """UniPC (bh2, order 2), 20 steps: ``unipc_sample`` against diffusers'
+    ``UniPCMultistepScheduler`` loop."""
+    fn = torchfn_unipc if impl == "torchfn" else diffusers_unipc
+    torch.testing.assert_close(fn(), diffusers_unipc(), rtol=1e-4, atol=1e-4)
+    benchmark(fn)

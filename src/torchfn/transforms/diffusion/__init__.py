@@ -61,6 +61,7 @@ from torchfn.transforms.diffusion._schedules import (
     schedule_from_betas,
     sigmoid_schedule,
 )
+from torchfn.transforms.diffusion._unipc import unipc_sample
 
 __all__ = [
     "PREDICTIONS",
@@ -100,5 +101,6 @@ __all__ = [
     "schedule_from_betas",
     "vp_alpha_bar",
     "sigmoid_schedule",
+    "unipc_sample",
     "velocity",
 ]

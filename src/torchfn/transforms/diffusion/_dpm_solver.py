@@ -145,6 +145,26 @@ def update(x: Tensor, x0s: list[Tensor], lams: list[float], alpha_t: float, sigm
     return x_t + (alpha_t * (phi / h + 1.0)) * d1 - (alpha_t * ((phi + h) / h**2 - 0.5)) * d2
 
 
+def vp_levels(schedule: Schedule, steps: int, spacing: str, karras: bool
+              ) -> tuple[list[int], list[float], list[float], list[float]]:
+    """The int timesteps a multistep solver visits and, with a final level 0 appended,
+    each level's ``alpha = sqrt(abar)``, ``sigma = sqrt(1 - abar)`` and
+    ``lambda = log(alpha / sigma)`` (diffusers' DPM-Solver and UniPC schedulers)."""
+    T = _check_schedule(schedule)
+    ts = dpm_solver_timesteps(T, steps, spacing).tolist()
+    # noise levels in diffusers' variance-exploding form, s = sqrt((1 - abar) / abar)
+    abar_all = schedule.alphas_cumprod.double()
+    levels_all = ((1 - abar_all) / abar_all).sqrt()  # (T,) increasing in t
+    if karras:
+        ts, levels = _karras(levels_all, steps)
+    else:
+        levels = [float(levels_all[t]) for t in ts]
+    levels = [*levels, 0.0]  # the end: sigma = 0
+    alphas = [1.0 / (v * v + 1.0) ** 0.5 for v in levels]
+    sigmas = [v * a for v, a in zip(levels, alphas)]
+    return ts, alphas, sigmas, [log_snr(a, s) for a, s in zip(alphas, sigmas)]
+
+
 def dpm_solver_sample(
     model_fn: ModelFn,
     schedule: Schedule,
@@ -204,7 +224,7 @@ def dpm_solver_sample(
         >>> x.shape
         torch.Size([8, 2])
     """
-    T = _check_schedule(schedule)
+    _check_schedule(schedule)
     shape = _check_shape(shape)
     _check_common(prediction, clip_x0)
     if order not in (1, 2, 3) or isinstance(order, bool):
@@ -212,18 +232,7 @@ def dpm_solver_sample(
     if stochastic and order == 3:
         raise ValueError("order must be 1 or 2 with stochastic=True (diffusers' "
                          "sde-dpmsolver++ has no third order), got 3")
-    ts = dpm_solver_timesteps(T, steps, spacing).tolist()
-    # noise levels in diffusers' variance-exploding form, s = sqrt((1 - abar) / abar)
-    abar_all = schedule.alphas_cumprod.double()
-    levels_all = ((1 - abar_all) / abar_all).sqrt()  # (T,) increasing in t
-    if karras:
-        ts, levels = _karras(levels_all, steps)
-    else:
-        levels = [float(levels_all[t]) for t in ts]
-    levels = [*levels, 0.0]  # the end: sigma = 0
-    alphas = [1.0 / (v * v + 1.0) ** 0.5 for v in levels]
-    sigmas = [v * a for v, a in zip(levels, alphas)]
-    lams = [log_snr(a, s) for a, s in zip(alphas, sigmas)]
+    ts, alphas, sigmas, lams = vp_levels(schedule, steps, spacing, karras)
     x, k_noise = _init(key, shape, dtype, device)  # (B, ...)
     stream = NoiseStream(k_noise, shape, steps, dtype, x.device) if stochastic else None
     chain = [x] if return_chain else None
