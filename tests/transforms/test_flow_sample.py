@@ -246,7 +246,7 @@ def test_given_sigmas_are_used_as_they_are():
     ({"sigmas": [1.0, 0.5]}, "ending in 0"),
     ({"sigmas": [1.0, 0.0], "shift": 3.0}, "used as given"),
     ({"time_scale": 0}, "time_scale must be"),
-    ({"order": 3}, "order is DPM-Solver's"),
+    ({"order": 3}, "order is the multistep solvers'"),
     ({"method": "dpm_solver", "order": 4}, "order must be 1, 2 or 3"),
     ({"method": "dpm_solver", "terminal": 0.02}, "terminal is not used"),
 ])
@@ -310,3 +310,21 @@ def test_dpm_solver_beats_euler_at_equal_calls(order, calls):
                               return_chain=True, **kw)
         errs[name] = (chain[-1] - exact_end(chain[0], 0.8, 0.6, start=kw)).abs().max().item()
     assert errs["dpm"] < 0.2 * errs["euler"], errs
+
+
+@pytest.mark.parametrize("order", [1, 2, 3])
+@pytest.mark.parametrize("steps, shift", [(1, 1.0), (4, 3.0), (12, 5.0)])
+def test_unipc_equals_diffusers_with_flow_sigmas(order, steps, shift):
+    """Wan's sampler: UniPC on diffusers' UniPC flow levels; both models read sigma."""
+    ref = diffusers.UniPCMultistepScheduler(use_flow_sigmas=True, flow_shift=shift,
+                                            prediction_type="flow_prediction",
+                                            solver_order=order)
+    ref.set_timesteps(steps)
+    v = gaussian_velocity(0.5, 0.8, time_scale=1000.0)
+    chain = D.flow_sample(v, (16, 3), random.key(7), steps=steps, shift=shift,
+                          method="unipc", order=order, time_scale=1000.0, return_chain=True)
+    x = chain[0]
+    for i, t in enumerate(ref.timesteps):
+        out = v(x, torch.full((16,), float(ref.sigmas[i]) * 1000.0))
+        x = ref.step(out, t, x).prev_sample
+        torch.testing.assert_close(chain[i + 1], x, atol=1e-5, rtol=1e-5)

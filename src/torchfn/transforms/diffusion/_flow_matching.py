@@ -30,10 +30,11 @@ from torchfn.transforms.diffusion._samplers import (
     _init,
     _progress,
 )
+from torchfn.transforms.diffusion._unipc import unipc_run
 
 __all__ = ["flow_sigmas", "flow_sample", "resolution_shift_mu"]
 
-METHODS = ("euler", "heun", "dpm_solver")
+METHODS = ("euler", "heun", "dpm_solver", "unipc")
 
 
 def _shifted(s: np.ndarray, shift: float) -> np.ndarray:
@@ -141,6 +142,10 @@ def flow_sample(
       posterior mean, narrower than the posterior, and the samples come out narrower than
       the data at any number of steps (tested on Gaussian data).
 
+    * ``"unipc"``: UniPC (bh2) of ``order`` 1-3 on diffusers' UniPC flow levels (a
+      uniform grid from 1 to ``1 / T`` bent by the shift, the first moved to
+      ``1 - 1e-6``, then 0), equal to ``UniPCMultistepScheduler(use_flow_sigmas=True,
+      prediction_type="flow_prediction")``, as Wan samples.
     * ``"dpm_solver"``: DPM-Solver++ multistep of ``order`` 1-3 on the flow's Gaussian
       path (``alpha = 1 - sigma``), one call per step: diffusers'
       ``DPMSolverMultistepScheduler(use_flow_sigmas=True, flow_shift=shift,
@@ -165,8 +170,8 @@ def flow_sample(
         shape: ``(B, ...)``, the samples' shape.
         key: PRNG key.
         steps: levels before the final 0 (the number of Euler steps).
-        method: ``"euler"``, ``"heun"`` or ``"dpm_solver"``.
-        order: DPM-Solver's order, 1, 2 or 3 (only with ``method="dpm_solver"``).
+        method: ``"euler"``, ``"heun"``, ``"dpm_solver"`` or ``"unipc"``.
+        order: the multistep solvers' order, 1, 2 or 3.
         shift, mu, terminal, T: the levels, see :func:`flow_sigmas`.
         sigmas: the levels themselves, decreasing from ``<= 1`` to a final 0 (``steps``
             is then ``len(sigmas) - 1``); not combined with the arguments above.
@@ -197,9 +202,9 @@ def flow_sample(
                          f"'euler', got {method!r}")
     if order not in (1, 2, 3) or isinstance(order, bool):
         raise ValueError(f"order must be 1, 2 or 3, got {order!r}")
-    if order != 2 and method != "dpm_solver":
-        raise ValueError(f"order is DPM-Solver's (method='dpm_solver'); {method!r} has its "
-                         f"own, got order={order!r}")
+    if order != 2 and method not in ("dpm_solver", "unipc"):
+        raise ValueError(f"order is the multistep solvers' (method='dpm_solver' or 'unipc'); "
+                         f"{method!r} has its own, got order={order!r}")
     if not (isinstance(time_scale, (int, float)) and time_scale > 0):
         raise ValueError(f"time_scale must be a float > 0, got {time_scale!r}")
     if sigmas is not None:
@@ -210,6 +215,8 @@ def flow_sample(
         steps = len(levels) - 1
     elif method == "dpm_solver":
         levels = _dpm_levels(steps, shift, mu, terminal, T)
+    elif method == "unipc":
+        levels = _unipc_levels(steps, shift, mu, terminal, T)
     else:
         levels = flow_sigmas(steps, shift=shift, mu=mu, terminal=terminal, T=T).tolist()
 
@@ -223,8 +230,9 @@ def flow_sample(
         _check_out(out, x)
         return out
 
-    if method == "dpm_solver":
-        return _dpm_solver(v, x, levels, order, return_chain, progress)
+    if method in ("dpm_solver", "unipc"):
+        solve = _dpm_solver if method == "dpm_solver" else _unipc
+        return solve(v, x, levels, order, return_chain, progress)
     chain = [x] if return_chain else None
     for i in _progress(range(steps), steps, progress, f"flow ({method})"):
         s, s_next = levels[i], levels[i + 1]
@@ -273,3 +281,27 @@ def _dpm_solver(v: Callable[[Tensor, float], Tensor], x: Tensor, levels: list[fl
         if chain is not None:
             chain.append(x)
     return torch.stack(chain) if chain is not None else x
+
+
+def _unipc_levels(steps: int, shift: float, mu: float | None, terminal: float | None,
+                  T: int) -> list[float]:
+    """diffusers' UniPC levels for flows: ``linspace(1, 1/T, steps + 1)`` without its
+    last, bent by the shift, the first moved to ``1 - 1e-6`` (log(alpha) is finite
+    there), then a final 0; float32 values, as diffusers keeps them."""
+    flow_sigmas(max(steps, 2), shift=shift, mu=mu, T=T)  # the same argument checks
+    if terminal is not None:
+        raise ValueError("terminal is not used by diffusers' UniPC levels; pass sigmas")
+    shift = math.exp(mu) if mu is not None else shift
+    levels = _shifted(np.linspace(1.0, 1.0 / T, steps + 1)[:-1], shift)
+    if abs(levels[0] - 1.0) < 1e-6:
+        levels[0] -= 1e-6
+    return np.append(levels, 0.0).astype(np.float32).astype(np.float64).tolist()
+
+
+def _unipc(v: Callable[[Tensor, float], Tensor], x: Tensor, levels: list[float],
+           order: int, return_chain: bool, progress: bool) -> Tensor:
+    """UniPC (bh2) on ``x_sigma = (1 - sigma) x0 + sigma eps``, ``x0 = x - sigma v``."""
+    alphas = [1.0 - s for s in levels]
+    lams = [log_snr(a, s) for a, s in zip(alphas, levels)]
+    return unipc_run(x, lambda i, x: x - levels[i] * v(x, levels[i]), alphas, levels, lams,
+                     order, "bh2", return_chain, progress, "flow (unipc)")

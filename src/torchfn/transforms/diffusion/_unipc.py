@@ -63,7 +63,7 @@ def _solve(rks: list[float], b: list[float]) -> list[float]:
     return torch.linalg.solve(R, torch.tensor(b[:n], dtype=torch.float64)).tolist()
 
 
-def _step(x: Tensor, ms: list[Tensor], lams: list[float], alpha_t: float, sigma_t: float,
+def unipc_step(x: Tensor, ms: list[Tensor], lams: list[float], alpha_t: float, sigma_t: float,
           sigma_s: float, lam_t: float, order: int, bh: str, m_t: Tensor | None = None
           ) -> Tensor:
     """UniP (``m_t`` None) or UniC (with the new prediction ``m_t`` at the step's end)
@@ -142,22 +142,37 @@ def unipc_sample(
         raise ValueError(f"spacing must be one of {SPACINGS}, got {spacing!r}")
     ts, alphas, sigmas, lams = vp_levels(schedule, steps, spacing, karras)
     x, _ = _init(key, shape, dtype, device)  # (B, ...)
-    chain = [x] if return_chain else None
-    ms: list[Tensor] = []
-    last, last_order = None, 1
-    for i in _progress(range(steps), steps, progress, "unipc"):
+
+    def x0_at(i: int, x: Tensor) -> Tensor:
         tt = torch.full((shape[0],), ts[i], dtype=torch.int64, device=x.device)  # (B,)
         out = model_fn(x, tt)  # (B, ...)
         _check_out(out, x)
-        m = clip(_x0_eps(x, out, alphas[i] ** 2, prediction)[0], clip_x0)
+        return clip(_x0_eps(x, out, alphas[i] ** 2, prediction)[0], clip_x0)
+
+    return unipc_run(x, x0_at, alphas, sigmas, lams, order, solver_type, return_chain,
+                     progress, "unipc")
+
+
+def unipc_run(x: Tensor, x0_at, alphas: list[float], sigmas: list[float], lams: list[float],
+              order: int, solver_type: str, return_chain: bool, progress: bool,
+              desc: str) -> Tensor:
+    """UniPC over the levels: at each, ``x0_at(i, x)`` (one model call), the corrector
+    of the step before, then the predictor; ``lower_order_final`` and the warm-up as
+    diffusers'. Any Gaussian path: the levels' ``alpha``, ``sigma``, ``lambda``."""
+    steps = len(alphas) - 1
+    chain = [x] if return_chain else None
+    ms: list[Tensor] = []
+    last, last_order = None, 1
+    for i in _progress(range(steps), steps, progress, desc):
+        m = x0_at(i, x)
         if last is not None:  # UniC: redo the last step with this prediction
-            x = _step(last, ms, lams[i - len(ms):i], alphas[i], sigmas[i], sigmas[i - 1],
-                      lams[i], last_order, solver_type, m_t=m)
+            x = unipc_step(last, ms, lams[i - len(ms):i], alphas[i], sigmas[i], sigmas[i - 1],
+                           lams[i], last_order, solver_type, m_t=m)
         ms = [*ms[-(order - 1):], m] if order > 1 else [m]
         k = min(order, steps - i, len(ms))  # lower_order_final, and the warm-up
         last, last_order = x, k
-        x = _step(x, ms, lams[i + 1 - len(ms):i + 1], alphas[i + 1], sigmas[i + 1], sigmas[i],
-                  lams[i + 1], k, solver_type)
+        x = unipc_step(x, ms, lams[i + 1 - len(ms):i + 1], alphas[i + 1], sigmas[i + 1],
+                       sigmas[i], lams[i + 1], k, solver_type)
         if chain is not None:
             chain.append(x)
     return torch.stack(chain) if chain is not None else x
