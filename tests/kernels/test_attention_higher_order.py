@@ -1,16 +1,18 @@
 """Higher-order compositions through ``attention`` equal the float64 reference: every
-order-2 pairing of forward and reverse mode, and order 3 wherever the outer level is
-reverse mode or sits over two reverse levels. An outer forward level over a forward
-rule that differentiates with ``torch.func`` inside would see none of its ops (zeros):
-those raise, never answer wrongly."""
+order-2 pairing of forward and reverse mode and every order-3 one. The fused rules serve
+all but a forward level over two levels with forward mode among them, which would see
+none of the ops the inner rules run with ``torch.func`` (zeros): those calls take plain
+ops (``_autograd.past_the_rules``), and without that the rules raise, never answer
+wrongly."""
 
 import importlib.util
+from functools import partial
 
 import pytest
 import torch
 from torch.func import grad, hessian, jacfwd, jacrev, jvp, vmap
 
-from torchfn.kernels import attention, reference_attention
+from torchfn.kernels import _autograd, attention, reference_attention
 
 HAS_TRITON = all(importlib.util.find_spec(m) for m in ("triton", "torchfn.kernels._triton_ops"))
 BACKENDS = [
@@ -57,8 +59,16 @@ WORKS = {
     "jacfwd(jacrev(jacrev))": lambda f, x: jacfwd(jacrev(jacrev(f)))(x),
     "jvp(grad(grad))": lambda f, x: jvp(lambda y: grad(lambda z: grad(f)(z).sum())(y), (x,),
                                         (ONES.to(x.dtype),))[1],
+    "jacrev(jacrev(jacfwd))": lambda f, x: jacrev(jacrev(jacfwd(f)))(x),
+    # a forward level over forward mode: plain ops
+    "jacfwd(jacfwd(jacfwd))": lambda f, x: jacfwd(jacfwd(jacfwd(f)))(x),
+    "jacfwd(jacrev(jacfwd))": lambda f, x: jacfwd(jacrev(jacfwd(f)))(x),
+    "jacfwd(hessian)": lambda f, x: jacfwd(hessian(f))(x),
+    "jacfwd(jacrev(jacrev(jacrev)))": lambda f, x: jacfwd(jacrev(jacrev(jacrev(f))))(x),
+    "jacrev(jacrev(jacrev(jacfwd)))": lambda f, x: jacrev(jacrev(jacrev(jacfwd(f))))(x),
+    "vmap(jacfwd(hessian))": lambda f, x: vmap(jacfwd(hessian(f)))(torch.stack([x, 0.5 * x])),
 }
-REFUSED = {
+REFUSED = {  # what the rules alone would be asked, with the plain-op path switched off
     "jacfwd(jacfwd(jacfwd))": lambda f, x: jacfwd(jacfwd(jacfwd(f)))(x),
     "jacfwd(jacrev(jacfwd))": lambda f, x: jacfwd(jacrev(jacfwd(f)))(x),
     "jacfwd(hessian)": lambda f, x: jacfwd(hessian(f))(x),
@@ -75,7 +85,41 @@ def test_composition_equals_the_reference(scalars, name):
 
 
 @pytest.mark.parametrize("name", list(REFUSED))
-def test_forward_mode_over_third_order_is_refused(scalars, name):
+def test_the_rules_refuse_what_they_cannot_give(scalars, name, monkeypatch):
     ours, _, x, _ = scalars
+    monkeypatch.setattr(_autograd, "past_the_rules", lambda: False)
     with pytest.raises(NotImplementedError, match="take the outer derivative in reverse"):
         REFUSED[name](ours, x)
+
+
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=pytest.mark.skipif(
+    not HAS_TRITON, reason="triton is missing"))])
+def test_plain_op_path_keeps_every_option(backend):
+    """``jacfwd(hessian)`` through the plain-op path with a mask that empties a row,
+    a window, segments, softcap, ALiBi, dropout and lse equals the reference's."""
+    from torchfn import random
+
+    g = torch.Generator().manual_seed(5)
+    dtype = torch.float64 if backend == "torch" else torch.float32
+    q = torch.randn(1, 2, 4, 8, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(1, 1, 6, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    mask = torch.ones(4, 6, dtype=torch.bool)
+    mask[1] = False  # query 1 sees no key
+    opts = dict(mask=mask, window=(3, None), causal=True, segment_ids=(
+        torch.tensor([[0, 0, 1, 1]]), torch.tensor([[0, 0, 0, 1, 1, 1]])), softcap=5.0,
+        alibi_slopes=torch.tensor([0.5, 0.25]), dropout=0.25, key=random.key(1),
+        return_lse=True)
+
+    def make(attn, dt):
+        def f(x):
+            x = x.to(dt)
+            o, lse = attn(q.to(dt) * x[0], k.to(dt) * x[1], v.to(dt) * x[0], **opts)
+            return (o * o).sum() + lse.where(lse.isfinite(), 0).sum()
+        return f
+
+    x = torch.tensor([1.1, 0.9], dtype=dtype)
+    got = jacfwd(hessian(make(partial(attention, backend=backend), dtype)))(x)
+    want = jacfwd(hessian(make(reference_attention, torch.float64)))(x.double())
+    assert want.abs().max() > 0.1 and got.isfinite().all()
+    tol = 1e-10 if backend == "torch" else 2e-4
+    assert ((got.double() - want).abs().max() / want.abs().max()).item() <= tol

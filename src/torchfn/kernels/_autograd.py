@@ -18,6 +18,10 @@
    grad-of-grad, ``hessian``) differentiate the materialised vjp formula of
    ``_reference`` with ``torch.func``, a block of query rows at a time
    (``_second_order``).
+   A forward level over two levels with forward mode among them (``jacfwd(hessian)``)
+   would see none of the ops the rules run with ``torch.func``: ``attention`` reads the
+   transform stack and computes those calls in plain torch ops (``past_the_rules``);
+   the rules refuse what reaches them anyway (``check_forward_levels``).
 4. ``_AttentionCompiled``: a twin of ``_Attention`` without ``jvp`` (dynamo does not
    trace an ``autograd.Function`` that defines one) and without second order, used under
    ``torch.compile``. Inside a ``torch.func`` transform that is itself being compiled
@@ -583,7 +587,6 @@ def attention(
         o, lse = _call(attention_fwd, q, k, v, mask, causal, scale, backend, *window, q_ids,
                        kv_ids, softcap, dropout, seeds, slopes)
         return (o, lse) if return_lse else o
-    fn = _Attention
     # two ints and two tensors, not tuples: a tuple would be a pytree input to the Functions
     args = (deterministic, *window, *(segments if segments is not None else (None, None)),
             softcap, dropout, seeds, return_lse, slopes)
@@ -592,13 +595,48 @@ def attention(
             # dynamo cannot trace an autograd.Function inside a torch.func transform
             # (grad, vmap, ...) with custom ops in it: run this call eagerly
             return _eager()(q, k, v, mask, causal, scale, backend, *args)
-        fn = _AttentionCompiled
-    o, lse = fn.apply(q, k, v, mask, causal, scale, backend, *args)
-    return (o, lse) if return_lse else o
+        o, lse = _AttentionCompiled.apply(q, k, v, mask, causal, scale, backend, *args)
+        return (o, lse) if return_lse else o
+    return _eager_attention(q, k, v, mask, causal, scale, backend, *args)
+
+
+def past_the_rules() -> bool:
+    """Whether the ``torch.func`` derivative levels active now (outermost first) ask the
+    Functions' rules for what they cannot give: a forward-mode level with two or more
+    derivative levels inside it, one of them forward mode (``jacfwd(hessian)``,
+    ``jacfwd(jacfwd(jacfwd))``, ``jacfwd(jacrev(jacfwd))``). Such a level would see none
+    of the ops that the inner rules run with ``torch.func`` (see
+    :func:`check_forward_levels`). ``vmap`` levels do not count, and
+    ``torch.autograd.forward_ad`` cannot hold a ``torch.func`` forward level (torch
+    refuses nested forward mode), so it adds no case."""
+    if not torch._C._are_functorch_transforms_active():
+        return False
+    kinds = [i.key() for i in retrieve_all_functorch_interpreters()
+             if i.key() in (TransformType.Grad, TransformType.Jvp)]
+    return any(kind == TransformType.Jvp and len(kinds) - i > 2
+               and TransformType.Jvp in kinds[i + 1:] for i, kind in enumerate(kinds))
+
+
+def _materialised(q, k, v, mask, causal, scale, win_l, win_r, q_ids, kv_ids, softcap,
+                  dropout, seeds, slopes) -> tuple[Tensor, Tensor]:
+    """(o, lse) in plain torch ops (``_reference``), which every transform differentiates
+    to any order: O(B * H * Nq * Nk) memory, for what :func:`past_the_rules` picks out.
+    fp16 / bf16 are computed in fp32, as the kernels accumulate."""
+    acc = _lse_dtype(q.dtype)
+    o, lse = _reference._attention(
+        q.to(acc), k.to(acc), v.to(acc), mask, causal, scale, (win_l, win_r),
+        None if q_ids is None else (q_ids, kv_ids), softcap, dropout, seeds,
+        None if slopes is None else slopes.to(acc))
+    return o.to(q.dtype), lse
 
 
 def _eager_attention(q, k, v, mask, causal, scale, backend, *args):
-    o, lse = _Attention.apply(q, k, v, mask, causal, scale, backend, *args)
+    if past_the_rules():  # third order with forward mode outside: plain ops
+        _det, win_l, win_r, q_ids, kv_ids, softcap, dropout, seeds, _lse, slopes = args
+        o, lse = _materialised(q, k, v, mask, causal, scale, win_l, win_r, q_ids, kv_ids,
+                               softcap, dropout, seeds, slopes)
+    else:
+        o, lse = _Attention.apply(q, k, v, mask, causal, scale, backend, *args)
     return (o, lse) if args[-2] else o
 
 

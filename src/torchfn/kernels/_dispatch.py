@@ -440,7 +440,9 @@ def attention(
     the batch. Second order (grad-of-grad, Hessian-vector products ``jvp(grad(f))``,
     ``hessian``) differentiates the materialised backward formula a block of query
     rows at a time, each block at most 2^22 scores (2^26 on a GPU): O(B * H * rows * Nk)
-    memory, not O(B * H * Nq * Nk). Under ``torch.compile`` forward mode is unavailable.
+    memory, not O(B * H * Nq * Nk). Third order works in every pairing; a forward level
+    over two with forward mode among them (``jacfwd(hessian)``) runs materialised, in
+    plain torch ops. Under ``torch.compile`` forward mode is unavailable.
 
     >>> import torch
     >>> q = torch.ones(2, 4, 8, 16)
