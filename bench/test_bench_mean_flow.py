@@ -1,4 +1,5 @@
-"""Bench: one gradient of ``losses.mean_flow_loss`` through a Transformer, CPU, float32.
+"""Bench: one gradient of ``losses.mean_flow_loss`` (and of ``losses.scm_loss``) through a
+Transformer, CPU, float32.
 
 The loss's target is a ``jvp`` of the network, and its gradient a reverse pass over
 that, through attention. SDPA has no forward-mode rule, so a PyTorch user today writes
@@ -11,7 +12,8 @@ on 32k feature tokens a batch, as (B, N) = (128, 256) and (32, 1024):
 * ``materialised``: ``softmax(q k^T / sqrt(d)) v`` in torch ops (``attend=``).
 
 Also the flow-matching loss's gradient with torchfn attention, the cost MeanFlow adds
-to (no jvp).
+to (no jvp). sCM's loss (``test_scm_grad``) also takes a jvp of the network, but its
+gradient flows only through the jvp's primal output: no reverse pass over forward mode.
 
 Run: ``pytest bench/test_bench_mean_flow.py --benchmark-only
 --benchmark-columns=min,median``.
@@ -52,6 +54,21 @@ def test_mean_flow_grad(benchmark, impl, n):
     else:
         def loss(p):
             return losses.mean_flow_loss(u(p), x0, random.key(2))
+    step = torch.func.grad(loss)
+    step(params)
+    benchmark.pedantic(step, args=(params,), rounds=5, iterations=1, warmup_rounds=1)
+
+
+@pytest.mark.parametrize("impl", ["torchfn", "materialised"])
+@pytest.mark.parametrize("n", [256, 1024])
+def test_scm_grad(benchmark, impl, n):
+    benchmark.group = f"scm_grad_N{n}"
+    params, x0, u = setup(materialised if impl == "materialised" else None, n)
+
+    def loss(p):
+        return losses.scm_loss(lambda x_in, t: u(p)(x_in, t, t), x0, random.key(2),
+                               time_scale=10.0)
+
     step = torch.func.grad(loss)
     step(params)
     benchmark.pedantic(step, args=(params,), rounds=5, iterations=1, warmup_rounds=1)

@@ -1,25 +1,28 @@
-"""examples/flow_matching_2d.py: a small run shows OT pairing's straight paths and
-MeanFlow's one-step sampling (two calls already land near the data, where plain flow
-matching with Euler does not), and a seed fixes every number."""
+"""examples/flow_matching_2d.py: a small run shows OT pairing's straight paths,
+MeanFlow's few-step sampling and the consistency models' one-step sampling (one or two
+calls already land near the data, where plain flow matching with Euler does not), and a
+seed fixes every number."""
 
 import importlib.util
 import json
 
 NO_PLOT = [] if importlib.util.find_spec("matplotlib") else ["--no-plot"]
 SMALL = ["--steps", "300", "--batch", "128", "--hidden", "64", "--depth", "2",
-         "--calls", "2", "32", "--samples", "500", "--nll-points", "200", "--seed", "0"]
+         "--calls", "1", "2", "32", "--samples", "500", "--nll-points", "200", "--seed", "0"]
 
 
-def test_ot_pairing_and_mean_flow_sample_well_in_two_calls(tmp_path, example):
+def test_ot_pairing_mean_flow_and_consistency_sample_well_in_one_or_two_calls(tmp_path, example):
     fm = example("flow_matching_2d")
     m = fm.main(SMALL + NO_PLOT + ["--out", str(tmp_path / "a")])
     saved = json.loads((tmp_path / "a" / "metrics.json").read_text())
     assert saved["energy_distance"] == m["energy_distance"]
     ed = m["energy_distance"]
-    assert set(ed) == {"flow", "flow_ot", "edm", "mean_flow", "data_baseline"}
+    assert set(ed) == {"flow", "flow_ot", "edm", "mean_flow", "ict", "scm", "data_baseline"}
     two, many = "2_calls (euler2)", "32_calls (euler32)"
     assert ed["flow_ot"][two] < 0.1 * ed["flow"][two]
     assert ed["mean_flow"]["2_calls (mean_flow2)"] < 0.1 * ed["flow"][two]
+    # one call of a consistency model (iCT; sCM, whose loss takes a jvp of the MLP)
+    assert max(ed["ict"]["1_calls (cm1)"], ed["scm"]["1_calls (scm1)"]) < 0.1 * ed["flow"][two]
     # with enough calls every objective gets close: far below the two-step random pairing
     assert max(ed["flow"][many], ed["flow_ot"][many], ed["edm"]["32_calls (heun16)"]) < \
         0.1 * ed["flow"][two]

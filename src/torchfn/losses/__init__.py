@@ -5,6 +5,7 @@ from torchfn.losses._classification import (
     binary_cross_entropy_with_logits,
     cross_entropy,
 )
+from torchfn.losses._consistency import consistency_loss
 from torchfn.losses._diffusion import diffusion_loss, min_snr_weight
 from torchfn.losses._ebm import ebm_loss
 from torchfn.losses._edm import edm_loss
@@ -12,6 +13,7 @@ from torchfn.losses._flow_matching import flow_matching_loss, ot_pairing
 from torchfn.losses._gan import gan_losses, gradient_penalty, wgan_losses
 from torchfn.losses._mean_flow import mean_flow_loss
 from torchfn.losses._regression import huber, l1, mse
+from torchfn.losses._scm import scm_loss
 from torchfn.losses._score_matching import score_matching
 from torchfn.losses._vae import gaussian_kl, vae_elbo
 
@@ -24,6 +26,8 @@ __all__ = [
     "ot_pairing",
     "mean_flow_loss",
     "edm_loss",
+    "consistency_loss",
+    "scm_loss",
     "score_matching",
     # classification, regression, VAE, GAN (_classification, _regression, _vae, _gan)
     "cross_entropy",

@@ -1,6 +1,7 @@
 """Diffusion and flow models: discrete-time DDPM / DDIM / DPM-Solver++ (schedules, the
 forward process, samplers), rectified flow (``flow_sample``), EDM (``edm_sample``) and
-the VP probability flow.
+the VP probability flow, and consistency models (``consistency_sample``,
+``trigflow_sample``).
 
     >>> import torch
     >>> from torchfn import random
@@ -16,9 +17,18 @@ the VP probability flow.
     torch.Size([64, 2])
 
 The training losses live in ``torchfn.losses``: ``diffusion_loss``,
-``flow_matching_loss``, ``mean_flow_loss``, ``edm_loss``.
+``flow_matching_loss``, ``mean_flow_loss``, ``edm_loss``, ``consistency_loss``,
+``scm_loss``.
 """
 
+from torchfn.transforms.diffusion._consistency import (
+    consistency_function,
+    consistency_levels,
+    consistency_sample,
+    consistency_scalings,
+    trigflow_consistency,
+    trigflow_sample,
+)
 from torchfn.transforms.diffusion._dpm_solver import dpm_solver_sample, dpm_solver_timesteps
 from torchfn.transforms.diffusion._edm import edm_denoiser, edm_sample, edm_scalings, edm_sigmas
 from torchfn.transforms.diffusion._euler import euler_levels, euler_sample
@@ -67,6 +77,10 @@ __all__ = [
     "PREDICTIONS",
     "Schedule",
     "classifier_free_guidance",
+    "consistency_function",
+    "consistency_levels",
+    "consistency_sample",
+    "consistency_scalings",
     "cosine_schedule",
     "ddim_sample",
     "ddim_step",
@@ -101,6 +115,8 @@ __all__ = [
     "schedule_from_betas",
     "vp_alpha_bar",
     "sigmoid_schedule",
+    "trigflow_consistency",
+    "trigflow_sample",
     "unipc_sample",
     "velocity",
 ]
