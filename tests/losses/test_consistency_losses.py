@@ -12,7 +12,6 @@ import pytest
 import torch
 from torch.func import grad, jacfwd, vmap
 
-import torchfn
 from torchfn import losses, random
 from torchfn.losses._scm import _tangent
 from torchfn.transforms import diffusion as D
@@ -154,31 +153,13 @@ def test_weighting_is_the_papers():
     torch.testing.assert_close(weighted, math.exp(w0) * plain - w0)
 
 
-def test_scm_trains_through_a_transformer_with_torchfn_attention():
+def test_scm_trains_through_a_transformer_with_torchfn_attention(grad_matches_materialised):
     """sCM's loss takes a jvp of the network (the paper had to write a JVP kernel for
     FlashAttention); grad of it runs reverse mode over the jvp's primal. Both go
     through models.TransformerEncoder's attention, and the gradient equals the same
     model's with the materialised reference attention (plain torch ops)."""
-    from torchfn.kernels import reference_attention
-
-    def model(attend):
-        return torchfn.Model(torchfn.models.TransformerEncoder(dim=8, heads=2, depth=1,
-                                                               mlp_ratio=2, attend=attend))
-
-    ours, ref = model(None), model(reference_attention)
-    params = torchfn.tree.map(lambda p: p.double(), ours.init(random.key(7)))
-    x0 = random.normal(random.key(8), (4, 5, 8), dtype=torch.float64)  # (B, N, D) tokens
-
-    def loss(enc, params):
-        def F(x_in, t):
-            return enc.apply(params, x_in + t[:, None, None])
-        return losses.scm_loss(F, x0, random.key(9), time_scale=2.0)
-
-    g = grad(lambda p: loss(ours, p))(params)
-    want = grad(lambda p: loss(ref, p))(params)
-    for name in params:
-        torch.testing.assert_close(g[name], want[name], rtol=1e-9, atol=1e-11)
-    assert max(x.abs().max().item() for x in g.values()) > 1e-3
+    grad_matches_materialised(lambda net, x0: losses.scm_loss(
+        lambda x_in, t: net(x_in + t[:, None, None]), x0, random.key(9), time_scale=2.0))
 
 
 def test_vmap_per_example_losses_equal_a_loop():
