@@ -104,3 +104,83 @@ def test_unipc(benchmark, impl):
     fn = torchfn_unipc if impl == "torchfn" else diffusers_unipc
     torch.testing.assert_close(fn(), diffusers_unipc(), rtol=1e-4, atol=1e-4)
     benchmark(fn)
+
+
+def _noise_of(key, steps):
+    """diffusers' ``randn_tensor`` replaced by the torchfn sampler's noise stream."""
+    from torchfn.transforms._noise import NoiseStream
+
+    stream = NoiseStream(random.split(key)[1], (N, 2), max(1, steps - 1), torch.float32, None)
+    draws = iter(range(10**6))
+    return lambda *a, **k: stream(min(next(draws), max(0, steps - 2)))
+
+
+LCM_SCHEDULE = D.schedule_from_betas(torch.linspace(0.00085**0.5, 0.012**0.5, 1000,
+                                                    dtype=torch.float64) ** 2)
+LCM_STEPS, CM_STEPS = 8, 4
+
+
+def torchfn_lcm():
+    with torch.no_grad():
+        return D.lcm_sample(eps_fn, LCM_SCHEDULE, (N, 2), random.key(0), steps=LCM_STEPS)
+
+
+def diffusers_lcm():
+    sched = diffusers.LCMScheduler()
+    sched.set_timesteps(LCM_STEPS)
+    x = random.normal(random.split(random.key(0))[0], (N, 2))
+    with torch.no_grad():
+        for t in sched.timesteps:
+            x = sched.step(eps_fn(x, t.repeat(N)), t, x).prev_sample
+    return x
+
+
+@pytest.mark.parametrize("impl", ["torchfn", "diffusers"])
+def test_lcm(benchmark, impl, monkeypatch):
+    """LCM, 8 steps: ``lcm_sample`` against diffusers' ``LCMScheduler`` loop (equal
+    given the same noise, checked first; then each draws its own)."""
+    import diffusers.schedulers.scheduling_lcm as lcm
+
+    with monkeypatch.context() as m:
+        m.setattr(lcm, "randn_tensor", _noise_of(random.key(0), LCM_STEPS))
+        torch.testing.assert_close(torchfn_lcm(), diffusers_lcm(), rtol=1e-4, atol=1e-4)
+    benchmark(torchfn_lcm if impl == "torchfn" else diffusers_lcm)
+
+
+# the network sees 250 log(sigma), as diffusers' pipelines pass OpenAI's checkpoints
+CM_F = D.consistency_function(lambda x_in, c: eps_float(x_in, 1000 * c))
+
+
+def torchfn_cm(sigmas):
+    with torch.no_grad():
+        return D.consistency_sample(CM_F, (N, 2), random.key(0), sigmas=sigmas,
+                                    clip=(-1.0, 1.0))  # diffusers' default clip_denoised
+
+
+def diffusers_cm():
+    sched = diffusers.CMStochasticIterativeScheduler()
+    sched.set_timesteps(CM_STEPS)
+    x = random.normal(random.split(random.key(0))[0], (N, 2)) * sched.init_noise_sigma
+    with torch.no_grad():
+        for t in sched.timesteps:
+            out = eps_float(sched.scale_model_input(x, t), t.float().repeat(N))
+            x = sched.step(out, t, x).prev_sample
+    return x
+
+
+@pytest.mark.parametrize("impl", ["torchfn", "diffusers"])
+def test_consistency(benchmark, impl, monkeypatch):
+    """Multistep consistency sampling, 4 levels: ``consistency_sample`` against
+    diffusers' ``CMStochasticIterativeScheduler`` loop (equal given the same noise)."""
+    import diffusers.schedulers.scheduling_consistency_models as cm
+
+    ref = diffusers.CMStochasticIterativeScheduler()
+    ref.set_timesteps(CM_STEPS)
+    sigmas = ref.sigmas[:-1].double()
+    with monkeypatch.context() as m:
+        m.setattr(cm, "randn_tensor", _noise_of(random.key(0), CM_STEPS))
+        torch.testing.assert_close(torchfn_cm(sigmas), diffusers_cm(), rtol=1e-4, atol=1e-4)
+    if impl == "torchfn":
+        benchmark(torchfn_cm, sigmas)
+    else:
+        benchmark(diffusers_cm)
