@@ -19,6 +19,8 @@ torchfn keeps them on the device.
 AdaBelief, Adan, AdEMAMix, ADOPT: against ``pytorch_optimizer`` (foreach, in place).
 SOAP: against ``pytorch_optimizer.SOAP`` (per leaf, in place); 10 rounds cover one
 refresh of the bases (every 10 steps) in both.
+LaProp, StableAdamW, C-Lion (``cautious(lion)`` + ``decay_weights``): against
+``pytorch_optimizer`` (``foreach=True`` where it has that path).
 
 Run: ``pytest bench/test_bench_optim_more.py --benchmark-only
 --benchmark-columns=min,median``; ratios are median torchfn / median torch.
@@ -71,6 +73,15 @@ CASES = {
                                         foreach=True), True),
     "adopt": (lambda: optim.adopt(1e-3), lambda ps: po.ADOPT(ps, foreach=True), True),
     "soap": (lambda: optim.soap(), lambda ps: po.SOAP(ps), True),
+    "laprop": (lambda: optim.laprop(1e-3, weight_decay=0.01),
+               lambda ps: po.LaProp(ps, lr=1e-3, weight_decay=0.01, foreach=True), True),
+    # pytorch_optimizer has no foreach path for StableAdamW's per-tensor RMS or for
+    # cautious steps: both loop over the leaves
+    "stable_adamw": (lambda: optim.stable_adamw(1e-3),
+                     lambda ps: po.StableAdamW(ps, lr=1e-3, foreach=True), True),
+    "c_lion": (lambda: optim.chain(optim.cautious(optim.lion(1e-4)),
+                                   optim.decay_weights(1e-4, 0.01)),
+               lambda ps: po.Lion(ps, lr=1e-4, weight_decay=0.01, cautious=True), True),
 }
 
 

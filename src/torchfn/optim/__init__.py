@@ -24,6 +24,7 @@ from torchfn.optim._adan import AdanState, adan
 from torchfn.optim._ademamix import AdEMAMixState, ademamix
 from torchfn.optim._adopt import ADOPTState, adopt
 from torchfn.optim._base import EmptyState, GradientTransformation, apply_updates, chain, identity
+from torchfn.optim._cautious import DecayWeightsState, cautious, decay_weights
 from torchfn.optim._clip import (
     adaptive_grad_clip,
     clip,
@@ -49,6 +50,7 @@ from torchfn.optim._ema import (
 from torchfn.optim._finite import ApplyIfFiniteState, all_finite, apply_if_finite
 from torchfn.optim._hyperparams import InjectHyperparamsState, inject_hyperparams
 from torchfn.optim._lamb import LambState, lamb, scale_by_trust_ratio
+from torchfn.optim._laprop import LaPropState, laprop
 from torchfn.optim._lbfgs import LbfgsState, lbfgs, scale_by_lbfgs
 from torchfn.optim._linesearch import (
     LineSearchState,
@@ -98,6 +100,7 @@ from torchfn.optim._schedules import (
 )
 from torchfn.optim._sgd import SGDState, sgd
 from torchfn.optim._soap import SOAPState, soap
+from torchfn.optim._stable_adamw import StableAdamWState, stable_adamw
 
 __all__ = [
     # protocol
@@ -124,6 +127,8 @@ __all__ = [
     "ademamix",
     "adopt",
     "soap",
+    "laprop",
+    "stable_adamw",
     "lbfgs",
     "muon",
     "prodigy",
@@ -146,6 +151,8 @@ __all__ = [
     "scale",
     "scale_by_schedule",
     "add_decayed_weights",
+    "decay_weights",
+    "cautious",
     "masked",
     "partition",
     "freeze",
@@ -194,6 +201,9 @@ __all__ = [
     "AdEMAMixState",
     "ADOPTState",
     "SOAPState",
+    "LaPropState",
+    "StableAdamWState",
+    "DecayWeightsState",
     "LbfgsState",
     "LineSearchState",
     "MuonState",
