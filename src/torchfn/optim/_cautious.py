@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 import optree
 from torch import Tensor
 
-from torchfn.optim import _checks
+from torchfn.optim import _checks, _ops
 from torchfn.optim._base import (
     GradientTransformation,
     check_state,
@@ -52,10 +52,14 @@ def cautious(inner: GradientTransformation) -> GradientTransformation:
         updates, state = inner.update(grads, state, params)
         u, spec = optree.tree_flatten(updates)
         g = optree.tree_leaves(grads)
+        mutate = _ops.can_mutate(u)
         out = []
         for ui, gi in zip(u, g):
-            keep = (ui * gi < 0).to(ui.dtype)
-            out.append(ui * keep * (keep.numel() / (keep.sum() + 1)))
+            keep = ui * gi  # a fresh buffer: becomes the 0/1 mask, then the scaled mask
+            keep = keep.lt_(0) if mutate else (keep < 0).to(ui.dtype)
+            scale = keep.numel() / (keep.sum() + 1)
+            keep = keep.mul_(scale) if mutate else keep * scale
+            out.append(ui * keep)  # inner's updates may be the caller's tensors: not in place
         return optree.tree_unflatten(spec, out), state
 
     return GradientTransformation(inner.init, update)
@@ -87,8 +91,7 @@ def decay_weights(lr: Any, weight_decay: Any) -> GradientTransformation:
         check_state(state, DecayWeightsState, "decay_weights")
         u, spec = optree.tree_flatten(grads)
         p = check_params(params, spec, "decay_weights")
-        factor = lr_at(lr, state.count) * weight_decay
-        out = [ui - factor * pi for ui, pi in zip(u, p)]
+        out = _ops.add(u, p, alpha=-(lr_at(lr, state.count) * weight_decay))
         return optree.tree_unflatten(spec, out), DecayWeightsState(state.count + 1)
 
     return GradientTransformation(init, update)

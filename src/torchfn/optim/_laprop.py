@@ -89,9 +89,13 @@ def laprop(
         root_bc = torch.sqrt(1 - b2 ** count.to(torch.float64))
         if g:  # float64 scalars in the leaves' dtype (a vmapped 0-d tensor would promote)
             debias, root_bc = debias.to(g[0].dtype), root_bc.to(g[0].dtype)
-        denom = _ops.div_(_ops.add_scalar_(_ops.sqrt(_ops.add_scalar(nu, eps_root)), eps),
-                          root_bc)
-        mu = _ops.add(_ops.mul(mu, b1), _ops.div_list(g, denom), alpha=(1 - b1) * lr_t)
+        root = _ops.add_scalar(nu, eps_root)  # fresh: the denominator, in place
+        if _ops.can_mutate(root):
+            torch._foreach_sqrt_(root)
+        else:
+            root = _ops.sqrt(root)
+        denom = _ops.div_(_ops.add_scalar_(root, eps), root_bc)
+        mu = _ops.add_(_ops.mul(mu, b1), _ops.div_into_(g, denom), alpha=(1 - b1) * lr_t)
         updates = _ops.mul(mu, -1.0 / debias)
         if has_wd:  # p' = (p + u)(1 - lr wd): u' = u (1 - lr wd) - lr wd p
             updates = _ops.add_(_ops.mul_(updates, 1 - lr_t * weight_decay), p,

@@ -92,13 +92,17 @@ def stable_adamw(
             d1, d2 = d1.to(g[0].dtype), d2.to(g[0].dtype)
         mu = _ops.lerp(mu, g, 1 - d1)
         nu = _ops.addcmul_(_ops.mul(nu, d2), g, g, 1 - d2)
+        steps = _ops.div_into_(mu, _ops.add_scalar_(_ops.sqrt(nu), eps))  # m / (sqrt(v) + eps)
+        mutate = _ops.can_mutate(steps)
         updates = []
-        for i, (m, v, gi) in enumerate(zip(mu, nu, g)):
-            rms = (gi * gi / v.clamp(min=eps * eps)).mean().sqrt().clamp(min=1.0)
-            lr_p = lr_t / rms  # () the clipped step size
-            u = -lr_p * m / (v.sqrt() + eps)
+        for i, (u, v, gi) in enumerate(zip(steps, nu, g)):
+            ratio = v.clamp(min=eps * eps)  # fresh: g^2 / max(v, eps^2), one buffer
+            ratio = ratio.reciprocal_().mul_(gi).mul_(gi) if mutate else gi * gi / ratio
+            neg_lr = -lr_t / ratio.mean().sqrt().clamp(min=1.0)  # () the clipped step size
+            u = u.mul_(neg_lr) if mutate else u * neg_lr
             if has_wd and decoupled_weight_decay:
-                u = u - (lr_p * weight_decay) * p[i]
+                decay = neg_lr * weight_decay
+                u = u.addcmul_(p[i], decay) if mutate else u + p[i] * decay
             updates.append(u.to(gi.dtype))
         new_state = StableAdamWState(count, optree.tree_unflatten(spec, mu),
                                      optree.tree_unflatten(spec, nu))
