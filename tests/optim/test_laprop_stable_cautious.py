@@ -4,10 +4,17 @@ lr-scaled steps); each composes with tensor lrs, vmap over an ensemble and
 torch.compile, and keeps its arguments untouched. StableAdamW is AdamW until a
 gradient spike, which it steps over 5x more cautiously; a cautious step never goes uphill."""
 
-import optree
 import pytest
 import torch
-from _optim_problem import assert_trees_close, make_data, run_ours, run_torch
+from _optim_problem import (
+    assert_trees_close,
+    check_ensemble_and_compile,
+    check_pure_update,
+    make_data,
+    random_tree,
+    run_ours,
+    run_torch,
+)
 
 from torchfn import optim
 
@@ -57,14 +64,6 @@ MAKERS = [
 ]
 
 
-def _tree(seed, steps):
-    gen = torch.Generator().manual_seed(seed)
-    shapes = {"w": (6, 4), "u": (3, 5), "s": ()}
-    params = {k: torch.randn(s, generator=gen) for k, s in shapes.items()}
-    grads = [{k: torch.randn(s, generator=gen) for k, s in shapes.items()} for _ in range(steps)]
-    return params, grads
-
-
 @pytest.mark.parametrize("name,make", MAKERS, ids=[n for n, _ in MAKERS])
 def test_tensor_lr_and_schedule_equal_float_lr(name, make):
     a = run_ours(make(torch.tensor(1e-2)), steps=10)
@@ -76,40 +75,12 @@ def test_tensor_lr_and_schedule_equal_float_lr(name, make):
 
 @pytest.mark.parametrize("name,make", MAKERS, ids=[n for n, _ in MAKERS])
 def test_update_is_pure(name, make):
-    params, grads = _tree(0, 2)
-    tx = make(1e-2)
-    _, state = tx.update(grads[0], tx.init(params), params)
-    snapshot = [x.clone() for x in optree.tree_leaves((params, grads[1], state))]
-    updates, _ = tx.update(grads[1], state, params)
-    assert all(torch.equal(a, b) for a, b in
-               zip(snapshot, optree.tree_leaves((params, grads[1], state))))
-    assert all(float(u.abs().max()) > 0 for u in optree.tree_leaves(updates))
+    check_pure_update(make(1e-2))
 
 
 @pytest.mark.parametrize("name,make", MAKERS, ids=[n for n, _ in MAKERS])
 def test_vmap_over_an_ensemble_and_compile_equal_eager(name, make):
-    tx = make(1e-2)
-    members = [_tree(10 + i, 3) for i in range(3)]
-    stack = lambda trees: optree.tree_map(lambda *x: torch.stack(x), *trees)  # noqa: E731
-
-    def step(p, s, g):
-        u, s = tx.update(g, s, p)
-        return optim.apply_updates(p, u), s
-
-    params = [m[0] for m in members]
-    states = [tx.init(p) for p in params]
-    p_stack, s_stack = stack(params), stack(states)
-    torch._dynamo.reset()
-    compiled = torch.compile(step, fullgraph=True, backend="eager")
-    p_comp, s_comp = params[0], states[0]
-    for t in range(3):
-        p_stack, s_stack = torch.vmap(step)(p_stack, s_stack, stack([m[1][t] for m in members]))
-        p_comp, s_comp = compiled(p_comp, s_comp, members[0][1][t])
-        for i in range(3):
-            params[i], states[i] = step(params[i], states[i], members[i][1][t])
-    assert_trees_close(p_stack, stack(params), rtol=1e-6, atol=1e-6)
-    assert_trees_close(s_stack, stack(states), rtol=1e-6, atol=1e-6)
-    assert_trees_close(p_comp, params[0], rtol=1e-6, atol=1e-7)
+    check_ensemble_and_compile(make(1e-2))
 
 
 def test_stable_adamw_is_adamw_until_a_gradient_spike():
@@ -132,7 +103,7 @@ def test_stable_adamw_is_adamw_until_a_gradient_spike():
 def test_a_cautious_step_never_goes_uphill():
     """Every kept coordinate of the update opposes its gradient (u g < 0), the rest are
     0, and the kept ones are scaled by numel / (kept + 1), over a run of SGD momentum."""
-    params, grads = _tree(3, 20)
+    params, grads = random_tree(3, 20)
     inner, tx = optim.sgd(0.1, momentum=0.9), optim.cautious(optim.sgd(0.1, momentum=0.9))
     s_in, s_c = inner.init(params), tx.init(params)
     dropped = 0

@@ -7,7 +7,15 @@ import math
 import optree
 import pytest
 import torch
-from _optim_problem import assert_trees_close, grads_at, loss_fn, make_data, run_ours, run_torch
+from _optim_problem import (
+    assert_trees_close,
+    grads_at,
+    loss_fn,
+    make_data,
+    random_tree,
+    run_ours,
+    run_torch,
+)
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -64,16 +72,9 @@ def _run_against_torch(tx, opt, params, grads_seq):
     return params, {k: v.detach() for k, v in leaves.items()}
 
 
-def _random_tree(shapes, seed, steps):
-    gen = torch.Generator().manual_seed(seed)
-    params = {k: torch.randn(s, generator=gen) for k, s in shapes.items()}
-    grads = [{k: torch.randn(s, generator=gen) for k, s in shapes.items()} for _ in range(steps)]
-    return params, grads
-
-
 def test_adafactor_factors_trailing_dims_of_conv_weights_and_keeps_scalars_full():
     shapes = {"conv": (3, 2, 4, 5), "scalar": (), "vec": (7,)}
-    params, grads = _random_tree(shapes, 0, 10)
+    params, grads = random_tree(0, 10, shapes)
     tx = optim.adafactor(0.05, weight_decay=0.01)
     state = tx.init(params)
     assert state.row["conv"].shape == (3, 2, 4, 1) and state.col["conv"].shape == (3, 2, 1, 5)
@@ -91,7 +92,7 @@ def test_adafactor_factors_trailing_dims_of_conv_weights_and_keeps_scalars_full(
 def test_muon_matches_torch_muon_with_stacked_matrices(kwargs):
     # "a" and "c" share a shape, so ours orthogonalises them as one batch; torch one by one
     shapes = {"a": (6, 4), "b": (4, 6), "c": (6, 4), "d": (5, 5)}
-    params, grads = _random_tree(shapes, 1, 20)
+    params, grads = random_tree(1, 20, shapes)
     torch_kwargs = {("adjust_lr_fn" if k == "adjust_lr" else k): v for k, v in kwargs.items()}
     ours, ref = _run_against_torch(
         optim.muon(0.02, **kwargs), lambda ps: torch.optim.Muon(ps, lr=0.02, **torch_kwargs),
@@ -113,7 +114,7 @@ def _newton_schulz_reference(x, steps, a, b, c, eps):
 
 def test_muon_in_float64_equals_its_formula():
     shapes = {"a": (6, 4), "b": (4, 6), "c": (6, 4)}
-    params, grads = _random_tree(shapes, 2, 15)
+    params, grads = random_tree(2, 15, shapes)
     params = optree.tree_map(torch.Tensor.double, params)
     grads = optree.tree_map(torch.Tensor.double, grads)
     lr, mom, wd = 0.02, 0.9, 0.1
@@ -228,7 +229,7 @@ def test_tensor_lr_and_schedule_equal_float_lr(name, make):
 def _matrix_problem():
     """2-D leaves only (Muon's domain), shared by the purity / vmap / compile tests."""
     shapes = {"w": (6, 4), "v": (6, 4), "u": (3, 5)}
-    return _random_tree(shapes, 3, 4)
+    return random_tree(3, 4, shapes)
 
 
 ALL = NEW + [("muon", lambda lr: optim.muon(lr, ns_dtype=None))]
@@ -253,7 +254,7 @@ def test_vmap_over_an_ensemble_equals_a_loop(name, make):
     """One optimizer state per member, stacked: vmap(update) == updating each alone."""
     members, grads = [], []
     for seed in range(3):
-        p, g = _random_tree({"w": (6, 4), "u": (3, 5)}, 10 + seed, 3)
+        p, g = random_tree(10 + seed, 3, {"w": (6, 4), "u": (3, 5)})
         members.append(p)
         grads.append(g)
     tx = make(1e-2)
