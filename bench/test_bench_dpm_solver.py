@@ -184,3 +184,30 @@ def test_consistency(benchmark, impl, monkeypatch):
         benchmark(torchfn_cm, sigmas)
     else:
         benchmark(diffusers_cm)
+
+
+def torchfn_tcd():
+    with torch.no_grad():
+        return D.tcd_sample(eps_fn, LCM_SCHEDULE, (N, 2), random.key(0), steps=LCM_STEPS)
+
+
+def diffusers_tcd():
+    sched = diffusers.TCDScheduler()
+    sched.set_timesteps(LCM_STEPS)
+    x = random.normal(random.split(random.key(0))[0], (N, 2))
+    with torch.no_grad():
+        for t in sched.timesteps:
+            x = sched.step(eps_fn(x, t.repeat(N)), t, x, eta=0.3).prev_sample
+    return x
+
+
+@pytest.mark.parametrize("impl", ["torchfn", "diffusers"])
+def test_tcd(benchmark, impl, monkeypatch):
+    """TCD, 8 steps, gamma = 0.3: ``tcd_sample`` against diffusers' ``TCDScheduler`` loop
+    (equal given the same noise, checked first)."""
+    import diffusers.schedulers.scheduling_tcd as tcd
+
+    with monkeypatch.context() as m:
+        m.setattr(tcd, "randn_tensor", _noise_of(random.key(0), LCM_STEPS))
+        torch.testing.assert_close(torchfn_tcd(), diffusers_tcd(), rtol=1e-4, atol=1e-4)
+    benchmark(torchfn_tcd if impl == "torchfn" else diffusers_tcd)

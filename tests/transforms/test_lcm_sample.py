@@ -1,7 +1,8 @@
-"""LCM sampling equals diffusers' ``LCMScheduler`` loop (its timesteps, the timesteps the
-model sees, every step) given the same noise, for each prediction type; and each step
-is affine for Gaussian data's exact x0 predictor, so the samples' moments follow a
-closed-form recursion."""
+"""LCM and TCD sampling equal diffusers' ``LCMScheduler`` / ``TCDScheduler`` loops (their
+timesteps, the timesteps the model sees, every step) given the same noise, for each
+prediction type; and each LCM step is affine for Gaussian data's exact x0 predictor,
+so the samples' moments follow a closed-form recursion. TCD with gamma = 0 is DDIM on
+those timesteps."""
 
 import pytest
 import torch
@@ -113,6 +114,45 @@ def test_gaussian_moments_follow_their_recursion():
     assert x.var().item() == pytest.approx(var, rel=0.03)
 
 
+@pytest.mark.parametrize("prediction", ["eps", "v", "x0"])
+@pytest.mark.parametrize("steps,gamma", [(1, 0.3), (4, 0.3), (8, 0.7), (4, 0.0), (4, 1.0)])
+def test_tcd_equals_the_diffusers_loop(monkeypatch, prediction, steps, gamma):
+    import diffusers.schedulers.scheduling_tcd as tcd
+
+    from torchfn.transforms._noise import NoiseStream
+
+    shape, key = (6, 3), random.key(20 + steps)
+    seen = []
+
+    def model(x, t):
+        seen.append(int(t[0]))
+        return net(x, t)
+
+    chain = D.tcd_sample(model, sd_schedule(), shape, key, steps=steps, gamma=gamma,
+                         prediction=prediction, return_chain=True)
+    noise = NoiseStream(random.split(key)[1], shape, max(1, steps - 1), torch.float32, None)
+    draws = iter(range(steps))
+    monkeypatch.setattr(tcd, "randn_tensor", lambda *a, **k: noise(next(draws)))
+    ref = diffusers.TCDScheduler(prediction_type=PRED[prediction])
+    ref.set_timesteps(steps)
+    x = random.normal(random.split(key)[0], shape)
+    for i, t in enumerate(ref.timesteps):
+        x, noised = ref.step(net(x, t.repeat(6)), t, x, eta=gamma, return_dict=False)
+        torch.testing.assert_close(chain[i], noised, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(chain[-1], x, rtol=1e-4, atol=1e-4)
+    assert seen == ref.timesteps.tolist()
+
+
+def test_tcd_without_stochasticity_is_ddim_on_its_timesteps():
+    s, key = sd_schedule(), random.key(5)
+    ts = D.lcm_timesteps(1000, 6)
+    a = D.tcd_sample(net, s, (5, 2), key, steps=6, gamma=0.0, dtype=torch.float64)
+    x = random.normal(random.split(key)[0], (5, 2), dtype=torch.float64)
+    for t, nxt in zip(ts, ts[1:] + [0]):  # DDIM (eta = 0) from t to the next, then to 0
+        x = D.ddim_step(s, x, t, nxt, net(x, torch.full((5,), t)))
+    torch.testing.assert_close(a, x)
+
+
 def test_vmap_over_keys_equals_a_loop():
     keys = random.split(random.key(4), 3)
 
@@ -134,3 +174,7 @@ def test_bad_arguments():
         D.lcm_sample(net, s, (2, 2), key, prediction="score")
     with pytest.raises(ValueError, match="original_steps must be <= T"):
         D.lcm_timesteps(100, 4, 200)
+    with pytest.raises(ValueError, match=r"gamma must be a float in \[0, 1\]"):
+        D.tcd_sample(net, s, (2, 2), key, gamma=1.5)
+    with pytest.raises(ValueError, match="timesteps must be decreasing integers"):
+        D.tcd_sample(net, s, (2, 2), key, timesteps=[999.5, 500])

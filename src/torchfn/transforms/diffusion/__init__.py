@@ -1,7 +1,7 @@
 """Diffusion and flow models: discrete-time DDPM / DDIM / DPM-Solver++ (schedules, the
 forward process, samplers), rectified flow (``flow_sample``), EDM (``edm_sample``) and
 the VP probability flow, and consistency models (``consistency_sample``,
-``trigflow_sample``, ``lcm_sample``).
+``trigflow_sample``, ``lcm_sample``, ``tcd_sample``).
 
     >>> import torch
     >>> from torchfn import random
@@ -39,7 +39,7 @@ from torchfn.transforms.diffusion._flow_matching import (
     resolution_shift_mu,
 )
 from torchfn.transforms.diffusion._guidance import classifier_free_guidance, drop_condition
-from torchfn.transforms.diffusion._lcm import lcm_sample, lcm_timesteps
+from torchfn.transforms.diffusion._lcm import lcm_sample, lcm_timesteps, tcd_sample
 from torchfn.transforms.diffusion._mean_flow import mean_flow_sample
 from torchfn.transforms.diffusion._probability_flow import (
     probability_flow_log_likelihood,
@@ -118,6 +118,7 @@ __all__ = [
     "schedule_from_betas",
     "vp_alpha_bar",
     "sigmoid_schedule",
+    "tcd_sample",
     "trigflow_consistency",
     "trigflow_sample",
     "unipc_sample",
