@@ -30,19 +30,26 @@ def eps_fn(x, t):  # x: (N, 2), t: (N,) int64
     return torch.tanh(h) @ W2
 
 
+def diffusers_loop(sched, steps, model, scaled=False, **step_kwargs):
+    """diffusers' own loop from the torchfn samplers' start (``split(key(0))[0]``):
+    ``model(x, t)`` per timestep, on ``scale_model_input(x)`` where ``scaled``."""
+    sched.set_timesteps(steps)
+    x = random.normal(random.split(random.key(0))[0], (N, 2)) * sched.init_noise_sigma
+    with torch.no_grad():
+        for t in sched.timesteps:
+            inp = sched.scale_model_input(x, t) if scaled else x
+            x = sched.step(model(inp, t.repeat(N)), t, x, **step_kwargs).prev_sample
+    return x
+
+
 def torchfn_sample():
     with torch.no_grad():
         return D.dpm_solver_sample(eps_fn, SCHEDULE, (N, 2), random.key(0), steps=STEPS)
 
 
 def diffusers_sample():
-    sched = diffusers.DPMSolverMultistepScheduler(num_train_timesteps=1000)
-    sched.set_timesteps(STEPS)
-    x = random.normal(random.split(random.key(0))[0], (N, 2))  # the sampler's x_T
-    with torch.no_grad():
-        for t in sched.timesteps:
-            x = sched.step(eps_fn(x, t.repeat(N)), t, x).prev_sample
-    return x
+    return diffusers_loop(diffusers.DPMSolverMultistepScheduler(num_train_timesteps=1000),
+                          STEPS, eps_fn)
 
 
 @pytest.mark.parametrize("impl", ["torchfn", "diffusers"])
@@ -58,14 +65,8 @@ def torchfn_euler():
 
 
 def diffusers_euler():
-    sched = diffusers.EulerDiscreteScheduler(num_train_timesteps=1000)
-    sched.set_timesteps(STEPS)
-    x = random.normal(random.split(random.key(0))[0], (N, 2)) * sched.init_noise_sigma
-    with torch.no_grad():
-        for t in sched.timesteps:
-            x = sched.step(eps_float(sched.scale_model_input(x, t), t.repeat(N)), t,
-                           x).prev_sample
-    return x
+    return diffusers_loop(diffusers.EulerDiscreteScheduler(num_train_timesteps=1000), STEPS,
+                          eps_float, scaled=True)
 
 
 def eps_float(x, t):  # the same MLP, fractional timesteps
@@ -88,13 +89,8 @@ def torchfn_unipc():
 
 
 def diffusers_unipc():
-    sched = diffusers.UniPCMultistepScheduler(num_train_timesteps=1000)
-    sched.set_timesteps(STEPS)
-    x = random.normal(random.split(random.key(0))[0], (N, 2))
-    with torch.no_grad():
-        for t in sched.timesteps:
-            x = sched.step(eps_fn(x, t.repeat(N)), t, x).prev_sample
-    return x
+    return diffusers_loop(diffusers.UniPCMultistepScheduler(num_train_timesteps=1000), STEPS,
+                          eps_fn)
 
 
 @pytest.mark.parametrize("impl", ["torchfn", "diffusers"])
@@ -126,13 +122,7 @@ def torchfn_lcm():
 
 
 def diffusers_lcm():
-    sched = diffusers.LCMScheduler()
-    sched.set_timesteps(LCM_STEPS)
-    x = random.normal(random.split(random.key(0))[0], (N, 2))
-    with torch.no_grad():
-        for t in sched.timesteps:
-            x = sched.step(eps_fn(x, t.repeat(N)), t, x).prev_sample
-    return x
+    return diffusers_loop(diffusers.LCMScheduler(), LCM_STEPS, eps_fn)
 
 
 @pytest.mark.parametrize("impl", ["torchfn", "diffusers"])
@@ -157,15 +147,9 @@ def torchfn_cm(sigmas):
                                     clip=(-1.0, 1.0))  # diffusers' default clip_denoised
 
 
-def diffusers_cm():
-    sched = diffusers.CMStochasticIterativeScheduler()
-    sched.set_timesteps(CM_STEPS)
-    x = random.normal(random.split(random.key(0))[0], (N, 2)) * sched.init_noise_sigma
-    with torch.no_grad():
-        for t in sched.timesteps:
-            out = eps_float(sched.scale_model_input(x, t), t.float().repeat(N))
-            x = sched.step(out, t, x).prev_sample
-    return x
+def diffusers_cm():  # its timesteps are float64: the MLP sees them as float32
+    return diffusers_loop(diffusers.CMStochasticIterativeScheduler(), CM_STEPS,
+                          lambda x, t: eps_float(x, t.float()), scaled=True)
 
 
 @pytest.mark.parametrize("impl", ["torchfn", "diffusers"])
@@ -192,13 +176,7 @@ def torchfn_tcd():
 
 
 def diffusers_tcd():
-    sched = diffusers.TCDScheduler()
-    sched.set_timesteps(LCM_STEPS)
-    x = random.normal(random.split(random.key(0))[0], (N, 2))
-    with torch.no_grad():
-        for t in sched.timesteps:
-            x = sched.step(eps_fn(x, t.repeat(N)), t, x, eta=0.3).prev_sample
-    return x
+    return diffusers_loop(diffusers.TCDScheduler(), LCM_STEPS, eps_fn, eta=0.3)
 
 
 @pytest.mark.parametrize("impl", ["torchfn", "diffusers"])
