@@ -51,3 +51,13 @@ def test_remat_trains_to_the_same_bits(example):
     plain = lm.main(args)
     for remat in ("full", "dots"):
         assert lm.main(args + ["--remat", remat]) == plain
+
+
+def test_rotary_multi_query_lm_continues_progressions(example):
+    """Rotary positions, one key/value head: it learns, and its greedy KV-cache
+    continuations from left-padded prompts of 3..8 tokens follow the progressions."""
+    result = example("packed_lm").main(["--steps", "60", "--rows", "4", "--seed", "1",
+                                        "--positions", "rotary", "--kv-heads", "1"])
+    assert result["loss_last"] < result["loss_first"] / 3
+    assert result["test_accuracy"] > 0.9
+    assert result["continuation_accuracy"] > 0.9  # chance: 1/32 per token

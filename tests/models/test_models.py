@@ -114,12 +114,14 @@ def test_transformer_apply_grads_and_fused_attention_equal_sdpa(causal):
     torch.testing.assert_close(per, model.apply(params, tokens), rtol=1e-5, atol=1e-5)
 
 
-def test_packed_documents_give_each_document_its_own_output():
+@pytest.mark.parametrize("positions", ["learned", "rotary"])
+def test_packed_documents_give_each_document_its_own_output(positions):
     """Two documents packed into one sequence with ``segment_ids`` == each run alone
     (attention within the document, positions restarting at 0), and their gradients
     add up to the sum of the separate runs'."""
     model = torchfn.Model(TransformerEncoder(dim=16, heads=2, depth=2, vocab_size=11,
-                                             out_dim=11, causal=True, max_len=12))
+                                             out_dim=11, causal=True, max_len=12,
+                                             position_embedding=positions))
     params = model.init(random.key(3))
     g = torch.Generator().manual_seed(2)
     a, b = torch.randint(0, 11, (5,), generator=g), torch.randint(0, 11, (7,), generator=g)

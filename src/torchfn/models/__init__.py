@@ -6,7 +6,9 @@ from torchfn.models._denoiser import MLPDenoiser, fourier_features, timestep_emb
 from torchfn.models._energy import MLPEnergy
 from torchfn.models._gan import ConvCritic, ConvGenerator
 from torchfn.models._gat import GATConv
+from torchfn.models._generate import generate, sample_logits
 from torchfn.models._graph import GraphAttention, GraphConv
+from torchfn.models._kv_cache import KVCache
 from torchfn.models._lora import (
     LoRAConv1d,
     LoRAConv2d,
@@ -20,6 +22,7 @@ from torchfn.models._lora import (
 from torchfn.models._mlp import MLP
 from torchfn.models._nerf import NeRF
 from torchfn.models._rnn import GRU, LSTM
+from torchfn.models._rotary import rotary_embedding
 from torchfn.models._transformer import MultiHeadAttention, TransformerBlock, TransformerEncoder
 from torchfn.models._unet import UNet
 from torchfn.models._vae import MLPVAE
@@ -39,6 +42,11 @@ __all__ = [
     "TransformerEncoder",
     "TransformerBlock",
     "MultiHeadAttention",
+    # rotary positions, KV-cache decoding and token sampling (_rotary, _kv_cache, _generate)
+    "rotary_embedding",
+    "KVCache",
+    "generate",
+    "sample_logits",
     "MLPVAE",
     # DCGAN generator and critic for small images (_gan)
     "ConvGenerator",

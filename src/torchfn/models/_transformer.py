@@ -7,8 +7,10 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
+from torchfn.models._kv_cache import KVCache, check_cache
 from torchfn.models._mlp import _check_dims
 from torchfn.models._remat_block import call_remat, remat_policy
+from torchfn.models._rotary import rotary_embedding
 
 __all__ = ["TransformerEncoder", "TransformerBlock", "MultiHeadAttention"]
 
@@ -54,6 +56,17 @@ class MultiHeadAttention(nn.Module):
     are passed on as keywords only when set; so is ``attn_dropout`` (attention dropout, in
     train mode only), with a key drawn from ``Model.apply``'s ``key``.
 
+    ``kv_heads`` < ``heads`` shares each key/value head among ``heads // kv_heads`` query
+    heads (grouped-query attention; 1 is multi-query): fewer projection weights and a
+    smaller ``KVCache``. ``rotary=True`` applies :func:`rotary_embedding` (with
+    ``rotary_base``) to queries and keys at the forward's ``positions`` (default
+    ``cache.length + arange(N)``, restarting at each document with ``segment_ids``).
+
+    ``forward(x, key_padding_mask, segment_ids, positions, cache)``: with a
+    :class:`KVCache` (``KVCache()`` to start), the queries attend over the cached keys too
+    and it returns ``(out, cache)`` with this call's keys and values appended; that needs
+    ``causal=True``, and ``key_padding_mask`` then covers cached and new keys, ``(B, L + N)``.
+
     Example::
 
         >>> from torchfn import random
@@ -70,35 +83,84 @@ class MultiHeadAttention(nn.Module):
     def __init__(self, dim: int, heads: int, *, causal: bool = False,
                  window: int | tuple[int | None, int | None] | None = None,
                  softcap: float | None = None, attn_dropout: float = 0.0,
+                 kv_heads: int | None = None, rotary: bool = False,
+                 rotary_base: float = 10000.0,
                  attend: AttendFn | None = None) -> None:
         super().__init__()
         _check_dims(dim=dim, heads=heads)
         if dim % heads:
             raise ValueError(f"dim must be divisible by heads, got dim={dim}, heads={heads}")
+        kv_heads = heads if kv_heads is None else kv_heads
+        _check_dims(kv_heads=kv_heads)
+        if heads % kv_heads:
+            raise ValueError(f"kv_heads must divide heads = {heads}, got kv_heads={kv_heads}")
         if not 0.0 <= attn_dropout < 1.0:
             raise ValueError(f"attn_dropout must be in [0, 1), got {attn_dropout}")
+        if rotary and (dim // heads) % 2:
+            raise ValueError(f"rotary needs an even head dim, got dim // heads = {dim // heads}")
+        if not isinstance(rotary_base, (int, float)) or not rotary_base > 0:
+            raise ValueError(f"rotary_base must be a number > 0, got {rotary_base!r}")
         self.heads, self.causal, self.window, self.softcap = heads, causal, window, softcap
+        self.kv_heads, self.rotary, self.rotary_base = kv_heads, rotary, float(rotary_base)
         self.attn_dropout = attn_dropout
         self.attend = attend or _fused_attention
-        self.qkv = nn.Linear(dim, 3 * dim)
+        hd = dim // heads
+        self.qkv = nn.Linear(dim, dim + 2 * kv_heads * hd)  # [q | k | v] rows
         self.out = nn.Linear(dim, dim)
 
     def forward(self, x: Tensor, key_padding_mask: Tensor | None = None,
-                segment_ids: Tensor | None = None) -> Tensor:
+                segment_ids: Tensor | None = None, positions: Tensor | None = None,
+                cache: KVCache | None = None) -> Tensor | tuple[Tensor, KVCache]:
         b, n, dim = x.shape
-        qkv = self.qkv(x).reshape(b, n, 3, self.heads, dim // self.heads)  # (B, N, 3, H, D)
-        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each (B, H, N, D)
+        hd = dim // self.heads
+        if cache is not None:
+            cache = check_cache(cache, 1, "MultiHeadAttention")
+            if not self.causal:
+                raise ValueError("MultiHeadAttention: cache needs causal=True (decoding); "
+                                 "got causal=False")
+            if segment_ids is not None:
+                raise ValueError("MultiHeadAttention: cache does not take segment_ids "
+                                 "(decode one document per row)")
+        q, k, v = self.qkv(x).split([dim, self.kv_heads * hd, self.kv_heads * hd], dim=-1)
+        q = q.reshape(b, n, self.heads, hd).transpose(1, 2)  # (B, H, N, D)
+        k = k.reshape(b, n, self.kv_heads, hd).transpose(1, 2)  # (B, Hkv, N, D)
+        v = v.reshape(b, n, self.kv_heads, hd).transpose(1, 2)  # (B, Hkv, N, D)
+        if self.rotary:
+            if positions is None:
+                start = 0 if cache is None else cache.length
+                positions = token_positions(n, x.device, start, segment_ids)
+            q = rotary_embedding(q, positions, base=self.rotary_base)
+            k = rotary_embedding(k, positions, base=self.rotary_base)
+        if cache is not None:
+            if cache.keys:
+                k = torch.cat((cache.keys[0], k), dim=2)  # (B, Hkv, L + N, D)
+                v = torch.cat((cache.values[0], v), dim=2)
+            cache = KVCache((k,), (v,))
         drop = self.attn_dropout if self.training else 0.0
         o = self.attend(q, k, v, key_padding_mask=key_padding_mask, causal=self.causal,
                         **_extra(self.window, segment_ids, self.softcap, drop))
-        return self.out(o.transpose(1, 2).reshape(b, n, dim))  # (B, N, dim)
+        out = self.out(o.transpose(1, 2).reshape(b, n, dim))  # (B, N, dim)
+        return out if cache is None else (out, cache)
+
+
+def token_positions(n: int, device: torch.device, start: int = 0,
+                    segment_ids: Tensor | None = None) -> Tensor:
+    """``start + arange(n)`` ``(N,)``; with ``segment_ids`` ``(B, N)``, restarting at 0 at
+    each document's first token ``(B, N)``."""
+    positions = torch.arange(start, start + n, device=device)  # (N,)
+    if segment_ids is not None:  # minus the index of the document's first token
+        from torchfn.kernels._reference import segment_ranges
+
+        positions = positions - segment_ranges(segment_ids, segment_ids)[0]  # (B, N)
+    return positions
 
 
 class TransformerBlock(nn.Module):
     """``x + Drop(Attn(LN(x)))`` then ``x + Drop(MLP(LN(x)))`` (pre-LN, GELU MLP).
 
     ``(B, N, dim) -> (B, N, dim)``; arguments as in :class:`TransformerEncoder`.
-    ``key_padding_mask`` ``(B, N)`` bool marks real tokens (True).
+    ``key_padding_mask`` ``(B, N)`` bool marks real tokens (True). ``positions`` and
+    ``cache`` go to :class:`MultiHeadAttention`; with a cache it returns ``(out, cache)``.
 
     Example::
 
@@ -118,11 +180,14 @@ class TransformerBlock(nn.Module):
                  causal: bool = False,
                  window: int | tuple[int | None, int | None] | None = None,
                  softcap: float | None = None, attn_dropout: float = 0.0,
+                 kv_heads: int | None = None, rotary: bool = False,
+                 rotary_base: float = 10000.0,
                  attend: AttendFn | None = None) -> None:
         super().__init__()
         self.ln1 = nn.LayerNorm(dim)
         self.attn = MultiHeadAttention(dim, heads, causal=causal, window=window, softcap=softcap,
-                                       attn_dropout=attn_dropout, attend=attend)
+                                       attn_dropout=attn_dropout, kv_heads=kv_heads,
+                                       rotary=rotary, rotary_base=rotary_base, attend=attend)
         self.ln2 = nn.LayerNorm(dim)
         self.mlp = nn.Sequential(
             nn.Linear(dim, mlp_ratio * dim), nn.GELU(), nn.Linear(mlp_ratio * dim, dim)
@@ -130,13 +195,18 @@ class TransformerBlock(nn.Module):
         self.drop = nn.Dropout(dropout)
 
     def forward(self, x: Tensor, key_padding_mask: Tensor | None = None,
-                segment_ids: Tensor | None = None) -> Tensor:
-        x = x + self.drop(self.attn(self.ln1(x), key_padding_mask, segment_ids))
-        return x + self.drop(self.mlp(self.ln2(x)))  # (B, N, dim)
+                segment_ids: Tensor | None = None, positions: Tensor | None = None,
+                cache: KVCache | None = None) -> Tensor | tuple[Tensor, KVCache]:
+        a = self.attn(self.ln1(x), key_padding_mask, segment_ids, positions, cache)
+        if cache is not None:
+            a, cache = a
+        x = x + self.drop(a)
+        x = x + self.drop(self.mlp(self.ln2(x)))  # (B, N, dim)
+        return x if cache is None else (x, cache)
 
 
 class TransformerEncoder(nn.Module):
-    """Token (or feature) embedding + learned positions, ``depth`` pre-LN blocks, final
+    """Token (or feature) embedding + positions, ``depth`` pre-LN blocks, final
     LayerNorm and an optional linear head.
 
     Inputs: integer tokens ``(B, N)`` when ``vocab_size`` is given, else features
@@ -147,11 +217,23 @@ class TransformerEncoder(nn.Module):
     ``segment_ids`` ``(B, N)`` packs several documents into one sequence: tokens attend
     only within their document, and positions restart at 0 at each document's first
     token, so a packed batch gives each document the output it would get alone.
+    ``positions`` ``(N,)`` or ``(B, N)`` overrides the tokens' positions (e.g. counting
+    only real tokens of a left-padded row).
+
+    Decoding: with ``cache=KVCache()`` (``causal=True`` only) the forward returns
+    ``(out, cache)``; passing that cache with the next tokens continues the sequence
+    without recomputing the earlier ones, positions counting on from ``cache.length``.
+    ``key_padding_mask`` then covers cached and new tokens, ``(B, L + N)``. See
+    :func:`generate`.
 
     Args:
         dim: model width; heads: attention heads (``dim % heads == 0``); depth: blocks.
         vocab_size / in_dim: token or feature input (give at most one).
-        max_len: the longest sequence (size of the position table).
+        max_len: the longest sequence (size of the learned position table).
+        position_embedding: ``"learned"`` (a table added to the input embedding),
+            ``"rotary"`` (:func:`rotary_embedding` on queries and keys in every block, base
+            ``rotary_base``; no table, no length limit) or ``"none"``.
+        kv_heads: key/value heads per block (grouped-query attention); default ``heads``.
         out_dim: output head width, or ``None``.
         mlp_ratio, dropout, causal: block settings; ``causal`` masks future positions.
         window: sliding-window attention, as ``torchfn.kernels.attention``'s (e.g.
@@ -193,6 +275,9 @@ class TransformerEncoder(nn.Module):
         window: int | tuple[int | None, int | None] | None = None,
         softcap: float | None = None,
         attn_dropout: float = 0.0,
+        kv_heads: int | None = None,
+        position_embedding: str = "learned",
+        rotary_base: float = 10000.0,
         attend: AttendFn | None = None,
         remat: bool | Callable[..., bool] = False,
     ) -> None:
@@ -207,6 +292,10 @@ class TransformerEncoder(nn.Module):
             )
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {dropout}")
+        if position_embedding not in ("learned", "rotary", "none"):
+            raise ValueError(f"position_embedding must be 'learned', 'rotary' or 'none', "
+                             f"got {position_embedding!r}")
+        self.position_embedding, self.causal = position_embedding, causal
         self.tokens = vocab_size is not None
         if vocab_size is not None:
             _check_dims(vocab_size=vocab_size)
@@ -214,41 +303,66 @@ class TransformerEncoder(nn.Module):
         else:
             _check_dims(in_dim=in_dim or dim)
             self.embed = nn.Linear(in_dim or dim, dim)
-        self.pos = nn.Embedding(max_len, dim)
+        self.max_len = max_len
+        if position_embedding == "learned":
+            self.pos = nn.Embedding(max_len, dim)
         self.drop = nn.Dropout(dropout)
         self.blocks = nn.ModuleList(
             TransformerBlock(dim, heads, mlp_ratio=mlp_ratio, dropout=dropout, causal=causal,
                              window=window, softcap=softcap, attn_dropout=attn_dropout,
-                             attend=attend)
+                             kv_heads=kv_heads, rotary=position_embedding == "rotary",
+                             rotary_base=rotary_base, attend=attend)
             for _ in range(depth)
         )
         self.ln = nn.LayerNorm(dim)
         self.head = nn.Linear(dim, out_dim) if out_dim is not None else nn.Identity()
 
     def forward(self, x: Tensor, key_padding_mask: Tensor | None = None,
-                segment_ids: Tensor | None = None) -> Tensor:
+                segment_ids: Tensor | None = None, positions: Tensor | None = None,
+                cache: KVCache | None = None) -> Tensor | tuple[Tensor, KVCache]:
         one = x.dim() == (1 if self.tokens else 2)  # a single example: add a batch dim
         if one:
             x = x.unsqueeze(0)
             key_padding_mask = None if key_padding_mask is None else key_padding_mask[None]
             segment_ids = None if segment_ids is None else segment_ids[None]
+            positions = None if positions is None or positions.dim() == 1 else positions[None]
         n = x.shape[1]
-        if n > self.pos.num_embeddings:
-            raise ValueError(f"sequence length {n} exceeds max_len={self.pos.num_embeddings}")
-        positions = torch.arange(n, device=x.device)  # (N,)
-        if segment_ids is not None:  # restart at each document: minus its first index
-            from torchfn.kernels._reference import segment_ranges
-
-            if tuple(segment_ids.shape) != tuple(x.shape[:2]):
-                raise ValueError(f"segment_ids must have shape (B, N) = {tuple(x.shape[:2])}, "
-                                 f"got {tuple(segment_ids.shape)}")
-            positions = positions - segment_ranges(segment_ids, segment_ids)[0]  # (B, N)
-        h = self.drop(self.embed(x) + self.pos(positions))  # (B, N, dim)
-        for block in self.blocks:
-            if self.remat is None:
-                h = block(h, key_padding_mask, segment_ids)
+        start = 0
+        if cache is not None:
+            cache = check_cache(cache, len(self.blocks), "TransformerEncoder")
+            start = cache.length
+            if segment_ids is not None:
+                raise ValueError("TransformerEncoder: cache does not take segment_ids "
+                                 "(decode one document per row)")
+        if segment_ids is not None and tuple(segment_ids.shape) != tuple(x.shape[:2]):
+            raise ValueError(f"segment_ids must have shape (B, N) = {tuple(x.shape[:2])}, "
+                             f"got {tuple(segment_ids.shape)}")
+        if positions is None:
+            positions = token_positions(n, x.device, start, segment_ids)  # (N,) or (B, N)
+        elif not isinstance(positions, Tensor) or positions.shape[-1] != n \
+                or positions.dim() not in (1, 2):
+            raise ValueError(f"positions must be a tensor (N,) or (B, N) with N = {n}, got "
+                             f"{getattr(positions, 'shape', positions)}")
+        h = self.embed(x)  # (B, N, dim)
+        if self.position_embedding == "learned":
+            if start + n > self.max_len:  # given positions must be < max_len too
+                raise ValueError(f"sequence length {start + n} exceeds max_len={self.max_len}")
+            h = h + self.pos(positions)
+        h = self.drop(h)
+        block_positions = positions if self.position_embedding == "rotary" else None
+        new_keys, new_values = [], []
+        for i, block in enumerate(self.blocks):
+            if cache is not None:
+                h, layer = block(h, key_padding_mask, None, block_positions, cache.layer(i))
+                # layer: this block's keys and values, cached and new
+                new_keys += layer.keys
+                new_values += layer.values
+            elif self.remat is None:
+                h = block(h, key_padding_mask, segment_ids, block_positions)
             else:
                 h = call_remat(block, self.remat, h, key_padding_mask, segment_ids,
-                               stochastic=self._stochastic)
+                               block_positions, stochastic=self._stochastic)
         out = self.head(self.ln(h))  # (B, N, out_dim)
-        return out.squeeze(0) if one else out
+        out = out.squeeze(0) if one else out
+        return out if cache is None else (out, KVCache(tuple(new_keys), tuple(new_values)))
+

@@ -1,0 +1,223 @@
+"""KV-cache decoding: cached == re-running the whole sequence; grouped-query attention ==
+full attention with repeated key/value heads; ``generate`` and ``sample_logits`` against
+the greedy loop and the closed-form distribution."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from scipy import stats
+
+import torchfn
+from torchfn import random
+from torchfn.models import (
+    KVCache,
+    MultiHeadAttention,
+    TransformerEncoder,
+    generate,
+    sample_logits,
+)
+
+V = 11
+VARIANTS = {
+    "learned": dict(),
+    "rotary": dict(position_embedding="rotary"),
+    "rotary, multi-query": dict(position_embedding="rotary", kv_heads=1),
+    "grouped-query, window": dict(kv_heads=2, window=(3, None)),
+    "softcap, no positions": dict(softcap=5.0, position_embedding="none"),
+}
+
+
+def lm(seed=0, **kw):
+    net = TransformerEncoder(dim=16, heads=4, depth=2, vocab_size=V, out_dim=V, causal=True,
+                             max_len=32, **kw)
+    model = torchfn.Model(net)
+    params = {k: v.double() for k, v in model.init(random.key(seed)).items()}
+    return model, params
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("chunks", [(12,), (5, 1, 1, 1, 1, 1, 1, 1), (3, 4, 5)])
+def test_cached_chunks_equal_the_whole_sequence(variant, chunks):
+    """Prefill then decode (one token or several per call): every position's logits are the
+    uncached forward's."""
+    model, params = lm(**VARIANTS[variant])
+    tokens = random.randint(random.key(1), (3, 12), 0, V)
+    full = model.apply(params, tokens)  # (B, N, V)
+    cache, outs, at = KVCache(), [], 0
+    for n in chunks:
+        out, cache = model.apply(params, tokens[:, at:at + n], cache=cache)
+        outs.append(out)
+        at += n
+    torch.testing.assert_close(torch.cat(outs, dim=1), full, rtol=0, atol=1e-12)
+    heads = VARIANTS[variant].get("kv_heads", 4)
+    assert cache.length == 12 and len(cache.keys) == 2
+    assert cache.keys[0].shape == cache.values[1].shape == (3, heads, 12, 4)
+
+
+def test_grouped_query_attention_equals_full_attention_with_repeated_heads():
+    """kv_heads = 2 of 4: query head h reads key/value head h // 2, i.e. the same as a
+    4-head model whose key and value projections repeat each head twice."""
+    gqa = torchfn.Model(MultiHeadAttention(16, 4, kv_heads=2, causal=True))
+    full = torchfn.Model(MultiHeadAttention(16, 4, causal=True))
+    p = {k: v.double() for k, v in gqa.init(random.key(0)).items()}
+    q_w, k_w, v_w = p["qkv.weight"].split([16, 8, 8])
+    q_b, k_b, v_b = p["qkv.bias"].split([16, 8, 8])
+    rep = lambda t: t.reshape(2, 4, *t.shape[1:]).repeat_interleave(2, 0).flatten(0, 1)  # noqa: E731
+    pf = dict(p, **{"qkv.weight": torch.cat([q_w, rep(k_w), rep(v_w)]),
+                    "qkv.bias": torch.cat([q_b, rep(k_b), rep(v_b)])})
+    x = random.normal(random.key(1), (2, 9, 16), torch.float64)
+    torch.testing.assert_close(gqa.apply(p, x), full.apply(pf, x), rtol=0, atol=1e-12)
+    assert p["qkv.weight"].shape == (32, 16)  # q: 16 rows, k and v: 8 each
+
+
+def test_default_transformer_keeps_its_parameter_names_and_shapes():
+    """Checkpoints of the learned-position, full-head model still load."""
+    params = torchfn.Model(TransformerEncoder(dim=16, heads=2, depth=1, vocab_size=V)).init(
+        random.key(0))
+    assert params["pos.weight"].shape == (256, 16)
+    assert params["blocks.0.attn.qkv.weight"].shape == (48, 16)
+    rotary = torchfn.Model(TransformerEncoder(dim=16, heads=2, depth=1, vocab_size=V,
+                                              position_embedding="rotary")).init(random.key(0))
+    assert "pos.weight" not in rotary
+
+
+@pytest.mark.parametrize("variant", ["learned", "rotary, multi-query"])
+def test_greedy_generate_equals_rerunning_the_model_for_every_token(variant):
+    model, params = lm(**VARIANTS[variant])
+    prompt = random.randint(random.key(2), (3, 4), 0, V)
+    out = generate(model, params, prompt, 8)
+    seq = prompt
+    for _ in range(8):  # the uncached loop: the whole sequence for each token
+        seq = torch.cat((seq, model.apply(params, seq)[:, -1].argmax(-1, keepdim=True)), -1)
+    assert torch.equal(out, seq)
+    assert torch.equal(generate(model, params, prompt[0], 8), seq[0])  # (P,) prompt
+
+
+def test_sampled_generate_is_keyed_and_vmaps_over_keys():
+    model, params = lm(**VARIANTS["rotary"])
+    prompt = random.randint(random.key(2), (2, 3), 0, V)
+    keys = random.split(random.key(5), 6)
+    batched = torch.vmap(lambda k: generate(model, params, prompt, 6, key=k, top_p=0.9))(keys)
+    looped = torch.stack([generate(model, params, prompt, 6, key=k, top_p=0.9) for k in keys])
+    assert torch.equal(batched, looped)
+    assert batched.shape == (6, 2, 9)
+    assert len({tuple(b.flatten().tolist()) for b in batched}) > 1  # the keys differ
+
+
+@pytest.mark.parametrize("variant", ["learned", "rotary"])
+def test_left_padded_prompts_decode_as_each_row_alone(variant):
+    """Rows of different prompt lengths, padded on the left: each row's greedy continuation
+    is that of its prompt run alone."""
+    model, params = lm(**VARIANTS[variant])
+    short, long_ = random.randint(random.key(3), (3,), 0, V), random.randint(
+        random.key(4), (6,), 0, V)
+    prompt = torch.stack((torch.cat((torch.zeros(3, dtype=torch.long), short)), long_))
+    mask = torch.stack((torch.arange(6) >= 3, torch.ones(6, dtype=torch.bool)))
+    both = generate(model, params, prompt, 7, prompt_mask=mask)
+    assert torch.equal(both[0, 3:], generate(model, params, short, 7))
+    assert torch.equal(both[1], generate(model, params, long_, 7))
+
+
+def _truncated_probs(logits, temperature, top_k, top_p):
+    """The sampler's target, written out in float64: softmax(l / T) restricted to the top-k
+    then to the smallest most-likely set reaching top_p, renormalised."""
+    p = torch.softmax(logits.double() / temperature, -1)
+    order = p.argsort(descending=True)
+    keep = torch.zeros_like(p, dtype=torch.bool)
+    if top_k is not None:
+        kth = p[order[top_k - 1]]
+        keep_k = p >= kth
+    else:
+        keep_k = torch.ones_like(keep)
+    q = torch.where(keep_k, p, 0) / torch.where(keep_k, p, 0).sum()
+    mass = 0.0
+    for i in q.argsort(descending=True).tolist():
+        if q[i] == 0 or (top_p is not None and mass >= top_p):
+            break
+        keep[i] = True
+        mass += q[i].item()
+    out = torch.where(keep, q, 0)
+    return out / out.sum()
+
+
+@pytest.mark.parametrize("temperature, top_k, top_p", [
+    (1.0, None, None), (0.5, None, None), (2.0, 3, None), (1.0, None, 0.6),
+    (0.8, 4, 0.9), (1.0, 2, 0.99)])
+def test_sample_logits_draws_the_truncated_softmax(temperature, top_k, top_p):
+    logits = torch.tensor([2.0, 1.5, 1.0, 0.2, 0.0, -1.0])
+    target = _truncated_probs(logits, temperature, top_k, top_p)
+    n = 20000
+    draws = torch.vmap(lambda k: sample_logits(k, logits, temperature=temperature, top_k=top_k,
+                                               top_p=top_p))(random.split(random.key(0), n))
+    counts = torch.bincount(draws, minlength=6).double()
+    assert (counts[target == 0] == 0).all()
+    live = target > 0
+    if live.sum() > 1:
+        p = stats.chisquare(counts[live].numpy(), n * target[live].numpy()).pvalue
+        assert p > 1e-4, (counts, n * target)
+
+
+def test_sample_logits_greedy_and_ties():
+    logits = torch.tensor([[0.0, 3.0, 3.0, 1.0], [5.0, 0.0, 0.0, 0.0]])
+    assert torch.equal(sample_logits(None, logits), logits.argmax(-1))
+    assert torch.equal(sample_logits(random.key(0), logits, temperature=0), logits.argmax(-1))
+    # top_k=1 keeps both tied maxima of row 0 (as Hugging Face's filter does)
+    keys = random.split(random.key(1), 200)
+    draws = torch.vmap(lambda k: sample_logits(k, logits, top_k=1))(keys)  # (200, 2)
+    assert set(draws[:, 0].tolist()) == {1, 2} and set(draws[:, 1].tolist()) == {0}
+
+
+def test_cache_and_generate_errors_are_named():
+    model, params = lm()
+    tokens = torch.zeros(1, 4, dtype=torch.long)
+    enc = torchfn.Model(TransformerEncoder(dim=16, heads=2, depth=1, vocab_size=V))
+    with pytest.raises(ValueError, match="cache needs causal=True"):
+        enc.apply(enc.init(random.key(0)), tokens, cache=KVCache())
+    with pytest.raises(ValueError, match="cache does not take segment_ids"):
+        model.apply(params, tokens, segment_ids=torch.zeros(1, 4, dtype=torch.long),
+                    cache=KVCache())
+    _, one = torchfn.Model(TransformerEncoder(dim=16, heads=4, depth=1, vocab_size=V,
+                                              causal=True)).apply(
+        {k: v.double() for k, v in torchfn.Model(TransformerEncoder(
+            dim=16, heads=4, depth=1, vocab_size=V, causal=True)).init(random.key(0)).items()},
+        tokens, cache=KVCache())
+    with pytest.raises(ValueError, match="cache must hold 0 or 2 layers"):
+        model.apply(params, tokens, cache=one)
+    with pytest.raises(TypeError, match="cache must be a torchfn.models.KVCache"):
+        model.apply(params, tokens, cache=(one.keys, one.values))
+    _, full = model.apply(params, torch.zeros(1, 30, dtype=torch.long), cache=KVCache())
+    with pytest.raises(ValueError, match="sequence length 34 exceeds max_len=32"):
+        model.apply(params, tokens, cache=full)
+    with pytest.raises(ValueError, match="steps must be an int >= 1"):
+        generate(model, params, tokens, 0)
+    with pytest.raises(ValueError, match="prompt must be a non-empty int tensor"):
+        generate(model, params, tokens.float(), 2)
+    with pytest.raises(ValueError, match="prompt_mask must be a bool tensor"):
+        generate(model, params, tokens, 2, prompt_mask=torch.ones(1, 3, dtype=torch.bool))
+    for kw, match in ((dict(temperature=-1.0), "temperature must be"),
+                      (dict(top_k=0), "top_k must be an int >= 1"),
+                      (dict(top_p=1.5), r"top_p must be a number in \(0, 1\]")):
+        with pytest.raises(ValueError, match=match):
+            sample_logits(random.key(0), torch.zeros(3), **kw)
+    with pytest.raises(ValueError, match="kv_heads must divide heads = 4"):
+        MultiHeadAttention(16, 4, kv_heads=3)
+    with pytest.raises(ValueError, match="rotary needs an even head dim"):
+        MultiHeadAttention(12, 4, rotary=True)
+    with pytest.raises(ValueError, match="position_embedding must be"):
+        TransformerEncoder(dim=16, heads=2, depth=1, vocab_size=V, position_embedding="alibi")
+
+
+def test_per_sample_grads_through_a_rotary_gqa_model_equal_the_loop():
+    model, params = lm(**VARIANTS["rotary, multi-query"])
+    tokens = random.randint(random.key(7), (3, 8), 0, V)
+
+    def loss(p, t):  # next-token cross-entropy of one sequence
+        logits = model.apply(p, t[:-1])  # (N - 1, V)
+        return torch.nn.functional.cross_entropy(logits, t[1:])
+
+    per = torch.vmap(torch.func.grad(loss), in_dims=(None, 0))(params, tokens)
+    for i in range(3):
+        one = torch.func.grad(loss)(params, tokens[i])
+        for name in params:
+            torch.testing.assert_close(per[name][i], one[name], rtol=1e-9, atol=1e-12)
