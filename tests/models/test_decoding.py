@@ -13,6 +13,7 @@ from torchfn import random
 from torchfn.models import (
     KVCache,
     MultiHeadAttention,
+    TransformerBlock,
     TransformerEncoder,
     generate,
     sample_logits,
@@ -25,6 +26,8 @@ VARIANTS = {
     "rotary, multi-query": dict(position_embedding="rotary", kv_heads=1),
     "grouped-query, window": dict(kv_heads=2, window=(3, None)),
     "softcap, no positions": dict(softcap=5.0, position_embedding="none"),
+    "llama-style": dict(position_embedding="rotary", kv_heads=2, norm="rms", mlp="swiglu",
+                        bias=False),
 }
 
 
@@ -69,6 +72,31 @@ def test_grouped_query_attention_equals_full_attention_with_repeated_heads():
     x = random.normal(random.key(1), (2, 9, 16), torch.float64)
     torch.testing.assert_close(gqa.apply(p, x), full.apply(pf, x), rtol=0, atol=1e-12)
     assert p["qkv.weight"].shape == (32, 16)  # q: 16 rows, k and v: 8 each
+
+
+def test_llama_style_block_is_rmsnorm_swiglu_without_biases():
+    """norm="rms", mlp="swiglu", bias=False: the block computes
+    x + attn(rms(x)), then + down(silu(gate(rms(x))) * up(rms(x))), with no bias anywhere."""
+    kw = dict(kv_heads=2, rotary=True, norm="rms", mlp="swiglu", bias=False, causal=True)
+    model = torchfn.Model(TransformerBlock(16, 4, mlp_ratio=3, **kw))
+    p = {k: v.double() for k, v in model.init(random.key(0)).items()}
+    p = {k: v + 0.1 * random.normal(random.key(1), v.shape, v.dtype) for k, v in p.items()}
+    assert sorted(p) == ["attn.out.weight", "attn.qkv.weight", "ln1.weight", "ln2.weight",
+                         "mlp.down.weight", "mlp.gate.weight", "mlp.up.weight"]
+    x = random.normal(random.key(2), (2, 5, 16), torch.float64)
+    attn = torchfn.Model(MultiHeadAttention(16, 4, kv_heads=2, rotary=True, bias=False,
+                                            causal=True))
+
+    def rms(y, w):
+        return y * torch.rsqrt(y.square().mean(-1, keepdim=True) + torch.finfo(y.dtype).eps) * w
+
+    h = x + attn.apply({k[5:]: v for k, v in p.items() if k.startswith("attn.")},
+                       rms(x, p["ln1.weight"]))
+    z = rms(h, p["ln2.weight"])
+    mlp = (torch.nn.functional.silu(z @ p["mlp.gate.weight"].T) * (z @ p["mlp.up.weight"].T)
+           ) @ p["mlp.down.weight"].T
+    torch.testing.assert_close(model.apply(p, x), h + mlp, rtol=0, atol=1e-12)
+    assert p["mlp.gate.weight"].shape == (48, 16)  # mlp_ratio * dim hidden units
 
 
 def test_default_transformer_keeps_its_parameter_names_and_shapes():
@@ -206,6 +234,10 @@ def test_cache_and_generate_errors_are_named():
         MultiHeadAttention(12, 4, rotary=True)
     with pytest.raises(ValueError, match="position_embedding must be"):
         TransformerEncoder(dim=16, heads=2, depth=1, vocab_size=V, position_embedding="alibi")
+    with pytest.raises(ValueError, match="norm must be 'layer' or 'rms', got 'batch'"):
+        TransformerEncoder(dim=16, heads=2, depth=1, vocab_size=V, norm="batch")
+    with pytest.raises(ValueError, match="mlp must be 'gelu' or 'swiglu', got 'relu'"):
+        TransformerEncoder(dim=16, heads=2, depth=1, vocab_size=V, mlp="relu")
 
 
 def test_per_sample_grads_through_a_rotary_gqa_model_equal_the_loop():

@@ -19,7 +19,7 @@ from torchfn.models._lora import (
     split_lora,
     with_lora,
 )
-from torchfn.models._mlp import MLP
+from torchfn.models._mlp import MLP, SwiGLU
 from torchfn.models._nerf import NeRF
 from torchfn.models._rnn import GRU, LSTM
 from torchfn.models._rotary import rotary_embedding
@@ -36,6 +36,7 @@ __all__ = [
     "MLPEnergy",
     # MLP, CNNs, Transformer, VAE (_mlp, _cnn, _transformer, _vae)
     "MLP",
+    "SwiGLU",
     "ConvNet",
     "ResNet",
     "BasicBlock",

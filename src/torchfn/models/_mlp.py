@@ -6,7 +6,7 @@ from collections.abc import Callable, Sequence
 
 from torch import Tensor, nn
 
-__all__ = ["MLP"]
+__all__ = ["MLP", "SwiGLU"]
 
 _ACTIVATIONS: dict[str, Callable[[], nn.Module]] = {
     "relu": nn.ReLU,
@@ -96,3 +96,33 @@ class MLP(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return self.net(x)  # (..., out_dim)
+
+
+class SwiGLU(nn.Module):
+    """The gated feed-forward of PaLM and Llama: ``down(silu(gate(x)) * up(x))``,
+    ``(..., dim) -> (..., dim)`` through ``hidden`` units (Shazeer 2020, "GLU Variants
+    Improve Transformer"). It has 3 weight matrices where a GELU MLP has 2, so Llama sets
+    ``hidden`` near ``8/3 dim`` to keep the parameter count of a 4x GELU MLP.
+
+    Example::
+
+        >>> import torch
+        >>> import torchfn
+        >>> from torchfn.models import SwiGLU
+        >>> model = torchfn.Model(SwiGLU(dim=8, hidden=16, bias=False))
+        >>> params = model.init(torchfn.random.key(0))
+        >>> sorted(params)
+        ['down.weight', 'gate.weight', 'up.weight']
+        >>> model.apply(params, torch.ones(2, 5, 8)).shape                 # (B, N, dim)
+        torch.Size([2, 5, 8])
+    """
+
+    def __init__(self, dim: int, hidden: int, *, bias: bool = True) -> None:
+        super().__init__()
+        _check_dims(dim=dim, hidden=hidden)
+        self.gate = nn.Linear(dim, hidden, bias=bias)
+        self.up = nn.Linear(dim, hidden, bias=bias)
+        self.down = nn.Linear(hidden, dim, bias=bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down(nn.functional.silu(self.gate(x)) * self.up(x))  # (..., dim)

@@ -8,7 +8,7 @@ import torch
 from torch import Tensor, nn
 
 from torchfn.models._kv_cache import KVCache, check_cache
-from torchfn.models._mlp import _check_dims
+from torchfn.models._mlp import SwiGLU, _check_dims
 from torchfn.models._remat_block import call_remat, remat_policy
 from torchfn.models._rotary import rotary_embedding
 
@@ -61,6 +61,7 @@ class MultiHeadAttention(nn.Module):
     smaller ``KVCache``. ``rotary=True`` applies :func:`rotary_embedding` (with
     ``rotary_base``) to queries and keys at the forward's ``positions`` (default
     ``cache.length + arange(N)``, restarting at each document with ``segment_ids``).
+    ``bias=False`` drops the projections' biases.
 
     ``forward(x, key_padding_mask, segment_ids, positions, cache)``: with a
     :class:`KVCache` (``KVCache()`` to start), the queries attend over the cached keys too
@@ -84,7 +85,7 @@ class MultiHeadAttention(nn.Module):
                  window: int | tuple[int | None, int | None] | None = None,
                  softcap: float | None = None, attn_dropout: float = 0.0,
                  kv_heads: int | None = None, rotary: bool = False,
-                 rotary_base: float = 10000.0,
+                 rotary_base: float = 10000.0, bias: bool = True,
                  attend: AttendFn | None = None) -> None:
         super().__init__()
         _check_dims(dim=dim, heads=heads)
@@ -105,8 +106,8 @@ class MultiHeadAttention(nn.Module):
         self.attn_dropout = attn_dropout
         self.attend = attend or _fused_attention
         hd = dim // heads
-        self.qkv = nn.Linear(dim, dim + 2 * kv_heads * hd)  # [q | k | v] rows
-        self.out = nn.Linear(dim, dim)
+        self.qkv = nn.Linear(dim, dim + 2 * kv_heads * hd, bias=bias)  # [q | k | v] rows
+        self.out = nn.Linear(dim, dim, bias=bias)
 
     def forward(self, x: Tensor, key_padding_mask: Tensor | None = None,
                 segment_ids: Tensor | None = None, positions: Tensor | None = None,
@@ -155,8 +156,19 @@ def token_positions(n: int, device: torch.device, start: int = 0,
     return positions
 
 
+def make_norm(norm: str, dim: int, bias: bool = True) -> nn.Module:
+    """``"layer"``: ``nn.LayerNorm`` (its bias only if ``bias``); ``"rms"``: ``nn.RMSNorm``."""
+    if norm == "layer":
+        return nn.LayerNorm(dim, bias=bias)
+    if norm == "rms":
+        return nn.RMSNorm(dim)
+    raise ValueError(f"norm must be 'layer' or 'rms', got {norm!r}")
+
+
 class TransformerBlock(nn.Module):
-    """``x + Drop(Attn(LN(x)))`` then ``x + Drop(MLP(LN(x)))`` (pre-LN, GELU MLP).
+    """``x + Drop(Attn(LN(x)))`` then ``x + Drop(MLP(LN(x)))`` (pre-norm; LayerNorm and a
+    GELU MLP, or with ``norm="rms"``, ``mlp="swiglu"``, ``bias=False`` Llama's RMSNorm,
+    :class:`SwiGLU` and bias-free projections).
 
     ``(B, N, dim) -> (B, N, dim)``; arguments as in :class:`TransformerEncoder`.
     ``key_padding_mask`` ``(B, N)`` bool marks real tokens (True). ``positions`` and
@@ -181,16 +193,20 @@ class TransformerBlock(nn.Module):
                  window: int | tuple[int | None, int | None] | None = None,
                  softcap: float | None = None, attn_dropout: float = 0.0,
                  kv_heads: int | None = None, rotary: bool = False,
-                 rotary_base: float = 10000.0,
-                 attend: AttendFn | None = None) -> None:
+                 rotary_base: float = 10000.0, norm: str = "layer", mlp: str = "gelu",
+                 bias: bool = True, attend: AttendFn | None = None) -> None:
         super().__init__()
-        self.ln1 = nn.LayerNorm(dim)
+        if mlp not in ("gelu", "swiglu"):
+            raise ValueError(f"mlp must be 'gelu' or 'swiglu', got {mlp!r}")
+        self.ln1 = make_norm(norm, dim, bias)
         self.attn = MultiHeadAttention(dim, heads, causal=causal, window=window, softcap=softcap,
                                        attn_dropout=attn_dropout, kv_heads=kv_heads,
-                                       rotary=rotary, rotary_base=rotary_base, attend=attend)
-        self.ln2 = nn.LayerNorm(dim)
-        self.mlp = nn.Sequential(
-            nn.Linear(dim, mlp_ratio * dim), nn.GELU(), nn.Linear(mlp_ratio * dim, dim)
+                                       rotary=rotary, rotary_base=rotary_base, bias=bias,
+                                       attend=attend)
+        self.ln2 = make_norm(norm, dim, bias)
+        hidden = mlp_ratio * dim
+        self.mlp = SwiGLU(dim, hidden, bias=bias) if mlp == "swiglu" else nn.Sequential(
+            nn.Linear(dim, hidden, bias=bias), nn.GELU(), nn.Linear(hidden, dim, bias=bias)
         )
         self.drop = nn.Dropout(dropout)
 
@@ -234,6 +250,11 @@ class TransformerEncoder(nn.Module):
             ``"rotary"`` (:func:`rotary_embedding` on queries and keys in every block, base
             ``rotary_base``; no table, no length limit) or ``"none"``.
         kv_heads: key/value heads per block (grouped-query attention); default ``heads``.
+        norm, mlp, bias: ``"layer"`` or ``"rms"`` (RMSNorm) for the blocks' and the final
+            norm; ``"gelu"`` or ``"swiglu"`` (:class:`SwiGLU`, ``mlp_ratio * dim`` hidden
+            units) for the MLPs; ``bias=False`` drops the projections', the MLPs', the
+            LayerNorms' and the head's biases. A Llama-style model is
+            ``position_embedding="rotary", norm="rms", mlp="swiglu", bias=False``.
         out_dim: output head width, or ``None``.
         mlp_ratio, dropout, causal: block settings; ``causal`` masks future positions.
         window: sliding-window attention, as ``torchfn.kernels.attention``'s (e.g.
@@ -278,6 +299,9 @@ class TransformerEncoder(nn.Module):
         kv_heads: int | None = None,
         position_embedding: str = "learned",
         rotary_base: float = 10000.0,
+        norm: str = "layer",
+        mlp: str = "gelu",
+        bias: bool = True,
         attend: AttendFn | None = None,
         remat: bool | Callable[..., bool] = False,
     ) -> None:
@@ -311,11 +335,12 @@ class TransformerEncoder(nn.Module):
             TransformerBlock(dim, heads, mlp_ratio=mlp_ratio, dropout=dropout, causal=causal,
                              window=window, softcap=softcap, attn_dropout=attn_dropout,
                              kv_heads=kv_heads, rotary=position_embedding == "rotary",
-                             rotary_base=rotary_base, attend=attend)
+                             rotary_base=rotary_base, norm=norm, mlp=mlp, bias=bias,
+                             attend=attend)
             for _ in range(depth)
         )
-        self.ln = nn.LayerNorm(dim)
-        self.head = nn.Linear(dim, out_dim) if out_dim is not None else nn.Identity()
+        self.ln = make_norm(norm, dim, bias)
+        self.head = nn.Linear(dim, out_dim, bias=bias) if out_dim is not None else nn.Identity()
 
     def forward(self, x: Tensor, key_padding_mask: Tensor | None = None,
                 segment_ids: Tensor | None = None, positions: Tensor | None = None,
