@@ -405,6 +405,36 @@ def test_closure_over_a_differentiated_tensor_is_refused():
     torch.testing.assert_close(grad(lambda x: make(w)(x).sum())(x), w)
 
 
+def test_slices_of_an_argument_are_not_closures_under_autograd():
+    """In plain autograd the forward runs under no_grad, where a view still has
+    requires_grad: ``x[a:b]`` is the argument's own, not a captured tensor. A closure over
+    another differentiated tensor is still refused."""
+    @torchfn.custom_vjp
+    def halves(x, v):
+        return (x[:2] @ v).sum() + 2 * (x[2:] @ v).sum()
+
+    def halves_bwd(res, g):
+        x, v = res
+        return (torch.cat((g * v.expand(2, 3), 2 * g * v.expand(3, 3))),
+                g * (x[:2].sum(0) + 2 * x[2:].sum(0)))
+
+    halves.defvjp(lambda x, v: (halves.fun(x, v), (x, v)), halves_bwd)
+    x, v = normal(30, 5, 3).clone().requires_grad_(), normal(32, 3).clone().requires_grad_()
+    halves(x.reshape(5, 3), v).backward()  # a view of x, then its slices inside
+    torch.testing.assert_close(x.grad, torch.tensor([1.0, 1, 2, 2, 2], dtype=x.dtype)[:, None]
+                               * v.detach())
+    x = normal(33, 5).requires_grad_()
+    w = normal(31, 5).requires_grad_()
+
+    @torchfn.custom_vjp
+    def leaky(x):
+        return (x * w).sum()
+
+    leaky.defvjp(lambda x: ((x * w).sum(), None), lambda _, g: (g * w,))
+    with pytest.raises(ValueError, match="not one of its arguments"):
+        leaky(x)
+
+
 def test_a_residual_that_is_the_output_is_differentiated_by_the_rule():
     """fwd saves its own output (exp's derivative is exp): at second order the cotangent
     on that residual goes through bwd again, so every order equals autodiff of exp."""

@@ -25,9 +25,13 @@ class _NoCapturedGrads(TorchFunctionMode):
         super().__init__()
         self.who = who
         self.inputs = {id(t) for t in inputs}
+        # a view keeps requires_grad under no_grad, so slicing an argument inside the
+        # forward (``x[a:b]``) makes one: accept views of the arguments' storage
+        self.bases = {id(_base(t)) for t in inputs}
 
     def _check(self, t: torch.Tensor) -> None:
-        if t.requires_grad and id(t) not in self.inputs and not _made_inside(t):
+        if t.requires_grad and id(t) not in self.inputs and id(_base(t)) not in self.bases \
+                and not _made_inside(t):
             raise ValueError(
                 f"{self.who}: the function uses a tensor that is being differentiated but is "
                 f"not one of its arguments (shape {tuple(t.shape)}; a closure over "
@@ -44,6 +48,11 @@ class _NoCapturedGrads(TorchFunctionMode):
                     if isinstance(b, torch.Tensor):
                         self._check(b)
         return func(*args, **(kwargs or {}))
+
+
+def _base(t: torch.Tensor) -> torch.Tensor:
+    """The tensor whose storage ``t`` views (``t`` itself if it is not a view)."""
+    return t if t._base is None else t._base
 
 
 def _made_inside(t: torch.Tensor) -> bool:

@@ -11,6 +11,7 @@ from torchfn.losses._ebm import ebm_loss
 from torchfn.losses._edm import edm_loss
 from torchfn.losses._flow_matching import flow_matching_loss, ot_pairing
 from torchfn.losses._gan import gan_losses, gradient_penalty, wgan_losses
+from torchfn.losses._linear_cross_entropy import linear_cross_entropy
 from torchfn.losses._mean_flow import mean_flow_loss
 from torchfn.losses._regression import huber, l1, mse
 from torchfn.losses._scm import scm_loss
@@ -31,6 +32,7 @@ __all__ = [
     "score_matching",
     # classification, regression, VAE, GAN (_classification, _regression, _vae, _gan)
     "cross_entropy",
+    "linear_cross_entropy",
     "binary_cross_entropy_with_logits",
     "accuracy",
     "mse",
