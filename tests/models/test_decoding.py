@@ -219,6 +219,8 @@ def test_cache_and_generate_errors_are_named():
         model.apply(params, tokens, cache=full)
     with pytest.raises(ValueError, match="steps must be an int >= 1"):
         generate(model, params, tokens, 0)
+    with pytest.raises(TypeError, match="eos must be an int token id or None"):
+        generate(model, params, tokens, 2, eos=torch.tensor(1))
     with pytest.raises(ValueError, match="prompt must be a non-empty int tensor"):
         generate(model, params, tokens.float(), 2)
     with pytest.raises(ValueError, match="prompt_mask must be a bool tensor"):
@@ -253,3 +255,27 @@ def test_per_sample_grads_through_a_rotary_gqa_model_equal_the_loop():
         one = torch.func.grad(loss)(params, tokens[i])
         for name in params:
             torch.testing.assert_close(per[name][i], one[name], rtol=1e-9, atol=1e-12)
+
+
+def test_eos_ends_each_row_and_the_rest_is_unchanged():
+    """With eos, a row is the eos-free generation up to its first eos, then eos to the end;
+    under vmap (no early stop) the result is the same."""
+    model, params = lm(**VARIANTS["rotary"])
+    prompt = random.randint(random.key(2), (4, 3), 0, V)
+    free = generate(model, params, prompt, 10, key=random.key(3))
+    eos = int(free[0, 5])  # a token that row 0 draws at its third new position
+    ended = generate(model, params, prompt, 10, key=random.key(3), eos=eos)
+    for row, want in zip(ended, free):
+        hit = (want[3:] == eos).nonzero()
+        cut = 3 + (int(hit[0]) + 1 if len(hit) else 10)
+        assert torch.equal(row[:cut], want[:cut])
+        assert (row[cut:] == eos).all()
+    batched = torch.vmap(lambda k: generate(model, params, prompt, 10, key=k, eos=eos))(
+        torch.stack([random.key(3)]))
+    assert torch.equal(batched[0], ended)
+    greedy = generate(model, params, prompt[:1], 10)
+    stop = int(greedy[0, 4])  # row 0 ends at its second new token: the loop stops early
+    every = generate(model, params, prompt[:1], 10, eos=stop)
+    first = 3 + int((greedy[0, 3:] == stop).nonzero()[0]) + 1
+    assert every.shape == (1, 13) and torch.equal(every[0, :first], greedy[0, :first])
+    assert (every[0, first:] == stop).all()

@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 
 from torchfn.core import random
+from torchfn.core._eager import plain
 from torchfn.models._kv_cache import KVCache
 
 __all__ = ["generate", "sample_logits"]
@@ -86,6 +87,7 @@ def generate(
     top_k: int | None = None,
     top_p: float | None = None,
     prompt_mask: Tensor | None = None,
+    eos: int | None = None,
 ) -> Tensor:
     """Continue ``prompt`` by ``steps`` tokens, one model call per token after the prompt's.
 
@@ -106,6 +108,8 @@ def generate(
             on the left; each token's position then counts only the real tokens before
             it, and no token attends to a pad, so each row decodes as it would alone.
             The model must take ``key_padding_mask`` and ``positions`` keywords.
+        eos: an end-of-sequence token. Once a row draws it, the rest of the row is
+            ``eos``; in plain eager mode decoding stops early when every row has.
 
     Returns:
         ``(B, P + steps)`` (or ``(P + steps,)``) int64: the prompt and the new tokens.
@@ -129,6 +133,8 @@ def generate(
     _check_options(temperature, top_k, top_p)
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"steps must be an int >= 1, got {steps!r}")
+    if eos is not None and (isinstance(eos, bool) or not isinstance(eos, int)):
+        raise TypeError(f"eos must be an int token id or None, got {eos!r}")
     if not isinstance(prompt, Tensor) or prompt.dtype not in (torch.int64, torch.int32) \
             or prompt.dim() not in (1, 2) or prompt.shape[-1] == 0:
         got = f"{prompt.dtype} {tuple(prompt.shape)}" if isinstance(prompt, Tensor) else \
@@ -150,12 +156,20 @@ def generate(
 
     logits, cache = model(params, tokens, cache=KVCache(), **extra)  # (B, P, V)
     out = [tokens]
+    done = None  # (B, 1) bool: the row has drawn eos
     for step in range(steps):
         k = None if key is None else random.fold_in(key, step)
         nxt = sample_logits(k, logits[:, -1], temperature=temperature, top_k=top_k,
                             top_p=top_p)[:, None]  # (B, 1)
+        if eos is not None:
+            nxt = nxt if done is None else torch.where(done, eos, nxt)
+            done = nxt == eos if done is None else done | (nxt == eos)
         out.append(nxt)
         if step == steps - 1:
+            break
+        if done is not None and plain(done) and bool(done.all()):  # every row has ended
+            out.append(torch.full((nxt.shape[0], steps - 1 - step), eos, dtype=nxt.dtype,
+                                  device=nxt.device))
             break
         if extra:  # the new token is real; its position is one past the last
             mask = torch.cat((extra["key_padding_mask"], torch.ones_like(nxt, dtype=torch.bool)),
