@@ -61,3 +61,13 @@ def test_rotary_multi_query_lm_continues_progressions(example):
     assert result["loss_last"] < result["loss_first"] / 3
     assert result["test_accuracy"] > 0.9
     assert result["continuation_accuracy"] > 0.9  # chance: 1/32 per token
+
+
+def test_speculative_decoding_with_a_trained_draft_equals_plain_decoding(example):
+    """--draft-dim: a one-block draft trained on the same batches proposes; greedy
+    speculative decoding gives the model's own continuations, most proposals kept."""
+    result = example("packed_lm").main(["--steps", "60", "--rows", "4", "--seed", "1",
+                                        "--positions", "rotary", "--draft-dim", "32"])
+    assert result["equal"]
+    assert result["acceptance"] > 0.5
+    assert result["target_calls"] < 16 + 1  # fewer model calls than one per token

@@ -23,6 +23,7 @@ from torchfn.models._mlp import MLP, SwiGLU
 from torchfn.models._nerf import NeRF
 from torchfn.models._rnn import GRU, LSTM
 from torchfn.models._rotary import rotary_embedding
+from torchfn.models._speculative import speculative_generate
 from torchfn.models._transformer import MultiHeadAttention, TransformerBlock, TransformerEncoder
 from torchfn.models._unet import UNet
 from torchfn.models._vae import MLPVAE
@@ -48,6 +49,7 @@ __all__ = [
     "KVCache",
     "generate",
     "sample_logits",
+    "speculative_generate",
     "MLPVAE",
     # DCGAN generator and critic for small images (_gan)
     "ConvGenerator",

@@ -1,0 +1,87 @@
+"""``speculative_generate``: greedy equals the target's own greedy decoding; sampled
+continuations follow the target's exact (enumerated) distribution, not the draft's."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from scipy import stats
+
+import torchfn
+from torchfn import random
+from torchfn.models import TransformerEncoder, generate, speculative_generate
+
+V = 4
+
+
+def lm(depth, seed, vocab=V, **kw):
+    model = torchfn.Model(TransformerEncoder(dim=8, heads=2, depth=depth, vocab_size=vocab,
+                                             out_dim=vocab, causal=True, **kw))
+    params = {k: v.double() * 3 for k, v in model.init(random.key(seed)).items()}
+    return model, params  # weights x3: peaked, distinct distributions
+
+
+@pytest.mark.parametrize("lookahead", [1, 3, 5])
+def test_greedy_equals_the_targets_greedy_decoding(lookahead):
+    (big, pb), (small, ps) = lm(2, 0, vocab=11), lm(1, 1, vocab=11,
+                                                   position_embedding="rotary")
+    prompt = random.randint(random.key(2), (3, 4), 0, 11)
+    out, info = speculative_generate(big, pb, small, ps, prompt, 12, lookahead=lookahead,
+                                     return_stats=True)
+    assert torch.equal(out, generate(big, pb, prompt, 12))
+    # each round adds the kept draft tokens and one more; the target runs once a round
+    assert info["target_calls"] == info["rounds"] + 1
+    assert info["draft_calls"] == lookahead * info["rounds"]
+    assert info["accepted"] + 3 * info["rounds"] >= 3 * 12  # every row made 12 tokens
+    # the draft proposing the target's own tokens: every proposal is kept
+    _, same = speculative_generate(big, pb, big, pb, prompt, 12, lookahead=lookahead,
+                                   return_stats=True)
+    assert same["accepted"] == same["proposed"]
+
+
+def _target_distribution(model, params, prompt, n, temperature):
+    """P(continuation) for every continuation of n tokens, by enumeration (float64)."""
+    conts = torch.tensor(list(itertools.product(range(V), repeat=n)))  # (V^n, n)
+    seqs = torch.cat((prompt.expand(len(conts), -1), conts), 1)
+    logp = torch.log_softmax(model.apply(params, seqs[:, :-1]).double() / temperature, -1)
+    p = prompt.shape[-1]
+    picked = logp[:, p - 1:].gather(-1, conts[..., None])[..., 0]  # (V^n, n)
+    return conts, picked.sum(-1).exp()
+
+
+@pytest.mark.parametrize("temperature, lookahead", [(1.0, 2), (0.7, 3)])
+def test_samples_follow_the_targets_distribution(temperature, lookahead):
+    (big, pb), (small, ps) = lm(2, 0), lm(1, 5)
+    prompt = torch.tensor([[1, 3]])
+    conts, want = _target_distribution(big, pb, prompt, 3, temperature)
+    _, draft_dist = _target_distribution(small, ps, prompt, 3, temperature)
+    assert 0.5 * (want - draft_dist).abs().sum() > 0.2  # the draft alone would be caught
+    n = 20000
+    out, info = speculative_generate(big, pb, small, ps, prompt.expand(n, -1), 3,
+                                     key=random.key(7), lookahead=lookahead,
+                                     temperature=temperature, return_stats=True)
+    assert 0 < info["accepted"] < info["proposed"]  # both paths taken
+    index = (out[:, 2:] * torch.tensor([V * V, V, 1])).sum(-1)  # the continuation's cell
+    counts = torch.bincount(index, minlength=V**3).double()
+    big_cells = want * n >= 5
+    rest = torch.stack((counts[~big_cells].sum(), want[~big_cells].sum() * n))
+    observed = torch.cat((counts[big_cells], rest[:1]))
+    expected = torch.cat((want[big_cells] * n, rest[1:]))
+    assert stats.chisquare(observed.numpy(), expected.numpy() * observed.sum().item()
+                           / expected.sum().item()).pvalue > 1e-4
+
+
+def test_errors_are_named():
+    (big, pb), (small, ps) = lm(1, 0), lm(1, 1)
+    prompt = torch.tensor([[1, 2]])
+    with pytest.raises(ValueError, match="lookahead must be an int >= 1"):
+        speculative_generate(big, pb, small, ps, prompt, 3, lookahead=0)
+    with pytest.raises(ValueError, match="temperature must be > 0 when sampling"):
+        speculative_generate(big, pb, small, ps, prompt, 3, key=random.key(0), temperature=0)
+    with pytest.raises(ValueError, match="prompt must be a non-empty int tensor"):
+        speculative_generate(big, pb, small, ps, prompt.float(), 3)
+    with pytest.raises(ValueError, match="runs eagerly"):
+        torch.vmap(lambda k: speculative_generate(big, pb, small, ps, prompt, 3, key=k))(
+            random.split(random.key(0), 2))
