@@ -26,6 +26,17 @@ def _check_options(temperature: float, top_k: int | None, top_p: float | None) -
         raise ValueError(f"top_p must be a number in (0, 1] or None, got {top_p!r}")
 
 
+def check_prompt(prompt: Tensor) -> tuple[Tensor, bool]:
+    """``prompt`` as int64 ``(B, P)``, and whether it came as one ``(P,)`` sequence."""
+    if not isinstance(prompt, Tensor) or prompt.dtype not in (torch.int64, torch.int32) \
+            or prompt.dim() not in (1, 2) or prompt.shape[-1] == 0:
+        got = f"{prompt.dtype} {tuple(prompt.shape)}" if isinstance(prompt, Tensor) else \
+            type(prompt).__name__
+        raise ValueError(f"prompt must be a non-empty int tensor (B, P) or (P,), got {got}")
+    one = prompt.dim() == 1
+    return (prompt.long()[None] if one else prompt.long()), one
+
+
 def sample_logits(
     key: Tensor | None,
     logits: Tensor,
@@ -135,13 +146,7 @@ def generate(
         raise ValueError(f"steps must be an int >= 1, got {steps!r}")
     if eos is not None and (isinstance(eos, bool) or not isinstance(eos, int)):
         raise TypeError(f"eos must be an int token id or None, got {eos!r}")
-    if not isinstance(prompt, Tensor) or prompt.dtype not in (torch.int64, torch.int32) \
-            or prompt.dim() not in (1, 2) or prompt.shape[-1] == 0:
-        got = f"{prompt.dtype} {tuple(prompt.shape)}" if isinstance(prompt, Tensor) else \
-            type(prompt).__name__
-        raise ValueError(f"prompt must be a non-empty int tensor (B, P) or (P,), got {got}")
-    one = prompt.dim() == 1
-    tokens = prompt.long()[None] if one else prompt.long()  # (B, P)
+    tokens, one = check_prompt(prompt)
     extra: dict[str, Tensor] = {}
     if prompt_mask is not None:
         if not isinstance(prompt_mask, Tensor) or prompt_mask.dtype != torch.bool \

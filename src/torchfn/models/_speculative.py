@@ -12,7 +12,7 @@ from torch import Tensor
 
 from torchfn.core import random
 from torchfn.core._eager import plain
-from torchfn.models._generate import _check_options
+from torchfn.models._generate import _check_options, check_prompt
 from torchfn.models._kv_cache import KVCache
 
 __all__ = ["speculative_generate"]
@@ -111,17 +111,11 @@ def speculative_generate(
     for name, n in (("steps", steps), ("lookahead", lookahead)):
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"{name} must be an int >= 1, got {n!r}")
-    if not isinstance(prompt, Tensor) or prompt.dtype not in (torch.int64, torch.int32) \
-            or prompt.dim() not in (1, 2) or prompt.shape[-1] == 0:
-        got = f"{prompt.dtype} {tuple(prompt.shape)}" if isinstance(prompt, Tensor) else \
-            type(prompt).__name__
-        raise ValueError(f"prompt must be a non-empty int tensor (B, P) or (P,), got {got}")
+    seq, one = check_prompt(prompt)  # (B, P)
     if not plain(prompt) or (key is not None and not plain(key)):
         raise ValueError("speculative_generate runs eagerly (each round keeps a number of "
                          "tokens read from the values): not under vmap or torch.compile; "
                          "repeat the prompt along the batch for many samples")
-    one = prompt.dim() == 1
-    seq = prompt.long()[None] if one else prompt.long()  # (B, P)
     b, p_len = seq.shape
     k = lookahead
     # Rows keep different numbers of tokens each round. The caches stay rectangular:
