@@ -1,6 +1,7 @@
 """Model definitions (plain nn.Modules; make them pure with torchfn.Model)."""
 
 from torchfn.models._aggregate import GINConv, SAGEConv, aggregate_neighbours
+from torchfn.models._beam_search import beam_search
 from torchfn.models._cnn import BasicBlock, ConvNet, ResNet
 from torchfn.models._denoiser import MLPDenoiser, fourier_features, timestep_embedding
 from torchfn.models._energy import MLPEnergy
@@ -50,6 +51,7 @@ __all__ = [
     "generate",
     "sample_logits",
     "speculative_generate",
+    "beam_search",
     "MLPVAE",
     # DCGAN generator and critic for small images (_gan)
     "ConvGenerator",
