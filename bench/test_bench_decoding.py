@@ -5,7 +5,9 @@ rotary position embeddings. CPU, float32.
   of 64 tokens, 128 new tokens, greedy. ``cached``: ``generate`` (the prompt once, then
   one call per token against the ``KVCache``); ``uncached``: the loop a pure-function
   user writes without a cache, the whole sequence through the model for every token.
-  Also ``kv_heads=1`` (multi-query: an 8x smaller cache) with the cache.
+  Also ``kv_heads=1`` (multi-query: an 8x smaller cache) with the cache, and a
+  ``StaticKVCache`` (fixed shapes) eager and under ``torch.compile(fullgraph=True)``
+  (compiled before the timing: the prefill and the step, once each).
 * ``test_rotary``: ``rotary_embedding`` on (B, H, N, D) = (8, 8, 1024, 64) against the
   usual implementation (Hugging Face's Llama): float32 cos/sin tables built once and
   indexed per call. torchfn builds its table from float64 angles on every call.
@@ -21,7 +23,7 @@ import torch.nn.functional as F
 
 import torchfn
 from torchfn import random
-from torchfn.models import TransformerEncoder, generate, rotary_embedding
+from torchfn.models import StaticKVCache, TransformerEncoder, generate, rotary_embedding
 
 V = 1000
 
@@ -41,13 +43,23 @@ def uncached(model, params, prompt, steps):
     return seq
 
 
-@pytest.mark.parametrize("how", ["cached", "uncached", "cached, kv_heads=1"])
+@pytest.mark.parametrize("how", ["cached", "uncached", "cached, kv_heads=1", "static",
+                                 "static, compiled"])
 def test_generate(benchmark, how):
     model, params = lm(kv_heads=1) if how.endswith("kv_heads=1") else lm()
     prompt = random.randint(random.key(1), (4, 64), 0, V)
     run = uncached if how == "uncached" else generate
+    kw = {}
+    if how.startswith("static"):
+        kw = dict(cache=StaticKVCache.allocate(model, 4, 192))
+    if how == "static, compiled":
+        torch._dynamo.reset()
+        model = torch.compile(model, fullgraph=True)
+        with torch.no_grad():
+            run(model, params, prompt, 128, **kw)  # compile the prefill and the step
     with torch.no_grad():
-        out = benchmark.pedantic(run, (model, params, prompt, 128), rounds=3, iterations=1)
+        out = benchmark.pedantic(run, (model, params, prompt, 128), kw, rounds=3,
+                                 iterations=1)
     assert out.shape == (4, 192)
 
 
@@ -85,3 +97,24 @@ def test_lm_step(benchmark, positions):
 
     grads = benchmark.pedantic(torch.func.grad(loss), (params,), rounds=5, iterations=1)
     assert set(grads) == set(params)
+
+
+@pytest.mark.parametrize("how", ["cached", "static", "static, compiled"])
+def test_generate_small(benchmark, how):
+    """A model where per-op overhead dominates (dim 64, 2 blocks, one prompt of 16, 128
+    new tokens): what compiling the fixed-shape step saves."""
+    net = TransformerEncoder(dim=64, heads=4, depth=2, vocab_size=32, out_dim=32,
+                             causal=True, max_len=256, position_embedding="rotary")
+    model = torchfn.Model(net)
+    params = model.init(random.key(0))
+    prompt = random.randint(random.key(1), (1, 16), 0, 32)
+    kw = dict(cache=StaticKVCache.allocate(net, 1, 144)) if how != "cached" else {}
+    if how == "static, compiled":
+        torch._dynamo.reset()
+        model = torch.compile(model, fullgraph=True)
+        with torch.no_grad():
+            generate(model, params, prompt, 128, **kw)
+    with torch.no_grad():
+        out = benchmark.pedantic(generate, (model, params, prompt, 128), kw, rounds=5,
+                                 iterations=1)
+    assert out.shape == (1, 144)

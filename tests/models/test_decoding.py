@@ -13,6 +13,7 @@ from torchfn import random
 from torchfn.models import (
     KVCache,
     MultiHeadAttention,
+    StaticKVCache,
     TransformerBlock,
     TransformerEncoder,
     generate,
@@ -279,3 +280,68 @@ def test_eos_ends_each_row_and_the_rest_is_unchanged():
     first = 3 + int((greedy[0, 3:] == stop).nonzero()[0]) + 1
     assert every.shape == (1, 13) and torch.equal(every[0, :first], greedy[0, :first])
     assert (every[0, first:] == stop).all()
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("chunks", [(5, 1, 1, 1, 1, 1, 1, 1), (3, 4, 5)])
+def test_static_cache_equals_the_whole_sequence(variant, chunks):
+    """A StaticKVCache of 16 slots (12 used): written in place of a copy, attended through
+    a mask of written slots; the logits are the uncached forward's."""
+    model, params = lm(**VARIANTS[variant])
+    tokens = random.randint(random.key(1), (3, 12), 0, V)
+    full = model.apply(params, tokens)
+    cache = StaticKVCache.allocate(model, 3, 16, dtype=torch.float64)
+    empty = cache
+    outs, at = [], 0
+    for n in chunks:
+        out, cache = model.apply(params, tokens[:, at:at + n], cache=cache)
+        outs.append(out)
+        at += n
+    torch.testing.assert_close(torch.cat(outs, dim=1), full, rtol=0, atol=1e-12)
+    assert int(cache.length) == 12 and int(empty.length) == 0  # the first one unchanged
+    assert (empty.keys[0] == 0).all()
+
+
+def test_static_generate_equals_dynamic_and_compiles_once(fresh_dynamo):
+    """generate with a StaticKVCache: the same tokens as with KVCache (greedy, sampled,
+    left-padded); under torch.compile the prefill and the step compile once each,
+    however many tokens are made."""
+    from torch._dynamo.testing import CompileCounter
+
+    model, params = lm(**VARIANTS["llama-style"])
+    prompt = random.randint(random.key(2), (2, 5), 0, V)
+    mask = torch.tensor([[False, False, True, True, True], [True] * 5])
+
+    def cache():
+        return StaticKVCache.allocate(model, 2, 20, dtype=torch.float64)
+
+    for kw in (dict(), dict(key=random.key(4), top_k=5), dict(prompt_mask=mask)):
+        assert torch.equal(generate(model, params, prompt, 9, cache=cache(), **kw),
+                           generate(model, params, prompt, 9, **kw))
+    counts = []
+    for steps in (6, 12):
+        torch._dynamo.reset()
+        counter = CompileCounter()
+        out = generate(torch.compile(model, backend=counter), params, prompt, steps,
+                       cache=cache())
+        assert torch.equal(out, generate(model, params, prompt, steps))
+        counts.append(counter.frame_count)
+    torch._dynamo.reset()
+    assert counts == [2, 2]
+
+
+def test_static_cache_errors_are_named():
+    model, params = lm()
+    with pytest.raises(ValueError, match="exceed its capacity 4"):
+        model.apply(params, torch.zeros(1, 5, dtype=torch.long),
+                    cache=StaticKVCache.allocate(model, 1, 4, dtype=torch.float64))
+    with pytest.raises(ValueError, match="StaticKVCache capacity 40 exceeds max_len=32"):
+        model.apply(params, torch.zeros(1, 5, dtype=torch.long),
+                    cache=StaticKVCache.allocate(model, 1, 40, dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"capacity >= P \+ steps = 9 is needed, got 8"):
+        generate(model, params, torch.zeros(1, 4, dtype=torch.long), 5,
+                 cache=StaticKVCache.allocate(model, 1, 8, dtype=torch.float64))
+    with pytest.raises(ValueError, match="module has no MultiHeadAttention layer"):
+        StaticKVCache.allocate(torch.nn.Linear(2, 2), 1, 8)
+    with pytest.raises(ValueError, match="capacity must be an int >= 1"):
+        StaticKVCache.allocate(model, 1, 0)

@@ -9,7 +9,7 @@ from torchfn.models._gan import ConvCritic, ConvGenerator
 from torchfn.models._gat import GATConv
 from torchfn.models._generate import generate, sample_logits
 from torchfn.models._graph import GraphAttention, GraphConv
-from torchfn.models._kv_cache import KVCache
+from torchfn.models._kv_cache import KVCache, StaticKVCache
 from torchfn.models._lora import (
     LoRAConv1d,
     LoRAConv2d,
@@ -48,6 +48,7 @@ __all__ = [
     # rotary positions, KV-cache decoding and token sampling (_rotary, _kv_cache, _generate)
     "rotary_embedding",
     "KVCache",
+    "StaticKVCache",
     "generate",
     "sample_logits",
     "speculative_generate",

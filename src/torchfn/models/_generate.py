@@ -10,7 +10,7 @@ from torch import Tensor
 
 from torchfn.core import random
 from torchfn.core._eager import plain
-from torchfn.models._kv_cache import KVCache
+from torchfn.models._kv_cache import KVCache, StaticKVCache
 
 __all__ = ["generate", "sample_logits"]
 
@@ -99,6 +99,7 @@ def generate(
     top_p: float | None = None,
     prompt_mask: Tensor | None = None,
     eos: int | None = None,
+    cache: KVCache | StaticKVCache | None = None,
 ) -> Tensor:
     """Continue ``prompt`` by ``steps`` tokens, one model call per token after the prompt's.
 
@@ -121,6 +122,9 @@ def generate(
             The model must take ``key_padding_mask`` and ``positions`` keywords.
         eos: an end-of-sequence token. Once a row draws it, the rest of the row is
             ``eos``; in plain eager mode decoding stops early when every row has.
+        cache: the cache to start from: ``KVCache()`` (the default) or an empty
+            :class:`StaticKVCache` of capacity >= ``P + steps``, whose fixed shapes let a
+            compiled ``model`` (``torch.compile(model)``) compile its step once.
 
     Returns:
         ``(B, P + steps)`` (or ``(P + steps,)``) int64: the prompt and the new tokens.
@@ -158,8 +162,21 @@ def generate(
         mask = prompt_mask[None] if one else prompt_mask  # (B, P)
         positions = (mask.long().cumsum(-1) - 1).clamp(min=0)  # (B, P): real tokens before
         extra = {"key_padding_mask": mask, "positions": positions}
+    cache = KVCache() if cache is None else cache
+    static = isinstance(cache, StaticKVCache)
+    if static:
+        if cache.capacity < tokens.shape[1] + steps:
+            raise ValueError(f"cache: a StaticKVCache of capacity >= P + steps = "
+                             f"{tokens.shape[1] + steps} is needed, got {cache.capacity}")
+        if extra:  # the mask covers every slot: the prompt's, then real tokens
+            slots = torch.ones(mask.shape[0], cache.capacity, dtype=torch.bool,
+                               device=mask.device)
+            extra["key_padding_mask"] = torch.cat((mask, slots[:, mask.shape[1]:]), 1)
+    elif not isinstance(cache, KVCache) or cache.keys:
+        raise ValueError(f"cache must be an empty KVCache or StaticKVCache, got "
+                         f"{type(cache).__name__} of length {getattr(cache, 'length', '?')}")
 
-    logits, cache = model(params, tokens, cache=KVCache(), **extra)  # (B, P, V)
+    logits, cache = model(params, tokens, cache=cache, **extra)  # (B, P, V)
     out = [tokens]
     done = None  # (B, 1) bool: the row has drawn eos
     for step in range(steps):
@@ -177,8 +194,9 @@ def generate(
                                   device=nxt.device))
             break
         if extra:  # the new token is real; its position is one past the last
-            mask = torch.cat((extra["key_padding_mask"], torch.ones_like(nxt, dtype=torch.bool)),
-                             dim=-1)  # (B, L + 1)
+            mask = extra["key_padding_mask"]
+            if not static:
+                mask = torch.cat((mask, torch.ones_like(nxt, dtype=torch.bool)), -1)  # (B, L+1)
             extra = {"key_padding_mask": mask, "positions": extra["positions"][:, -1:] + 1}
         logits, cache = model(params, nxt, cache=cache, **extra)  # (B, 1, V)
     result = torch.cat(out, dim=-1)  # (B, P + steps)

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
-from torch import Tensor
+import torch
+from torch import Tensor, nn
 
-__all__ = ["KVCache"]
+__all__ = ["KVCache", "StaticKVCache"]
 
 
 class KVCache(NamedTuple):
@@ -54,11 +55,90 @@ class KVCache(NamedTuple):
         return KVCache((self.keys[i],), (self.values[i],))
 
 
-def check_cache(cache: object, layers: int, who: str) -> KVCache:
-    """``cache`` is a KVCache with 0 or ``layers`` entries, keys and values alike."""
+class StaticKVCache(NamedTuple):
+    """A key/value cache of fixed capacity, for decoding under ``torch.compile``.
+
+    :class:`KVCache` grows by one entry a token, so every decoding step has new shapes.
+    Here the buffers are allocated once, ``(B, Hkv, capacity, D)`` per layer, and
+    ``length`` is a tensor: each step writes its keys and values at ``length`` (into a
+    copy: the cache passed in is not changed) and attends through a mask of the written
+    slots. The shapes never change, so a compiled step compiles once (tested), and
+    CUDA graphs can replay it. ``key_padding_mask`` then covers the ``capacity`` slots.
+
+    Attributes:
+        keys, values: per layer ``(B, Hkv, capacity, D)``.
+        length: ``()`` int64, the tokens written so far.
+
+    Example::
+
+        >>> import torch
+        >>> import torchfn
+        >>> from torchfn.models import StaticKVCache, TransformerEncoder
+        >>> net = TransformerEncoder(dim=16, heads=2, depth=2, vocab_size=10, out_dim=10,
+        ...                          causal=True, position_embedding="rotary")
+        >>> model = torchfn.Model(net)
+        >>> params = model.init(torchfn.random.key(0))
+        >>> cache = StaticKVCache.allocate(net, batch_size=1, capacity=32)
+        >>> tokens = torch.tensor([[1, 2, 3, 4]])
+        >>> _, cache = model.apply(params, tokens[:, :3], cache=cache)
+        >>> last, cache = model.apply(params, tokens[:, 3:], cache=cache)
+        >>> int(cache.length), cache.keys[0].shape                        # (B, Hkv, cap, D)
+        (4, torch.Size([1, 2, 32, 8]))
+        >>> torch.allclose(last[:, -1], model.apply(params, tokens)[:, -1], atol=1e-5)
+        True
+    """
+
+    keys: tuple[Tensor, ...]
+    values: tuple[Tensor, ...]
+    length: Tensor
+
+    @property
+    def capacity(self) -> int:
+        """The number of slots ``L``."""
+        return int(self.keys[0].shape[-2])
+
+    def layer(self, i: int) -> StaticKVCache:
+        """Layer ``i``'s buffers as a one-layer cache."""
+        return StaticKVCache((self.keys[i],), (self.values[i],), self.length)
+
+    @staticmethod
+    def allocate(module: Any, batch_size: int, capacity: int, *,
+                 dtype: torch.dtype = torch.float32,
+                 device: torch.device | str | None = None) -> StaticKVCache:
+        """An empty cache for every attention layer of ``module`` (an ``nn.Module``
+        holding ``MultiHeadAttention`` layers, or the ``torchfn.Model`` of one)."""
+        from torchfn.models._transformer import MultiHeadAttention
+
+        module = getattr(module, "_eval_skeleton", module)  # a torchfn.Model's module
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"module must be an nn.Module or a torchfn.Model, got "
+                            f"{type(module).__name__}")
+        for name, n in (("batch_size", batch_size), ("capacity", capacity)):
+            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {n!r}")
+        layers = [m for m in module.modules() if isinstance(m, MultiHeadAttention)]
+        if not layers:
+            raise ValueError(f"module has no MultiHeadAttention layer to cache: "
+                             f"{type(module).__name__}")
+        shapes = [(batch_size, m.kv_heads, capacity, m.out.in_features // m.heads)
+                  for m in layers]
+        return StaticKVCache(
+            tuple(torch.zeros(s, dtype=dtype, device=device) for s in shapes),
+            tuple(torch.zeros(s, dtype=dtype, device=device) for s in shapes),
+            torch.zeros((), dtype=torch.long, device=device))
+
+
+def check_cache(cache: object, layers: int, who: str) -> KVCache | StaticKVCache:
+    """``cache`` is a KVCache with 0 or ``layers`` entries (keys and values alike), or a
+    StaticKVCache with ``layers``."""
+    if isinstance(cache, StaticKVCache):
+        if len(cache.keys) != layers or len(cache.values) != layers:
+            raise ValueError(f"{who}: cache must hold {layers} layers of keys and values, "
+                             f"got {len(cache.keys)} keys and {len(cache.values)} values")
+        return cache
     if not isinstance(cache, KVCache):
-        raise TypeError(f"{who}: cache must be a torchfn.models.KVCache (KVCache() to start), "
-                        f"got {type(cache).__name__}")
+        raise TypeError(f"{who}: cache must be a torchfn.models.KVCache (KVCache() to start) "
+                        f"or a StaticKVCache, got {type(cache).__name__}")
     n = len(cache.keys)
     if n not in (0, layers) or len(cache.values) != n:
         raise ValueError(f"{who}: cache must hold 0 or {layers} layers of keys and values, "

@@ -7,7 +7,8 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
-from torchfn.models._kv_cache import KVCache, check_cache
+from torchfn.core._eager import plain
+from torchfn.models._kv_cache import KVCache, StaticKVCache, check_cache
 from torchfn.models._mlp import SwiGLU, _check_dims
 from torchfn.models._remat_block import call_remat, remat_policy
 from torchfn.models._rotary import rotary_embedding
@@ -132,23 +133,48 @@ class MultiHeadAttention(nn.Module):
                 positions = token_positions(n, x.device, start, segment_ids)
             q = rotary_embedding(q, positions, base=self.rotary_base)
             k = rotary_embedding(k, positions, base=self.rotary_base)
-        if cache is not None:
-            if cache.keys:
-                k = torch.cat((cache.keys[0], k), dim=2)  # (B, Hkv, L + N, D)
-                v = torch.cat((cache.values[0], v), dim=2)
-            cache = KVCache((k,), (v,))
         drop = self.attn_dropout if self.training else 0.0
-        o = self.attend(q, k, v, key_padding_mask=key_padding_mask, causal=self.causal,
-                        **_extra(self.window, segment_ids, self.softcap, drop))
+        if isinstance(cache, StaticKVCache):
+            k, v, cache, mask = _write_static(cache, k, v, self.window)
+            o = self.attend(q, k, v, key_padding_mask=key_padding_mask, causal=False,
+                            mask=mask, **_extra(None, None, self.softcap, drop))
+        else:
+            if cache is not None:
+                if cache.keys:
+                    k = torch.cat((cache.keys[0], k), dim=2)  # (B, Hkv, L + N, D)
+                    v = torch.cat((cache.values[0], v), dim=2)
+                cache = KVCache((k,), (v,))
+            o = self.attend(q, k, v, key_padding_mask=key_padding_mask, causal=self.causal,
+                            **_extra(self.window, segment_ids, self.softcap, drop))
         out = self.out(o.transpose(1, 2).reshape(b, n, dim))  # (B, N, dim)
         return out if cache is None else (out, cache)
+
+
+def _write_static(cache: StaticKVCache, k: Tensor, v: Tensor, window) -> tuple:
+    """Write this call's keys and values ``(B, Hkv, N, D)`` at ``cache.length`` (into
+    copies), and the mask ``(1, 1, N, capacity)`` of the slots each query sees: written,
+    at or before its own position, and inside the window."""
+    n, cap = k.shape[2], cache.capacity
+    if plain(cache.length) and int(cache.length) + n > cap:
+        raise ValueError(f"StaticKVCache: {int(cache.length)} tokens cached and {n} more "
+                         f"exceed its capacity {cap}")
+    at = cache.length + torch.arange(n, device=k.device)  # (N,) positions written
+    keys = cache.keys[0].index_copy(2, at, k.to(cache.keys[0].dtype))  # (B, Hkv, cap, D)
+    values = cache.values[0].index_copy(2, at, v.to(cache.values[0].dtype))
+    slot = torch.arange(cap, device=k.device)  # (cap,)
+    mask = slot[None, :] <= at[:, None]  # (N, cap): causal, and written
+    left = window if isinstance(window, int) else (None if window is None else window[0])
+    if left is not None:
+        mask = mask & (slot[None, :] >= at[:, None] - left)
+    new = StaticKVCache((keys,), (values,), cache.length + n)
+    return keys, values, new, mask[None, None]
 
 
 def token_positions(n: int, device: torch.device, start: int = 0,
                     segment_ids: Tensor | None = None) -> Tensor:
     """``start + arange(n)`` ``(N,)``; with ``segment_ids`` ``(B, N)``, restarting at 0 at
     each document's first token ``(B, N)``."""
-    positions = torch.arange(start, start + n, device=device)  # (N,)
+    positions = start + torch.arange(n, device=device)  # (N,); start may be a tensor
     if segment_ids is not None:  # minus the index of the document's first token
         from torchfn.kernels._reference import segment_ranges
 
@@ -352,10 +378,11 @@ class TransformerEncoder(nn.Module):
             segment_ids = None if segment_ids is None else segment_ids[None]
             positions = None if positions is None or positions.dim() == 1 else positions[None]
         n = x.shape[1]
-        start = 0
+        start: int | Tensor = 0
+        static = isinstance(cache, StaticKVCache)
         if cache is not None:
             cache = check_cache(cache, len(self.blocks), "TransformerEncoder")
-            start = cache.length
+            start = cache.length  # a tensor for a StaticKVCache
             if segment_ids is not None:
                 raise ValueError("TransformerEncoder: cache does not take segment_ids "
                                  "(decode one document per row)")
@@ -370,7 +397,10 @@ class TransformerEncoder(nn.Module):
                              f"{getattr(positions, 'shape', positions)}")
         h = self.embed(x)  # (B, N, dim)
         if self.position_embedding == "learned":
-            if start + n > self.max_len:  # given positions must be < max_len too
+            if static and cache.capacity > self.max_len:
+                raise ValueError(f"StaticKVCache capacity {cache.capacity} exceeds "
+                                 f"max_len={self.max_len}")
+            if not static and start + n > self.max_len:  # given positions must be < max_len
                 raise ValueError(f"sequence length {start + n} exceeds max_len={self.max_len}")
             h = h + self.pos(positions)
         h = self.drop(h)
@@ -389,5 +419,9 @@ class TransformerEncoder(nn.Module):
                                block_positions, stochastic=self._stochastic)
         out = self.head(self.ln(h))  # (B, N, out_dim)
         out = out.squeeze(0) if one else out
-        return out if cache is None else (out, KVCache(tuple(new_keys), tuple(new_values)))
+        if cache is None:
+            return out
+        if static:
+            return out, StaticKVCache(tuple(new_keys), tuple(new_values), layer.length)
+        return out, KVCache(tuple(new_keys), tuple(new_values))
 
