@@ -148,7 +148,7 @@ def test_left_padded_prompts_decode_as_each_row_alone(variant):
     assert torch.equal(both[1], generate(model, params, long_, 7))
 
 
-def _truncated_probs(logits, temperature, top_k, top_p):
+def _truncated_probs(logits, temperature, top_k, top_p, min_p=None):
     """The sampler's target, written out in float64: softmax(l / T) restricted to the top-k
     then to the smallest most-likely set reaching top_p, renormalised."""
     p = torch.softmax(logits.double() / temperature, -1)
@@ -167,18 +167,22 @@ def _truncated_probs(logits, temperature, top_k, top_p):
         keep[i] = True
         mass += q[i].item()
     out = torch.where(keep, q, 0)
+    if min_p:  # then the tokens below min_p times the most likely
+        out = torch.where(out >= min_p * out.max(), out, 0)
     return out / out.sum()
 
 
-@pytest.mark.parametrize("temperature, top_k, top_p", [
-    (1.0, None, None), (0.5, None, None), (2.0, 3, None), (1.0, None, 0.6),
-    (0.8, 4, 0.9), (1.0, 2, 0.99)])
-def test_sample_logits_draws_the_truncated_softmax(temperature, top_k, top_p):
+@pytest.mark.parametrize("temperature, top_k, top_p, min_p", [
+    (1.0, None, None, None), (0.5, None, None, None), (2.0, 3, None, None),
+    (1.0, None, 0.6, None), (0.8, 4, 0.9, None), (1.0, 2, 0.99, None),
+    (1.0, None, None, 0.3), (1.5, None, 0.95, 0.2)])
+def test_sample_logits_draws_the_truncated_softmax(temperature, top_k, top_p, min_p):
     logits = torch.tensor([2.0, 1.5, 1.0, 0.2, 0.0, -1.0])
-    target = _truncated_probs(logits, temperature, top_k, top_p)
+    target = _truncated_probs(logits, temperature, top_k, top_p, min_p)
     n = 20000
     draws = torch.vmap(lambda k: sample_logits(k, logits, temperature=temperature, top_k=top_k,
-                                               top_p=top_p))(random.split(random.key(0), n))
+                                               top_p=top_p, min_p=min_p))(
+        random.split(random.key(0), n))
     counts = torch.bincount(draws, minlength=6).double()
     assert (counts[target == 0] == 0).all()
     live = target > 0
@@ -228,7 +232,8 @@ def test_cache_and_generate_errors_are_named():
         generate(model, params, tokens, 2, prompt_mask=torch.ones(1, 3, dtype=torch.bool))
     for kw, match in ((dict(temperature=-1.0), "temperature must be"),
                       (dict(top_k=0), "top_k must be an int >= 1"),
-                      (dict(top_p=1.5), r"top_p must be a number in \(0, 1\]")):
+                      (dict(top_p=1.5), r"top_p must be a number in \(0, 1\]"),
+                      (dict(min_p=-0.1), r"min_p must be a number in \[0, 1\]")):
         with pytest.raises(ValueError, match=match):
             sample_logits(random.key(0), torch.zeros(3), **kw)
     with pytest.raises(ValueError, match="kv_heads must divide heads = 4"):

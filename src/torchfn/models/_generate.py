@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -15,7 +16,8 @@ from torchfn.models._kv_cache import KVCache, StaticKVCache
 __all__ = ["generate", "sample_logits"]
 
 
-def _check_options(temperature: float, top_k: int | None, top_p: float | None) -> None:
+def _check_options(temperature: float, top_k: int | None, top_p: float | None,
+                   min_p: float | None = None) -> None:
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) \
             or not temperature >= 0:
         raise ValueError(f"temperature must be a number >= 0, got {temperature!r}")
@@ -24,6 +26,9 @@ def _check_options(temperature: float, top_k: int | None, top_p: float | None) -
     if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, (int, float))
                               or not 0 < top_p <= 1):
         raise ValueError(f"top_p must be a number in (0, 1] or None, got {top_p!r}")
+    if min_p is not None and (isinstance(min_p, bool) or not isinstance(min_p, (int, float))
+                              or not 0 <= min_p <= 1):
+        raise ValueError(f"min_p must be a number in [0, 1] or None, got {min_p!r}")
 
 
 def check_prompt(prompt: Tensor) -> tuple[Tensor, bool]:
@@ -44,12 +49,15 @@ def sample_logits(
     temperature: float = 1.0,
     top_k: int | None = None,
     top_p: float | None = None,
+    min_p: float | None = None,
 ) -> Tensor:
     """Draw a token from each row of ``logits`` ``(..., V)``, keyed: ``(...)`` int64.
 
     The logits are divided by ``temperature``, cut to the ``top_k`` largest (ties with the
     k-th kept), then to the smallest set of most likely tokens whose probability reaches
-    ``top_p`` (nucleus sampling), in that order, as Hugging Face's samplers do.
+    ``top_p`` (nucleus sampling), in that order, as Hugging Face's samplers do; then
+    ``min_p`` drops the tokens less likely than ``min_p`` times the most likely one
+    (Nguyen et al. 2024, "min-p sampling").
     ``temperature=0`` or ``key=None`` is greedy (``argmax``; the key is not used).
 
     Example::
@@ -65,7 +73,7 @@ def sample_logits(
         >>> sorted(draws.unique().tolist())                              # {0.5, 0.3} reach 0.7
         [0, 1]
     """
-    _check_options(temperature, top_k, top_p)
+    _check_options(temperature, top_k, top_p, min_p)
     if not isinstance(logits, Tensor) or not logits.is_floating_point() or logits.dim() < 1:
         got = f"{logits.dtype} {tuple(logits.shape)}" if isinstance(logits, Tensor) else \
             type(logits).__name__
@@ -84,6 +92,9 @@ def sample_logits(
         drop_sorted = before >= top_p  # the most likely token is always kept
         drop = drop_sorted.scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, neg)
+    if min_p:  # p_i < min_p * p_max  <=>  l_i < l_max + log(min_p)
+        floor = logits.amax(dim=-1, keepdim=True) + math.log(min_p)
+        logits = logits.masked_fill(logits < floor, neg)
     return random.categorical(key, logits)
 
 
@@ -97,6 +108,7 @@ def generate(
     temperature: float = 1.0,
     top_k: int | None = None,
     top_p: float | None = None,
+    min_p: float | None = None,
     prompt_mask: Tensor | None = None,
     eos: int | None = None,
     cache: KVCache | StaticKVCache | None = None,
@@ -115,7 +127,7 @@ def generate(
         prompt: ``(B, P)`` (or ``(P,)``) int64 tokens.
         steps: tokens to add (>= 1).
         key: a ``torchfn.random`` key; ``None`` decodes greedily.
-        temperature, top_k, top_p: as :func:`sample_logits`.
+        temperature, top_k, top_p, min_p: as :func:`sample_logits`.
         prompt_mask: ``(B, P)`` bool, False at padding. Pad prompts of different lengths
             on the left; each token's position then counts only the real tokens before
             it, and no token attends to a pad, so each row decodes as it would alone.
@@ -145,7 +157,7 @@ def generate(
         >>> bool((out[:, :3] == prompt).all())
         True
     """
-    _check_options(temperature, top_k, top_p)
+    _check_options(temperature, top_k, top_p, min_p)
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"steps must be an int >= 1, got {steps!r}")
     if eos is not None and (isinstance(eos, bool) or not isinstance(eos, int)):
@@ -182,7 +194,7 @@ def generate(
     for step in range(steps):
         k = None if key is None else random.fold_in(key, step)
         nxt = sample_logits(k, logits[:, -1], temperature=temperature, top_k=top_k,
-                            top_p=top_p)[:, None]  # (B, 1)
+                            top_p=top_p, min_p=min_p)[:, None]  # (B, 1)
         if eos is not None:
             nxt = nxt if done is None else torch.where(done, eos, nxt)
             done = nxt == eos if done is None else done | (nxt == eos)
