@@ -24,6 +24,7 @@ from torchfn.models._mlp import MLP, SwiGLU
 from torchfn.models._nerf import NeRF
 from torchfn.models._rnn import GRU, LSTM
 from torchfn.models._rotary import rotary_embedding
+from torchfn.models._rotary_scaling import rotary_frequencies
 from torchfn.models._speculative import speculative_generate
 from torchfn.models._transformer import MultiHeadAttention, TransformerBlock, TransformerEncoder
 from torchfn.models._unet import UNet
@@ -47,6 +48,7 @@ __all__ = [
     "MultiHeadAttention",
     # rotary positions, KV-cache decoding and token sampling (_rotary, _kv_cache, _generate)
     "rotary_embedding",
+    "rotary_frequencies",
     "KVCache",
     "StaticKVCache",
     "generate",

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 import torch
 from torch import Tensor
+
+from torchfn.models._rotary_scaling import rotary_frequencies
 
 __all__ = ["rotary_embedding"]
 
@@ -41,6 +46,7 @@ def rotary_embedding(
     base: float = 10000.0,
     rotary_dim: int | None = None,
     interleaved: bool = False,
+    scaling: Mapping[str, Any] | None = None,
 ) -> Tensor:
     """Rotate each pair of features of ``x`` by ``position * base^(-2i / rotary_dim)``.
 
@@ -58,6 +64,9 @@ def rotary_embedding(
         interleaved: pairs ``(2i, 2i + 1)`` (GPT-J, Meta's Llama code, the paper) instead
             of ``(i, i + rotary_dim / 2)`` (GPT-NeoX, Hugging Face's Llama). The two give the
             same scores when q and k use the same convention; checkpoints do not mix.
+        scaling: stretch the frequencies for a longer context than trained, as a
+            Hugging Face ``rope_scaling`` dict (``"linear"``, ``"ntk"``, ``"llama3"``,
+            ``"yarn"``): see :func:`rotary_frequencies`.
 
     Returns:
         ``x``'s shape and dtype. The angles are computed in float64 (a table of ``N x
@@ -82,12 +91,15 @@ def rotary_embedding(
     work = torch.float64 if x.dtype == torch.float64 else torch.float32
     half = rot // 2
     # float64 angles: in float32, position 4096 would be off by up to 2.4e-4 rad
-    inv_freq = base ** (-torch.arange(half, dtype=torch.float64, device=x.device) * 2 / rot)
+    inv_freq, scale = rotary_frequencies(rot, base, scaling, device=x.device)  # (rot/2,)
     pos = positions.to(device=x.device, dtype=torch.float64)
     if pos.dim() > 1:
         pos = pos.unsqueeze(-2)  # (B, 1, N): shared by the heads
     angles = pos[..., None] * inv_freq  # (..., N, rot/2)
-    cos, sin = angles.cos().to(work), angles.sin().to(work)
+    cos, sin = angles.cos(), angles.sin()
+    if scale != 1.0:  # YaRN's attention factor
+        cos, sin = cos * scale, sin * scale
+    cos, sin = cos.to(work), sin.to(work)
     if x.dtype == work and _eager_no_grad(x):
         return _rotate_into_buffer(x, cos, sin, rot, interleaved)
     xr, rest = x[..., :rot].to(work), x[..., rot:]

@@ -12,6 +12,7 @@ from torchfn.models._kv_cache import KVCache, StaticKVCache, check_cache
 from torchfn.models._mlp import SwiGLU, _check_dims
 from torchfn.models._remat_block import call_remat, remat_policy
 from torchfn.models._rotary import rotary_embedding
+from torchfn.models._rotary_scaling import rotary_frequencies
 
 __all__ = ["TransformerEncoder", "TransformerBlock", "MultiHeadAttention"]
 
@@ -61,7 +62,8 @@ class MultiHeadAttention(nn.Module):
     heads (grouped-query attention; 1 is multi-query): fewer projection weights and a
     smaller ``KVCache``. ``rotary=True`` applies :func:`rotary_embedding` (with
     ``rotary_base``) to queries and keys at the forward's ``positions`` (default
-    ``cache.length + arange(N)``, restarting at each document with ``segment_ids``).
+    ``cache.length + arange(N)``, restarting at each document with ``segment_ids``),
+    its frequencies stretched by ``rotary_scaling`` (:func:`rotary_frequencies`).
     ``bias=False`` drops the projections' biases.
 
     ``forward(x, key_padding_mask, segment_ids, positions, cache)``: with a
@@ -86,8 +88,8 @@ class MultiHeadAttention(nn.Module):
                  window: int | tuple[int | None, int | None] | None = None,
                  softcap: float | None = None, attn_dropout: float = 0.0,
                  kv_heads: int | None = None, rotary: bool = False,
-                 rotary_base: float = 10000.0, bias: bool = True,
-                 attend: AttendFn | None = None) -> None:
+                 rotary_base: float = 10000.0, rotary_scaling: dict | None = None,
+                 bias: bool = True, attend: AttendFn | None = None) -> None:
         super().__init__()
         _check_dims(dim=dim, heads=heads)
         if dim % heads:
@@ -104,6 +106,9 @@ class MultiHeadAttention(nn.Module):
             raise ValueError(f"rotary_base must be a number > 0, got {rotary_base!r}")
         self.heads, self.causal, self.window, self.softcap = heads, causal, window, softcap
         self.kv_heads, self.rotary, self.rotary_base = kv_heads, rotary, float(rotary_base)
+        self.rotary_scaling = rotary_scaling
+        if rotary:  # a bad scaling dict fails here, not at the first forward
+            rotary_frequencies(dim // heads, self.rotary_base, rotary_scaling)
         self.attn_dropout = attn_dropout
         self.attend = attend or _fused_attention
         hd = dim // heads
@@ -131,8 +136,8 @@ class MultiHeadAttention(nn.Module):
             if positions is None:
                 start = 0 if cache is None else cache.length
                 positions = token_positions(n, x.device, start, segment_ids)
-            q = rotary_embedding(q, positions, base=self.rotary_base)
-            k = rotary_embedding(k, positions, base=self.rotary_base)
+            q = rotary_embedding(q, positions, base=self.rotary_base, scaling=self.rotary_scaling)
+            k = rotary_embedding(k, positions, base=self.rotary_base, scaling=self.rotary_scaling)
         drop = self.attn_dropout if self.training else 0.0
         if isinstance(cache, StaticKVCache):
             k, v, cache, mask = _write_static(cache, k, v, self.window)
@@ -219,7 +224,8 @@ class TransformerBlock(nn.Module):
                  window: int | tuple[int | None, int | None] | None = None,
                  softcap: float | None = None, attn_dropout: float = 0.0,
                  kv_heads: int | None = None, rotary: bool = False,
-                 rotary_base: float = 10000.0, norm: str = "layer", mlp: str = "gelu",
+                 rotary_base: float = 10000.0, rotary_scaling: dict | None = None,
+                 norm: str = "layer", mlp: str = "gelu",
                  bias: bool = True, attend: AttendFn | None = None) -> None:
         super().__init__()
         if mlp not in ("gelu", "swiglu"):
@@ -227,8 +233,8 @@ class TransformerBlock(nn.Module):
         self.ln1 = make_norm(norm, dim, bias)
         self.attn = MultiHeadAttention(dim, heads, causal=causal, window=window, softcap=softcap,
                                        attn_dropout=attn_dropout, kv_heads=kv_heads,
-                                       rotary=rotary, rotary_base=rotary_base, bias=bias,
-                                       attend=attend)
+                                       rotary=rotary, rotary_base=rotary_base,
+                                       rotary_scaling=rotary_scaling, bias=bias, attend=attend)
         self.ln2 = make_norm(norm, dim, bias)
         hidden = mlp_ratio * dim
         self.mlp = SwiGLU(dim, hidden, bias=bias) if mlp == "swiglu" else nn.Sequential(
@@ -274,7 +280,9 @@ class TransformerEncoder(nn.Module):
         max_len: the longest sequence (size of the learned position table).
         position_embedding: ``"learned"`` (a table added to the input embedding),
             ``"rotary"`` (:func:`rotary_embedding` on queries and keys in every block, base
-            ``rotary_base``; no table, no length limit) or ``"none"``.
+            ``rotary_base``, stretched by ``rotary_scaling``, a Hugging Face
+            ``rope_scaling`` dict: :func:`rotary_frequencies`; no table, no length limit)
+            or ``"none"``.
         kv_heads: key/value heads per block (grouped-query attention); default ``heads``.
         norm, mlp, bias: ``"layer"`` or ``"rms"`` (RMSNorm) for the blocks' and the final
             norm; ``"gelu"`` or ``"swiglu"`` (:class:`SwiGLU`, ``mlp_ratio * dim`` hidden
@@ -325,6 +333,7 @@ class TransformerEncoder(nn.Module):
         kv_heads: int | None = None,
         position_embedding: str = "learned",
         rotary_base: float = 10000.0,
+        rotary_scaling: dict | None = None,
         norm: str = "layer",
         mlp: str = "gelu",
         bias: bool = True,
@@ -361,8 +370,8 @@ class TransformerEncoder(nn.Module):
             TransformerBlock(dim, heads, mlp_ratio=mlp_ratio, dropout=dropout, causal=causal,
                              window=window, softcap=softcap, attn_dropout=attn_dropout,
                              kv_heads=kv_heads, rotary=position_embedding == "rotary",
-                             rotary_base=rotary_base, norm=norm, mlp=mlp, bias=bias,
-                             attend=attend)
+                             rotary_base=rotary_base, rotary_scaling=rotary_scaling,
+                             norm=norm, mlp=mlp, bias=bias, attend=attend)
             for _ in range(depth)
         )
         self.ln = make_norm(norm, dim, bias)
