@@ -350,3 +350,34 @@ def test_static_cache_errors_are_named():
         StaticKVCache.allocate(torch.nn.Linear(2, 2), 1, 8)
     with pytest.raises(ValueError, match="capacity must be an int >= 1"):
         StaticKVCache.allocate(model, 1, 0)
+
+
+def test_tied_embeddings_share_one_matrix_and_feed_linear_cross_entropy():
+    """tie_embeddings: logits = hidden @ embed.weight^T, no head.weight; its gradient is
+    the sum of the embedding's and the head's uses. With out_dim=None the hidden states
+    and params["embed.weight"] give losses.linear_cross_entropy the same loss."""
+    from torchfn.losses import linear_cross_entropy
+
+    kw = dict(dim=16, heads=2, depth=1, vocab_size=V, causal=True, position_embedding="rotary")
+    tied = torchfn.Model(TransformerEncoder(out_dim=V, tie_embeddings=True, **kw))
+    params = {k: v.double() for k, v in tied.init(random.key(0)).items()}
+    assert "head.weight" not in params and "head.bias" not in params
+    hidden = torchfn.Model(TransformerEncoder(out_dim=None, tie_embeddings=True, **kw))
+    tokens = random.randint(random.key(1), (2, 9), 0, V)
+    torch.testing.assert_close(tied.apply(params, tokens),
+                               hidden.apply(params, tokens) @ params["embed.weight"].T)
+
+    def plain_loss(p):
+        logits = tied.apply(p, tokens[:, :-1])
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, V), tokens[:, 1:].reshape(-1))
+
+    def fused_loss(p):
+        return linear_cross_entropy(hidden.apply(p, tokens[:, :-1]), p["embed.weight"],
+                                    tokens[:, 1:], chunk_size=5)
+
+    torch.testing.assert_close(fused_loss(params), plain_loss(params))
+    g, want = torch.func.grad(fused_loss)(params), torch.func.grad(plain_loss)(params)
+    for name in params:
+        torch.testing.assert_close(g[name], want[name], rtol=1e-10, atol=1e-12)
+    with pytest.raises(ValueError, match="tie_embeddings needs token input"):
+        TransformerEncoder(dim=16, heads=2, depth=1, in_dim=4, out_dim=V, tie_embeddings=True)

@@ -290,6 +290,10 @@ class TransformerEncoder(nn.Module):
             LayerNorms' and the head's biases. A Llama-style model is
             ``position_embedding="rotary", norm="rms", mlp="swiglu", bias=False``.
         out_dim: output head width, or ``None``.
+        tie_embeddings: the head is the token embedding's transpose (GPT-2, Gemma): no
+            ``head.weight`` parameter. Needs ``vocab_size`` and ``out_dim == vocab_size``
+            (``out_dim=None``, as for :func:`torchfn.losses.linear_cross_entropy` with
+            ``params["embed.weight"]``, leaves the hidden states).
         mlp_ratio, dropout, causal: block settings; ``causal`` masks future positions.
         window: sliding-window attention, as ``torchfn.kernels.attention``'s (e.g.
             ``causal=True, window=(255, None)``: each token sees itself and 255 before).
@@ -339,6 +343,7 @@ class TransformerEncoder(nn.Module):
         bias: bool = True,
         attend: AttendFn | None = None,
         remat: bool | Callable[..., bool] = False,
+        tie_embeddings: bool = False,
     ) -> None:
         super().__init__()
         _check_dims(dim=dim, heads=heads, depth=depth, max_len=max_len, mlp_ratio=mlp_ratio)
@@ -375,7 +380,12 @@ class TransformerEncoder(nn.Module):
             for _ in range(depth)
         )
         self.ln = make_norm(norm, dim, bias)
-        self.head = nn.Linear(dim, out_dim, bias=bias) if out_dim is not None else nn.Identity()
+        if tie_embeddings and (vocab_size is None or out_dim not in (None, vocab_size)):
+            raise ValueError(f"tie_embeddings needs token input and out_dim = vocab_size (or "
+                             f"None); got vocab_size={vocab_size}, out_dim={out_dim}")
+        self.tied = tie_embeddings and out_dim is not None
+        self.head = nn.Identity() if out_dim is None or self.tied else nn.Linear(
+            dim, out_dim, bias=bias)
 
     def forward(self, x: Tensor, key_padding_mask: Tensor | None = None,
                 segment_ids: Tensor | None = None, positions: Tensor | None = None,
@@ -426,7 +436,8 @@ class TransformerEncoder(nn.Module):
             else:
                 h = call_remat(block, self.remat, h, key_padding_mask, segment_ids,
                                block_positions, stochastic=self._stochastic)
-        out = self.head(self.ln(h))  # (B, N, out_dim)
+        h = self.ln(h)
+        out = h @ self.embed.weight.T if self.tied else self.head(h)  # (B, N, out_dim)
         out = out.squeeze(0) if one else out
         if cache is None:
             return out
