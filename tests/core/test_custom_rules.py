@@ -296,6 +296,30 @@ def test_compile_with_backward_uses_the_rules(fullgraph, fresh_dynamo):
         torch.testing.assert_close(xr.grad, want)
 
 
+@pytest.mark.parametrize("residuals", ["arguments", "fresh tensors"])
+def test_fullgraph_compile_with_tensor_residuals(residuals, fresh_dynamo):
+    """fwd saving its arguments, or tensors it makes, compiles with fullgraph=True; the
+    gradients are the rule's (a rule that differs from autodiff: x2 on both)."""
+    @torchfn.custom_vjp
+    def bilinear(x, w):
+        return (x @ w).sum()
+
+    if residuals == "arguments":
+        bilinear.defvjp(lambda x, w: ((x @ w).sum(), (x, w)),
+                        lambda r, g: (2 * g * r[1].sum(1).expand_as(r[0]),
+                                      2 * g * r[0].sum(0)[:, None].expand_as(r[1])))
+    else:
+        bilinear.defvjp(lambda x, w: ((x @ w).sum(), (w.sum(1), x.sum(0), x.shape)),
+                        lambda r, g: (2 * g * r[0].expand(r[2]),
+                                      2 * g * r[1][:, None].expand(r[1].shape[0], 2)))
+    x, w = normal(40, 3, 4).clone().requires_grad_(), normal(41, 4, 2).clone().requires_grad_()
+    out = torch.compile(bilinear, fullgraph=True)(x, w)
+    out.backward()
+    torch.testing.assert_close(out.detach(), (x @ w).sum().detach())
+    torch.testing.assert_close(x.grad, 2 * w.detach().sum(1).expand(3, 4))
+    torch.testing.assert_close(w.grad, 2 * x.detach().sum(0)[:, None].expand(4, 2))
+
+
 def test_compile_of_func_transforms_uses_the_rules(fresh_dynamo):
     """Dynamo drops an autograd.Function's backward and jvp inside torch.func transforms
     (pytorch#193279, #192985); the call then runs eagerly and stays right."""

@@ -140,12 +140,12 @@ def test_everything_ignored_gives_zero_and_autograd_backward_works():
 
 
 def test_compiles_to_the_same_loss_and_gradient(fresh_dynamo):
-    """compile with autograd's backward; ``compile(grad(...))`` runs the rule
+    """fullgraph compile with autograd's backward; ``compile(grad(...))`` runs the rule
     eagerly inside (dynamo drops Functions' rules under torch.func, see custom_vjp)."""
     h, w, b, y = problem(10, lead=(2,))
     f = lambda h, w: linear_cross_entropy(h, w, y, bias=b, chunk_size=8)  # noqa: E731
     hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
-    loss = torch.compile(f)(hh, ww)
+    loss = torch.compile(f, fullgraph=True)(hh, ww)
     loss.backward()
     (wh, wantw), want = torch.func.grad_and_value(f, argnums=(0, 1))(h, w)
     torch.testing.assert_close(loss.detach(), want)

@@ -18,7 +18,9 @@ How each transform sees it (JAX's semantics, plus forward mode):
 - ``jvp`` / ``jacfwd`` / ``hessian``: JAX refuses forward mode here. ``bwd`` is
   linear in ``g``, so its transpose is the Jacobian-vector product; torchfn
   transposes it with ``torch.func.vjp`` and gets forward mode from the same rule.
-- ``torch.compile`` (``fullgraph=True`` too) traces ``fwd`` and ``bwd``.
+- ``torch.compile`` (``fullgraph=True`` too) traces ``fwd`` and ``bwd``. ``fwd`` is
+  traced twice there, once to learn its output structure outside the Function (dynamo
+  refuses a Function that changes an outside object); the unused copy is dropped.
 """
 
 from __future__ import annotations
@@ -71,6 +73,11 @@ class _Call:
             raise TypeError(f"{self.who}: fwd must return a pair (out, residuals), got "
                             f"{type(result).__name__}")
         out, res = result
+        if self.res_treedef is not None:  # the structure is known: change nothing (dynamo
+            # refuses a Function's forward that mutates an object from outside it)
+            res_leaves = pytree.tree_flatten(res)[0]
+            return (pytree.tree_flatten(out)[0],
+                    [r for r, s in zip(res_leaves, self.res_static) if s is _RES])
         out_leaves = self.out.flatten(out)
         res_leaves, self.res_treedef = pytree.tree_flatten(res)
         # A residual that is an argument is saved as that argument, and one that is an
@@ -119,7 +126,9 @@ class _Call:
 
 def _slot(s: Any) -> Any:
     """_ARG or _OUTPUT for a residual saved as an argument or an output, else None."""
-    return s[0] if isinstance(s, tuple) and len(s) == 2 and s[0] in (_ARG, _OUTPUT) else None
+    # identity, not `in`: dynamo cannot compare plain objects with ==
+    return s[0] if isinstance(s, tuple) and len(s) == 2 and (s[0] is _ARG or s[0] is _OUTPUT) \
+        else None
 
 
 class _CustomVJP(torch.autograd.Function):
@@ -309,5 +318,8 @@ class custom_vjp:
         if fn is None:
             return self.fun(*bound.full)
         call = _Call(self, bound)
+        if fn is _CustomVJPCompiled:  # learn fwd's structure outside the traced Function
+            with torch.no_grad():  # (its ops are unused there, and inductor drops them)
+                call.run_fwd(bound.tensors)
         out = fn.apply(call, *bound.tensors)
         return call.out.unflatten(out[: call.out.n])

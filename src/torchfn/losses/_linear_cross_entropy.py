@@ -84,6 +84,8 @@ def _chunk_dlogits(opts: _Opts, z: Tensor, lse: Tensor, t: Tensor | None, y: Ten
 
 def _wrapped(t: Tensor) -> bool:
     """A functorch (vmap / grad) wrapper: its in-place ops have batching rules to obey."""
+    if torch.compiler.is_compiling():  # no wrappers in a graph; in-place ops are fine
+        return False
     return torch._C._functorch.is_functorch_wrapped_tensor(t)
 
 
