@@ -318,6 +318,8 @@ def test_fullgraph_compile_with_tensor_residuals(residuals, fresh_dynamo):
     torch.testing.assert_close(out.detach(), (x @ w).sum().detach())
     torch.testing.assert_close(x.grad, 2 * w.detach().sum(1).expand(3, 4))
     torch.testing.assert_close(w.grad, 2 * x.detach().sum(0)[:, None].expand(4, 2))
+    with pytest.raises(TypeError, match="traceable_fwd must be a bool"):
+        torchfn.custom_vjp(lambda x: x, traceable_fwd=1)
 
 
 def test_compile_of_func_transforms_uses_the_rules(fresh_dynamo):

@@ -148,6 +148,29 @@ def test_compile_of_grad_equals_eager(fresh_dynamo):
     close(torch.compile(f)(p["x"]), f(p["x"]))
 
 
+def test_compile_with_backward_solves_once(fresh_dynamo):
+    """Under torch.compile (outside transforms) the solve runs eagerly, once: as many
+    layer calls as in eager mode, and the same gradient."""
+    p = deq_problem(7)
+    calls = []
+
+    def counted(p, z):
+        calls.append(1)
+        return deq_layer(p, z)
+
+    def run(x):
+        return loss(transforms.fixed_point(counted, {**p, "x": x}, torch.zeros(6, dtype=F64)))
+
+    x = p["x"].clone().requires_grad_()
+    run(x).backward()
+    eager, want = len(calls), x.grad
+    calls.clear()
+    x = p["x"].clone().requires_grad_()
+    torch.compile(run)(x).backward()
+    assert len(calls) == eager
+    close(x.grad, want)
+
+
 def test_float32_default_tolerance_converges_quietly():
     p = {k: v.float() for k, v in deq_problem(5).items()}
     with warnings.catch_warnings():

@@ -20,7 +20,9 @@ How each transform sees it (JAX's semantics, plus forward mode):
   transposes it with ``torch.func.vjp`` and gets forward mode from the same rule.
 - ``torch.compile`` (``fullgraph=True`` too) traces ``fwd`` and ``bwd``. ``fwd`` is
   traced twice there, once to learn its output structure outside the Function (dynamo
-  refuses a Function that changes an outside object); the unused copy is dropped.
+  refuses a Function that changes an outside object); the unused copy is dropped. A
+  ``fwd`` that dynamo cannot trace (a solver loop that reads values) would then run
+  twice: give ``traceable_fwd=False`` and it runs once, eagerly (not ``fullgraph``).
 """
 
 from __future__ import annotations
@@ -279,9 +281,13 @@ class custom_vjp:
         tensor([3., 3.])
     """
 
-    def __init__(self, fun: Callable, nondiff_argnums: int | tuple[int, ...] = ()):
+    def __init__(self, fun: Callable, nondiff_argnums: int | tuple[int, ...] = (), *,
+                 traceable_fwd: bool = True):
         if not callable(fun):
             raise TypeError(f"custom_vjp: fun must be callable, got {type(fun).__name__}")
+        if not isinstance(traceable_fwd, bool):
+            raise TypeError(f"custom_vjp: traceable_fwd must be a bool, got {traceable_fwd!r}")
+        self.traceable_fwd = traceable_fwd
         functools.update_wrapper(self, fun)
         self.fun = fun
         self.__name__ = getattr(fun, "__name__", type(fun).__name__)
@@ -318,7 +324,8 @@ class custom_vjp:
         if fn is None:
             return self.fun(*bound.full)
         call = _Call(self, bound)
-        if fn is _CustomVJPCompiled:  # learn fwd's structure outside the traced Function
+        if fn is _CustomVJPCompiled and self.traceable_fwd:  # learn fwd's structure outside
+            # the traced Function (an untraceable fwd would run twice, for real)
             with torch.no_grad():  # (its ops are unused there, and inductor drops them)
                 call.run_fwd(bound.tensors)
         out = fn.apply(call, *bound.tensors)

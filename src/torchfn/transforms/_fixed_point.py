@@ -130,7 +130,7 @@ def fixed_point(
     return _solve(f, opts, params, z0)
 
 
-@functools.partial(custom_vjp, nondiff_argnums=(0, 1))
+@functools.partial(custom_vjp, nondiff_argnums=(0, 1), traceable_fwd=False)
 def _solve(f, opts: _Options, params, z0):
     return _forward_solve(f, opts, params, z0)
 

@@ -184,7 +184,7 @@ class _Residuals:
         return 0.5 * r @ r
 
 
-@functools.partial(custom_vjp, nondiff_argnums=(0,))
+@functools.partial(custom_vjp, nondiff_argnums=(0,), traceable_fwd=False)
 def _implicit(res: _Residuals, theta: Tensor, tensors: list[Tensor]) -> Tensor:
     """``theta`` (the minimum), with the implicit derivative in ``tensors``."""
     return theta.clone()

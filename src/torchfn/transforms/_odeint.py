@@ -190,7 +190,7 @@ class _FloatArgs:
         return pytree.tree_unflatten(out, self.spec)
 
 
-@functools.partial(custom_vjp, nondiff_argnums=(0, 1))
+@functools.partial(custom_vjp, nondiff_argnums=(0, 1), traceable_fwd=False)
 def _odeint(func, opts: _Options, y0, t, args):
     return _forward(func, opts, y0, t, args)
 
