@@ -120,8 +120,7 @@ class StaticKVCache(NamedTuple):
         if not layers:
             raise ValueError(f"module has no MultiHeadAttention layer to cache: "
                              f"{type(module).__name__}")
-        shapes = [(batch_size, m.kv_heads, capacity, m.out.in_features // m.heads)
-                  for m in layers]
+        shapes = [(batch_size, m.kv_heads, capacity, m.head_dim) for m in layers]
         return StaticKVCache(
             tuple(torch.zeros(s, dtype=dtype, device=device) for s in shapes),
             tuple(torch.zeros(s, dtype=dtype, device=device) for s in shapes),

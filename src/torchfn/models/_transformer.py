@@ -111,7 +111,7 @@ class MultiHeadAttention(nn.Module):
             rotary_frequencies(dim // heads, self.rotary_base, rotary_scaling)
         self.attn_dropout = attn_dropout
         self.attend = attend or _fused_attention
-        hd = dim // heads
+        hd = self.head_dim = dim // heads
         self.qkv = nn.Linear(dim, dim + 2 * kv_heads * hd, bias=bias)  # [q | k | v] rows
         self.out = nn.Linear(dim, dim, bias=bias)
 
