@@ -457,6 +457,12 @@ def attention(
     for name, flag in (("deterministic", deterministic), ("return_lse", return_lse)):
         if not isinstance(flag, bool):
             raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
+    if args.causal and q.shape[2] == 1:  # one query, the last position: it sees every key
+        args = args._replace(causal=False)
+    shape = q.shape  # (B, H, Nq, D)
+    groups = _decode_groups(q, k, args)
+    if groups > 1:  # one query row: each kv head's query heads become its rows
+        q = q.reshape(shape[0], k.shape[1], groups, shape[3])  # (B, Hkv, G, D)
     dv = v.shape[-1]
     q, k, v = _pad_head_dims(q, k, v)
     out = _autograd.attention(q, k, v, args.mask, args.causal, args.scale, args.backend,
@@ -465,8 +471,26 @@ def attention(
     o = out[0] if return_lse else out  # (B, H, Nq, max(D, Dv))
     if o.shape[-1] != dv:
         o = o[..., :dv]  # (B, H, Nq, Dv)
-        out = (o, out[1]) if return_lse else o
-    return out
+    if groups > 1:
+        o = o.reshape(*shape[:3], dv)  # (B, H, 1, Dv)
+    if return_lse:
+        lse = out[1] if groups == 1 else out[1].reshape(shape[:3])  # (B, H, Nq)
+        return o, lse
+    return o
+
+
+def _decode_groups(q: Tensor, k: Tensor, args: _Args) -> int:
+    """``H // Hkv`` where one query row may fold its heads into rows of the kv heads'
+    attention, else 1. Exact when nothing tells the rows apart: no causal band, window,
+    segments, ALiBi slopes, dropout or a mask that varies over heads or queries. It
+    spares the torch path the copies of K and V that GQA otherwise makes per head."""
+    groups = q.shape[1] // k.shape[1]
+    if groups == 1 or q.shape[2] != 1 or args.causal or max(args.window) >= 0 \
+            or args.segments is not None or args.slopes is not None or args.seeds is not None:
+        return 1
+    if args.mask is not None and (args.mask.shape[1] != 1 or args.mask.shape[2] != 1):
+        return 1
+    return groups
 
 
 def _pad_head_dims(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
