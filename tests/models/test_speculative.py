@@ -12,6 +12,7 @@ from scipy import stats
 import torchfn
 from torchfn import random
 from torchfn.models import TransformerEncoder, generate, speculative_generate
+from torchfn.models._generate import filter_logits
 
 V = 4
 
@@ -41,34 +42,41 @@ def test_greedy_equals_the_targets_greedy_decoding(lookahead):
     assert same["accepted"] == same["proposed"]
 
 
-def _target_distribution(model, params, prompt, n, temperature):
-    """P(continuation) for every continuation of n tokens, by enumeration (float64)."""
+def _target_distribution(model, params, prompt, n, temperature, **filters):
+    """P(continuation) for every continuation of n tokens, by enumeration (float64), each
+    step drawn from the filtered (top-k / top-p / min-p) conditional."""
     conts = torch.tensor(list(itertools.product(range(V), repeat=n)))  # (V^n, n)
     seqs = torch.cat((prompt.expand(len(conts), -1), conts), 1)
-    logp = torch.log_softmax(model.apply(params, seqs[:, :-1]).double() / temperature, -1)
+    logits = filter_logits(model.apply(params, seqs[:, :-1]).double(), temperature, **filters)
+    logp = torch.log_softmax(logits, -1)
     p = prompt.shape[-1]
     picked = logp[:, p - 1:].gather(-1, conts[..., None])[..., 0]  # (V^n, n)
     return conts, picked.sum(-1).exp()
 
 
-@pytest.mark.parametrize("temperature, lookahead", [(1.0, 2), (0.7, 3)])
-def test_samples_follow_the_targets_distribution(temperature, lookahead):
+@pytest.mark.parametrize("temperature, lookahead, filters", [
+    (1.0, 2, {}), (0.7, 3, {}), (1.3, 2, {"top_k": 3}), (5.0, 3, {"top_p": 0.9, "min_p": 0.05})])
+def test_samples_follow_the_targets_distribution(temperature, lookahead, filters):
     (big, pb), (small, ps) = lm(2, 0), lm(1, 5)
     prompt = torch.tensor([[1, 3]])
-    conts, want = _target_distribution(big, pb, prompt, 3, temperature)
-    _, draft_dist = _target_distribution(small, ps, prompt, 3, temperature)
+    conts, want = _target_distribution(big, pb, prompt, 3, temperature, **filters)
+    _, draft_dist = _target_distribution(small, ps, prompt, 3, temperature, **filters)
     assert 0.5 * (want - draft_dist).abs().sum() > 0.2  # the draft alone would be caught
     n = 20000
     out, info = speculative_generate(big, pb, small, ps, prompt.expand(n, -1), 3,
                                      key=random.key(7), lookahead=lookahead,
-                                     temperature=temperature, return_stats=True)
+                                     temperature=temperature, return_stats=True, **filters)
     assert 0 < info["accepted"] < info["proposed"]  # both paths taken
     index = (out[:, 2:] * torch.tensor([V * V, V, 1])).sum(-1)  # the continuation's cell
     counts = torch.bincount(index, minlength=V**3).double()
+    assert (counts[want == 0] == 0).all()  # nothing the filters drop is ever drawn
+    if filters:
+        assert (want == 0).any()  # and they do drop something here
     big_cells = want * n >= 5
-    rest = torch.stack((counts[~big_cells].sum(), want[~big_cells].sum() * n))
-    observed = torch.cat((counts[big_cells], rest[:1]))
-    expected = torch.cat((want[big_cells] * n, rest[1:]))
+    observed, expected = counts[big_cells], want[big_cells] * n
+    if want[~big_cells].sum() > 0:  # the small cells pooled into one
+        observed = torch.cat((observed, counts[~big_cells].sum()[None]))
+        expected = torch.cat((expected, want[~big_cells].sum()[None] * n))
     assert stats.chisquare(observed.numpy(), expected.numpy() * observed.sum().item()
                            / expected.sum().item()).pvalue > 1e-4
 

@@ -80,6 +80,13 @@ def sample_logits(
         raise ValueError(f"logits must be a float tensor (..., V), got {got}")
     if key is None or temperature == 0:
         return logits.argmax(dim=-1)
+    return random.categorical(key, filter_logits(logits, temperature, top_k, top_p, min_p))
+
+
+def filter_logits(logits: Tensor, temperature: float = 1.0, top_k: int | None = None,
+                  top_p: float | None = None, min_p: float | None = None) -> Tensor:
+    """The logits :func:`sample_logits` draws from: over ``temperature``, with the tokens
+    that ``top_k``, ``top_p`` and ``min_p`` drop set to ``-inf``. ``(..., V)``."""
     logits = logits / temperature
     neg = float("-inf")
     if top_k is not None and top_k < logits.shape[-1]:
@@ -95,7 +102,7 @@ def sample_logits(
     if min_p:  # p_i < min_p * p_max  <=>  l_i < l_max + log(min_p)
         floor = logits.amax(dim=-1, keepdim=True) + math.log(min_p)
         logits = logits.masked_fill(logits < floor, neg)
-    return random.categorical(key, logits)
+    return logits
 
 
 def generate(

@@ -12,7 +12,7 @@ from torch import Tensor
 
 from torchfn.core import random
 from torchfn.core._eager import plain
-from torchfn.models._generate import _check_options, check_prompt
+from torchfn.models._generate import _check_options, check_prompt, filter_logits
 from torchfn.models._kv_cache import KVCache
 
 __all__ = ["speculative_generate"]
@@ -37,8 +37,9 @@ class _Stream:
         return logits
 
 
-def _probs(logits: Tensor, temperature: float) -> Tensor:
-    return torch.softmax(logits.double() / temperature, dim=-1)  # (..., V), float64
+def _probs(logits: Tensor, filters: dict[str, Any]) -> Tensor:
+    """The distribution a token is drawn from: ``sample_logits``' filters, in float64."""
+    return torch.softmax(filter_logits(logits.double(), **filters), dim=-1)  # (..., V)
 
 
 def speculative_generate(
@@ -52,6 +53,9 @@ def speculative_generate(
     key: Tensor | None = None,
     lookahead: int = 4,
     temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    min_p: float | None = None,
     return_stats: bool = False,
 ) -> Tensor | tuple[Tensor, dict[str, int]]:
     """Continue ``prompt`` by ``steps`` tokens of ``target``, with ``draft`` proposing.
@@ -82,7 +86,9 @@ def speculative_generate(
         steps: new tokens (>= 1).
         key: a ``torchfn.random`` key; ``None`` decodes greedily.
         lookahead: draft tokens per round (>= 1).
-        temperature: applied to both models' logits (> 0 when sampling).
+        temperature, top_k, top_p, min_p: as :func:`sample_logits`, applied to both
+            models' distributions: the samples follow the target's filtered one exactly.
+            ``temperature`` > 0 when sampling.
         return_stats: also return ``{"rounds", "target_calls", "draft_calls",
             "accepted", "proposed"}``.
 
@@ -104,7 +110,8 @@ def speculative_generate(
         >>> torch.equal(out, generate(big, pb, prompt, 6))
         True
     """
-    _check_options(temperature, None, None)
+    _check_options(temperature, top_k, top_p, min_p)
+    filters = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
     if key is not None and temperature == 0:
         raise ValueError("temperature must be > 0 when sampling (key given); use key=None "
                          "for greedy decoding")
@@ -144,7 +151,7 @@ def speculative_generate(
             if key is None:
                 tok = logits.argmax(-1)
             else:
-                qj = _probs(logits, temperature)
+                qj = _probs(logits, filters)
                 q.append(qj)
                 tok = random.categorical(random.fold_in(kd, j), qj.log())
             proposal.append(tok)
@@ -159,7 +166,7 @@ def speculative_generate(
             best = logits.argmax(-1)  # (B, k + 1)
             accept = best[:, :-1] == drafted
         else:
-            p = _probs(logits, temperature)  # (B, k + 1, V)
+            p = _probs(logits, filters)  # (B, k + 1, V)
             qs = torch.stack(q, dim=1)  # (B, k, V)
             p_tok = p[:, :-1].gather(-1, drafted[..., None])[..., 0]  # (B, k)
             q_tok = qs.gather(-1, drafted[..., None])[..., 0]
