@@ -343,9 +343,13 @@ def test_static_cache_errors_are_named():
     with pytest.raises(ValueError, match="StaticKVCache capacity 40 exceeds max_len=32"):
         model.apply(params, torch.zeros(1, 5, dtype=torch.long),
                     cache=StaticKVCache.allocate(model, 1, 40, dtype=torch.float64))
-    with pytest.raises(ValueError, match=r"capacity >= P \+ steps = 9 is needed, got 8"):
-        generate(model, params, torch.zeros(1, 4, dtype=torch.long), 5,
+    with pytest.raises(ValueError, match="8 tokens cached and 1 more exceed its capacity 8"):
+        generate(model, params, torch.zeros(1, 4, dtype=torch.long), 6,  # 4 + 5 fed
                  cache=StaticKVCache.allocate(model, 1, 8, dtype=torch.float64))
+    windowed, wparams = lm(window=(3, None))
+    with pytest.raises(ValueError, match="a window of 3 keys wraps around from capacity 8"):
+        windowed.apply(wparams, torch.zeros(1, 5, dtype=torch.long),
+                       cache=StaticKVCache.allocate(windowed, 1, 4, dtype=torch.float64))
     with pytest.raises(ValueError, match="module has no MultiHeadAttention layer"):
         StaticKVCache.allocate(torch.nn.Linear(2, 2), 1, 8)
     with pytest.raises(ValueError, match="capacity must be an int >= 1"):
@@ -381,3 +385,24 @@ def test_tied_embeddings_share_one_matrix_and_feed_linear_cross_entropy():
         torch.testing.assert_close(g[name], want[name], rtol=1e-10, atol=1e-12)
     with pytest.raises(ValueError, match="tie_embeddings needs token input"):
         TransformerEncoder(dim=16, heads=2, depth=1, in_dim=4, out_dim=V, tie_embeddings=True)
+
+
+@pytest.mark.parametrize("positions", ["learned", "rotary"])
+def test_a_sliding_window_model_decodes_from_a_ring_buffer(positions):
+    """window=(3, None) with a StaticKVCache of 6 slots: 24 tokens (a prefill of 4, then
+    chunks of 1 and 2) wrap around the buffer four times; the logits are the full
+    forward's, and generate with the ring equals generate with the growing cache."""
+    model, params = lm(window=(3, None), position_embedding=positions)
+    tokens = random.randint(random.key(5), (2, 24), 0, V)
+    cache = StaticKVCache.allocate(model, 2, 6, dtype=torch.float64)
+    outs, at = [], 0
+    for n in [4] + [1, 2] * 6 + [1] * 2:
+        out, cache = model.apply(params, tokens[:, at:at + n], cache=cache)
+        outs.append(out)
+        at += n
+    assert at == 24 and int(cache.length) == 24 and cache.capacity == 6
+    torch.testing.assert_close(torch.cat(outs, 1), model.apply(params, tokens), rtol=0,
+                               atol=1e-12)
+    ring = StaticKVCache.allocate(model, 2, 3 + 5, dtype=torch.float64)  # window + prompt
+    assert torch.equal(generate(model, params, tokens[:, :5], 20, cache=ring),
+                       generate(model, params, tokens[:, :5], 20))

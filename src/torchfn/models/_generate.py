@@ -142,8 +142,10 @@ def generate(
         eos: an end-of-sequence token. Once a row draws it, the rest of the row is
             ``eos``; in plain eager mode decoding stops early when every row has.
         cache: the cache to start from: ``KVCache()`` (the default) or an empty
-            :class:`StaticKVCache` of capacity >= ``P + steps``, whose fixed shapes let a
-            compiled ``model`` (``torch.compile(model)``) compile its step once.
+            :class:`StaticKVCache` of capacity >= ``P + steps - 1`` (or, for sliding-window
+            layers, >= window + P: a ring buffer), whose fixed shapes let a compiled
+            ``model`` (``torch.compile(model)``) compile its step once. With
+            ``prompt_mask`` a ring buffer must not wrap.
 
     Returns:
         ``(B, P + steps)`` (or ``(P + steps,)``) int64: the prompt and the new tokens.
@@ -183,10 +185,7 @@ def generate(
         extra = {"key_padding_mask": mask, "positions": positions}
     cache = KVCache() if cache is None else cache
     static = isinstance(cache, StaticKVCache)
-    if static:
-        if cache.capacity < tokens.shape[1] + steps:
-            raise ValueError(f"cache: a StaticKVCache of capacity >= P + steps = "
-                             f"{tokens.shape[1] + steps} is needed, got {cache.capacity}")
+    if static:  # its capacity is checked by the layers (a windowed one may wrap around)
         if extra:  # the mask covers every slot: the prompt's, then real tokens
             slots = torch.ones(mask.shape[0], cache.capacity, dtype=torch.bool,
                                device=mask.device)

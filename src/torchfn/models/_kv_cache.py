@@ -64,6 +64,9 @@ class StaticKVCache(NamedTuple):
     copy: the cache passed in is not changed) and attends through a mask of the written
     slots. The shapes never change, so a compiled step compiles once (tested), and
     CUDA graphs can replay it. ``key_padding_mask`` then covers the ``capacity`` slots.
+    Position ``p`` lives in slot ``p % capacity``: for sliding-window layers a capacity
+    of the window plus the tokens of one call is enough, however long the sequence (a
+    ring buffer; other layers refuse to wrap).
 
     Attributes:
         keys, values: per layer ``(B, Hkv, capacity, D)``.

@@ -156,22 +156,33 @@ class MultiHeadAttention(nn.Module):
 
 
 def _write_static(cache: StaticKVCache, k: Tensor, v: Tensor, window) -> tuple:
-    """Write this call's keys and values ``(B, Hkv, N, D)`` at ``cache.length`` (into
-    copies), and the mask ``(1, 1, N, capacity)`` of the slots each query sees: written,
-    at or before its own position, and inside the window."""
+    """Write this call's keys and values ``(B, Hkv, N, D)`` at positions ``cache.length``
+    on (into copies), and the mask ``(1, 1, N, capacity)`` of the slots each query sees:
+    written, at or before its own position, and inside the window.
+
+    Position ``p`` goes to slot ``p % capacity``: a sliding-window layer whose capacity
+    holds its window and this call's tokens wraps around (a ring buffer, O(window)
+    memory however long the generation); any other layer must not wrap."""
     n, cap = k.shape[2], cache.capacity
-    if plain(cache.length) and int(cache.length) + n > cap:
-        raise ValueError(f"StaticKVCache: {int(cache.length)} tokens cached and {n} more "
-                         f"exceed its capacity {cap}")
-    at = cache.length + torch.arange(n, device=k.device)  # (N,) positions written
-    keys = cache.keys[0].index_copy(2, at, k.to(cache.keys[0].dtype))  # (B, Hkv, cap, D)
-    values = cache.values[0].index_copy(2, at, v.to(cache.values[0].dtype))
-    slot = torch.arange(cap, device=k.device)  # (cap,)
-    mask = slot[None, :] <= at[:, None]  # (N, cap): causal, and written
     left = window if isinstance(window, int) else (None if window is None else window[0])
+    if plain(cache.length) and int(cache.length) + n > cap and (left is None
+                                                               or cap < left + n):
+        raise ValueError(
+            f"StaticKVCache: {int(cache.length)} tokens cached and {n} more exceed its "
+            f"capacity {cap}" + ("" if left is None else
+                                 f" (a window of {left} keys wraps around from capacity "
+                                 f"{left + n} for {n} tokens a call)"))
+    at = cache.length + torch.arange(n, device=k.device)  # (N,) positions written
+    slots = at % cap
+    keys = cache.keys[0].index_copy(2, slots, k.to(cache.keys[0].dtype))  # (B, Hkv, cap, D)
+    values = cache.values[0].index_copy(2, slots, v.to(cache.values[0].dtype))
+    end = cache.length + n
+    slot = torch.arange(cap, device=k.device)  # (cap,)
+    held = end - 1 - (end - 1 - slot) % cap  # the position in each slot; < 0: never written
+    mask = (held[None, :] >= 0) & (held[None, :] <= at[:, None])  # (N, cap): causal
     if left is not None:
-        mask = mask & (slot[None, :] >= at[:, None] - left)
-    new = StaticKVCache((keys,), (values,), cache.length + n)
+        mask = mask & (held[None, :] >= at[:, None] - left)
+    new = StaticKVCache((keys,), (values,), end)
     return keys, values, new, mask[None, None]
 
 
