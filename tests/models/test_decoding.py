@@ -347,6 +347,10 @@ def test_static_cache_errors_are_named():
         generate(model, params, torch.zeros(1, 4, dtype=torch.long), 6,  # 4 + 5 fed
                  cache=StaticKVCache.allocate(model, 1, 8, dtype=torch.float64))
     windowed, wparams = lm(window=(3, None))
+    with pytest.raises(ValueError, match=r"with prompt_mask a StaticKVCache must not wrap"):
+        generate(windowed, wparams, torch.zeros(1, 4, dtype=torch.long), 8,
+                 prompt_mask=torch.ones(1, 4, dtype=torch.bool),
+                 cache=StaticKVCache.allocate(windowed, 1, 8, dtype=torch.float64))
     with pytest.raises(ValueError, match="a window of 3 keys wraps around from capacity 8"):
         windowed.apply(wparams, torch.zeros(1, 5, dtype=torch.long),
                        cache=StaticKVCache.allocate(windowed, 1, 4, dtype=torch.float64))

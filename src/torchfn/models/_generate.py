@@ -186,6 +186,10 @@ def generate(
     cache = KVCache() if cache is None else cache
     static = isinstance(cache, StaticKVCache)
     if static:  # its capacity is checked by the layers (a windowed one may wrap around)
+        if extra and cache.capacity < tokens.shape[1] + steps - 1:
+            raise ValueError(f"cache: with prompt_mask a StaticKVCache must not wrap around "
+                             f"(its mask covers slots, not positions): capacity >= P + "
+                             f"steps - 1 = {tokens.shape[1] + steps - 1}, got {cache.capacity}")
         if extra:  # the mask covers every slot: the prompt's, then real tokens
             slots = torch.ones(mask.shape[0], cache.capacity, dtype=torch.bool,
                                device=mask.device)
