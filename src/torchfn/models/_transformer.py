@@ -198,12 +198,16 @@ def token_positions(n: int, device: torch.device, start: int = 0,
     return positions
 
 
-def make_norm(norm: str, dim: int, bias: bool = True) -> nn.Module:
-    """``"layer"``: ``nn.LayerNorm`` (its bias only if ``bias``); ``"rms"``: ``nn.RMSNorm``."""
+def make_norm(norm: str, dim: int, bias: bool = True, eps: float | None = None) -> nn.Module:
+    """``"layer"``: ``nn.LayerNorm`` (its bias only if ``bias``); ``"rms"``: ``nn.RMSNorm``.
+    ``eps`` None: each one's default (1e-5; the dtype's machine epsilon)."""
+    if eps is not None and (isinstance(eps, bool) or not isinstance(eps, (int, float))
+                            or not eps > 0):
+        raise ValueError(f"norm_eps must be a number > 0 or None, got {eps!r}")
     if norm == "layer":
-        return nn.LayerNorm(dim, bias=bias)
+        return nn.LayerNorm(dim, bias=bias, eps=1e-5 if eps is None else eps)
     if norm == "rms":
-        return nn.RMSNorm(dim)
+        return nn.RMSNorm(dim, eps=eps)
     raise ValueError(f"norm must be 'layer' or 'rms', got {norm!r}")
 
 
@@ -230,7 +234,9 @@ class TransformerBlock(nn.Module):
         torch.Size([2, 16, 32])
     """
 
-    def __init__(self, dim: int, heads: int, *, mlp_ratio: int = 4, dropout: float = 0.0,
+    def __init__(self, dim: int, heads: int, *, mlp_ratio: int = 4,
+                 mlp_hidden: int | None = None, norm_eps: float | None = None,
+                 dropout: float = 0.0,
                  causal: bool = False,
                  window: int | tuple[int | None, int | None] | None = None,
                  softcap: float | None = None, attn_dropout: float = 0.0,
@@ -241,13 +247,14 @@ class TransformerBlock(nn.Module):
         super().__init__()
         if mlp not in ("gelu", "swiglu"):
             raise ValueError(f"mlp must be 'gelu' or 'swiglu', got {mlp!r}")
-        self.ln1 = make_norm(norm, dim, bias)
+        self.ln1 = make_norm(norm, dim, bias, norm_eps)
         self.attn = MultiHeadAttention(dim, heads, causal=causal, window=window, softcap=softcap,
                                        attn_dropout=attn_dropout, kv_heads=kv_heads,
                                        rotary=rotary, rotary_base=rotary_base,
                                        rotary_scaling=rotary_scaling, bias=bias, attend=attend)
-        self.ln2 = make_norm(norm, dim, bias)
-        hidden = mlp_ratio * dim
+        self.ln2 = make_norm(norm, dim, bias, norm_eps)
+        hidden = mlp_ratio * dim if mlp_hidden is None else mlp_hidden
+        _check_dims(mlp_hidden=hidden)
         self.mlp = SwiGLU(dim, hidden, bias=bias) if mlp == "swiglu" else nn.Sequential(
             nn.Linear(dim, hidden, bias=bias), nn.GELU(), nn.Linear(hidden, dim, bias=bias)
         )
@@ -306,6 +313,9 @@ class TransformerEncoder(nn.Module):
             (``out_dim=None``, as for :func:`torchfn.losses.linear_cross_entropy` with
             ``params["embed.weight"]``, leaves the hidden states).
         mlp_ratio, dropout, causal: block settings; ``causal`` masks future positions.
+        mlp_hidden: the MLPs' width, instead of ``mlp_ratio * dim`` (Llama 3 8B: 14336
+            for dim 4096).
+        norm_eps: the norms' epsilon (Llama's ``rms_norm_eps``); None: torch's default.
         window: sliding-window attention, as ``torchfn.kernels.attention``'s (e.g.
             ``causal=True, window=(255, None)``: each token sees itself and 255 before).
         softcap: attention logit soft-capping (Gemma 2 uses 50), as the kernel's.
@@ -340,6 +350,8 @@ class TransformerEncoder(nn.Module):
         max_len: int = 256,
         out_dim: int | None = None,
         mlp_ratio: int = 4,
+        mlp_hidden: int | None = None,
+        norm_eps: float | None = None,
         dropout: float = 0.0,
         causal: bool = False,
         window: int | tuple[int | None, int | None] | None = None,
@@ -383,14 +395,15 @@ class TransformerEncoder(nn.Module):
             self.pos = nn.Embedding(max_len, dim)
         self.drop = nn.Dropout(dropout)
         self.blocks = nn.ModuleList(
-            TransformerBlock(dim, heads, mlp_ratio=mlp_ratio, dropout=dropout, causal=causal,
+            TransformerBlock(dim, heads, mlp_ratio=mlp_ratio, mlp_hidden=mlp_hidden,
+                             norm_eps=norm_eps, dropout=dropout, causal=causal,
                              window=window, softcap=softcap, attn_dropout=attn_dropout,
                              kv_heads=kv_heads, rotary=position_embedding == "rotary",
                              rotary_base=rotary_base, rotary_scaling=rotary_scaling,
                              norm=norm, mlp=mlp, bias=bias, attend=attend)
             for _ in range(depth)
         )
-        self.ln = make_norm(norm, dim, bias)
+        self.ln = make_norm(norm, dim, bias, norm_eps)
         if tie_embeddings and (vocab_size is None or out_dim not in (None, vocab_size)):
             raise ValueError(f"tie_embeddings needs token input and out_dim = vocab_size (or "
                              f"None); got vocab_size={vocab_size}, out_dim={out_dim}")

@@ -1,0 +1,119 @@
+"""``llama_from_hf``: a Llama state dict under Hugging Face's names, run as a
+``TransformerEncoder``, against a Llama forward written out from the Hugging Face model's
+definition (RMSNorm, rotate-half RoPE, GQA by repeating kv heads, SwiGLU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import torchfn
+from torchfn import random
+from torchfn.models import KVCache, generate, llama_from_hf
+
+CONFIG = {"hidden_size": 32, "num_attention_heads": 4, "num_key_value_heads": 2,
+          "num_hidden_layers": 2, "intermediate_size": 40, "vocab_size": 50,
+          "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "max_position_embeddings": 128,
+          "hidden_act": "silu", "tie_word_embeddings": False}
+
+
+def hf_state_dict(config, seed=0):
+    """Random float64 tensors under Hugging Face's Llama names and shapes."""
+    d, h, hkv = config["hidden_size"], config["num_attention_heads"], \
+        config["num_key_value_heads"]
+    hd, f, v = d // h, config["intermediate_size"], config["vocab_size"]
+    shapes = {"model.embed_tokens.weight": (v, d), "model.norm.weight": (d,)}
+    if not config["tie_word_embeddings"]:
+        shapes["lm_head.weight"] = (v, d)
+    for i in range(config["num_hidden_layers"]):
+        at = f"model.layers.{i}."
+        shapes.update({
+            at + "input_layernorm.weight": (d,), at + "post_attention_layernorm.weight": (d,),
+            at + "self_attn.q_proj.weight": (h * hd, d), at + "self_attn.k_proj.weight":
+            (hkv * hd, d), at + "self_attn.v_proj.weight": (hkv * hd, d),
+            at + "self_attn.o_proj.weight": (d, h * hd), at + "mlp.gate_proj.weight": (f, d),
+            at + "mlp.up_proj.weight": (f, d), at + "mlp.down_proj.weight": (d, f)})
+    keys = random.split(random.key(seed), len(shapes))
+    out = {}
+    for k, (name, shape) in zip(keys, shapes.items()):
+        x = random.normal(k, shape, torch.float64)
+        out[name] = 1.0 + 0.1 * x if name.endswith("norm.weight") else x * shape[-1] ** -0.5
+    return out
+
+
+def hf_llama_forward(sd, config, tokens):
+    """Logits (B, N, V) the way Hugging Face's LlamaForCausalLM computes them."""
+    d, h, hkv = config["hidden_size"], config["num_attention_heads"], \
+        config["num_key_value_heads"]
+    hd, eps = d // h, config["rms_norm_eps"]
+    b, n = tokens.shape
+
+    def rms(x, w):
+        return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+    def rotate_half(x):
+        return torch.cat((-x[..., hd // 2:], x[..., :hd // 2]), dim=-1)
+
+    inv_freq = 1.0 / config["rope_theta"] ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd)
+    freqs = torch.arange(n, dtype=torch.float64)[:, None] * inv_freq  # (N, hd/2)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos, sin = emb.cos(), emb.sin()
+    causal = torch.full((n, n), float("-inf"), dtype=torch.float64).triu(1)
+    x = sd["model.embed_tokens.weight"][tokens]  # (B, N, d)
+    for i in range(config["num_hidden_layers"]):
+        p = lambda name, i=i: sd[f"model.layers.{i}.{name}"]  # noqa: E731
+        y = rms(x, p("input_layernorm.weight"))
+        q = (y @ p("self_attn.q_proj.weight").T).view(b, n, h, hd).transpose(1, 2)
+        k = (y @ p("self_attn.k_proj.weight").T).view(b, n, hkv, hd).transpose(1, 2)
+        v = (y @ p("self_attn.v_proj.weight").T).view(b, n, hkv, hd).transpose(1, 2)
+        q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        k, v = k.repeat_interleave(h // hkv, 1), v.repeat_interleave(h // hkv, 1)
+        att = torch.softmax(q @ k.transpose(-1, -2) / hd ** 0.5 + causal, dim=-1) @ v
+        x = x + att.transpose(1, 2).reshape(b, n, d) @ p("self_attn.o_proj.weight").T
+        y = rms(x, p("post_attention_layernorm.weight"))
+        gate = torch.nn.functional.silu(y @ p("mlp.gate_proj.weight").T)
+        x = x + (gate * (y @ p("mlp.up_proj.weight").T)) @ p("mlp.down_proj.weight").T
+    head = sd["model.embed_tokens.weight"] if config["tie_word_embeddings"] else \
+        sd["lm_head.weight"]
+    return rms(x, sd["model.norm.weight"]) @ head.T
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_llama_checkpoint_runs_as_the_hf_forward_does(tied):
+    config = dict(CONFIG, tie_word_embeddings=tied)
+    sd = hf_state_dict(config)
+    sd["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.ones(4)  # old buffers: ignored
+    module, params = llama_from_hf(config, sd)
+    model = torchfn.Model(module)
+    assert set(params) == set(model.init(random.key(0)))
+    tokens = random.randint(random.key(1), (2, 11), 0, 50)
+    want = hf_llama_forward(sd, config, tokens)
+    torch.testing.assert_close(model.apply(params, tokens), want, rtol=0, atol=1e-11)
+    # and it decodes from its cache: the prompt, then one token at a time
+    out, cache = model.apply(params, tokens[:, :6], cache=KVCache())
+    outs = [out]
+    for i in range(6, 11):
+        o, cache = model.apply(params, tokens[:, i:i + 1], cache=cache)
+        outs.append(o)
+    torch.testing.assert_close(torch.cat(outs, 1), want, rtol=0, atol=1e-11)
+    greedy = generate(model, params, tokens[:, :4], 5)
+    seq = tokens[:, :4]
+    for _ in range(5):
+        seq = torch.cat((seq, hf_llama_forward(sd, config, seq)[:, -1:].argmax(-1)), 1)
+    assert torch.equal(greedy, seq)
+
+
+def test_bad_checkpoints_and_configs_are_named():
+    sd = hf_state_dict(CONFIG)
+    with pytest.raises(ValueError, match=r"state_dict lacks the tensors for \['blocks.1.ln2"):
+        llama_from_hf(CONFIG, {k: v for k, v in sd.items()
+                               if k != "model.layers.1.post_attention_layernorm.weight"})
+    with pytest.raises(ValueError, match="state_dict has tensors a Llama does not"):
+        llama_from_hf(CONFIG, dict(sd, **{"model.layers.0.self_attn.q_norm.weight":
+                                          torch.ones(8)}))
+    with pytest.raises(ValueError, match="state_dict shapes do not match the config"):
+        llama_from_hf(dict(CONFIG, intermediate_size=48), sd)
+    with pytest.raises(ValueError, match=r"config\['hidden_act'\] = 'gelu' is not supported"):
+        llama_from_hf(dict(CONFIG, hidden_act="gelu"))
+    with pytest.raises(ValueError, match=r"config lacks \['vocab_size'\]"):
+        llama_from_hf({k: v for k, v in CONFIG.items() if k != "vocab_size"})
