@@ -59,6 +59,9 @@ def hf_llama_forward(sd, config, tokens):
     emb = torch.cat((freqs, freqs), dim=-1)
     cos, sin = emb.cos(), emb.sin()
     causal = torch.full((n, n), float("-inf"), dtype=torch.float64).triu(1)
+    if config.get("sliding_window"):  # Mistral: keys i - window + 1 .. i
+        causal = causal + torch.full((n, n), float("-inf"), dtype=torch.float64).tril(
+            -config["sliding_window"])
     x = sd["model.embed_tokens.weight"][tokens]  # (B, N, d)
     for i in range(config["num_hidden_layers"]):
         p = lambda name, i=i: sd[f"model.layers.{i}.{name}"]  # noqa: E731
@@ -78,9 +81,9 @@ def hf_llama_forward(sd, config, tokens):
     return rms(x, sd["model.norm.weight"]) @ head.T
 
 
-@pytest.mark.parametrize("tied", [False, True])
-def test_a_llama_checkpoint_runs_as_the_hf_forward_does(tied):
-    config = dict(CONFIG, tie_word_embeddings=tied)
+@pytest.mark.parametrize("tied, window", [(False, None), (True, None), (False, 4)])
+def test_a_llama_checkpoint_runs_as_the_hf_forward_does(tied, window):
+    config = dict(CONFIG, tie_word_embeddings=tied, sliding_window=window)
     sd = hf_state_dict(config)
     sd["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.ones(4)  # old buffers: ignored
     module, params = llama_from_hf(config, sd)

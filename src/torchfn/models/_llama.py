@@ -53,6 +53,8 @@ def _config(config: Mapping[str, Any]) -> dict[str, Any]:
         rotary_scaling=config.get("rope_scaling"), norm="rms", mlp="swiglu", bias=False,
         mlp_hidden=config["intermediate_size"], norm_eps=float(config.get("rms_norm_eps", 1e-6)),
         tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+        # Mistral: each token sees itself and the sliding_window - 1 before it
+        window=(config["sliding_window"] - 1, None) if config.get("sliding_window") else None,
     )
 
 
@@ -64,6 +66,7 @@ def llama_from_hf(config: Mapping[str, Any], state_dict: Mapping[str, Tensor] | 
     Llama is rotary (Hugging Face's half-split pairing, ``rope_theta``, ``rope_scaling``),
     grouped-query attention, RMSNorm (``rms_norm_eps``), SwiGLU (``intermediate_size``),
     no biases and optionally tied embeddings: each an option of ``TransformerEncoder``.
+    A ``sliding_window`` (Mistral's config) becomes the encoder's ``window``.
     The q, k and v projections become one ``qkv`` matrix. The checkpoint's tensors are
     used as they are (a view or a concatenation; nothing is copied but ``qkv``), so
     ``safetensors.torch.load_file`` of a checkpoint's shards gives ``state_dict``.
