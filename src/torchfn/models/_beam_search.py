@@ -84,18 +84,18 @@ def beam_search(
     if isinstance(length_penalty, bool) or not isinstance(length_penalty, (int, float)):
         raise TypeError(f"length_penalty must be a number, got {length_penalty!r}")
     tokens, one = check_prompt(prompt)  # (B, P)
-    b, k = tokens.shape[0], beams
+    b, k, dev = tokens.shape[0], beams, tokens.device
     logits, cache = model(params, tokens, cache=KVCache())  # (B, P, V)
-    rows = torch.arange(b).repeat_interleave(k)  # (B * K,): each prompt's beams
+    rows = torch.arange(b, device=dev).repeat_interleave(k)  # (B * K,): each prompt's beams
     cache = _reorder(cache, rows)
     logp = torch.log_softmax(logits[:, -1].double(), -1).index_select(0, rows)  # (B*K, V)
     vocab = logp.shape[-1]
     # only the first beam is live at the start, so the K first picks are distinct
-    scores = torch.full((b, k), float("-inf"), dtype=torch.float64)
+    scores = torch.full((b, k), float("-inf"), dtype=torch.float64, device=dev)
     scores[:, 0] = 0.0
-    new = torch.zeros(b, k, 0, dtype=torch.long)  # (B, K, t)
-    done = torch.zeros(b, k, dtype=torch.bool)
-    length = torch.zeros(b, k, dtype=torch.long)
+    new = torch.zeros(b, k, 0, dtype=torch.long, device=dev)  # (B, K, t)
+    done = torch.zeros(b, k, dtype=torch.bool, device=dev)
+    length = torch.zeros(b, k, dtype=torch.long, device=dev)
     for step in range(steps):
         if eos is not None:  # a finished beam proposes only eos, at no cost
             stay = torch.full_like(logp, float("-inf"))
@@ -111,7 +111,7 @@ def beam_search(
         done = was_done | (tok == eos) if eos is not None else was_done
         if step == steps - 1:
             break
-        parents = (torch.arange(b)[:, None] * k + beam).reshape(-1)  # (B * K,)
+        parents = (torch.arange(b, device=dev)[:, None] * k + beam).reshape(-1)  # (B * K,)
         cache = _reorder(cache, parents)
         logits, cache = model(params, tok.reshape(-1, 1), cache=cache)  # (B*K, 1, V)
         logp = torch.log_softmax(logits[:, -1].double(), -1)

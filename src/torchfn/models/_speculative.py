@@ -28,7 +28,8 @@ class _Stream:
     def feed(self, tokens: Tensor, ok: Tensor) -> Tensor:
         """Run ``tokens`` (B, n) (``ok``: which are real) against the cache: logits."""
         b = tokens.shape[0]
-        before = self.valid if self.valid is not None else torch.zeros(b, 0, dtype=torch.bool)
+        before = self.valid if self.valid is not None else torch.zeros(
+            b, 0, dtype=torch.bool, device=tokens.device)
         mask = torch.cat((before, ok), 1)  # (B, L + n)
         positions = (before.sum(1, keepdim=True) + ok.long().cumsum(1) - 1).clamp(min=0)
         logits, self.cache = self.model(self.params, tokens, cache=self.cache,
@@ -124,7 +125,7 @@ def speculative_generate(
                          "tokens read from the values): not under vmap or torch.compile; "
                          "repeat the prompt along the batch for many samples")
     b, p_len = seq.shape
-    k = lookahead
+    k, dev = lookahead, seq.device
     # Rows keep different numbers of tokens each round. The caches stay rectangular:
     # every fed token gets a cache entry, and `valid` masks the rejected ones out of
     # every later call (key_padding_mask), with positions counting only valid tokens.
@@ -133,7 +134,7 @@ def speculative_generate(
     if p_len > 1:
         target_state.feed(seq[:, :-1], torch.ones_like(seq[:, :-1], dtype=torch.bool))
     blocks, block_valid = [], []  # per round: (B, k + 1) new tokens and which are real
-    made = torch.zeros(b, dtype=torch.long)  # new tokens per row so far
+    made = torch.zeros(b, dtype=torch.long, device=dev)  # new tokens per row so far
     last = seq[:, -1:]  # (B, 1) the newest token, not yet in the target's cache
     carry, carry_ok = seq[:, :-1], torch.ones_like(seq[:, :-1], dtype=torch.bool)
     stats = {"rounds": 0, "target_calls": int(p_len > 1), "draft_calls": 0, "accepted": 0,
@@ -155,11 +156,11 @@ def speculative_generate(
                 q.append(qj)
                 tok = random.categorical(random.fold_in(kd, j), qj.log())
             proposal.append(tok)
-            feed, ok = tok[:, None], torch.ones(b, 1, dtype=torch.bool)
+            feed, ok = tok[:, None], torch.ones(b, 1, dtype=torch.bool, device=dev)
         drafted = torch.stack(proposal, dim=1)  # (B, k)
         # 2. the target scores `last` and every draft token in one call
         logits = target_state.feed(torch.cat((last, drafted), 1),
-                                   torch.ones(b, k + 1, dtype=torch.bool))  # (B, k + 1, V)
+                                   torch.ones(b, k + 1, dtype=torch.bool, device=dev))
         stats["target_calls"] += 1
         # 3. each row keeps its leading accepted drafts, n of them
         if key is None:
@@ -172,7 +173,7 @@ def speculative_generate(
             q_tok = qs.gather(-1, drafted[..., None])[..., 0]
             accept = random.uniform(ka, (b, k), dtype=torch.float64) * q_tok < p_tok
         n = accept.long().cumprod(1).sum(1)  # (B,)
-        rows = torch.arange(b)
+        rows = torch.arange(b, device=dev)
         # 4. then one token: the residual max(0, p - q) where rejected, the target's
         # own next token where all k were kept
         if key is None:
@@ -183,7 +184,7 @@ def speculative_generate(
             resid = (p_n - q_n).clamp(min=0)
             resid = torch.where(resid.sum(-1, keepdim=True) > 0, resid, p_n)
             nxt = random.categorical(kr, resid.log())
-        slots = torch.arange(k + 1)
+        slots = torch.arange(k + 1, device=dev)
         block = torch.cat((drafted, drafted[:, :1]), 1).clone()
         block[rows, n] = nxt
         blocks.append(block)
