@@ -29,7 +29,7 @@ per new token). Greedy continuation accuracy is the share of the new tokens that
 the progression, and of the progressions continued without a single error.
 
     python examples/packed_lm.py --steps 300 --seed 0 [--optimizer muon] [--remat dots]
-        [--positions rotary] [--kv-heads 1] [--draft-dim 32]
+        [--positions rotary] [--kv-heads 1] [--draft-dim 32] [--dim 256 --depth 4]
 
 ``--draft-dim 32`` also trains a one-block model of width 32 on the same batches and
 decodes with it as the draft (``models.speculative_generate``): the output equals the
@@ -84,6 +84,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="recompute each block's activations in the backward")
     p.add_argument("--positions", choices=["learned", "rotary"], default="learned")
     p.add_argument("--kv-heads", type=int, default=4, help="key/value heads (4 query heads)")
+    p.add_argument("--dim", type=int, default=64, help="the model's width (4 heads)")
+    p.add_argument("--depth", type=int, default=2, help="the model's blocks")
     p.add_argument("--draft-dim", type=int, default=0,
                    help="also train a one-block draft of this width; decode speculatively")
     p.add_argument("--seed", type=int, default=0)
@@ -156,7 +158,8 @@ def speculative_report(model, params, draft, d_params, key, n: int = 32, new: in
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     init_key, data_key = random.split(random.key(args.seed))
-    model = torchfn.Model(TransformerEncoder(dim=64, heads=4, depth=2, vocab_size=VOCAB,
+    model = torchfn.Model(TransformerEncoder(dim=args.dim, heads=4, depth=args.depth,
+                                             vocab_size=VOCAB,
                                              out_dim=VOCAB, causal=True, max_len=args.row_len,
                                              remat=REMAT[args.remat], kv_heads=args.kv_heads,
                                              position_embedding=args.positions))
