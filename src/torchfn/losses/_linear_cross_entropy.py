@@ -119,49 +119,44 @@ def _lce(opts: _Opts, hidden: Tensor, weight: Tensor, bias: Tensor | None, label
     return _loss_only(opts, hidden, weight, bias, labels)
 
 
-def _lce_fwd(opts: _Opts, hidden, weight, bias, labels):
-    n = hidden.shape[0]
-    if opts.reduction == "none":  # the gradient needs the cotangent of every row: later
-        return _loss_only(opts, hidden, weight, bias, labels), (hidden, weight, bias, labels)
-    ones = torch.ones((), dtype=torch.float64, device=hidden.device)
-    scale = ones / _count(opts, labels) if opts.reduction == "mean" else ones
+def _chunked_grads(opts: _Opts, hidden: Tensor, weight: Tensor, bias: Tensor | None,
+                   labels: Tensor, row_scale: Tensor):
+    """Per-row losses ``(N,)`` and the gradients of ``sum_i row_scale_i loss_i`` in
+    (hidden, weight, bias), chunk by chunk; ``weight``'s accumulated in float32 at least."""
+    acc = torch.float32 if weight.dtype in (torch.float16, torch.bfloat16) else weight.dtype
     losses, d_hidden = [], []
-    d_weight = torch.zeros(weight.shape, dtype=torch.float32 if weight.dtype in (
-        torch.float16, torch.bfloat16) else weight.dtype, device=weight.device)  # (V, D)
-    d_bias = None if bias is None else torch.zeros(weight.shape[0], dtype=d_weight.dtype,
+    d_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device)  # (V, D)
+    d_bias = None if bias is None else torch.zeros(weight.shape[0], dtype=acc,
                                                    device=weight.device)
-    for a, b in _chunks(opts, n):
+    for a, b in _chunks(opts, hidden.shape[0]):
         h, y = hidden[a:b], labels[a:b]
         loss, z, lse, t, valid = _chunk_loss(opts, h, weight, bias, y)
-        d = _chunk_dlogits(opts, z, lse, t, y, valid, scale.to(z.dtype).expand(b - a))
+        d = _chunk_dlogits(opts, z, lse, t, y, valid, row_scale[a:b].to(z.dtype))  # (n, V)
         losses.append(loss)
         d_hidden.append((d.to(h.dtype) @ weight).to(h.dtype))  # (n, D)
         d_weight = d_weight + d.T.to(h.dtype) @ h  # (V, D)
         if d_bias is not None:
             d_bias = d_bias + d.sum(0)
-    out = _reduce(opts, torch.cat(losses).to(hidden.dtype), labels)
-    grads = (torch.cat(d_hidden), d_weight.to(weight.dtype),
-             None if bias is None else d_bias.to(bias.dtype))
-    return out, grads
+    return (torch.cat(losses), torch.cat(d_hidden), d_weight.to(weight.dtype),
+            None if bias is None else d_bias.to(bias.dtype))
+
+
+def _lce_fwd(opts: _Opts, hidden, weight, bias, labels):
+    if opts.reduction == "none":  # the gradient needs the cotangent of every row: later
+        return _loss_only(opts, hidden, weight, bias, labels), (hidden, weight, bias, labels)
+    one = torch.ones((), dtype=torch.float64, device=hidden.device)
+    scale = one / _count(opts, labels) if opts.reduction == "mean" else one
+    losses, *grads = _chunked_grads(opts, hidden, weight, bias, labels,
+                                    scale.expand(hidden.shape[0]))
+    return _reduce(opts, losses.to(hidden.dtype), labels), tuple(grads)
 
 
 def _lce_bwd(opts: _Opts, res, g):
     if opts.reduction != "none":  # the gradients made in the forward, times the cotangent
         d_hidden, d_weight, d_bias = res
         return (g * d_hidden, g * d_weight, None if d_bias is None else g * d_bias, None)
-    hidden, weight, bias, labels = res
-    d_hidden, d_weight, d_bias = [], torch.zeros_like(weight), None
-    if bias is not None:
-        d_bias = torch.zeros_like(bias)
-    for a, b in _chunks(opts, hidden.shape[0]):  # recompute each chunk, scaled per row
-        h, y = hidden[a:b], labels[a:b]
-        _, z, lse, t, valid = _chunk_loss(opts, h, weight, bias, y)
-        d = _chunk_dlogits(opts, z, lse, t, y, valid, g[a:b].to(z.dtype))
-        d_hidden.append((d.to(h.dtype) @ weight).to(h.dtype))
-        d_weight = d_weight + (d.T.to(h.dtype) @ h).to(weight.dtype)
-        if d_bias is not None:
-            d_bias = d_bias + d.sum(0).to(bias.dtype)
-    return torch.cat(d_hidden), d_weight, d_bias, None
+    hidden, weight, bias, labels = res  # recompute each chunk, scaled per row by g
+    return (*_chunked_grads(opts, hidden, weight, bias, labels, g)[1:], None)
 
 
 _lce.defvjp(_lce_fwd, _lce_bwd)
