@@ -2,11 +2,13 @@
 matrices, conv kernels, biases and scalars, through several basis refreshes; it
 composes with vmap over an ensemble and with schedules; bad input is named."""
 
+import math
+
 import optree
 import pytest
 import torch
 from _optim_problem import assert_trees_close
-from hypothesis import given
+from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from torchfn import optim
@@ -173,7 +175,16 @@ def test_resume_from_a_checkpoint_equals_the_uninterrupted_run(tmp_path):
        seed=st.integers(0, 2**16))
 def test_any_rank_and_dimension_cap_matches_pytorch_optimizer(shape, max_dim, one_d, freq,
                                                               seed):
-    """Leaves of rank 0 to 4, any dims against the cap: still the reference's steps."""
+    """Leaves of rank 0 to 4, any dims against the cap: still the reference's steps.
+
+    Leaves where a preconditioned dim is longer than the product of the others are left
+    out: that dim's first Gram matrix is singular (rank <= the product), so the
+    eigenvectors of its null space, and with them the step, are set by rounding noise,
+    and two correct implementations part there (hypothesis found (1, 5), and (5,) with
+    precondition_1d, differing by 0.4% from the first step)."""
+    dims = shape if len(shape) > 1 or (one_d and len(shape) == 1) else []
+    size = math.prod(shape)
+    assume(not any(1 < d <= max_dim and d > size // d for d in dims))
     run_both(dict(lr=1e-2, precondition_frequency=freq, max_precondition_dim=max_dim,
                   precondition_1d=one_d), shapes={"x": tuple(shape), "w": (3, 2)}, steps=7,
              seed=seed)
