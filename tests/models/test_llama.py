@@ -31,14 +31,45 @@ def hf_state_dict(config, seed=0):
             at + "input_layernorm.weight": (d,), at + "post_attention_layernorm.weight": (d,),
             at + "self_attn.q_proj.weight": (h * hd, d), at + "self_attn.k_proj.weight":
             (hkv * hd, d), at + "self_attn.v_proj.weight": (hkv * hd, d),
-            at + "self_attn.o_proj.weight": (d, h * hd), at + "mlp.gate_proj.weight": (f, d),
-            at + "mlp.up_proj.weight": (f, d), at + "mlp.down_proj.weight": (d, f)})
+            at + "self_attn.o_proj.weight": (d, h * hd)})
+        if config.get("model_type") == "qwen2":
+            shapes.update({at + "self_attn.q_proj.bias": (h * hd,),
+                           at + "self_attn.k_proj.bias": (hkv * hd,),
+                           at + "self_attn.v_proj.bias": (hkv * hd,)})
+        if config.get("num_local_experts"):  # Mixtral
+            moe = at + "block_sparse_moe."
+            shapes[moe + "gate.weight"] = (config["num_local_experts"], d)
+            for j in range(config["num_local_experts"]):
+                shapes.update({f"{moe}experts.{j}.w1.weight": (f, d),
+                               f"{moe}experts.{j}.w3.weight": (f, d),
+                               f"{moe}experts.{j}.w2.weight": (d, f)})
+        else:
+            shapes.update({at + "mlp.gate_proj.weight": (f, d), at + "mlp.up_proj.weight":
+                           (f, d), at + "mlp.down_proj.weight": (d, f)})
     keys = random.split(random.key(seed), len(shapes))
     out = {}
     for k, (name, shape) in zip(keys, shapes.items()):
         x = random.normal(k, shape, torch.float64)
         out[name] = 1.0 + 0.1 * x if name.endswith("norm.weight") else x * shape[-1] ** -0.5
     return out
+
+
+def mixtral_moe(sd, config, i, y):
+    """Mixtral's sparse MoE block as Hugging Face writes it: softmax over the router's
+    logits, the top k renormalised, then a loop over experts on the tokens each got."""
+    at = f"model.layers.{i}.block_sparse_moe."
+    tokens = y.reshape(-1, y.shape[-1])  # (T, d)
+    probs = torch.softmax(tokens @ sd[at + "gate.weight"].T, dim=-1)
+    weights, chosen = probs.topk(config["num_experts_per_tok"], dim=-1)
+    weights = weights / weights.sum(-1, keepdim=True)
+    out = torch.zeros_like(tokens)
+    for j in range(config["num_local_experts"]):
+        rows, slot = torch.where(chosen == j)
+        w = lambda name, j=j: sd[f"{at}experts.{j}.{name}.weight"]  # noqa: E731
+        t = tokens[rows]
+        e = (torch.nn.functional.silu(t @ w("w1").T) * (t @ w("w3").T)) @ w("w2").T
+        out[rows] += e * weights[rows, slot, None]
+    return out.reshape(y.shape)
 
 
 def hf_llama_forward(sd, config, tokens):
@@ -59,31 +90,47 @@ def hf_llama_forward(sd, config, tokens):
     emb = torch.cat((freqs, freqs), dim=-1)
     cos, sin = emb.cos(), emb.sin()
     causal = torch.full((n, n), float("-inf"), dtype=torch.float64).triu(1)
-    if config.get("sliding_window"):  # Mistral: keys i - window + 1 .. i
+    if config.get("sliding_window") and config.get("model_type") != "qwen2":
+        # Mistral: keys i - window + 1 .. i
         causal = causal + torch.full((n, n), float("-inf"), dtype=torch.float64).tril(
             -config["sliding_window"])
     x = sd["model.embed_tokens.weight"][tokens]  # (B, N, d)
     for i in range(config["num_hidden_layers"]):
         p = lambda name, i=i: sd[f"model.layers.{i}.{name}"]  # noqa: E731
         y = rms(x, p("input_layernorm.weight"))
-        q = (y @ p("self_attn.q_proj.weight").T).view(b, n, h, hd).transpose(1, 2)
-        k = (y @ p("self_attn.k_proj.weight").T).view(b, n, hkv, hd).transpose(1, 2)
-        v = (y @ p("self_attn.v_proj.weight").T).view(b, n, hkv, hd).transpose(1, 2)
+
+        def proj(name, y=y, p=p, i=i):  # Qwen2: with its bias
+            out = y @ p(f"self_attn.{name}_proj.weight").T
+            bias = sd.get(f"model.layers.{i}.self_attn.{name}_proj.bias")
+            return out if bias is None else out + bias
+
+        q = proj("q").view(b, n, h, hd).transpose(1, 2)
+        k = proj("k").view(b, n, hkv, hd).transpose(1, 2)
+        v = proj("v").view(b, n, hkv, hd).transpose(1, 2)
         q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
         k, v = k.repeat_interleave(h // hkv, 1), v.repeat_interleave(h // hkv, 1)
         att = torch.softmax(q @ k.transpose(-1, -2) / hd ** 0.5 + causal, dim=-1) @ v
         x = x + att.transpose(1, 2).reshape(b, n, d) @ p("self_attn.o_proj.weight").T
         y = rms(x, p("post_attention_layernorm.weight"))
-        gate = torch.nn.functional.silu(y @ p("mlp.gate_proj.weight").T)
-        x = x + (gate * (y @ p("mlp.up_proj.weight").T)) @ p("mlp.down_proj.weight").T
+        if config.get("num_local_experts"):
+            x = x + mixtral_moe(sd, config, i, y)
+        else:
+            gate = torch.nn.functional.silu(y @ p("mlp.gate_proj.weight").T)
+            x = x + (gate * (y @ p("mlp.up_proj.weight").T)) @ p("mlp.down_proj.weight").T
     head = sd["model.embed_tokens.weight"] if config["tie_word_embeddings"] else \
         sd["lm_head.weight"]
     return rms(x, sd["model.norm.weight"]) @ head.T
 
 
-@pytest.mark.parametrize("tied, window", [(False, None), (True, None), (False, 4)])
-def test_a_llama_checkpoint_runs_as_the_hf_forward_does(tied, window):
-    config = dict(CONFIG, tie_word_embeddings=tied, sliding_window=window)
+MIXTRAL = {"model_type": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 2}
+QWEN2 = {"model_type": "qwen2", "use_sliding_window": False}  # its window unused
+
+
+@pytest.mark.parametrize("tied, window, kind", [(False, None, {}), (True, None, {}),
+                                                (False, 4, {}), (False, 4, MIXTRAL),
+                                                (True, 4, QWEN2)])
+def test_a_llama_checkpoint_runs_as_the_hf_forward_does(tied, window, kind):
+    config = dict(CONFIG, tie_word_embeddings=tied, sliding_window=window, **kind)
     sd = hf_state_dict(config)
     sd["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.ones(4)  # old buffers: ignored
     module, params = llama_from_hf(config, sd)
@@ -118,5 +165,17 @@ def test_bad_checkpoints_and_configs_are_named():
         llama_from_hf(dict(CONFIG, intermediate_size=48), sd)
     with pytest.raises(ValueError, match=r"config\['hidden_act'\] = 'gelu' is not supported"):
         llama_from_hf(dict(CONFIG, hidden_act="gelu"))
+    with pytest.raises(ValueError, match=r"config\['model_type'\] = 'gemma' is not supported"):
+        llama_from_hf(dict(CONFIG, model_type="gemma"))
+    with pytest.raises(ValueError, match=r"config\['use_sliding_window'\] = True"):
+        llama_from_hf(dict(CONFIG, **dict(QWEN2, use_sliding_window=True)))
+    mixtral = dict(CONFIG, **MIXTRAL)
+    sd = hf_state_dict(mixtral)
+    with pytest.raises(ValueError, match=r"lacks the tensors for \['blocks.0.mlp.down'\]"):
+        llama_from_hf(mixtral, {k: v for k, v in sd.items()
+                                if k != "model.layers.0.block_sparse_moe.experts.3.w2.weight"})
+    with pytest.raises(ValueError, match="tensors a Mixtral does not"):
+        llama_from_hf(mixtral, dict(sd, **{"model.layers.0.mlp.up_proj.weight":
+                                           torch.ones(4)}))
     with pytest.raises(ValueError, match=r"config lacks \['vocab_size'\]"):
         llama_from_hf({k: v for k, v in CONFIG.items() if k != "vocab_size"})

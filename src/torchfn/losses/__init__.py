@@ -13,6 +13,7 @@ from torchfn.losses._flow_matching import flow_matching_loss, ot_pairing
 from torchfn.losses._gan import gan_losses, gradient_penalty, wgan_losses
 from torchfn.losses._linear_cross_entropy import linear_cross_entropy
 from torchfn.losses._mean_flow import mean_flow_loss
+from torchfn.losses._moe import moe_load_balance, router_z_loss
 from torchfn.losses._regression import huber, l1, mse
 from torchfn.losses._scm import scm_loss
 from torchfn.losses._score_matching import score_matching
@@ -43,4 +44,7 @@ __all__ = [
     "gradient_penalty",
     "wgan_losses",
     "gan_losses",
+    # mixture-of-experts routers (_moe)
+    "moe_load_balance",
+    "router_z_loss",
 ]

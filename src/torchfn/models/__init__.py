@@ -22,6 +22,7 @@ from torchfn.models._lora import (
     with_lora,
 )
 from torchfn.models._mlp import MLP, SwiGLU
+from torchfn.models._moe import MoE
 from torchfn.models._nerf import NeRF
 from torchfn.models._rnn import GRU, LSTM
 from torchfn.models._rotary import rotary_embedding
@@ -41,6 +42,7 @@ __all__ = [
     # MLP, CNNs, Transformer, VAE (_mlp, _cnn, _transformer, _vae)
     "MLP",
     "SwiGLU",
+    "MoE",
     "ConvNet",
     "ResNet",
     "BasicBlock",

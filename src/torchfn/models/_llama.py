@@ -1,4 +1,5 @@
-"""A Hugging Face Llama checkpoint as a ``TransformerEncoder`` and its params pytree."""
+"""A Hugging Face Llama (Mistral, Mixtral, Qwen2) checkpoint as a ``TransformerEncoder``
+and its params pytree."""
 
 from __future__ import annotations
 
@@ -22,8 +23,14 @@ _NAMES = {  # a layer's HF names -> ours, but for q/k/v (one qkv matrix here)
     "mlp.up_proj.weight": "mlp.up.weight",
     "mlp.down_proj.weight": "mlp.down.weight",
 }
-_QKV = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight")
+_QKV = {  # HF names -> our joined tensor (rows [q | k | v])
+    f"self_attn.{p}_proj.{kind}": f"attn.qkv.{kind}" for kind in ("weight", "bias")
+    for p in "qkv"}
+_ROUTER = "block_sparse_moe.gate.weight"  # Mixtral
+_EXPERT = re.compile(r"block_sparse_moe\.experts\.(\d+)\.(w[123])\.weight")
+_STACKED = {"w1": "mlp.gate", "w3": "mlp.up", "w2": "mlp.down"}  # Mixtral's expert names
 _IGNORED = re.compile(r".*rotary_emb\.inv_freq$")  # a buffer older checkpoints carry
+_TYPES = ("llama", "mistral", "mixtral", "qwen2")
 
 
 def _config(config: Mapping[str, Any]) -> dict[str, Any]:
@@ -34,7 +41,17 @@ def _config(config: Mapping[str, Any]) -> dict[str, Any]:
                            "intermediate_size", "vocab_size") if k not in config]
     if missing:
         raise ValueError(f"config lacks {missing}: not a Llama config")
+    kind = config.get("model_type", "llama")
+    if kind not in _TYPES:
+        raise ValueError(f"config['model_type'] = {kind!r} is not supported here (needs one "
+                         f"of {_TYPES})")
     dim, heads = config["hidden_size"], config["num_attention_heads"]
+    window = config.get("sliding_window")
+    if kind == "qwen2":  # Qwen2 keeps a sliding_window it does not use unless told to
+        if config.get("use_sliding_window"):
+            raise ValueError("config['use_sliding_window'] = True is not supported here "
+                             "(Qwen2 windows only some layers)")
+        window = None
     checks = {
         "hidden_act": (config.get("hidden_act", "silu"), "silu"),
         "attention_bias": (config.get("attention_bias", False), False),
@@ -54,7 +71,10 @@ def _config(config: Mapping[str, Any]) -> dict[str, Any]:
         mlp_hidden=config["intermediate_size"], norm_eps=float(config.get("rms_norm_eps", 1e-6)),
         tie_embeddings=bool(config.get("tie_word_embeddings", False)),
         # Mistral: each token sees itself and the sliding_window - 1 before it
-        window=(config["sliding_window"] - 1, None) if config.get("sliding_window") else None,
+        window=(window - 1, None) if window else None,
+        qkv_bias=kind == "qwen2",  # Qwen2: biases on q, k and v only
+        experts=config.get("num_local_experts"),  # Mixtral
+        top_k=config.get("num_experts_per_tok", 2),
     )
 
 
@@ -66,9 +86,13 @@ def llama_from_hf(config: Mapping[str, Any], state_dict: Mapping[str, Tensor] | 
     Llama is rotary (Hugging Face's half-split pairing, ``rope_theta``, ``rope_scaling``),
     grouped-query attention, RMSNorm (``rms_norm_eps``), SwiGLU (``intermediate_size``),
     no biases and optionally tied embeddings: each an option of ``TransformerEncoder``.
-    A ``sliding_window`` (Mistral's config) becomes the encoder's ``window``.
+    A ``sliding_window`` (Mistral's config) becomes the encoder's ``window``. Mixtral
+    (``num_local_experts``, ``num_experts_per_tok``) becomes ``experts`` / ``top_k``
+    (:class:`MoE`, its experts' matrices stacked: ``w1`` -> ``gate``, ``w3`` -> ``up``,
+    ``w2`` -> ``down``); Qwen2 (``model_type="qwen2"``) gets its q/k/v biases
+    (``qkv_bias=True``).
     The q, k and v projections become one ``qkv`` matrix. The checkpoint's tensors are
-    used as they are (a view or a concatenation; nothing is copied but ``qkv``), so
+    used as they are (nothing is copied but ``qkv`` and the stacked experts), so
     ``safetensors.torch.load_file`` of a checkpoint's shards gives ``state_dict``.
     Tested against a Llama forward written out from the Hugging Face model's
     definition, not against ``transformers`` itself (not installed here).
@@ -104,10 +128,11 @@ def llama_from_hf(config: Mapping[str, Any], state_dict: Mapping[str, Tensor] | 
     if not isinstance(state_dict, Mapping):
         raise TypeError(f"state_dict must be a dict of tensors, got {type(state_dict).__name__}")
     params: dict[str, Tensor] = {}
-    qkv: dict[int, dict[str, Tensor]] = {}
+    parts: dict[str, dict[Any, Tensor]] = {}  # our name -> the pieces to join
     unknown = []
     for name, tensor in state_dict.items():
         layer = _LAYER.fullmatch(name)
+        expert = layer and kwargs["experts"] and _EXPERT.fullmatch(layer[2])
         if name == "model.embed_tokens.weight":
             params["embed.weight"] = tensor
         elif name == "model.norm.weight":
@@ -115,18 +140,27 @@ def llama_from_hf(config: Mapping[str, Any], state_dict: Mapping[str, Tensor] | 
         elif name == "lm_head.weight":
             if not kwargs["tie_embeddings"]:
                 params["head.weight"] = tensor
-        elif layer and layer[2] in _NAMES:
+        elif layer and layer[2] in _NAMES and not (kwargs["experts"] and "mlp." in layer[2]):
             params[f"blocks.{layer[1]}.{_NAMES[layer[2]]}"] = tensor
-        elif layer and layer[2] in _QKV:
-            qkv.setdefault(int(layer[1]), {})[layer[2]] = tensor
+        elif layer and layer[2] == _ROUTER and kwargs["experts"]:
+            params[f"blocks.{layer[1]}.mlp.router.weight"] = tensor
+        elif layer and layer[2] in _QKV:  # q, k, v in that order
+            parts.setdefault(f"blocks.{layer[1]}.{_QKV[layer[2]]}", {})[layer[2][10]] = tensor
+        elif expert:  # expert j's matrix -> row j of the stacked one
+            parts.setdefault(f"blocks.{layer[1]}.{_STACKED[expert[2]]}", {})[
+                int(expert[1])] = tensor
         elif not _IGNORED.fullmatch(name):
             unknown.append(name)
     if unknown:
-        raise ValueError(f"state_dict has tensors a Llama does not: {unknown[:5]}"
+        kind = config.get("model_type", "llama").capitalize()
+        raise ValueError(f"state_dict has tensors a {kind} does not: {unknown[:5]}"
                          + (f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""))
-    for i, parts in qkv.items():
-        if len(parts) == 3:
-            params[f"blocks.{i}.attn.qkv.weight"] = torch.cat([parts[n] for n in _QKV])
+    for name, pieces in parts.items():
+        if name.endswith((".qkv.weight", ".qkv.bias")):
+            if len(pieces) == 3:
+                params[name] = torch.cat([pieces[p] for p in "qkv"])
+        elif sorted(pieces) == list(range(kwargs["experts"])):
+            params[name] = torch.stack([pieces[j] for j in range(len(pieces))])  # (E, ...)
     want = {name: tuple(p.shape) for name, p in module.named_parameters()}
     missing = sorted(set(want) - set(params))
     if missing:

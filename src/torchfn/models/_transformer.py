@@ -10,6 +10,7 @@ from torch import Tensor, nn
 from torchfn.core._eager import plain
 from torchfn.models._kv_cache import KVCache, StaticKVCache, check_cache
 from torchfn.models._mlp import SwiGLU, _check_dims
+from torchfn.models._moe import MoE
 from torchfn.models._remat_block import call_remat, remat_policy
 from torchfn.models._rotary import rotary_embedding
 from torchfn.models._rotary_scaling import rotary_frequencies
@@ -64,7 +65,8 @@ class MultiHeadAttention(nn.Module):
     ``rotary_base``) to queries and keys at the forward's ``positions`` (default
     ``cache.length + arange(N)``, restarting at each document with ``segment_ids``),
     its frequencies stretched by ``rotary_scaling`` (:func:`rotary_frequencies`).
-    ``bias=False`` drops the projections' biases.
+    ``bias=False`` drops the projections' biases; ``qkv_bias`` (default ``bias``) sets the
+    q/k/v projection's alone (Qwen2: ``bias=False, qkv_bias=True``).
 
     ``forward(x, key_padding_mask, segment_ids, positions, cache)``: with a
     :class:`KVCache` (``KVCache()`` to start), the queries attend over the cached keys too
@@ -89,7 +91,8 @@ class MultiHeadAttention(nn.Module):
                  softcap: float | None = None, attn_dropout: float = 0.0,
                  kv_heads: int | None = None, rotary: bool = False,
                  rotary_base: float = 10000.0, rotary_scaling: dict | None = None,
-                 bias: bool = True, attend: AttendFn | None = None) -> None:
+                 bias: bool = True, qkv_bias: bool | None = None,
+                 attend: AttendFn | None = None) -> None:
         super().__init__()
         _check_dims(dim=dim, heads=heads)
         if dim % heads:
@@ -112,7 +115,8 @@ class MultiHeadAttention(nn.Module):
         self.attn_dropout = attn_dropout
         self.attend = attend or _fused_attention
         hd = self.head_dim = dim // heads
-        self.qkv = nn.Linear(dim, dim + 2 * kv_heads * hd, bias=bias)  # [q | k | v] rows
+        qkv_bias = bias if qkv_bias is None else qkv_bias
+        self.qkv = nn.Linear(dim, dim + 2 * kv_heads * hd, bias=qkv_bias)  # [q | k | v] rows
         self.out = nn.Linear(dim, dim, bias=bias)
 
     def forward(self, x: Tensor, key_padding_mask: Tensor | None = None,
@@ -219,6 +223,8 @@ class TransformerBlock(nn.Module):
     ``(B, N, dim) -> (B, N, dim)``; arguments as in :class:`TransformerEncoder`.
     ``key_padding_mask`` ``(B, N)`` bool marks real tokens (True). ``positions`` and
     ``cache`` go to :class:`MultiHeadAttention`; with a cache it returns ``(out, cache)``.
+    With ``experts`` the MLP is a :class:`MoE`, and ``return_router_logits=True`` returns
+    ``(out, logits)`` with its router's logits ``(B, N, E)``.
 
     Example::
 
@@ -243,7 +249,9 @@ class TransformerBlock(nn.Module):
                  kv_heads: int | None = None, rotary: bool = False,
                  rotary_base: float = 10000.0, rotary_scaling: dict | None = None,
                  norm: str = "layer", mlp: str = "gelu",
-                 bias: bool = True, attend: AttendFn | None = None) -> None:
+                 bias: bool = True, qkv_bias: bool | None = None,
+                 experts: int | None = None, top_k: int = 2,
+                 attend: AttendFn | None = None) -> None:
         super().__init__()
         if mlp not in ("gelu", "swiglu"):
             raise ValueError(f"mlp must be 'gelu' or 'swiglu', got {mlp!r}")
@@ -251,22 +259,34 @@ class TransformerBlock(nn.Module):
         self.attn = MultiHeadAttention(dim, heads, causal=causal, window=window, softcap=softcap,
                                        attn_dropout=attn_dropout, kv_heads=kv_heads,
                                        rotary=rotary, rotary_base=rotary_base,
-                                       rotary_scaling=rotary_scaling, bias=bias, attend=attend)
+                                       rotary_scaling=rotary_scaling, bias=bias,
+                                       qkv_bias=qkv_bias, attend=attend)
         self.ln2 = make_norm(norm, dim, bias, norm_eps)
         hidden = mlp_ratio * dim if mlp_hidden is None else mlp_hidden
         _check_dims(mlp_hidden=hidden)
-        self.mlp = SwiGLU(dim, hidden, bias=bias) if mlp == "swiglu" else nn.Sequential(
-            nn.Linear(dim, hidden, bias=bias), nn.GELU(), nn.Linear(hidden, dim, bias=bias)
-        )
+        self.moe = experts is not None
+        if self.moe:
+            self.mlp: nn.Module = MoE(dim, hidden, experts, top_k, mlp=mlp)
+        elif mlp == "swiglu":
+            self.mlp = SwiGLU(dim, hidden, bias=bias)
+        else:
+            self.mlp = nn.Sequential(nn.Linear(dim, hidden, bias=bias), nn.GELU(),
+                                     nn.Linear(hidden, dim, bias=bias))
         self.drop = nn.Dropout(dropout)
 
     def forward(self, x: Tensor, key_padding_mask: Tensor | None = None,
                 segment_ids: Tensor | None = None, positions: Tensor | None = None,
-                cache: KVCache | None = None) -> Tensor | tuple[Tensor, KVCache]:
+                cache: KVCache | None = None,
+                return_router_logits: bool = False) -> Tensor | tuple:
         a = self.attn(self.ln1(x), key_padding_mask, segment_ids, positions, cache)
         if cache is not None:
             a, cache = a
         x = x + self.drop(a)
+        if return_router_logits:
+            if not self.moe:
+                raise ValueError("TransformerBlock: return_router_logits needs experts")
+            m, logits = self.mlp(self.ln2(x), True)  # logits (B, N, E)
+            return x + self.drop(m), logits
         x = x + self.drop(self.mlp(self.ln2(x)))  # (B, N, dim)
         return x if cache is None else (x, cache)
 
@@ -302,11 +322,18 @@ class TransformerEncoder(nn.Module):
             ``rope_scaling`` dict: :func:`rotary_frequencies`; no table, no length limit)
             or ``"none"``.
         kv_heads: key/value heads per block (grouped-query attention); default ``heads``.
+        experts, top_k: a mixture of ``experts`` feed-forward networks in every block
+            (:class:`MoE`, ``mlp``-type experts of ``mlp_hidden`` units without biases),
+            each token sent to ``top_k`` of them (Mixtral: 8 and 2). The forward's
+            ``return_router_logits=True`` then returns ``(out, logits)``, the routers'
+            logits ``(B, N, E)`` per block, for :func:`torchfn.losses.moe_load_balance`.
         norm, mlp, bias: ``"layer"`` or ``"rms"`` (RMSNorm) for the blocks' and the final
             norm; ``"gelu"`` or ``"swiglu"`` (:class:`SwiGLU`, ``mlp_ratio * dim`` hidden
             units) for the MLPs; ``bias=False`` drops the projections', the MLPs', the
             LayerNorms' and the head's biases. A Llama-style model is
             ``position_embedding="rotary", norm="rms", mlp="swiglu", bias=False``.
+        qkv_bias: the attention's q/k/v projection bias alone (default ``bias``; Qwen2
+            has ``bias=False, qkv_bias=True``).
         out_dim: output head width, or ``None``.
         tie_embeddings: the head is the token embedding's transpose (GPT-2, Gemma): no
             ``head.weight`` parameter. Needs ``vocab_size`` and ``out_dim == vocab_size``
@@ -364,6 +391,9 @@ class TransformerEncoder(nn.Module):
         norm: str = "layer",
         mlp: str = "gelu",
         bias: bool = True,
+        qkv_bias: bool | None = None,
+        experts: int | None = None,
+        top_k: int = 2,
         attend: AttendFn | None = None,
         remat: bool | Callable[..., bool] = False,
         tie_embeddings: bool = False,
@@ -383,6 +413,7 @@ class TransformerEncoder(nn.Module):
             raise ValueError(f"position_embedding must be 'learned', 'rotary' or 'none', "
                              f"got {position_embedding!r}")
         self.position_embedding, self.causal = position_embedding, causal
+        self.experts = experts
         self.tokens = vocab_size is not None
         if vocab_size is not None:
             _check_dims(vocab_size=vocab_size)
@@ -400,7 +431,9 @@ class TransformerEncoder(nn.Module):
                              window=window, softcap=softcap, attn_dropout=attn_dropout,
                              kv_heads=kv_heads, rotary=position_embedding == "rotary",
                              rotary_base=rotary_base, rotary_scaling=rotary_scaling,
-                             norm=norm, mlp=mlp, bias=bias, attend=attend)
+                             norm=norm, mlp=mlp, bias=bias, qkv_bias=qkv_bias,
+                             experts=experts, top_k=top_k,
+                             attend=attend)
             for _ in range(depth)
         )
         self.ln = make_norm(norm, dim, bias, norm_eps)
@@ -413,7 +446,12 @@ class TransformerEncoder(nn.Module):
 
     def forward(self, x: Tensor, key_padding_mask: Tensor | None = None,
                 segment_ids: Tensor | None = None, positions: Tensor | None = None,
-                cache: KVCache | None = None) -> Tensor | tuple[Tensor, KVCache]:
+                cache: KVCache | None = None,
+                return_router_logits: bool = False) -> Tensor | tuple:
+        if return_router_logits and (self.experts is None or cache is not None):
+            raise ValueError("TransformerEncoder: return_router_logits needs experts and no "
+                             f"cache; got experts={self.experts}, cache="
+                             f"{type(cache).__name__ if cache is not None else None}")
         one = x.dim() == (1 if self.tokens else 2)  # a single example: add a batch dim
         if one:
             x = x.unsqueeze(0)
@@ -448,21 +486,29 @@ class TransformerEncoder(nn.Module):
             h = h + self.pos(positions)
         h = self.drop(h)
         block_positions = positions if self.position_embedding == "rotary" else None
-        new_keys, new_values = [], []
+        new_keys, new_values, router_logits = [], [], []
         for i, block in enumerate(self.blocks):
             if cache is not None:
                 h, layer = block(h, key_padding_mask, None, block_positions, cache.layer(i))
                 # layer: this block's keys and values, cached and new
                 new_keys += layer.keys
                 new_values += layer.values
-            elif self.remat is None:
-                h = block(h, key_padding_mask, segment_ids, block_positions)
+                continue
+            args = (h, key_padding_mask, segment_ids, block_positions)
+            if return_router_logits:
+                args += (None, True)
+            if self.remat is None:
+                h = block(*args)
             else:
-                h = call_remat(block, self.remat, h, key_padding_mask, segment_ids,
-                               block_positions, stochastic=self._stochastic)
+                h = call_remat(block, self.remat, *args, stochastic=self._stochastic)
+            if return_router_logits:
+                h, logits = h  # logits (B, N, E)
+                router_logits.append(logits.squeeze(0) if one else logits)
         h = self.ln(h)
         out = h @ self.embed.weight.T if self.tied else self.head(h)  # (B, N, out_dim)
         out = out.squeeze(0) if one else out
+        if return_router_logits:
+            return out, tuple(router_logits)
         if cache is None:
             return out
         if static:

@@ -1,0 +1,145 @@
+"""A sparse mixture-of-experts feed-forward layer (Mixtral, Switch Transformer)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor, nn
+
+from torchfn.models._mlp import _check_dims
+
+__all__ = ["MoE"]
+
+
+def _batched_transform_active() -> bool:
+    """True under ``vmap``, ``torch.compile`` or a dispatch mode (``make_fx``, fake
+    tensors): where the expert groups' data-dependent sizes cannot be read."""
+    if torch.compiler.is_compiling():
+        return True
+    if torch.utils._python_dispatch._get_current_dispatch_mode() is not None:
+        return True
+    from torch._C._functorch import TransformType
+    from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
+
+    return any(i.key() == TransformType.Vmap for i in retrieve_all_functorch_interpreters())
+
+
+class MoE(nn.Module):
+    """Mixture of experts: each token goes through the ``top_k`` of ``experts``
+    feed-forward networks its router scores highest, their outputs weighted by the
+    router's probabilities. ``(..., dim) -> (..., dim)``.
+
+    Routing as Mixtral's: ``p = softmax(router(x))`` over the experts ``(T, E)``, the
+    ``top_k`` largest kept, renormalised to sum to 1 (``normalize=False``: kept as they
+    are, as Qwen-MoE's default). Every token is computed (no capacity, no dropped tokens).
+    The experts are SwiGLU (``mlp="swiglu"``, as Mixtral) or GELU MLPs, without biases;
+    their weights are stacked: ``gate`` / ``up`` ``(E, hidden, dim)``, ``down``
+    ``(E, dim, hidden)``.
+
+    Two exact computations of the same function. In eager mode (also under ``grad``,
+    ``jvp``, ``jacrev``), tokens are sorted by expert and each expert runs on its own
+    tokens only: ``top_k / experts`` of the dense cost. Under ``vmap`` and
+    ``torch.compile``, where the groups' sizes cannot be data-dependent, every expert
+    runs on every token and the unchosen ones get weight 0: the same values (up to
+    rounding), ``experts / top_k`` times the work.
+
+    ``forward(x, return_router_logits=True)`` returns ``(out, logits)`` with the router's
+    logits ``(..., E)``, for :func:`torchfn.losses.moe_load_balance` and
+    :func:`torchfn.losses.router_z_loss`.
+
+    Example::
+
+        >>> import torch
+        >>> import torchfn
+        >>> from torchfn.models import MoE
+        >>> model = torchfn.Model(MoE(dim=8, hidden=16, experts=4, top_k=2))
+        >>> params = model.init(torchfn.random.key(0))
+        >>> sorted((n, tuple(p.shape)) for n, p in params.items())
+        [('down', (4, 8, 16)), ('gate', (4, 16, 8)), ('router.weight', (4, 8)), ('up', (4, 16, 8))]
+        >>> out, logits = model.apply(params, torch.ones(2, 5, 8), return_router_logits=True)
+        >>> out.shape, logits.shape                            # (B, N, dim), (B, N, E)
+        (torch.Size([2, 5, 8]), torch.Size([2, 5, 4]))
+    """
+
+    def __init__(self, dim: int, hidden: int, experts: int, top_k: int = 2, *,
+                 mlp: str = "swiglu", normalize: bool = True) -> None:
+        super().__init__()
+        _check_dims(dim=dim, hidden=hidden, experts=experts, top_k=top_k)
+        if top_k > experts:
+            raise ValueError(f"top_k must be <= experts = {experts}, got top_k={top_k}")
+        if mlp not in ("swiglu", "gelu"):
+            raise ValueError(f"mlp must be 'swiglu' or 'gelu', got {mlp!r}")
+        self.dim, self.hidden, self.experts, self.top_k = dim, hidden, experts, top_k
+        self.mlp, self.normalize = mlp, normalize
+        self.router = nn.Linear(dim, experts, bias=False)
+        self.up = nn.Parameter(torch.empty(experts, hidden, dim))
+        if mlp == "swiglu":
+            self.gate = nn.Parameter(torch.empty(experts, hidden, dim))
+        self.down = nn.Parameter(torch.empty(experts, dim, hidden))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Each expert's matrices as ``nn.Linear``'s: uniform in ``±1/sqrt(fan_in)``."""
+        for w in (self.up, getattr(self, "gate", None), self.down):
+            if w is not None:
+                bound = 1 / math.sqrt(w.shape[-1])
+                nn.init.uniform_(w, -bound, bound)
+
+    def route(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """``(logits (T, E), weights (T, top_k), experts (T, top_k))`` for tokens
+        ``x`` ``(T, dim)``; the weights in ``x``'s dtype, the softmax in float32 or wider."""
+        logits = self.router(x)  # (T, E)
+        probs = logits.to(torch.promote_types(logits.dtype, torch.float32)).softmax(-1)
+        weights, chosen = probs.topk(self.top_k, dim=-1)  # (T, k)
+        if self.normalize:
+            weights = weights / weights.sum(-1, keepdim=True)
+        return logits, weights.to(x.dtype), chosen
+
+    def _expert(self, x: Tensor, up: Tensor, down: Tensor, gate: Tensor | None) -> Tensor:
+        """One expert (or all, with a leading E dim on the weights and ``x``):
+        ``(..., T, dim) -> (..., T, dim)``."""
+        h = x @ up.transpose(-1, -2)  # (..., T, hidden)
+        if gate is None:
+            h = nn.functional.gelu(h)
+        else:
+            h = nn.functional.silu(x @ gate.transpose(-1, -2)) * h
+        return h @ down.transpose(-1, -2)  # (..., T, dim)
+
+    def forward(self, x: Tensor, return_router_logits: bool = False) -> Tensor | tuple:
+        if x.shape[-1] != self.dim:
+            raise ValueError(f"MoE: x must end in dim = {self.dim}, got shape {tuple(x.shape)}")
+        shape = x.shape
+        tokens = x.reshape(-1, self.dim)  # (T, dim)
+        logits, weights, chosen = self.route(tokens)
+        gate = getattr(self, "gate", None)
+        if _batched_transform_active():
+            out = self._dense(tokens, weights, chosen, gate)
+        else:
+            out = self._sparse(tokens, weights, chosen, gate)
+        out = out.reshape(shape)
+        return (out, logits.reshape(*shape[:-1], self.experts)) if return_router_logits else out
+
+    def _dense(self, x: Tensor, weights: Tensor, chosen: Tensor, gate: Tensor | None) -> Tensor:
+        """Every expert on every token, weighted by the routing (zero where unchosen)."""
+        mix = torch.zeros(x.shape[0], self.experts, dtype=weights.dtype, device=x.device)
+        mix = mix.scatter(-1, chosen, weights)  # (T, E)
+        y = self._expert(x, self.up, self.down, gate)  # (E, T, dim)
+        return torch.einsum("te,etd->td", mix, y)
+
+    def _sparse(self, x: Tensor, weights: Tensor, chosen: Tensor,
+                gate: Tensor | None) -> Tensor:
+        """Tokens grouped by expert: each expert on its own tokens."""
+        flat = chosen.reshape(-1)  # (T k,) expert of each (token, slot)
+        order = flat.argsort(stable=True)
+        token = order // self.top_k  # (T k,) the token of each sorted assignment
+        counts = torch.bincount(flat, minlength=self.experts).tolist()
+        groups = x[token].split(counts)  # E tensors (count_e, dim)
+        outs = [self._expert(g, self.up[e], self.down[e], None if gate is None else gate[e])
+                for e, g in enumerate(groups) if counts[e]]
+        y = torch.cat(outs) * weights.reshape(-1)[order, None]  # (T k, dim)
+        return x.new_zeros(x.shape).index_add(0, token, y)  # (T, dim)
+
+    def extra_repr(self) -> str:
+        return (f"dim={self.dim}, hidden={self.hidden}, experts={self.experts}, "
+                f"top_k={self.top_k}, mlp={self.mlp!r}, normalize={self.normalize}")

@@ -1,0 +1,221 @@
+"""``models.MoE``: both computations (tokens grouped by expert; every expert on every
+token) equal a float64 loop over tokens and their chosen experts, under the transforms;
+and the MoE Transformer's router logits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import torchfn
+from torchfn import losses, random
+from torchfn.models import KVCache, MoE, TransformerEncoder, _moe
+
+
+def loop_reference(params, x, top_k, mlp="swiglu", normalize=True):
+    """Token by token: the router's top-k experts, each run alone, weighted."""
+    tokens = x.reshape(-1, x.shape[-1])
+    probs = (tokens @ params["router.weight"].T).softmax(-1)
+    out = []
+    for t, p in zip(tokens, probs):
+        w, chosen = p.topk(top_k)
+        w = w / w.sum() if normalize else w
+        acc = torch.zeros_like(t)
+        for weight, e in zip(w, chosen):
+            h = params["up"][e] @ t
+            if mlp == "swiglu":
+                h = torch.nn.functional.silu(params["gate"][e] @ t) * h
+            else:
+                h = torch.nn.functional.gelu(h)
+            acc = acc + weight * (params["down"][e] @ h)
+        out.append(acc)
+    return torch.stack(out).reshape(x.shape)
+
+
+def setup(experts=4, top_k=2, mlp="swiglu", normalize=True, shape=(3, 5), dim=8, seed=0):
+    model = torchfn.Model(MoE(dim, 12, experts, top_k, mlp=mlp, normalize=normalize))
+    params = {n: p.double() for n, p in model.init(random.key(seed)).items()}
+    x = random.normal(random.key(seed + 1), (*shape, dim), torch.float64)
+    return model, params, x
+
+
+@pytest.fixture(params=["sparse", "dense"])
+def path(request, monkeypatch):
+    """Run each test on both computations: ``dense`` forces every expert on every token."""
+    if request.param == "dense":
+        monkeypatch.setattr(_moe, "_batched_transform_active", lambda: True)
+    return request.param
+
+
+@settings(max_examples=15, deadline=None)
+@given(experts=st.integers(1, 6), data=st.data(), mlp=st.sampled_from(["swiglu", "gelu"]),
+       normalize=st.booleans(), shape=st.sampled_from([(7,), (2, 5), (1, 1, 3)]),
+       seed=st.integers(0, 2**20))
+def test_both_paths_equal_the_token_loop(experts, data, mlp, normalize, shape, seed):
+    top_k = data.draw(st.integers(1, experts))
+    model, params, x = setup(experts, top_k, mlp, normalize, shape, seed=seed)
+    want = loop_reference(params, x, top_k, mlp, normalize)
+    sparse = model.apply(params, x)
+    _moe_dense = _moe._batched_transform_active
+    try:
+        _moe._batched_transform_active = lambda: True
+        dense = model.apply(params, x)
+    finally:
+        _moe._batched_transform_active = _moe_dense
+    torch.testing.assert_close(sparse, want, rtol=0, atol=1e-12)
+    torch.testing.assert_close(dense, want, rtol=0, atol=1e-12)
+
+
+def test_grad_jvp_and_jacrev_equal_the_loop(path):
+    model, params, x = setup()
+
+    def loss(f):
+        return lambda p, x: f(p, x).square().sum()
+
+    ours = loss(lambda p, x: model.apply(p, x))
+    ref = loss(lambda p, x: loop_reference(p, x, 2))
+    g, g_ref = torch.func.grad(ours, argnums=(0, 1))(params, x), \
+        torch.func.grad(ref, argnums=(0, 1))(params, x)
+    for a, b in zip(torch.utils._pytree.tree_leaves(g), torch.utils._pytree.tree_leaves(g_ref)):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+    tx = random.normal(random.key(9), x.shape, torch.float64)
+    _, t = torch.func.jvp(lambda x: model.apply(params, x), (x,), (tx,))
+    _, t_ref = torch.func.jvp(lambda x: loop_reference(params, x, 2), (x,), (tx,))
+    torch.testing.assert_close(t, t_ref, rtol=0, atol=1e-12)
+    j = torch.func.jacrev(lambda x: model.apply(params, x))(x[0, :2])
+    j_ref = torch.func.jacrev(lambda x: loop_reference(params, x, 2))(x[0, :2])
+    torch.testing.assert_close(j, j_ref, rtol=0, atol=1e-12)
+
+
+def test_per_sample_gradients_under_vmap_equal_a_loop():
+    """vmap takes the dense computation; each example's gradient equals grad alone."""
+    model, params, x = setup()
+    seen = []
+    real = _moe._batched_transform_active
+    spy = lambda: seen.append(real()) or seen[-1]  # noqa: E731
+
+    def loss(p, xi):
+        return model.apply(p, xi).square().sum()
+
+    _moe._batched_transform_active = spy
+    try:
+        per = torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0))(params, x)
+        assert seen and all(seen)
+        seen.clear()
+        loop = [torch.func.grad(loss)(params, xi) for xi in x]
+        assert seen and not any(seen)
+    finally:
+        _moe._batched_transform_active = real
+    for name in params:
+        torch.testing.assert_close(per[name], torch.stack([g[name] for g in loop]),
+                                   rtol=0, atol=1e-12)
+
+
+def test_compiles_fullgraph_to_the_same_values():
+    torch._dynamo.reset()
+    model, params, x = setup()
+    params = {n: p.float() for n, p in params.items()}
+    x = x.float()
+    compiled = torch.compile(lambda p, x: model.apply(p, x), fullgraph=True, backend="eager")
+    torch.testing.assert_close(compiled(params, x), model.apply(params, x), rtol=1e-5,
+                               atol=1e-6)
+
+
+def test_router_logits_are_the_routers():
+    model, params, x = setup()
+    out, logits = model.apply(params, x, return_router_logits=True)
+    torch.testing.assert_close(logits, x @ params["router.weight"].T, rtol=0, atol=0)
+    torch.testing.assert_close(out, model.apply(params, x), rtol=0, atol=0)
+
+
+def test_load_balance_matches_its_definition_and_closed_forms():
+    logits = [random.normal(random.key(i), (2, 6, 5), torch.float64) for i in range(3)]
+    mask = random.bernoulli(random.key(7), 0.7, (2, 6))
+    # written out: over the kept tokens of all layers, f[s, e] and P[e]
+    flat = torch.cat([lg[mask] for lg in logits])  # (M, E)
+    probs = flat.softmax(-1)
+    chosen = probs.topk(2, dim=-1).indices
+    f = torch.stack([(chosen[:, s, None] == torch.arange(5)).double().mean(0)
+                     for s in range(2)])  # (k, E)
+    want = 5 * (f * probs.mean(0)).sum()
+    torch.testing.assert_close(losses.moe_load_balance(logits, 2, mask=mask), want)
+    torch.testing.assert_close(losses.moe_load_balance(torch.cat([lg[mask] for lg in logits]),
+                                                       2), want)
+    # balanced routing gives top_k; one certain expert for every token gives E * top_k
+    balanced = torch.eye(4).repeat(3, 1) * 50  # each expert first for 3 of 12 tokens
+    torch.testing.assert_close(losses.moe_load_balance(balanced, 1), torch.tensor(1.0))
+    certain = torch.tensor([[60.0, 30.0, 0.0, 0.0]]).repeat(8, 1)
+    torch.testing.assert_close(losses.moe_load_balance(certain, 2), torch.tensor(4.0),
+                               atol=1e-6, rtol=0)
+    # the gradient goes through P only: more probability on the loaded expert costs more
+    g = torch.func.grad(lambda lg: losses.moe_load_balance(lg, 1))(logits[0])
+    busiest = logits[0].argmax(-1).flatten().bincount(minlength=5).argmax()
+    assert (g[..., busiest] > 0).float().mean() > 0.5
+
+
+def test_router_z_loss_matches_its_definition():
+    logits = random.normal(random.key(3), (4, 7, 6), torch.float64) * 3
+    mask = random.bernoulli(random.key(4), 0.5, (4, 7))
+    want = logits[mask].logsumexp(-1).square().mean()
+    torch.testing.assert_close(losses.router_z_loss(logits, mask=mask), want)
+    torch.testing.assert_close(losses.router_z_loss([logits, logits]),
+                               logits.logsumexp(-1).square().mean())
+
+
+def test_moe_transformer_returns_router_logits_and_caches():
+    module = TransformerEncoder(16, 2, 2, vocab_size=20, out_dim=20, causal=True, experts=4,
+                                top_k=2, mlp="swiglu", position_embedding="rotary")
+    model = torchfn.Model(module)
+    params = {n: p.double() for n, p in model.init(random.key(0)).items()}
+    tokens = random.randint(random.key(1), (2, 9), 0, 20)
+    out, logits = model.apply(params, tokens, return_router_logits=True)
+    assert len(logits) == 2 and all(lg.shape == (2, 9, 4) for lg in logits)
+    torch.testing.assert_close(out, model.apply(params, tokens), rtol=0, atol=0)
+    one, one_logits = model.apply(params, tokens[1], return_router_logits=True)  # (N,)
+    torch.testing.assert_close(one_logits[1], logits[1][1], rtol=0, atol=1e-12)
+    torch.testing.assert_close(one, out[1], rtol=0, atol=1e-12)
+    first, cache = model.apply(params, tokens[:, :5], cache=KVCache())
+    rest, _ = model.apply(params, tokens[:, 5:], cache=cache)
+    torch.testing.assert_close(torch.cat((first, rest), 1), out, rtol=0, atol=1e-12)
+    # remat recomputes the blocks: same loss and gradients, the aux loss included
+    remat = torchfn.Model(TransformerEncoder(16, 2, 2, vocab_size=20, out_dim=20,
+                                             causal=True, experts=4, top_k=2, mlp="swiglu",
+                                             position_embedding="rotary", remat=True))
+
+    def loss(m):
+        def f(p):
+            out, logits = m.apply(p, tokens, return_router_logits=True)
+            return losses.cross_entropy(out, tokens) + 0.02 * losses.moe_load_balance(
+                logits, 2)
+        return f
+
+    g, g_remat = torch.func.grad(loss(model))(params), torch.func.grad(loss(remat))(params)
+    for name in params:
+        torch.testing.assert_close(g_remat[name], g[name], rtol=0, atol=1e-12)
+    assert g["blocks.0.mlp.router.weight"].abs().sum() > 0
+
+
+def test_bad_input_is_named():
+    with pytest.raises(ValueError, match="top_k must be <= experts = 4, got top_k=5"):
+        MoE(8, 16, 4, 5)
+    with pytest.raises(ValueError, match="experts must be an int >= 1, got 0"):
+        MoE(8, 16, 0)
+    with pytest.raises(ValueError, match="mlp must be 'swiglu' or 'gelu', got 'relu'"):
+        MoE(8, 16, 4, mlp="relu")
+    model, params, _ = setup()
+    with pytest.raises(ValueError, match=r"x must end in dim = 8, got shape \(2, 7\)"):
+        model.apply(params, torch.ones(2, 7, dtype=torch.float64))
+    plain = torchfn.Model(TransformerEncoder(8, 2, 1, vocab_size=5, causal=True))
+    with pytest.raises(ValueError, match="return_router_logits needs experts"):
+        plain.apply(plain.init(random.key(0)), torch.zeros(1, 3, dtype=torch.long),
+                    return_router_logits=True)
+    with pytest.raises(ValueError, match=r"top_k must be <= the 4 experts, got 5"):
+        losses.moe_load_balance(torch.zeros(3, 4), 5)
+    with pytest.raises(ValueError, match="one shape"):
+        losses.router_z_loss([torch.zeros(3, 4), torch.zeros(2, 4)])
+    with pytest.raises(ValueError, match=r"mask must be a tensor of the tokens' shape \(3,\)"):
+        losses.router_z_loss(torch.zeros(3, 4), mask=torch.ones(4, dtype=torch.bool))
+    with pytest.raises(TypeError, match="router_logits must be a float tensor"):
+        losses.moe_load_balance(torch.zeros(3, 4, dtype=torch.long), 1)
