@@ -30,6 +30,12 @@ the progression, and of the progressions continued without a single error.
 
     python examples/packed_lm.py --steps 300 --seed 0 [--optimizer muon] [--remat dots]
         [--positions rotary] [--kv-heads 1] [--draft-dim 32] [--dim 256 --depth 4]
+        [--experts 4]
+
+``--experts 4`` makes every block's MLP a mixture of 4 experts, each token routed to
+2 (``models.MoE``, Mixtral's routing), trained with Switch's load-balancing loss
+(``losses.moe_load_balance`` on the routers' logits, weight ``--aux-weight``); the
+report gives each expert's share of the held-out tokens.
 
 ``--draft-dim 32`` also trains a one-block model of width 32 on the same batches and
 decodes with it as the draft (``models.speculative_generate``): the output equals the
@@ -46,7 +52,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 import torchfn
-from torchfn import checkpoint_policies, optim, random
+from torchfn import checkpoint_policies, losses, optim, random
 from torchfn.models import TransformerEncoder, generate, speculative_generate
 
 VOCAB, PAD = 32, -1  # token ids; the segment id of a row's unused tail
@@ -88,6 +94,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--depth", type=int, default=2, help="the model's blocks")
     p.add_argument("--draft-dim", type=int, default=0,
                    help="also train a one-block draft of this width; decode speculatively")
+    p.add_argument("--experts", type=int, default=0,
+                   help="a mixture of this many experts (top 2) per block; 0: dense MLPs")
+    p.add_argument("--aux-weight", type=float, default=0.02,
+                   help="weight of the experts' load-balancing loss")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-every", type=int, default=50)
     return p.parse_args(argv)
@@ -162,18 +172,26 @@ def main(argv: list[str] | None = None) -> dict:
                                              vocab_size=VOCAB,
                                              out_dim=VOCAB, causal=True, max_len=args.row_len,
                                              remat=REMAT[args.remat], kv_heads=args.kv_heads,
-                                             position_embedding=args.positions))
+                                             position_embedding=args.positions,
+                                             experts=args.experts or None))
     params = model.init(init_key)
 
-    def loss_and_acc(params, tokens, ids, model=model):  # tokens, ids: (R, N)
-        logits = model.apply(params, tokens, segment_ids=ids)[:, :-1]  # (R, N - 1, V)
+    def loss_and_acc(params, tokens, ids, model=model, moe=args.experts > 0):  # (R, N)
+        aux = 0.0
+        if moe:  # the routers' logits (R, N, E) per block, for the load-balancing loss
+            logits, router = model.apply(params, tokens, segment_ids=ids,
+                                         return_router_logits=True)
+            aux = args.aux_weight * losses.moe_load_balance(router, 2, mask=ids != PAD)
+        else:
+            logits = model.apply(params, tokens, segment_ids=ids)
+        logits = logits[:, :-1]  # (R, N - 1, V)
         target = tokens[:, 1:]
         # predict the next token of the same document, from its third token on (the step
         # needs two tokens to be known)
         same = (ids[:, 1:] == ids[:, :-1]) & (ids[:, 1:] != PAD)
         third = torch.cat([torch.zeros_like(same[:, :1]), same[:, :-1]], 1) & same
         loss = F.cross_entropy(logits.transpose(1, 2), target, reduction="none")
-        loss = (loss * same).sum() / same.sum()
+        loss = (loss * same).sum() / same.sum() + aux
         acc = ((logits.argmax(-1) == target) & third).sum() / third.sum()
         return loss, acc
 
@@ -198,7 +216,7 @@ def main(argv: list[str] | None = None) -> dict:
         updates, opt_state = opt.update(grads, opt_state, params)
         params = optim.apply_updates(params, updates)
         if draft is not None:  # the draft learns from the same batches
-            d_grads, _ = draft_grad(d_params, tokens, ids, model=draft)
+            d_grads, _ = draft_grad(d_params, tokens, ids, model=draft, moe=False)
             d_updates, d_state = d_opt.update(d_grads, d_state, d_params)
             d_params = optim.apply_updates(d_params, d_updates)
         history.append((float(loss), float(acc)))
@@ -217,6 +235,12 @@ def main(argv: list[str] | None = None) -> dict:
     with torch.no_grad():
         _, test_acc = loss_and_acc(params, tokens, ids)
     seconds = time.perf_counter() - start
+    shares = []
+    if args.experts:  # each expert's share of the held-out tokens' first choices, per block
+        with torch.no_grad():
+            _, router = model.apply(params, tokens, segment_ids=ids, return_router_logits=True)
+        shares = [torch.bincount(r[ids != PAD].argmax(-1), minlength=args.experts).div(
+            int((ids != PAD).sum())).tolist() for r in router]
     token_acc, whole_acc = continuation_accuracy(model, params, random.fold_in(data_key, -1))
     spec = {}
     if draft is not None:
@@ -228,6 +252,9 @@ def main(argv: list[str] | None = None) -> dict:
           f"{float(test_acc):.3f}; {tokens_seen / seconds:,.0f} real tokens/s")
     print(f"greedy continuations (16 tokens, KV cache): {token_acc:.3f} of tokens right, "
           f"{whole_acc:.3f} of progressions without an error")
+    for i, share in enumerate(shares):
+        print(f"block {i}: experts' shares of the tokens' first choices "
+              f"{', '.join(f'{x:.2f}' for x in share)}")
     if spec:
         print(f"speculative decoding (draft dim {args.draft_dim}, 4 tokens a round, greedy): "
               f"{spec['acceptance']:.2f} of draft tokens accepted, "
@@ -235,7 +262,8 @@ def main(argv: list[str] | None = None) -> dict:
               f"decoding: {spec['equal']}; {spec['seconds']:.2f} s against "
               f"{spec['plain_seconds']:.2f} s")
     return {"loss_first": first, "loss_last": last, "test_accuracy": float(test_acc),
-            "continuation_accuracy": token_acc, "continuation_exact": whole_acc, **spec}
+            "continuation_accuracy": token_acc, "continuation_exact": whole_acc,
+            "expert_shares": shares, **spec}
 
 
 if __name__ == "__main__":

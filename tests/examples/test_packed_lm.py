@@ -71,3 +71,16 @@ def test_speculative_decoding_with_a_trained_draft_equals_plain_decoding(example
     assert result["equal"]
     assert result["acceptance"] > 0.5
     assert result["target_calls"] < 16 + 1  # fewer model calls than one per token
+
+
+def test_mixture_of_experts_lm_learns_and_uses_its_experts(example):
+    """--experts 4: MoE blocks with the load-balancing loss learn the progressions,
+    decode through the KV cache, and route the held-out tokens to every expert."""
+    result = example("packed_lm").main(["--steps", "60", "--rows", "4", "--seed", "1",
+                                        "--positions", "rotary", "--experts", "4"])
+    assert result["loss_last"] < result["loss_first"] / 3
+    assert result["test_accuracy"] > 0.9
+    assert result["continuation_accuracy"] > 0.9
+    for shares in result["expert_shares"]:  # no expert starved (uniform: 0.25 each)
+        assert len(shares) == 4 and min(shares) > 0.05
+        assert abs(sum(shares) - 1) < 1e-6
