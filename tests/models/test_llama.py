@@ -32,7 +32,7 @@ def hf_state_dict(config, seed=0):
             at + "self_attn.q_proj.weight": (h * hd, d), at + "self_attn.k_proj.weight":
             (hkv * hd, d), at + "self_attn.v_proj.weight": (hkv * hd, d),
             at + "self_attn.o_proj.weight": (d, h * hd)})
-        if config.get("model_type") == "qwen2":
+        if config.get("model_type", "").startswith("qwen2"):
             shapes.update({at + "self_attn.q_proj.bias": (h * hd,),
                            at + "self_attn.k_proj.bias": (hkv * hd,),
                            at + "self_attn.v_proj.bias": (hkv * hd,)})
@@ -43,6 +43,15 @@ def hf_state_dict(config, seed=0):
                 shapes.update({f"{moe}experts.{j}.w1.weight": (f, d),
                                f"{moe}experts.{j}.w3.weight": (f, d),
                                f"{moe}experts.{j}.w2.weight": (d, f)})
+        elif config.get("model_type") == "qwen2_moe":
+            fe, fs = config["moe_intermediate_size"], config["shared_expert_intermediate_size"]
+            shapes[at + "mlp.gate.weight"] = (config["num_experts"], d)
+            shapes[at + "mlp.shared_expert_gate.weight"] = (1, d)
+            for j, width in [*((f"experts.{j}", fe) for j in range(config["num_experts"])),
+                             ("shared_expert", fs)]:
+                shapes.update({f"{at}mlp.{j}.gate_proj.weight": (width, d),
+                               f"{at}mlp.{j}.up_proj.weight": (width, d),
+                               f"{at}mlp.{j}.down_proj.weight": (d, width)})
         else:
             shapes.update({at + "mlp.gate_proj.weight": (f, d), at + "mlp.up_proj.weight":
                            (f, d), at + "mlp.down_proj.weight": (d, f)})
@@ -70,6 +79,29 @@ def mixtral_moe(sd, config, i, y):
         e = (torch.nn.functional.silu(t @ w("w1").T) * (t @ w("w3").T)) @ w("w2").T
         out[rows] += e * weights[rows, slot, None]
     return out.reshape(y.shape)
+
+
+def qwen2_moe(sd, config, i, y):
+    """Qwen2-MoE's sparse block as Hugging Face writes it: the top k of the router's
+    softmax (renormalised only with ``norm_topk_prob``), a loop over experts, plus the
+    shared expert scaled by a sigmoid gate."""
+    at = f"model.layers.{i}.mlp."
+    tokens = y.reshape(-1, y.shape[-1])  # (T, d)
+
+    def swiglu(t, name):
+        w = lambda p: sd[f"{at}{name}.{p}_proj.weight"]  # noqa: E731
+        return (torch.nn.functional.silu(t @ w("gate").T) * (t @ w("up").T)) @ w("down").T
+
+    probs = torch.softmax(tokens @ sd[at + "gate.weight"].T, dim=-1)
+    weights, chosen = probs.topk(config["num_experts_per_tok"], dim=-1)
+    if config.get("norm_topk_prob"):
+        weights = weights / weights.sum(-1, keepdim=True)
+    out = torch.zeros_like(tokens)
+    for j in range(config["num_experts"]):
+        rows, slot = torch.where(chosen == j)
+        out[rows] += swiglu(tokens[rows], f"experts.{j}") * weights[rows, slot, None]
+    gate = torch.sigmoid(tokens @ sd[at + "shared_expert_gate.weight"].T)  # (T, 1)
+    return (out + gate * swiglu(tokens, "shared_expert")).reshape(y.shape)
 
 
 def hf_llama_forward(sd, config, tokens):
@@ -114,6 +146,8 @@ def hf_llama_forward(sd, config, tokens):
         y = rms(x, p("post_attention_layernorm.weight"))
         if config.get("num_local_experts"):
             x = x + mixtral_moe(sd, config, i, y)
+        elif config.get("model_type") == "qwen2_moe":
+            x = x + qwen2_moe(sd, config, i, y)
         else:
             gate = torch.nn.functional.silu(y @ p("mlp.gate_proj.weight").T)
             x = x + (gate * (y @ p("mlp.up_proj.weight").T)) @ p("mlp.down_proj.weight").T
@@ -124,11 +158,16 @@ def hf_llama_forward(sd, config, tokens):
 
 MIXTRAL = {"model_type": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 2}
 QWEN2 = {"model_type": "qwen2", "use_sliding_window": False}  # its window unused
+QWEN2_MOE = {"model_type": "qwen2_moe", "num_experts": 5, "num_experts_per_tok": 3,
+             "moe_intermediate_size": 12, "shared_expert_intermediate_size": 20,
+             "decoder_sparse_step": 1, "mlp_only_layers": []}
 
 
 @pytest.mark.parametrize("tied, window, kind", [(False, None, {}), (True, None, {}),
                                                 (False, 4, {}), (False, 4, MIXTRAL),
-                                                (True, 4, QWEN2)])
+                                                (True, 4, QWEN2), (False, None, QWEN2_MOE),
+                                                (False, None,
+                                                 dict(QWEN2_MOE, norm_topk_prob=True))])
 def test_a_llama_checkpoint_runs_as_the_hf_forward_does(tied, window, kind):
     config = dict(CONFIG, tie_word_embeddings=tied, sliding_window=window, **kind)
     sd = hf_state_dict(config)
@@ -167,6 +206,8 @@ def test_bad_checkpoints_and_configs_are_named():
         llama_from_hf(dict(CONFIG, hidden_act="gelu"))
     with pytest.raises(ValueError, match=r"config\['model_type'\] = 'gemma' is not supported"):
         llama_from_hf(dict(CONFIG, model_type="gemma"))
+    with pytest.raises(ValueError, match=r"config\['decoder_sparse_step'\] = 2 and"):
+        llama_from_hf(dict(CONFIG, **dict(QWEN2_MOE, decoder_sparse_step=2)))
     with pytest.raises(ValueError, match=r"config\['use_sliding_window'\] = True"):
         llama_from_hf(dict(CONFIG, **dict(QWEN2, use_sliding_window=True)))
     mixtral = dict(CONFIG, **MIXTRAL)

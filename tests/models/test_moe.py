@@ -15,7 +15,8 @@ from torchfn.models import KVCache, MoE, TransformerEncoder, _moe
 
 
 def loop_reference(params, x, top_k, mlp="swiglu", normalize=True):
-    """Token by token: the router's top-k experts, each run alone, weighted."""
+    """Token by token: the router's top-k experts, each run alone, weighted; plus the
+    shared expert (sigmoid-gated where it has a gate) if there is one."""
     tokens = x.reshape(-1, x.shape[-1])
     probs = (tokens @ params["router.weight"].T).softmax(-1)
     out = []
@@ -30,12 +31,25 @@ def loop_reference(params, x, top_k, mlp="swiglu", normalize=True):
             else:
                 h = torch.nn.functional.gelu(h)
             acc = acc + weight * (params["down"][e] @ h)
-        out.append(acc)
+        if "shared.up.weight" in params:  # SwiGLU
+            h = torch.nn.functional.silu(params["shared.gate.weight"] @ t) * (
+                params["shared.up.weight"] @ t)
+            shared = params["shared.down.weight"] @ h
+        elif "shared.0.weight" in params:  # GELU MLP
+            shared = params["shared.2.weight"] @ torch.nn.functional.gelu(
+                params["shared.0.weight"] @ t)
+        else:
+            shared = 0
+        if "gate_shared.weight" in params:
+            shared = torch.sigmoid(params["gate_shared.weight"] @ t) * shared
+        out.append(acc + shared)
     return torch.stack(out).reshape(x.shape)
 
 
-def setup(experts=4, top_k=2, mlp="swiglu", normalize=True, shape=(3, 5), dim=8, seed=0):
-    model = torchfn.Model(MoE(dim, 12, experts, top_k, mlp=mlp, normalize=normalize))
+def setup(experts=4, top_k=2, mlp="swiglu", normalize=True, shape=(3, 5), dim=8, seed=0,
+          **shared):
+    model = torchfn.Model(MoE(dim, 12, experts, top_k, mlp=mlp, normalize=normalize,
+                              **shared))
     params = {n: p.double() for n, p in model.init(random.key(seed)).items()}
     x = random.normal(random.key(seed + 1), (*shape, dim), torch.float64)
     return model, params, x
@@ -52,10 +66,12 @@ def path(request, monkeypatch):
 @settings(max_examples=15, deadline=None)
 @given(experts=st.integers(1, 6), data=st.data(), mlp=st.sampled_from(["swiglu", "gelu"]),
        normalize=st.booleans(), shape=st.sampled_from([(7,), (2, 5), (1, 1, 3)]),
-       seed=st.integers(0, 2**20))
-def test_both_paths_equal_the_token_loop(experts, data, mlp, normalize, shape, seed):
+       seed=st.integers(0, 2**20),
+       shared=st.sampled_from([{}, {"shared_hidden": 6},
+                               {"shared_hidden": 10, "shared_gate": True}]))
+def test_both_paths_equal_the_token_loop(experts, data, mlp, normalize, shape, seed, shared):
     top_k = data.draw(st.integers(1, experts))
-    model, params, x = setup(experts, top_k, mlp, normalize, shape, seed=seed)
+    model, params, x = setup(experts, top_k, mlp, normalize, shape, seed=seed, **shared)
     want = loop_reference(params, x, top_k, mlp, normalize)
     sparse = model.apply(params, x)
     _moe_dense = _moe._batched_transform_active
@@ -202,6 +218,10 @@ def test_bad_input_is_named():
         MoE(8, 16, 4, 5)
     with pytest.raises(ValueError, match="experts must be an int >= 1, got 0"):
         MoE(8, 16, 0)
+    with pytest.raises(ValueError, match="shared_gate needs shared_hidden"):
+        MoE(8, 16, 4, shared_gate=True)
+    with pytest.raises(ValueError, match="moe_options need experts"):
+        TransformerEncoder(8, 2, 1, moe_options={"shared_hidden": 4})
     with pytest.raises(ValueError, match="mlp must be 'swiglu' or 'gelu', got 'relu'"):
         MoE(8, 16, 4, mlp="relu")
     model, params, _ = setup()

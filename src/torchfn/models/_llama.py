@@ -1,4 +1,4 @@
-"""A Hugging Face Llama (Mistral, Mixtral, Qwen2) checkpoint as a ``TransformerEncoder``
+"""A Hugging Face Llama (Mistral, Mixtral, Qwen2, Qwen2-MoE) checkpoint as a ``TransformerEncoder``
 and its params pytree."""
 
 from __future__ import annotations
@@ -26,11 +26,19 @@ _NAMES = {  # a layer's HF names -> ours, but for q/k/v (one qkv matrix here)
 _QKV = {  # HF names -> our joined tensor (rows [q | k | v])
     f"self_attn.{p}_proj.{kind}": f"attn.qkv.{kind}" for kind in ("weight", "bias")
     for p in "qkv"}
-_ROUTER = "block_sparse_moe.gate.weight"  # Mixtral
-_EXPERT = re.compile(r"block_sparse_moe\.experts\.(\d+)\.(w[123])\.weight")
-_STACKED = {"w1": "mlp.gate", "w3": "mlp.up", "w2": "mlp.down"}  # Mixtral's expert names
+_MOE = {  # model_type -> (router, one expert's matrices, their stacked names, shared expert)
+    "mixtral": ("block_sparse_moe.gate.weight",
+                re.compile(r"block_sparse_moe\.experts\.(\d+)\.(w[123])\.weight"),
+                {"w1": "mlp.gate", "w3": "mlp.up", "w2": "mlp.down"}, {}),
+    "qwen2_moe": ("mlp.gate.weight",
+                  re.compile(r"mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight"),
+                  {"gate": "mlp.gate", "up": "mlp.up", "down": "mlp.down"},
+                  {"mlp.shared_expert_gate.weight": "mlp.gate_shared.weight",
+                   **{f"mlp.shared_expert.{p}_proj.weight": f"mlp.shared.{p}.weight"
+                      for p in ("gate", "up", "down")}}),
+}
 _IGNORED = re.compile(r".*rotary_emb\.inv_freq$")  # a buffer older checkpoints carry
-_TYPES = ("llama", "mistral", "mixtral", "qwen2")
+_TYPES = ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe")
 
 
 def _config(config: Mapping[str, Any]) -> dict[str, Any]:
@@ -47,11 +55,27 @@ def _config(config: Mapping[str, Any]) -> dict[str, Any]:
                          f"of {_TYPES})")
     dim, heads = config["hidden_size"], config["num_attention_heads"]
     window = config.get("sliding_window")
-    if kind == "qwen2":  # Qwen2 keeps a sliding_window it does not use unless told to
+    moe: dict[str, Any] = {}
+    if kind == "mixtral":
+        moe = dict(experts=config.get("num_local_experts", 8),
+                   top_k=config.get("num_experts_per_tok", 2))
+    if kind.startswith("qwen2"):  # Qwen2 keeps a sliding_window it does not use unless told to
         if config.get("use_sliding_window"):
             raise ValueError("config['use_sliding_window'] = True is not supported here "
                              "(Qwen2 windows only some layers)")
         window = None
+    if kind == "qwen2_moe":
+        step, dense = config.get("decoder_sparse_step", 1), config.get("mlp_only_layers")
+        if step != 1 or dense:
+            raise ValueError(f"config['decoder_sparse_step'] = {step!r} and config["
+                             f"'mlp_only_layers'] = {dense!r} are not supported here (needs 1 "
+                             "and []: every layer a mixture of experts)")
+        moe = dict(experts=config.get("num_experts", 60),
+                   top_k=config.get("num_experts_per_tok", 4),
+                   mlp_hidden=config.get("moe_intermediate_size", config["intermediate_size"]),
+                   moe_options=dict(normalize=bool(config.get("norm_topk_prob", False)),
+                                    shared_hidden=config.get("shared_expert_intermediate_size"),
+                                    shared_gate=True))
     checks = {
         "hidden_act": (config.get("hidden_act", "silu"), "silu"),
         "attention_bias": (config.get("attention_bias", False), False),
@@ -72,10 +96,8 @@ def _config(config: Mapping[str, Any]) -> dict[str, Any]:
         tie_embeddings=bool(config.get("tie_word_embeddings", False)),
         # Mistral: each token sees itself and the sliding_window - 1 before it
         window=(window - 1, None) if window else None,
-        qkv_bias=kind == "qwen2",  # Qwen2: biases on q, k and v only
-        experts=config.get("num_local_experts"),  # Mixtral
-        top_k=config.get("num_experts_per_tok", 2),
-    )
+        qkv_bias=kind.startswith("qwen2"),  # Qwen2: biases on q, k and v only
+    ) | moe
 
 
 def llama_from_hf(config: Mapping[str, Any], state_dict: Mapping[str, Tensor] | None = None,
@@ -90,7 +112,8 @@ def llama_from_hf(config: Mapping[str, Any], state_dict: Mapping[str, Tensor] | 
     (``num_local_experts``, ``num_experts_per_tok``) becomes ``experts`` / ``top_k``
     (:class:`MoE`, its experts' matrices stacked: ``w1`` -> ``gate``, ``w3`` -> ``up``,
     ``w2`` -> ``down``); Qwen2 (``model_type="qwen2"``) gets its q/k/v biases
-    (``qkv_bias=True``).
+    (``qkv_bias=True``), and Qwen2-MoE (``"qwen2_moe"``, every layer sparse) its experts,
+    un-renormalised top-k weights (``norm_topk_prob``) and sigmoid-gated shared expert.
     The q, k and v projections become one ``qkv`` matrix. The checkpoint's tensors are
     used as they are (nothing is copied but ``qkv`` and the stacked experts), so
     ``safetensors.torch.load_file`` of a checkpoint's shards gives ``state_dict``.
@@ -130,9 +153,14 @@ def llama_from_hf(config: Mapping[str, Any], state_dict: Mapping[str, Tensor] | 
     params: dict[str, Tensor] = {}
     parts: dict[str, dict[Any, Tensor]] = {}  # our name -> the pieces to join
     unknown = []
+    kind = config.get("model_type", "llama")
+    router, expert_names, stacked, shared = _MOE.get(kind, (None, None, {}, {}))
+    names = {k: v for k, v in _NAMES.items() if not (router and k.startswith("mlp."))}
+    names.update(shared)
     for name, tensor in state_dict.items():
         layer = _LAYER.fullmatch(name)
-        expert = layer and kwargs["experts"] and _EXPERT.fullmatch(layer[2])
+        at, rest = (f"blocks.{layer[1]}.", layer[2]) if layer else ("", "")
+        expert = layer and router and expert_names.fullmatch(rest)
         if name == "model.embed_tokens.weight":
             params["embed.weight"] = tensor
         elif name == "model.norm.weight":
@@ -140,20 +168,19 @@ def llama_from_hf(config: Mapping[str, Any], state_dict: Mapping[str, Tensor] | 
         elif name == "lm_head.weight":
             if not kwargs["tie_embeddings"]:
                 params["head.weight"] = tensor
-        elif layer and layer[2] in _NAMES and not (kwargs["experts"] and "mlp." in layer[2]):
-            params[f"blocks.{layer[1]}.{_NAMES[layer[2]]}"] = tensor
-        elif layer and layer[2] == _ROUTER and kwargs["experts"]:
-            params[f"blocks.{layer[1]}.mlp.router.weight"] = tensor
-        elif layer and layer[2] in _QKV:  # q, k, v in that order
-            parts.setdefault(f"blocks.{layer[1]}.{_QKV[layer[2]]}", {})[layer[2][10]] = tensor
+        elif layer and rest in names:
+            params[at + names[rest]] = tensor
+        elif layer and rest == router:
+            params[at + "mlp.router.weight"] = tensor
+        elif layer and rest in _QKV:  # q, k, v in that order
+            parts.setdefault(at + _QKV[rest], {})[rest[10]] = tensor
         elif expert:  # expert j's matrix -> row j of the stacked one
-            parts.setdefault(f"blocks.{layer[1]}.{_STACKED[expert[2]]}", {})[
-                int(expert[1])] = tensor
+            parts.setdefault(at + stacked[expert[2]], {})[int(expert[1])] = tensor
         elif not _IGNORED.fullmatch(name):
             unknown.append(name)
     if unknown:
-        kind = config.get("model_type", "llama").capitalize()
-        raise ValueError(f"state_dict has tensors a {kind} does not: {unknown[:5]}"
+        raise ValueError(f"state_dict has tensors a {kind.capitalize()} does not: "
+                         f"{unknown[:5]}"
                          + (f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""))
     for name, pieces in parts.items():
         if name.endswith((".qkv.weight", ".qkv.bias")):

@@ -7,7 +7,7 @@ import math
 import torch
 from torch import Tensor, nn
 
-from torchfn.models._mlp import _check_dims
+from torchfn.models._mlp import SwiGLU, _check_dims
 
 __all__ = ["MoE"]
 
@@ -37,6 +37,10 @@ class MoE(nn.Module):
     their weights are stacked: ``gate`` / ``up`` ``(E, hidden, dim)``, ``down``
     ``(E, dim, hidden)``.
 
+    ``shared_hidden``: also one shared expert of that width that every token goes
+    through, added to the routed experts' output (DeepSeekMoE, Qwen-MoE); with
+    ``shared_gate=True`` it is scaled by ``sigmoid(w . x)`` per token (Qwen2-MoE).
+
     Two exact computations of the same function. In eager mode (also under ``grad``,
     ``jvp``, ``jacrev``), tokens are sorted by expert and each expert runs on its own
     tokens only: ``top_k / experts`` of the dense cost. Under ``vmap`` and
@@ -63,9 +67,14 @@ class MoE(nn.Module):
     """
 
     def __init__(self, dim: int, hidden: int, experts: int, top_k: int = 2, *,
-                 mlp: str = "swiglu", normalize: bool = True) -> None:
+                 mlp: str = "swiglu", normalize: bool = True, shared_hidden: int | None = None,
+                 shared_gate: bool = False) -> None:
         super().__init__()
         _check_dims(dim=dim, hidden=hidden, experts=experts, top_k=top_k)
+        if shared_hidden is not None:
+            _check_dims(shared_hidden=shared_hidden)
+        elif shared_gate:
+            raise ValueError("shared_gate needs shared_hidden (a shared expert to gate)")
         if top_k > experts:
             raise ValueError(f"top_k must be <= experts = {experts}, got top_k={top_k}")
         if mlp not in ("swiglu", "gelu"):
@@ -77,6 +86,13 @@ class MoE(nn.Module):
         if mlp == "swiglu":
             self.gate = nn.Parameter(torch.empty(experts, hidden, dim))
         self.down = nn.Parameter(torch.empty(experts, dim, hidden))
+        self.shared_hidden, self.shared_gate = shared_hidden, shared_gate
+        if shared_hidden is not None:  # one expert every token goes through
+            self.shared = SwiGLU(dim, shared_hidden, bias=False) if mlp == "swiglu" else \
+                nn.Sequential(nn.Linear(dim, shared_hidden, bias=False), nn.GELU(),
+                              nn.Linear(shared_hidden, dim, bias=False))
+            if shared_gate:
+                self.gate_shared = nn.Linear(dim, 1, bias=False)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -117,6 +133,11 @@ class MoE(nn.Module):
             out = self._dense(tokens, weights, chosen, gate)
         else:
             out = self._sparse(tokens, weights, chosen, gate)
+        if self.shared_hidden is not None:
+            shared = self.shared(tokens)  # (T, dim)
+            if self.shared_gate:
+                shared = torch.sigmoid(self.gate_shared(tokens)) * shared
+            out = out + shared
         out = out.reshape(shape)
         return (out, logits.reshape(*shape[:-1], self.experts)) if return_router_logits else out
 
@@ -142,4 +163,5 @@ class MoE(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"dim={self.dim}, hidden={self.hidden}, experts={self.experts}, "
-                f"top_k={self.top_k}, mlp={self.mlp!r}, normalize={self.normalize}")
+                f"top_k={self.top_k}, mlp={self.mlp!r}, normalize={self.normalize}, "
+                f"shared_hidden={self.shared_hidden}, shared_gate={self.shared_gate}")

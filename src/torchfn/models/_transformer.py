@@ -251,6 +251,7 @@ class TransformerBlock(nn.Module):
                  norm: str = "layer", mlp: str = "gelu",
                  bias: bool = True, qkv_bias: bool | None = None,
                  experts: int | None = None, top_k: int = 2,
+                 moe_options: dict | None = None,
                  attend: AttendFn | None = None) -> None:
         super().__init__()
         if mlp not in ("gelu", "swiglu"):
@@ -266,7 +267,10 @@ class TransformerBlock(nn.Module):
         _check_dims(mlp_hidden=hidden)
         self.moe = experts is not None
         if self.moe:
-            self.mlp: nn.Module = MoE(dim, hidden, experts, top_k, mlp=mlp)
+            self.mlp: nn.Module = MoE(dim, hidden, experts, top_k, mlp=mlp,
+                                      **(moe_options or {}))
+        elif moe_options:
+            raise ValueError(f"moe_options need experts, got moe_options={moe_options}")
         elif mlp == "swiglu":
             self.mlp = SwiGLU(dim, hidden, bias=bias)
         else:
@@ -327,6 +331,8 @@ class TransformerEncoder(nn.Module):
             each token sent to ``top_k`` of them (Mixtral: 8 and 2). The forward's
             ``return_router_logits=True`` then returns ``(out, logits)``, the routers'
             logits ``(B, N, E)`` per block, for :func:`torchfn.losses.moe_load_balance`.
+        moe_options: :class:`MoE`'s other keywords: ``normalize``, ``shared_hidden``,
+            ``shared_gate``.
         norm, mlp, bias: ``"layer"`` or ``"rms"`` (RMSNorm) for the blocks' and the final
             norm; ``"gelu"`` or ``"swiglu"`` (:class:`SwiGLU`, ``mlp_ratio * dim`` hidden
             units) for the MLPs; ``bias=False`` drops the projections', the MLPs', the
@@ -394,6 +400,7 @@ class TransformerEncoder(nn.Module):
         qkv_bias: bool | None = None,
         experts: int | None = None,
         top_k: int = 2,
+        moe_options: dict | None = None,
         attend: AttendFn | None = None,
         remat: bool | Callable[..., bool] = False,
         tie_embeddings: bool = False,
@@ -432,7 +439,7 @@ class TransformerEncoder(nn.Module):
                              kv_heads=kv_heads, rotary=position_embedding == "rotary",
                              rotary_base=rotary_base, rotary_scaling=rotary_scaling,
                              norm=norm, mlp=mlp, bias=bias, qkv_bias=qkv_bias,
-                             experts=experts, top_k=top_k,
+                             experts=experts, top_k=top_k, moe_options=moe_options,
                              attend=attend)
             for _ in range(depth)
         )
