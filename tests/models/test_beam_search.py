@@ -62,25 +62,55 @@ def test_eos_finishes_a_beam_and_the_length_penalty_ranks_by_mean():
     prompt = torch.tensor([2, 4, 1])
     seqs, scores = beam_search(model, params, prompt, 6, beams=6, return_all=True)
     eos = int(seqs[0, 4])  # the best beam's second token: it ends there
-    ended, ended_scores = beam_search(model, params, prompt, 6, beams=6, eos=eos,
-                                      return_all=True)
-    for seq, score in zip(ended, ended_scores):
-        hit = (seq[3:] == eos).nonzero()
-        if len(hit):  # padded with eos after its first one; scored up to it
-            cut = 3 + int(hit[0]) + 1
-            assert (seq[cut:] == eos).all()
-            torch.testing.assert_close(score, log_prob(model, params, seq[None, :cut], 3)[0])
-        else:
-            torch.testing.assert_close(score, log_prob(model, params, seq[None], 3)[0])
-    # length_penalty=1 ranks by the mean log-probability per generated token
-    _, mean_scores = beam_search(model, params, prompt, 6, beams=6, eos=eos,
-                                 length_penalty=1.0, return_all=True)
-    assert (mean_scores[:-1] >= mean_scores[1:]).all()
-    lengths = torch.tensor([int((s[3:] == eos).nonzero()[0]) + 1 if (s[3:] == eos).any()
-                            else 6 for s in ended])  # generated tokens up to eos
-    assert 1 <= int((lengths < 6).sum()) < 6  # some beams ended early, some did not
-    torch.testing.assert_close(mean_scores.sort(descending=True).values,
-                               (ended_scores / lengths).sort(descending=True).values)
+    for penalty in (0.0, 1.0):
+        ended, ended_scores = beam_search(model, params, prompt, 6, beams=6, eos=eos,
+                                          length_penalty=penalty, return_all=True)
+        assert (ended_scores[:-1] >= ended_scores[1:]).all()  # best first
+        lengths = []
+        for seq, score in zip(ended, ended_scores):
+            hit = (seq[3:] == eos).nonzero()
+            cut = 3 + int(hit[0]) + 1 if len(hit) else len(seq)
+            assert (seq[cut:] == eos).all()  # padded with eos after its first one
+            lengths.append(cut - 3)  # scored up to it, over length ** penalty
+            torch.testing.assert_close(score, log_prob(model, params, seq[None, :cut], 3)[0]
+                                       / (cut - 3) ** penalty)
+        assert 1 <= sum(n < 6 for n in lengths) < 6  # some beams ended early, some did not
+
+
+@pytest.mark.parametrize("penalty", [0.0, 1.0])
+def test_with_eos_enough_beams_rank_every_ending_exactly(penalty):
+    """With V^steps beams nothing is dropped: every continuation (cut after its first
+    eos) is returned, ranked by its log-probability over length ** penalty."""
+    model, params = lm(7)
+    prompt, steps, eos = torch.tensor([[3, 1]]), 3, 2
+    seqs, scores = beam_search(model, params, prompt, steps, beams=V ** steps, eos=eos,
+                               length_penalty=penalty, return_all=True)
+    endings = set()
+    for cont in itertools.product(range(V), repeat=steps):
+        cut = cont.index(eos) + 1 if eos in cont else steps
+        endings.add(cont[:cut] + (eos,) * (steps - cut))
+    endings = torch.tensor(sorted(endings))  # (40, steps): 27 + 9 + 3 + 1
+    full = torch.cat((prompt.expand(len(endings), -1), endings), 1)
+    exact = []
+    for seq in full:
+        hit = (seq[2:] == eos).nonzero()
+        cut = 2 + int(hit[0]) + 1 if len(hit) else len(seq)
+        exact.append(log_prob(model, params, seq[None, :cut], 2)[0] / (cut - 2) ** penalty)
+    exact = torch.stack(exact)
+    order = exact.argsort(descending=True)
+    n = len(endings)
+    torch.testing.assert_close(scores[0, :n], exact[order], rtol=0, atol=1e-10)
+    assert torch.isinf(scores[0, n:]).all()  # the other slots hold nothing
+    assert torch.equal(seqs[0, 0], full[order[0]])
+
+
+def test_one_beam_with_eos_is_greedy_decoding_with_eos():
+    model, params = lm(1, vocab=5)
+    prompt = random.randint(random.key(4), (4, 3), 0, 5)
+    greedy = generate(model, params, prompt, 8)
+    eos = int(greedy[0, 5])  # a token greedy decoding draws
+    best, _ = beam_search(model, params, prompt, 8, beams=1, eos=eos)
+    assert torch.equal(best, generate(model, params, prompt, 8, eos=eos))
 
 
 def test_errors_are_named():

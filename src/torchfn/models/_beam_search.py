@@ -40,10 +40,14 @@ def beam_search(
     is a value, not a buffer). With ``beams=1`` this is greedy decoding; with at least
     ``V ** (steps - 1)`` beams it is exact (both tested).
 
-    A beam that draws ``eos`` is finished: it keeps its score and is padded with
-    ``eos``, and it holds its place among the beams. The final ranking divides each
-    score by ``length ** length_penalty`` (tokens up to and including ``eos``; 0: the
-    plain sum, > 0 favours longer sequences), as Hugging Face's does.
+    With ``eos``, as Hugging Face's: each step looks at the ``2 * beams`` best
+    extensions. Those among the first ``beams`` that end in ``eos`` are finished: scored
+    over ``length ** length_penalty`` (tokens up to and including ``eos``; 0: the plain
+    sum, > 0 favours longer sequences), padded with ``eos``, and the ``beams`` best of them
+    kept aside. The best ``beams`` that do not end go on, so ``beams`` sequences are
+    always live. At the end the live beams (scored over ``steps ** length_penalty``) and
+    the finished ones are ranked together. With at least ``V ** steps`` beams this is
+    exact too (tested).
 
     Args:
         model, params: ``model(params, tokens, cache=cache) -> (logits, cache)``, e.g. a
@@ -93,34 +97,62 @@ def beam_search(
     # only the first beam is live at the start, so the K first picks are distinct
     scores = torch.full((b, k), float("-inf"), dtype=torch.float64, device=dev)
     scores[:, 0] = 0.0
-    new = torch.zeros(b, k, 0, dtype=torch.long, device=dev)  # (B, K, t)
-    done = torch.zeros(b, k, dtype=torch.bool, device=dev)
-    length = torch.zeros(b, k, dtype=torch.long, device=dev)
+    new = torch.zeros(b, k, 0, dtype=torch.long, device=dev)  # (B, K, t) live beams' tokens
+    pool = _Finished.empty(b, k, steps, eos, dev)
+    n = min(2 * k, k * vocab) if eos is not None else k  # candidates looked at per step
     for step in range(steps):
-        if eos is not None:  # a finished beam proposes only eos, at no cost
-            stay = torch.full_like(logp, float("-inf"))
-            stay[:, eos] = 0.0
-            logp = torch.where(done.reshape(-1, 1), stay, logp)
         cand = (scores[..., None] + logp.reshape(b, k, vocab)).reshape(b, k * vocab)
-        scores, pick = cand.topk(k, dim=-1)  # (B, K) best first
-        beam, tok = pick // vocab, pick % vocab  # (B, K)
-        new = torch.cat((new.gather(1, beam[..., None].expand(-1, -1, new.shape[-1])),
+        top, pick = cand.topk(n, dim=-1)  # (B, n) best first
+        beam, tok = pick // vocab, pick % vocab  # (B, n)
+        if eos is not None:
+            rank = torch.arange(n, device=dev).expand(b, n)
+            ends = (tok == eos) & (rank < k) & top.isfinite()  # Hugging Face's rule
+            seqs = torch.cat((new.gather(1, beam[..., None].expand(-1, -1, step)),
+                              torch.full((b, n, steps - step), eos, device=dev)), -1)
+            pool = pool.add(seqs, top, ends, step + 1, length_penalty)
+            # the live beams: the best K candidates that do not end
+            keep = torch.where(tok == eos, rank + n, rank).topk(k, largest=False).values % n
+            top, beam, tok = top.gather(1, keep), beam.gather(1, keep), tok.gather(1, keep)
+        scores = top
+        new = torch.cat((new.gather(1, beam[..., None].expand(-1, -1, step)),
                          tok[..., None]), dim=-1)
-        was_done = done.gather(1, beam)
-        length = length.gather(1, beam) + (~was_done).long()
-        done = was_done | (tok == eos) if eos is not None else was_done
         if step == steps - 1:
             break
         parents = (torch.arange(b, device=dev)[:, None] * k + beam).reshape(-1)  # (B * K,)
         cache = _reorder(cache, parents)
         logits, cache = model(params, tok.reshape(-1, 1), cache=cache)  # (B*K, 1, V)
         logp = torch.log_softmax(logits[:, -1].double(), -1)
-    final = scores / length.clamp(min=1).double() ** length_penalty if length_penalty \
-        else scores
-    order = final.argsort(dim=-1, descending=True)  # (B, K)
-    new = new.gather(1, order[..., None].expand(-1, -1, steps))
-    final = final.gather(1, order)
-    seqs = torch.cat((tokens[:, None].expand(-1, k, -1), new), dim=-1)  # (B, K, P + steps)
+    live = scores / float(steps) ** length_penalty if length_penalty else scores
+    pool = pool.add(new, live, live.isfinite(), None, 0.0)  # the live beams, ranked in
+    seqs = torch.cat((tokens[:, None].expand(-1, k, -1), pool.tokens), dim=-1)  # (B, K, P+T)
+    final = pool.scores
     if not return_all:
         seqs, final = seqs[:, 0], final[:, 0]
     return (seqs[0], final[0]) if one else (seqs, final)
+
+
+class _Finished:
+    """The ``K`` best finished sequences per prompt: tokens ``(B, K, steps)`` (padded with
+    ``eos``) and their scores over the length penalty ``(B, K)``, best first."""
+
+    def __init__(self, tokens: Tensor, scores: Tensor) -> None:
+        self.tokens, self.scores = tokens, scores
+
+    @classmethod
+    def empty(cls, b: int, k: int, steps: int, eos: int | None, dev) -> _Finished:
+        fill = 0 if eos is None else eos
+        return cls(torch.full((b, k, steps), fill, dtype=torch.long, device=dev),
+                   torch.full((b, k), float("-inf"), dtype=torch.float64, device=dev))
+
+    def add(self, tokens: Tensor, scores: Tensor, ok: Tensor, length: int | None,
+            length_penalty: float) -> _Finished:
+        """With the candidates ``ok`` of ``tokens`` ``(B, n, steps)``, raw ``scores``
+        ``(B, n)`` over ``length ** length_penalty`` (None: already divided)."""
+        if length is not None and length_penalty:
+            scores = scores / float(length) ** length_penalty
+        scores = torch.where(ok, scores, float("-inf"))
+        every = torch.cat((self.scores, scores), 1)  # (B, K + n)
+        best, at = every.topk(self.scores.shape[1], dim=-1)
+        seqs = torch.cat((self.tokens, tokens), 1).gather(
+            1, at[..., None].expand(-1, -1, tokens.shape[-1]))
+        return _Finished(seqs, best)
