@@ -12,6 +12,7 @@ import importlib.util
 
 import pytest
 import torch
+from _budget import interpreter_examples
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch.func import jvp, vjp
@@ -163,7 +164,7 @@ def test_torch_backend_fp32_with_every_option(case, rel_err):
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton or _triton_ops is missing")
-@settings(max_examples=25, **SETTINGS)
+@settings(max_examples=interpreter_examples(25), **SETTINGS)
 @given(case=cases(max_n=40))
 def test_triton_with_every_option_matches_float64_reference(case, rel_err):
     """The Triton forward, dK/dV, dQ and fused JVP kernels (the interpreter on CPU)."""
@@ -181,7 +182,7 @@ SMALL_BLOCKS = [
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton or _triton_ops is missing")
-@settings(max_examples=25, **SETTINGS)
+@settings(max_examples=interpreter_examples(25), **SETTINGS)
 @given(case=cases(max_n=56), blocks=st.sampled_from(SMALL_BLOCKS),
        splits=st.sampled_from([0, 2, 3]), ordered=st.booleans())
 def test_triton_in_small_blocks_matches_float64_reference(case, blocks, splits, ordered,
@@ -193,7 +194,7 @@ def test_triton_in_small_blocks_matches_float64_reference(case, blocks, splits, 
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton or _triton_ops is missing")
-@settings(max_examples=12, **SETTINGS)
+@settings(max_examples=interpreter_examples(16), **SETTINGS)
 @given(case=cases(max_n=40), dtype=st.sampled_from([torch.float16, torch.bfloat16]))
 def test_triton_half_precision_with_every_option(case, dtype, rel_err):
     _check("triton", case, dtype, "peer", rel_err)

@@ -23,7 +23,7 @@ BACKENDS = [
 ]
 
 
-@pytest.fixture(params=BACKENDS)
+@pytest.fixture
 def scalars(request):
     """(ours, reference): x (3,) -> a scalar through causal GQA attention."""
     backend, nq = request.param
@@ -75,7 +75,22 @@ REFUSED = {  # what the rules alone would be asked, with the plain-op path switc
 }
 
 
-@pytest.mark.parametrize("name", list(WORKS))
+# Triton compositions of 12-14 s each on 2 cores, kept for -m slow: the same compositions
+# on the torch backends (the same rules) and Triton's other order-3 and order-4 ones
+# (the same kernels under vmap and forward mode) cover what they would find
+SLOW_ON_TRITON = {"jacrev(jacfwd(jacfwd))", "jacrev(jacrev(jacrev(jacfwd)))"}
+
+
+def _each_backend(names, slow=frozenset()):
+    """(scalars, name) params: every name on every backend, the fixture fed indirectly."""
+    for b in BACKENDS:
+        for name in names:
+            heavy = [pytest.mark.slow] if b.id == "triton" and name in slow else []
+            yield pytest.param(b.values[0], name, id=f"{b.id}-{name}", marks=[*b.marks, *heavy])
+
+
+@pytest.mark.parametrize("scalars, name", list(_each_backend(WORKS, SLOW_ON_TRITON)),
+                         indirect=["scalars"])
 def test_composition_equals_the_reference(scalars, name):
     ours, ref, x, tol = scalars
     got, want = WORKS[name](ours, x), WORKS[name](ref, x.double())
@@ -84,7 +99,7 @@ def test_composition_equals_the_reference(scalars, name):
     assert err <= tol, err
 
 
-@pytest.mark.parametrize("name", list(REFUSED))
+@pytest.mark.parametrize("scalars, name", list(_each_backend(REFUSED)), indirect=["scalars"])
 def test_the_rules_refuse_what_they_cannot_give(scalars, name, monkeypatch):
     ours, _, x, _ = scalars
     monkeypatch.setattr(_autograd, "past_the_rules", lambda: False)

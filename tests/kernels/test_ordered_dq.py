@@ -21,6 +21,7 @@ from collections import defaultdict
 
 import pytest
 import torch
+from _budget import interpreter_examples
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -207,7 +208,7 @@ def shapes(draw):
 
 
 @needs_triton
-@settings(max_examples=16, **SETTINGS)  # ~1.6 s each in the interpreter
+@settings(max_examples=interpreter_examples(16), **SETTINGS)  # ~1.6 s each in the interpreter
 @given(shape=shapes(), seed=st.integers(0, 2**16))
 def test_ordered_backward_is_the_reference_and_counts_every_tile(shape, seed, rel_err):
     """fp32 within 1e-5 of float64; bitwise the same on a second run; the 7-matmul
