@@ -11,6 +11,15 @@ settings.register_profile("dev", max_examples=25, deadline=None)
 settings.register_profile("stress", max_examples=300, deadline=None)
 settings.load_profile("ci" if os.environ.get("CI") else os.environ.get("HYPOTHESIS_PROFILE", "dev"))
 
+# Inductor's C++ builds, like torch's threads below, get each xdist worker's share of the
+# cores. By default inductor starts a pool of compile processes (2 on 2 cores) in every
+# worker; on 2 cores the pools only compete: a cold first compile took 34.5 s with the
+# pool, 25 s without (read when torch._inductor.config is first imported, so set here).
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS",
+                          str(max(1, (os.cpu_count() or 1) // _WORKERS)))
+
 
 def pytest_configure(config):
     """Under pytest-xdist, give each worker its share of the cores for torch's threads.
@@ -19,11 +28,10 @@ def pytest_configure(config):
     the machine: a test of many small ops that shares the cores with a worker running
     large ones stalls at every fork/join (measured: a 1.2 s test took 38 s beside a
     matmul loop, and 316 s in the suite; 2.4 s with one thread)."""
-    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-    if workers > 1:
+    if _WORKERS > 1:
         import torch
 
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // _WORKERS))
 
 
 @pytest.fixture(params=[0], ids=lambda s: f"seed={s}")
