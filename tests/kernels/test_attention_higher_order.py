@@ -83,13 +83,12 @@ SLOW_ON_TRITON = {"jacrev(jacfwd(jacfwd))", "jacrev(jacrev(jacrev(jacfwd)))"}
 
 def _each_backend(names, slow=frozenset()):
     """(scalars, name) params: every name on every backend, the fixture fed indirectly."""
-    for b in BACKENDS:
-        for name in names:
-            heavy = [pytest.mark.slow] if b.id == "triton" and name in slow else []
-            yield pytest.param(b.values[0], name, id=f"{b.id}-{name}", marks=[*b.marks, *heavy])
+    return [pytest.param(b.values[0], name, id=f"{b.id}-{name}", marks=[
+        *b.marks, *([pytest.mark.slow] if b.id == "triton" and name in slow else [])])
+        for b in BACKENDS for name in names]
 
 
-@pytest.mark.parametrize("scalars, name", list(_each_backend(WORKS, SLOW_ON_TRITON)),
+@pytest.mark.parametrize("scalars, name", _each_backend(WORKS, SLOW_ON_TRITON),
                          indirect=["scalars"])
 def test_composition_equals_the_reference(scalars, name):
     ours, ref, x, tol = scalars
@@ -99,7 +98,7 @@ def test_composition_equals_the_reference(scalars, name):
     assert err <= tol, err
 
 
-@pytest.mark.parametrize("scalars, name", list(_each_backend(REFUSED)), indirect=["scalars"])
+@pytest.mark.parametrize("scalars, name", _each_backend(REFUSED), indirect=["scalars"])
 def test_the_rules_refuse_what_they_cannot_give(scalars, name, monkeypatch):
     ours, _, x, _ = scalars
     monkeypatch.setattr(_autograd, "past_the_rules", lambda: False)
