@@ -16,9 +16,9 @@ settings.load_profile("ci" if os.environ.get("CI") else os.environ.get("HYPOTHES
 # worker; on 2 cores the pools only compete: a cold first compile took 34.5 s with the
 # pool, 25 s without (read when torch._inductor.config is first imported, so set here).
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+_CORES_PER_WORKER = max(1, (os.cpu_count() or 1) // _WORKERS)
 if _WORKERS > 1:
-    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS",
-                          str(max(1, (os.cpu_count() or 1) // _WORKERS)))
+    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", str(_CORES_PER_WORKER))
 
 
 def pytest_configure(config):
@@ -31,7 +31,7 @@ def pytest_configure(config):
     if _WORKERS > 1:
         import torch
 
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // _WORKERS))
+        torch.set_num_threads(_CORES_PER_WORKER)
 
 
 @pytest.fixture(params=[0], ids=lambda s: f"seed={s}")
