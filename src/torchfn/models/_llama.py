@@ -41,6 +41,22 @@ _IGNORED = re.compile(r".*rotary_emb\.inv_freq$")  # a buffer older checkpoints 
 _TYPES = ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe")
 
 
+def _rope(config: Mapping[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """RoPE's base and scaling dict: from ``rope_parameters`` (transformers >= 5 writes
+    ``{"rope_type": ..., "rope_theta": ..., <the scaling's keys>}``), else from
+    ``rope_theta`` and ``rope_scaling`` (the configs of earlier versions)."""
+    params = config.get("rope_parameters")
+    if params is None:
+        scaling = config.get("rope_scaling")
+        return float(config.get("rope_theta", 10000.0)), dict(scaling) if scaling else None
+    if not isinstance(params, Mapping):
+        raise ValueError(f"config['rope_parameters'] must be a dict, got {params!r}")
+    scaling = dict(params)
+    base = float(scaling.pop("rope_theta", config.get("rope_theta", 10000.0)))
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    return base, (None if kind == "default" else scaling)
+
+
 def _config(config: Mapping[str, Any]) -> dict[str, Any]:
     if not isinstance(config, Mapping):
         raise TypeError(f"config must be a dict (a Llama config.json), got "
@@ -85,13 +101,14 @@ def _config(config: Mapping[str, Any]) -> dict[str, Any]:
     for key, (got, want) in checks.items():
         if got != want:
             raise ValueError(f"config[{key!r}] = {got!r} is not supported here (needs {want!r})")
+    base, scaling = _rope(config)
     return dict(
         dim=dim, heads=heads, depth=config["num_hidden_layers"],
         vocab_size=config["vocab_size"], out_dim=config["vocab_size"], causal=True,
         max_len=config.get("max_position_embeddings", 2048),
         kv_heads=config.get("num_key_value_heads") or heads,
-        position_embedding="rotary", rotary_base=float(config.get("rope_theta", 10000.0)),
-        rotary_scaling=config.get("rope_scaling"), norm="rms", mlp="swiglu", bias=False,
+        position_embedding="rotary", rotary_base=base, rotary_scaling=scaling, norm="rms",
+        mlp="swiglu", bias=False,
         mlp_hidden=config["intermediate_size"], norm_eps=float(config.get("rms_norm_eps", 1e-6)),
         tie_embeddings=bool(config.get("tie_word_embeddings", False)),
         # Mistral: each token sees itself and the sliding_window - 1 before it
@@ -117,8 +134,9 @@ def llama_from_hf(config: Mapping[str, Any], state_dict: Mapping[str, Tensor] | 
     The q, k and v projections become one ``qkv`` matrix. The checkpoint's tensors are
     used as they are (nothing is copied but ``qkv`` and the stacked experts), so
     ``safetensors.torch.load_file`` of a checkpoint's shards gives ``state_dict``.
-    Tested against a Llama forward written out from the Hugging Face model's
-    definition, not against ``transformers`` itself (not installed here).
+    RoPE comes from ``rope_parameters`` (transformers >= 5) or ``rope_theta`` and
+    ``rope_scaling`` (earlier configs). Tested against a Llama forward written out from
+    the Hugging Face model's definition and against ``transformers`` 5 itself.
 
     Args:
         config: the checkpoint's ``config.json`` as a dict.

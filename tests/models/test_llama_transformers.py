@@ -1,0 +1,96 @@
+"""``llama_from_hf`` against ``transformers`` itself: a small random model of each family
+is built from its config, saved with ``save_pretrained`` (so the tensors are under the
+names a checkpoint on disk has: Mixtral's ``block_sparse_moe.experts.j.w1``, not
+transformers 5's fused in-memory experts), loaded back with safetensors and run here.
+
+transformers runs its RMSNorm, softmax and rotary tables in float32 even for a float64
+model, so the logits agree to ~1e-7, not to float64 rounding; a wrong RoPE base, norm or
+routing is off by ~1e-2 (the loader once read a transformers-5 config's ``rope_theta``
+as 10000 that way)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import torchfn
+from torchfn.models import KVCache, generate, llama_from_hf
+
+transformers = pytest.importorskip(
+    "transformers", reason="transformers (a dev dependency) is the peer these tests compare "
+    "against; without it the hand-written forwards of test_llama.py still run")
+
+BASE = dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
+            intermediate_size=40, vocab_size=50, max_position_embeddings=128,
+            rope_theta=500000.0, rms_norm_eps=1e-5)
+MOE = dict(num_experts_per_tok=2, moe_intermediate_size=12)
+CASES = {
+    "llama": ("llama", {}),
+    "llama-tied": ("llama", dict(tie_word_embeddings=True)),
+    "llama3-scaling": ("llama", dict(rope_scaling=dict(
+        rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+        original_max_position_embeddings=8))),
+    "linear-scaling": ("llama", dict(rope_scaling=dict(rope_type="linear", factor=2.0))),
+    "yarn-scaling": ("llama", dict(rope_scaling=dict(
+        rope_type="yarn", factor=4.0, original_max_position_embeddings=8, beta_fast=16.0,
+        beta_slow=2.0))),
+    "mistral-window": ("mistral", dict(sliding_window=4)),
+    "mixtral": ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2,
+                                sliding_window=None)),
+    "qwen2": ("qwen2", dict(tie_word_embeddings=True)),
+    "qwen2-moe": ("qwen2_moe", dict(MOE, num_experts=4, shared_expert_intermediate_size=20)),
+    "qwen2-moe-renormalised": ("qwen2_moe", dict(MOE, num_experts=4, norm_topk_prob=True,
+                                                 shared_expert_intermediate_size=20)),
+}
+
+
+def hf_checkpoint(kind, extra, tmp_path, seed=0):
+    """A float64 transformers model of ``kind`` with random weights (norms included), and
+    its config and state dict as a checkpoint on disk holds them."""
+    config = transformers.AutoConfig.for_model(kind, **BASE, **extra)
+    torch.manual_seed(seed)  # transformers' own init draws from the global generator
+    model = transformers.AutoModelForCausalLM.from_config(
+        config, dtype=torch.float64, experts_implementation="eager")  # grouped_mm: no fp64
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    model.eval()
+    model.save_pretrained(tmp_path)
+    return model, config.to_dict(), load_file(tmp_path / "model.safetensors")
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_transformers_checkpoint_gives_the_same_logits(case, tmp_path):
+    hf, config, sd = hf_checkpoint(*CASES[case], tmp_path)
+    module, params = llama_from_hf(config, sd)
+    model = torchfn.Model(module)
+    tokens = torch.randint(0, 50, (2, 20), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = hf(tokens).logits
+    torch.testing.assert_close(model.apply(params, tokens), want, rtol=0, atol=2e-6)
+    # and from the KV cache: the prompt, then a token at a time
+    out, cache = model.apply(params, tokens[:, :12], cache=KVCache())
+    outs = [out]
+    for i in range(12, 20):
+        o, cache = model.apply(params, tokens[:, i:i + 1], cache=cache)
+        outs.append(o)
+    torch.testing.assert_close(torch.cat(outs, 1), want, rtol=0, atol=2e-6)
+
+
+@pytest.mark.parametrize("case", ["llama", "mistral-window", "qwen2-moe"])
+def test_greedy_generation_from_left_padded_prompts_equals_transformers(case, tmp_path):
+    """Rows of different prompt lengths, padded on the left: ``generate`` with
+    ``prompt_mask`` against transformers' ``generate`` with ``attention_mask``."""
+    hf, config, sd = hf_checkpoint(*CASES[case], tmp_path)
+    module, params = llama_from_hf(config, sd)
+    model = torchfn.Model(module)
+    prompt = torch.randint(1, 50, (3, 7), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones(3, 7, dtype=torch.bool)
+    mask[1, :3] = mask[2, :5] = False  # rows of 7, 4 and 2 real tokens
+    prompt = prompt.masked_fill(~mask, 0)
+    got = generate(model, params, prompt, 10, prompt_mask=mask)
+    with torch.no_grad():
+        want = hf.generate(prompt, attention_mask=mask.long(), max_new_tokens=10,
+                           do_sample=False, pad_token_id=0, eos_token_id=None)
+    assert torch.equal(got, want)
