@@ -29,6 +29,9 @@ VARIANTS = {
     "softcap, no positions": dict(softcap=5.0, position_embedding="none"),
     "llama-style": dict(position_embedding="rotary", kv_heads=2, norm="rms", mlp="swiglu",
                         bias=False),
+    # wider heads than dim // heads, RMSNorm on q and k, a window on the first layer only
+    "qwen3-style": dict(position_embedding="rotary", kv_heads=2, norm="rms", mlp="swiglu",
+                        bias=False, head_dim=6, qk_norm=True, layer_windows=[(3, None), None]),
 }
 
 
@@ -56,7 +59,8 @@ def test_cached_chunks_equal_the_whole_sequence(variant, chunks):
     torch.testing.assert_close(torch.cat(outs, dim=1), full, rtol=0, atol=1e-12)
     heads = VARIANTS[variant].get("kv_heads", 4)
     assert cache.length == 12 and len(cache.keys) == 2
-    assert cache.keys[0].shape == cache.values[1].shape == (3, heads, 12, 4)
+    hd = VARIANTS[variant].get("head_dim", 4)
+    assert cache.keys[0].shape == cache.values[1].shape == (3, heads, 12, hd)
 
 
 def test_grouped_query_attention_equals_full_attention_with_repeated_heads():
@@ -246,10 +250,26 @@ def test_cache_and_generate_errors_are_named():
         TransformerEncoder(dim=16, heads=2, depth=1, vocab_size=V, norm="batch")
     with pytest.raises(ValueError, match="mlp must be 'gelu' or 'swiglu', got 'relu'"):
         TransformerEncoder(dim=16, heads=2, depth=1, vocab_size=V, mlp="relu")
+    with pytest.raises(ValueError, match=r"layer_windows must be a list of depth = 2 "):
+        TransformerEncoder(dim=16, heads=2, depth=2, vocab_size=V, layer_windows=[None])
+    with pytest.raises(ValueError, match=r"given without window; got layer_windows=\[None, "
+                                         r"None\], window=4"):
+        TransformerEncoder(dim=16, heads=2, depth=2, vocab_size=V, window=4,
+                           layer_windows=[None, None])
+    with pytest.raises(ValueError, match="head_dim must be"):
+        TransformerEncoder(dim=16, heads=2, depth=1, vocab_size=V, head_dim=0)
+    with pytest.raises(ValueError, match="rotary needs an even head dim, got 5"):
+        TransformerEncoder(dim=16, heads=2, depth=1, vocab_size=V, head_dim=5,
+                           position_embedding="rotary")
+    with pytest.raises(ValueError, match=r"dim must be divisible by heads, got dim=16, heads=3 "
+                                         r"\(or give head_dim\)"):
+        TransformerEncoder(dim=16, heads=3, depth=1, vocab_size=V)
+    TransformerEncoder(dim=16, heads=3, depth=1, vocab_size=V, head_dim=4)  # then it may
 
 
-def test_per_sample_grads_through_a_rotary_gqa_model_equal_the_loop():
-    model, params = lm(**VARIANTS["rotary, multi-query"])
+@pytest.mark.parametrize("variant", ["rotary, multi-query", "qwen3-style"])
+def test_per_sample_grads_through_a_rotary_gqa_model_equal_the_loop(variant):
+    model, params = lm(**VARIANTS[variant])
     tokens = random.randint(random.key(7), (3, 8), 0, V)
 
     def loss(p, t):  # next-token cross-entropy of one sequence

@@ -198,6 +198,10 @@ def test_bad_checkpoints_and_configs_are_named():
         llama_from_hf(CONFIG, {k: v for k, v in sd.items()
                                if k != "model.layers.1.post_attention_layernorm.weight"})
     with pytest.raises(ValueError, match="state_dict has tensors a Llama does not"):
+        llama_from_hf(CONFIG, dict(sd, **{"model.layers.0.self_attn.g_proj.weight":
+                                          torch.ones(8)}))
+    with pytest.raises(ValueError, match=r"tensors the config's llama does not use: \['blocks"
+                                         r".0.attn.q_norm.weight'\]"):  # a Qwen3 tensor
         llama_from_hf(CONFIG, dict(sd, **{"model.layers.0.self_attn.q_norm.weight":
                                           torch.ones(8)}))
     with pytest.raises(ValueError, match="state_dict shapes do not match the config"):
@@ -208,8 +212,12 @@ def test_bad_checkpoints_and_configs_are_named():
         llama_from_hf(dict(CONFIG, model_type="gemma"))
     with pytest.raises(ValueError, match=r"config\['decoder_sparse_step'\] = 2 and"):
         llama_from_hf(dict(CONFIG, **dict(QWEN2_MOE, decoder_sparse_step=2)))
-    with pytest.raises(ValueError, match=r"config\['use_sliding_window'\] = True"):
-        llama_from_hf(dict(CONFIG, **dict(QWEN2, use_sliding_window=True)))
+    with pytest.raises(ValueError, match=r"config\['use_sliding_window'\] = True without "):
+        llama_from_hf(dict(CONFIG, **dict(QWEN2_MOE, use_sliding_window=True,
+                                          sliding_window=4)))
+    with pytest.raises(ValueError, match=r"config\['layer_types'\] must list"):
+        llama_from_hf(dict(CONFIG, **dict(QWEN2, use_sliding_window=True, sliding_window=4,
+                                          layer_types=["sliding_attention"])))
     mixtral = dict(CONFIG, **MIXTRAL)
     sd = hf_state_dict(mixtral)
     with pytest.raises(ValueError, match=r"lacks the tensors for \['blocks.0.mlp.down'\]"):

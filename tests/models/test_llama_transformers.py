@@ -42,13 +42,21 @@ CASES = {
     "qwen2-moe": ("qwen2_moe", dict(MOE, num_experts=4, shared_expert_intermediate_size=20)),
     "qwen2-moe-renormalised": ("qwen2_moe", dict(MOE, num_experts=4, norm_topk_prob=True,
                                                  shared_expert_intermediate_size=20)),
+    # a window on layers max_window_layers.. only (layer_types)
+    "qwen2-window-layer-1": ("qwen2", dict(use_sliding_window=True, sliding_window=5,
+                                           max_window_layers=1)),
+    "qwen3": ("qwen3", dict(head_dim=8)),
+    "qwen3-wide-heads": ("qwen3", dict(head_dim=12, num_hidden_layers=3, use_sliding_window=True,
+                                       sliding_window=3, max_window_layers=2)),
+    "qwen3-moe": ("qwen3_moe", dict(MOE, num_experts=4, head_dim=8, norm_topk_prob=True)),
+    "mistral-wide-heads": ("mistral", dict(head_dim=16, sliding_window=6)),
 }
 
 
 def hf_checkpoint(kind, extra, tmp_path, seed=0):
     """A float64 transformers model of ``kind`` with random weights (norms included), and
     its config and state dict as a checkpoint on disk holds them."""
-    config = transformers.AutoConfig.for_model(kind, **BASE, **extra)
+    config = transformers.AutoConfig.for_model(kind, **dict(BASE, **extra))
     torch.manual_seed(seed)  # transformers' own init draws from the global generator
     model = transformers.AutoModelForCausalLM.from_config(
         config, dtype=torch.float64, experts_implementation="eager")  # grouped_mm: no fp64
@@ -78,7 +86,7 @@ def test_a_transformers_checkpoint_gives_the_same_logits(case, tmp_path):
     torch.testing.assert_close(torch.cat(outs, 1), want, rtol=0, atol=2e-6)
 
 
-@pytest.mark.parametrize("case", ["llama", "mistral-window", "qwen2-moe"])
+@pytest.mark.parametrize("case", ["llama", "mistral-window", "qwen2-moe", "qwen3-wide-heads"])
 def test_greedy_generation_from_left_padded_prompts_equals_transformers(case, tmp_path):
     """Rows of different prompt lengths, padded on the left: ``generate`` with
     ``prompt_mask`` against transformers' ``generate`` with ``attention_mask``."""

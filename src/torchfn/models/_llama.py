@@ -1,5 +1,5 @@
-"""A Hugging Face Llama (Mistral, Mixtral, Qwen2, Qwen2-MoE) checkpoint as a ``TransformerEncoder``
-and its params pytree."""
+"""A Hugging Face Llama-family checkpoint (Llama, Mistral, Mixtral, Qwen2, Qwen2-MoE, Qwen3,
+Qwen3-MoE) as a ``TransformerEncoder`` and its params pytree."""
 
 from __future__ import annotations
 
@@ -19,6 +19,8 @@ _NAMES = {  # a layer's HF names -> ours, but for q/k/v (one qkv matrix here)
     "input_layernorm.weight": "ln1.weight",
     "post_attention_layernorm.weight": "ln2.weight",
     "self_attn.o_proj.weight": "attn.out.weight",
+    "self_attn.q_norm.weight": "attn.q_norm.weight",  # Qwen3
+    "self_attn.k_norm.weight": "attn.k_norm.weight",
     "mlp.gate_proj.weight": "mlp.gate.weight",
     "mlp.up_proj.weight": "mlp.up.weight",
     "mlp.down_proj.weight": "mlp.down.weight",
@@ -37,8 +39,9 @@ _MOE = {  # model_type -> (router, one expert's matrices, their stacked names, s
                    **{f"mlp.shared_expert.{p}_proj.weight": f"mlp.shared.{p}.weight"
                       for p in ("gate", "up", "down")}}),
 }
+_MOE["qwen3_moe"] = _MOE["qwen2_moe"][:3] + ({},)  # no shared expert
 _IGNORED = re.compile(r".*rotary_emb\.inv_freq$")  # a buffer older checkpoints carry
-_TYPES = ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe")
+_TYPES = ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe")
 
 
 def _rope(config: Mapping[str, Any]) -> tuple[float, dict[str, Any] | None]:
@@ -57,6 +60,55 @@ def _rope(config: Mapping[str, Any]) -> tuple[float, dict[str, Any] | None]:
     return base, (None if kind == "default" else scaling)
 
 
+def _windows(config: Mapping[str, Any], kind: str) -> dict[str, Any]:
+    """``window`` (every layer alike) or ``layer_windows`` (per layer). A window of ``w``
+    lets each token see itself and the ``w - 1`` before it. The layers that have one are
+    named by ``layer_types`` (transformers >= 4.53 writes it); without it, Mistral and
+    Mixtral window every layer, Qwen2 and Qwen3 (``use_sliding_window``) the layers from
+    ``max_window_layers`` on, Qwen3-MoE every layer."""
+    w = config.get("sliding_window")
+    if kind.startswith("qwen") and not config.get("use_sliding_window"):
+        w = None  # Qwen configs keep a sliding_window they do not use unless told to
+    types = config.get("layer_types")
+    depth = config["num_hidden_layers"]
+    if w is None:
+        return {}
+    if types is None:
+        if kind == "qwen2_moe":
+            raise ValueError("config['use_sliding_window'] = True without 'layer_types' is "
+                             "not supported for qwen2_moe (which layers slide differs "
+                             "between transformers versions)")
+        first = config.get("max_window_layers", 0) if kind in ("qwen2", "qwen3") else 0
+        types = ["sliding_attention" if i >= first else "full_attention" for i in range(depth)]
+    if len(types) != depth or not set(types) <= {"sliding_attention", "full_attention"}:
+        raise ValueError(f"config['layer_types'] must list 'sliding_attention' or "
+                         f"'full_attention' for each of {depth} layers, got {types!r}")
+    windows = [(w - 1, None) if t == "sliding_attention" else None for t in types]
+    return dict(window=windows[0]) if len(set(windows)) == 1 else dict(layer_windows=windows)
+
+
+def _moe(config: Mapping[str, Any], kind: str) -> dict[str, Any]:
+    """``experts``, ``top_k`` and ``MoE``'s options of a Mixtral / Qwen-MoE config."""
+    if kind == "mixtral":
+        return dict(experts=config.get("num_local_experts", 8),
+                    top_k=config.get("num_experts_per_tok", 2))
+    if kind not in ("qwen2_moe", "qwen3_moe"):
+        return {}
+    step, dense = config.get("decoder_sparse_step", 1), config.get("mlp_only_layers")
+    if step != 1 or dense:
+        raise ValueError(f"config['decoder_sparse_step'] = {step!r} and config["
+                         f"'mlp_only_layers'] = {dense!r} are not supported here (needs 1 "
+                         "and []: every layer a mixture of experts)")
+    options: dict[str, Any] = dict(normalize=bool(config.get("norm_topk_prob", False)))
+    if kind == "qwen2_moe":  # and a shared expert for every token, sigmoid-gated
+        options.update(shared_hidden=config.get("shared_expert_intermediate_size"),
+                       shared_gate=True)
+    experts = config.get("num_experts") or config.get("num_local_experts", 60)  # v5: the latter
+    return dict(experts=experts, top_k=config.get("num_experts_per_tok", 4),
+                mlp_hidden=config.get("moe_intermediate_size", config["intermediate_size"]),
+                moe_options=options)
+
+
 def _config(config: Mapping[str, Any]) -> dict[str, Any]:
     if not isinstance(config, Mapping):
         raise TypeError(f"config must be a dict (a Llama config.json), got "
@@ -70,33 +122,10 @@ def _config(config: Mapping[str, Any]) -> dict[str, Any]:
         raise ValueError(f"config['model_type'] = {kind!r} is not supported here (needs one "
                          f"of {_TYPES})")
     dim, heads = config["hidden_size"], config["num_attention_heads"]
-    window = config.get("sliding_window")
-    moe: dict[str, Any] = {}
-    if kind == "mixtral":
-        moe = dict(experts=config.get("num_local_experts", 8),
-                   top_k=config.get("num_experts_per_tok", 2))
-    if kind.startswith("qwen2"):  # Qwen2 keeps a sliding_window it does not use unless told to
-        if config.get("use_sliding_window"):
-            raise ValueError("config['use_sliding_window'] = True is not supported here "
-                             "(Qwen2 windows only some layers)")
-        window = None
-    if kind == "qwen2_moe":
-        step, dense = config.get("decoder_sparse_step", 1), config.get("mlp_only_layers")
-        if step != 1 or dense:
-            raise ValueError(f"config['decoder_sparse_step'] = {step!r} and config["
-                             f"'mlp_only_layers'] = {dense!r} are not supported here (needs 1 "
-                             "and []: every layer a mixture of experts)")
-        moe = dict(experts=config.get("num_experts", 60),
-                   top_k=config.get("num_experts_per_tok", 4),
-                   mlp_hidden=config.get("moe_intermediate_size", config["intermediate_size"]),
-                   moe_options=dict(normalize=bool(config.get("norm_topk_prob", False)),
-                                    shared_hidden=config.get("shared_expert_intermediate_size"),
-                                    shared_gate=True))
     checks = {
         "hidden_act": (config.get("hidden_act", "silu"), "silu"),
         "attention_bias": (config.get("attention_bias", False), False),
         "mlp_bias": (config.get("mlp_bias", False), False),
-        "head_dim": (config.get("head_dim") or dim // heads, dim // heads),
     }
     for key, (got, want) in checks.items():
         if got != want:
@@ -107,14 +136,14 @@ def _config(config: Mapping[str, Any]) -> dict[str, Any]:
         vocab_size=config["vocab_size"], out_dim=config["vocab_size"], causal=True,
         max_len=config.get("max_position_embeddings", 2048),
         kv_heads=config.get("num_key_value_heads") or heads,
+        head_dim=config.get("head_dim") or dim // heads,
         position_embedding="rotary", rotary_base=base, rotary_scaling=scaling, norm="rms",
         mlp="swiglu", bias=False,
         mlp_hidden=config["intermediate_size"], norm_eps=float(config.get("rms_norm_eps", 1e-6)),
         tie_embeddings=bool(config.get("tie_word_embeddings", False)),
-        # Mistral: each token sees itself and the sliding_window - 1 before it
-        window=(window - 1, None) if window else None,
         qkv_bias=kind.startswith("qwen2"),  # Qwen2: biases on q, k and v only
-    ) | moe
+        qk_norm=kind.startswith("qwen3"),  # Qwen3: RMSNorm on each head's q and k
+    ) | _windows(config, kind) | _moe(config, kind)
 
 
 def llama_from_hf(config: Mapping[str, Any], state_dict: Mapping[str, Tensor] | None = None,
@@ -131,6 +160,10 @@ def llama_from_hf(config: Mapping[str, Any], state_dict: Mapping[str, Tensor] | 
     ``w2`` -> ``down``); Qwen2 (``model_type="qwen2"``) gets its q/k/v biases
     (``qkv_bias=True``), and Qwen2-MoE (``"qwen2_moe"``, every layer sparse) its experts,
     un-renormalised top-k weights (``norm_topk_prob``) and sigmoid-gated shared expert.
+    Qwen3 (``"qwen3"``, ``"qwen3_moe"``) gets an RMSNorm on each head's queries and keys
+    (``qk_norm=True``). A ``head_dim`` other than ``hidden_size // num_attention_heads``
+    (Qwen3, Mistral NeMo) is kept, and windows on some layers only (``layer_types``, or
+    Qwen's ``use_sliding_window`` from ``max_window_layers`` on) become ``layer_windows``.
     The q, k and v projections become one ``qkv`` matrix. The checkpoint's tensors are
     used as they are (nothing is copied but ``qkv`` and the stacked experts), so
     ``safetensors.torch.load_file`` of a checkpoint's shards gives ``state_dict``.
@@ -207,6 +240,11 @@ def llama_from_hf(config: Mapping[str, Any], state_dict: Mapping[str, Tensor] | 
         elif sorted(pieces) == list(range(kwargs["experts"])):
             params[name] = torch.stack([pieces[j] for j in range(len(pieces))])  # (E, ...)
     want = {name: tuple(p.shape) for name, p in module.named_parameters()}
+    extra = sorted(set(params) - set(want))  # e.g. Qwen3's q_norm in a Llama checkpoint
+    if extra:
+        raise ValueError(f"state_dict has tensors the config's {kind} does not use: "
+                         f"{extra[:5]}" + (f" and {len(extra) - 5} more" if len(extra) > 5
+                                           else ""))
     missing = sorted(set(want) - set(params))
     if missing:
         raise ValueError(f"state_dict lacks the tensors for {missing[:5]}"

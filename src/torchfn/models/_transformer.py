@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -66,7 +66,12 @@ class MultiHeadAttention(nn.Module):
     ``cache.length + arange(N)``, restarting at each document with ``segment_ids``),
     its frequencies stretched by ``rotary_scaling`` (:func:`rotary_frequencies`).
     ``bias=False`` drops the projections' biases; ``qkv_bias`` (default ``bias``) sets the
-    q/k/v projection's alone (Qwen2: ``bias=False, qkv_bias=True``).
+    q/k/v projection's alone (Qwen2: ``bias=False, qkv_bias=True``). ``head_dim`` sets
+    the heads' width apart from ``dim // heads`` (Qwen3-0.6B: 16 heads of 128 in a width
+    of 1024); the output projection maps ``heads * head_dim`` back to ``dim``.
+    ``qk_norm=True`` puts an RMSNorm over each head's queries and keys (one weight of
+    ``head_dim`` for all heads, epsilon ``norm_eps``) before the rotary embedding, as
+    Qwen3 and Gemma 3 do.
 
     ``forward(x, key_padding_mask, segment_ids, positions, cache)``: with a
     :class:`KVCache` (``KVCache()`` to start), the queries attend over the cached keys too
@@ -92,38 +97,47 @@ class MultiHeadAttention(nn.Module):
                  kv_heads: int | None = None, rotary: bool = False,
                  rotary_base: float = 10000.0, rotary_scaling: dict | None = None,
                  bias: bool = True, qkv_bias: bool | None = None,
+                 head_dim: int | None = None, qk_norm: bool = False,
+                 norm_eps: float | None = None,
                  attend: AttendFn | None = None) -> None:
         super().__init__()
         _check_dims(dim=dim, heads=heads)
-        if dim % heads:
-            raise ValueError(f"dim must be divisible by heads, got dim={dim}, heads={heads}")
+        if head_dim is None and dim % heads:
+            raise ValueError(f"dim must be divisible by heads, got dim={dim}, heads={heads} "
+                             "(or give head_dim)")
+        hd = dim // heads if head_dim is None else head_dim
+        _check_dims(head_dim=hd)
         kv_heads = heads if kv_heads is None else kv_heads
         _check_dims(kv_heads=kv_heads)
         if heads % kv_heads:
             raise ValueError(f"kv_heads must divide heads = {heads}, got kv_heads={kv_heads}")
         if not 0.0 <= attn_dropout < 1.0:
             raise ValueError(f"attn_dropout must be in [0, 1), got {attn_dropout}")
-        if rotary and (dim // heads) % 2:
-            raise ValueError(f"rotary needs an even head dim, got dim // heads = {dim // heads}")
+        if rotary and hd % 2:
+            raise ValueError(f"rotary needs an even head dim, got {hd}")
         if not isinstance(rotary_base, (int, float)) or not rotary_base > 0:
             raise ValueError(f"rotary_base must be a number > 0, got {rotary_base!r}")
         self.heads, self.causal, self.window, self.softcap = heads, causal, window, softcap
         self.kv_heads, self.rotary, self.rotary_base = kv_heads, rotary, float(rotary_base)
         self.rotary_scaling = rotary_scaling
         if rotary:  # a bad scaling dict fails here, not at the first forward
-            rotary_frequencies(dim // heads, self.rotary_base, rotary_scaling)
+            rotary_frequencies(hd, self.rotary_base, rotary_scaling)
         self.attn_dropout = attn_dropout
         self.attend = attend or _fused_attention
-        hd = self.head_dim = dim // heads
+        self.head_dim = hd
         qkv_bias = bias if qkv_bias is None else qkv_bias
-        self.qkv = nn.Linear(dim, dim + 2 * kv_heads * hd, bias=qkv_bias)  # [q | k | v] rows
-        self.out = nn.Linear(dim, dim, bias=bias)
+        self.qkv = nn.Linear(dim, (heads + 2 * kv_heads) * hd, bias=qkv_bias)  # [q | k | v]
+        self.out = nn.Linear(heads * hd, dim, bias=bias)
+        self.qk_norm = qk_norm
+        if qk_norm:
+            self.q_norm = make_norm("rms", hd, eps=norm_eps)
+            self.k_norm = make_norm("rms", hd, eps=norm_eps)
 
     def forward(self, x: Tensor, key_padding_mask: Tensor | None = None,
                 segment_ids: Tensor | None = None, positions: Tensor | None = None,
                 cache: KVCache | None = None) -> Tensor | tuple[Tensor, KVCache]:
         b, n, dim = x.shape
-        hd = dim // self.heads
+        hd, hq = self.head_dim, self.heads * self.head_dim
         if cache is not None:
             cache = check_cache(cache, 1, "MultiHeadAttention")
             if not self.causal:
@@ -132,10 +146,12 @@ class MultiHeadAttention(nn.Module):
             if segment_ids is not None:
                 raise ValueError("MultiHeadAttention: cache does not take segment_ids "
                                  "(decode one document per row)")
-        q, k, v = self.qkv(x).split([dim, self.kv_heads * hd, self.kv_heads * hd], dim=-1)
+        q, k, v = self.qkv(x).split([hq, self.kv_heads * hd, self.kv_heads * hd], dim=-1)
         q = q.reshape(b, n, self.heads, hd).transpose(1, 2)  # (B, H, N, D)
         k = k.reshape(b, n, self.kv_heads, hd).transpose(1, 2)  # (B, Hkv, N, D)
         v = v.reshape(b, n, self.kv_heads, hd).transpose(1, 2)  # (B, Hkv, N, D)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
         if self.rotary:
             if positions is None:
                 start = 0 if cache is None else cache.length
@@ -155,7 +171,7 @@ class MultiHeadAttention(nn.Module):
                 cache = KVCache((k,), (v,))
             o = self.attend(q, k, v, key_padding_mask=key_padding_mask, causal=self.causal,
                             **_extra(self.window, segment_ids, self.softcap, drop))
-        out = self.out(o.transpose(1, 2).reshape(b, n, dim))  # (B, N, dim)
+        out = self.out(o.transpose(1, 2).reshape(b, n, hq))  # (B, N, dim)
         return out if cache is None else (out, cache)
 
 
@@ -250,6 +266,7 @@ class TransformerBlock(nn.Module):
                  rotary_base: float = 10000.0, rotary_scaling: dict | None = None,
                  norm: str = "layer", mlp: str = "gelu",
                  bias: bool = True, qkv_bias: bool | None = None,
+                 head_dim: int | None = None, qk_norm: bool = False,
                  experts: int | None = None, top_k: int = 2,
                  moe_options: dict | None = None,
                  attend: AttendFn | None = None) -> None:
@@ -261,7 +278,8 @@ class TransformerBlock(nn.Module):
                                        attn_dropout=attn_dropout, kv_heads=kv_heads,
                                        rotary=rotary, rotary_base=rotary_base,
                                        rotary_scaling=rotary_scaling, bias=bias,
-                                       qkv_bias=qkv_bias, attend=attend)
+                                       qkv_bias=qkv_bias, head_dim=head_dim, qk_norm=qk_norm,
+                                       norm_eps=norm_eps, attend=attend)
         self.ln2 = make_norm(norm, dim, bias, norm_eps)
         hidden = mlp_ratio * dim if mlp_hidden is None else mlp_hidden
         _check_dims(mlp_hidden=hidden)
@@ -351,6 +369,10 @@ class TransformerEncoder(nn.Module):
         norm_eps: the norms' epsilon (Llama's ``rms_norm_eps``); None: torch's default.
         window: sliding-window attention, as ``torchfn.kernels.attention``'s (e.g.
             ``causal=True, window=(255, None)``: each token sees itself and 255 before).
+        layer_windows: a window per block instead (None: full attention), e.g. Gemma 2's
+            alternation ``[(4095, None), None] * (depth // 2)``; not with ``window``.
+        head_dim, qk_norm: the heads' width (default ``dim // heads``) and an RMSNorm on
+            each head's queries and keys, as :class:`MultiHeadAttention`'s.
         softcap: attention logit soft-capping (Gemma 2 uses 50), as the kernel's.
         attn_dropout: attention dropout (on the probabilities, in the fused kernel), keyed
             by ``Model.apply``'s ``key`` in train mode.
@@ -398,6 +420,9 @@ class TransformerEncoder(nn.Module):
         mlp: str = "gelu",
         bias: bool = True,
         qkv_bias: bool | None = None,
+        head_dim: int | None = None,
+        qk_norm: bool = False,
+        layer_windows: Sequence[int | tuple[int | None, int | None] | None] | None = None,
         experts: int | None = None,
         top_k: int = 2,
         moe_options: dict | None = None,
@@ -432,16 +457,24 @@ class TransformerEncoder(nn.Module):
         if position_embedding == "learned":
             self.pos = nn.Embedding(max_len, dim)
         self.drop = nn.Dropout(dropout)
+        if layer_windows is None:
+            layer_windows = [window] * depth
+        elif window is not None or isinstance(layer_windows, (str, tuple)) \
+                or len(layer_windows) != depth:
+            raise ValueError(f"layer_windows must be a list of depth = {depth} windows (None: "
+                             f"full attention), given without window; got layer_windows="
+                             f"{layer_windows!r}, window={window!r}")
         self.blocks = nn.ModuleList(
             TransformerBlock(dim, heads, mlp_ratio=mlp_ratio, mlp_hidden=mlp_hidden,
                              norm_eps=norm_eps, dropout=dropout, causal=causal,
-                             window=window, softcap=softcap, attn_dropout=attn_dropout,
+                             window=layer_window, softcap=softcap, attn_dropout=attn_dropout,
                              kv_heads=kv_heads, rotary=position_embedding == "rotary",
                              rotary_base=rotary_base, rotary_scaling=rotary_scaling,
                              norm=norm, mlp=mlp, bias=bias, qkv_bias=qkv_bias,
+                             head_dim=head_dim, qk_norm=qk_norm,
                              experts=experts, top_k=top_k, moe_options=moe_options,
                              attend=attend)
-            for _ in range(depth)
+            for layer_window in layer_windows
         )
         self.ln = make_norm(norm, dim, bias, norm_eps)
         if tie_embeddings and (vocab_size is None or out_dim not in (None, vocab_size)):
