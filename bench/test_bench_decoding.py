@@ -23,7 +23,13 @@ import torch.nn.functional as F
 
 import torchfn
 from torchfn import random
-from torchfn.models import StaticKVCache, TransformerEncoder, generate, rotary_embedding
+from torchfn.models import (
+    StaticKVCache,
+    TransformerEncoder,
+    generate,
+    llama_from_hf,
+    rotary_embedding,
+)
 
 V = 1000
 
@@ -118,3 +124,32 @@ def test_generate_small(benchmark, how):
         out = benchmark.pedantic(generate, (model, params, prompt, 128), kw, rounds=5,
                                  iterations=1)
     assert out.shape == (1, 144)
+
+
+def hf_llama(seed=0):
+    """A float32 transformers Llama of the bench's size (dim 256, 8 heads, 4 blocks,
+    SwiGLU 688, vocab 1000) and the same weights through ``llama_from_hf``."""
+    transformers = pytest.importorskip("transformers", reason="the peer of this bench")
+    config = transformers.LlamaConfig(hidden_size=256, num_attention_heads=8,
+                                      num_hidden_layers=4, intermediate_size=688,
+                                      vocab_size=V, max_position_embeddings=512)
+    torch.manual_seed(seed)
+    hf = transformers.LlamaForCausalLM(config).eval()
+    module, params = llama_from_hf(config.to_dict(), hf.state_dict())
+    return hf, torchfn.Model(module), params
+
+
+@pytest.mark.parametrize("how", ["torchfn", "transformers"])
+def test_generate_llama_vs_transformers(benchmark, how):
+    """Greedy decoding of one Llama, 4 prompts of 64 tokens, 128 new: ``generate`` with
+    its KVCache against transformers' ``generate`` (its DynamicCache, SDPA attention)."""
+    hf, model, params = hf_llama()
+    prompt = random.randint(random.key(1), (4, 64), 0, V)
+    if how == "torchfn":
+        run = lambda: generate(model, params, prompt, 128)  # noqa: E731
+    else:
+        run = lambda: hf.generate(prompt, max_new_tokens=128, min_new_tokens=128,  # noqa: E731
+                                  do_sample=False, pad_token_id=0, eos_token_id=None)
+    with torch.no_grad():
+        out = benchmark.pedantic(run, rounds=3, iterations=1, warmup_rounds=1)
+    assert out.shape == (4, 192)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -88,18 +88,46 @@ def rotary_embedding(
         True
     """
     rot = _check(x, positions, base, rotary_dim)
-    work = torch.float64 if x.dtype == torch.float64 else torch.float32
-    half = rot // 2
+    table = rotary_table(positions, rot, base=base, scaling=scaling, dtype=x.dtype,
+                         device=x.device)
+    return apply_rotary(x, table, interleaved=interleaved)
+
+
+class RotaryTable(NamedTuple):
+    """The cos and sin of RoPE's angles ``(N, rot/2)`` or ``(B, 1, N, rot/2)``, in the
+    dtype the rotation runs in (scaled by YaRN's attention factor where it has one)."""
+
+    cos: Tensor
+    sin: Tensor
+
+
+def rotary_table(positions: Tensor, rotary_dim: int, *, base: float = 10000.0,
+                 scaling: Mapping[str, Any] | None = None, dtype: torch.dtype = torch.float32,
+                 device: torch.device | None = None) -> RotaryTable:
+    """The table :func:`rotary_embedding` rotates by, for ``x`` of ``dtype``: made once,
+    it serves the queries and keys of every layer (``apply_rotary``). Angles in float64,
+    cos and sin in float32 (float64 for float64 ``x``)."""
+    work = torch.float64 if dtype == torch.float64 else torch.float32
     # float64 angles: in float32, position 4096 would be off by up to 2.4e-4 rad
-    inv_freq, scale = rotary_frequencies(rot, base, scaling, device=x.device)  # (rot/2,)
-    pos = positions.to(device=x.device, dtype=torch.float64)
+    inv_freq, scale = _frequencies(rotary_dim, base, scaling, device)  # (rot/2,)
+    pos = positions.to(device=device, dtype=torch.float64)
     if pos.dim() > 1:
         pos = pos.unsqueeze(-2)  # (B, 1, N): shared by the heads
     angles = pos[..., None] * inv_freq  # (..., N, rot/2)
     cos, sin = angles.cos(), angles.sin()
     if scale != 1.0:  # YaRN's attention factor
         cos, sin = cos * scale, sin * scale
-    cos, sin = cos.to(work), sin.to(work)
+    return RotaryTable(cos.to(work), sin.to(work))
+
+
+def apply_rotary(x: Tensor, table: RotaryTable, interleaved: bool = False) -> Tensor:
+    """``x`` ``(..., N, D)`` rotated by ``table`` (its first ``2 * table.cos.shape[-1]``
+    features; the rest pass unchanged)."""
+    cos, sin = table
+    rot, half = 2 * cos.shape[-1], cos.shape[-1]
+    work = torch.float64 if x.dtype == torch.float64 else torch.float32
+    if cos.dtype != work:
+        cos, sin = cos.to(work), sin.to(work)
     if x.dtype == work and _eager_no_grad(x):
         return _rotate_into_buffer(x, cos, sin, rot, interleaved)
     xr, rest = x[..., :rot].to(work), x[..., rot:]
@@ -110,6 +138,29 @@ def rotary_embedding(
         x1, x2 = xr[..., :half], xr[..., half:]
         out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
     return torch.cat((out.to(x.dtype), rest), dim=-1) if rot < x.shape[-1] else out.to(x.dtype)
+
+
+def _frequencies(rotary_dim: int, base: float, scaling: Mapping[str, Any] | None,
+                 device: torch.device | None) -> tuple[Tensor, float]:
+    """``rotary_frequencies``, remembered in plain eager mode: a decoding step would
+    otherwise rebuild the same (rot/2,) tensor in every layer (~25 us each here)."""
+    if torch.compiler.is_compiling():
+        return rotary_frequencies(rotary_dim, base, scaling, device=device)
+    try:
+        key = (rotary_dim, float(base), None if scaling is None else
+               tuple(sorted(scaling.items())), str(torch.device(device or "cpu")))
+        hash(key)
+    except (TypeError, AttributeError):  # an unhashable scaling: no memo
+        return rotary_frequencies(rotary_dim, base, scaling, device=device)
+    found = _FREQUENCIES.get(key)
+    if found is None:
+        found = rotary_frequencies(rotary_dim, base, scaling, device=device)
+        if len(_FREQUENCIES) < 256:  # a few models' worth; never grows without bound
+            _FREQUENCIES[key] = found
+    return found
+
+
+_FREQUENCIES: dict[tuple, tuple[Tensor, float]] = {}  # only read back, never written into
 
 
 def _eager_no_grad(x: Tensor) -> bool:

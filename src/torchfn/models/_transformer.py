@@ -12,7 +12,7 @@ from torchfn.models._kv_cache import KVCache, StaticKVCache, check_cache
 from torchfn.models._mlp import SwiGLU, _check_dims
 from torchfn.models._moe import MoE
 from torchfn.models._remat_block import call_remat, remat_policy
-from torchfn.models._rotary import rotary_embedding
+from torchfn.models._rotary import RotaryTable, apply_rotary, rotary_table
 from torchfn.models._rotary_scaling import rotary_frequencies
 
 __all__ = ["TransformerEncoder", "TransformerBlock", "MultiHeadAttention"]
@@ -73,7 +73,8 @@ class MultiHeadAttention(nn.Module):
     ``head_dim`` for all heads, epsilon ``norm_eps``) before the rotary embedding, as
     Qwen3 and Gemma 3 do.
 
-    ``forward(x, key_padding_mask, segment_ids, positions, cache)``: with a
+    ``forward(x, key_padding_mask, segment_ids, positions, cache)``: ``positions`` may
+    also be the layer's :meth:`rotary_table` of them, made once for several layers. With a
     :class:`KVCache` (``KVCache()`` to start), the queries attend over the cached keys too
     and it returns ``(out, cache)`` with this call's keys and values appended; that needs
     ``causal=True``, and ``key_padding_mask`` then covers cached and new keys, ``(B, L + N)``.
@@ -133,6 +134,13 @@ class MultiHeadAttention(nn.Module):
             self.q_norm = make_norm("rms", hd, eps=norm_eps)
             self.k_norm = make_norm("rms", hd, eps=norm_eps)
 
+    def rotary_table(self, positions: Tensor, dtype: torch.dtype) -> RotaryTable:
+        """The cos / sin table of ``positions`` ``(N,)`` or ``(B, N)`` for this layer's
+        rotary settings: pass it as the forward's ``positions`` to reuse it across
+        layers that share them (as :class:`TransformerEncoder` does)."""
+        return rotary_table(positions, self.head_dim, base=self.rotary_base,
+                            scaling=self.rotary_scaling, dtype=dtype, device=positions.device)
+
     def forward(self, x: Tensor, key_padding_mask: Tensor | None = None,
                 segment_ids: Tensor | None = None, positions: Tensor | None = None,
                 cache: KVCache | None = None) -> Tensor | tuple[Tensor, KVCache]:
@@ -156,8 +164,9 @@ class MultiHeadAttention(nn.Module):
             if positions is None:
                 start = 0 if cache is None else cache.length
                 positions = token_positions(n, x.device, start, segment_ids)
-            q = rotary_embedding(q, positions, base=self.rotary_base, scaling=self.rotary_scaling)
-            k = rotary_embedding(k, positions, base=self.rotary_base, scaling=self.rotary_scaling)
+            table = positions if isinstance(positions, RotaryTable) else \
+                self.rotary_table(positions, x.dtype)  # one table for q and k
+            q, k = apply_rotary(q, table), apply_rotary(k, table)
         drop = self.attn_dropout if self.training else 0.0
         if isinstance(cache, StaticKVCache):
             k, v, cache, mask = _write_static(cache, k, v, self.window)
@@ -525,7 +534,9 @@ class TransformerEncoder(nn.Module):
                 raise ValueError(f"sequence length {start + n} exceeds max_len={self.max_len}")
             h = h + self.pos(positions)
         h = self.drop(h)
-        block_positions = positions if self.position_embedding == "rotary" else None
+        block_positions = None
+        if self.position_embedding == "rotary":  # one cos / sin table for every block
+            block_positions = self.blocks[0].attn.rotary_table(positions, h.dtype)
         new_keys, new_values, router_logits = [], [], []
         for i, block in enumerate(self.blocks):
             if cache is not None:
