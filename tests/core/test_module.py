@@ -433,6 +433,42 @@ def test_tied_weights():
         model.apply({**params, "head.weight": params["emb.weight"]}, tokens)
 
 
+@pytest.mark.parametrize("name", [*CASES, "tied"])
+@pytest.mark.parametrize("train", [False, True])
+def test_apply_swaps_as_functional_call_does_and_always_swaps_back(name, train):
+    """Eager ``apply`` swaps the tensors in from a table made once (``core/_swap.py``);
+    it must give ``functional_call``'s result (tied names, BatchNorm state, constant
+    buffers), leave the skeleton's own tensors in place after a call that raises, and
+    nest (an ``apply`` of the same model inside a forward)."""
+    if name == "tied":
+        module, shape = TinyLM().double(), None
+        model, x = Model(module), torch.tensor([[1, 4, 2, 9]])
+        params, state = model.init(random.key(0)), {}
+    else:
+        module, model, params, state, x = setup(name)
+    skeleton = model._train_skeleton if train else model._eval_skeleton
+    own = {n: t for n, t in [*skeleton.named_parameters(), *skeleton.named_buffers()]}
+    tensors = {n: t.clone() for n, t in {**params, **state, **model._consts}.items()}
+    tensors.update({alias: tensors[name] for alias, name in model.tied.items()})
+    want = torch.func.functional_call(skeleton, tensors, (x,))
+    out = model.apply(params, x, state=state, train=train)
+    torch.testing.assert_close(out[0] if train else out, want, rtol=0, atol=0)
+    with pytest.raises((RuntimeError, AssertionError)):
+        model.apply(params, x[..., :1] if name != "tied" else x.float(), state=state,
+                    train=train)  # a shape or dtype error inside the forward
+    assert all(t is own[n] for n, t in [*skeleton.named_parameters(),
+                                         *skeleton.named_buffers()])
+
+    class Twice(nn.Module):  # re-enters apply of the same model inside its forward
+        def forward(self, x):
+            inner = model.apply(params, x, state=state)
+            return inner, model.apply(params, x, state=state)
+
+    outer = Model(Twice())
+    a, b = outer.apply({}, x)
+    torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
 def test_parameters_without_reset_are_copied_and_warned():
     class Scaled(nn.Module):
         def __init__(self):

@@ -29,6 +29,7 @@ from torch import nn
 
 from torchfn.core import _keyed_init
 from torchfn.core._dropout import KeyedRandomness, forward_ad_active
+from torchfn.core._swap import Slots
 
 __all__ = ["Model"]
 
@@ -147,6 +148,9 @@ class Model:
         keep = set(self.copied) | set(self._const_names)
         self._fixed = {n: named[n].detach().clone() for n in named if n in keep}
         self._consts = {n: self._fixed[n] for n in self._const_names}
+        self._slots = {id(s): _slots(s, self._param_names, self.tied, self._state_names,
+                                     self._const_names)
+                       for s in (self._train_skeleton, self._eval_skeleton)}
         uncovered_params = [n for n in self._param_names if n in self.copied]
         if uncovered_params:
             warnings.warn(
@@ -307,12 +311,20 @@ class Model:
         skeleton = self._train_skeleton if train else self._eval_skeleton
         new_state = {n: t.clone() for n, t in state.items()}  # functional_call writes in place
         tensors = {**params, **new_state, **self._consts}
+        slots = self._slots[id(skeleton)]
+        if slots is None or torch.compiler.is_compiling():  # dynamo traces functional_call
+            def run():
+                return torch.func.functional_call(skeleton, tensors, inputs, kwargs,
+                                                  strict=False)
+        else:  # the same swaps, looked up once (functional_call: ~0.37 ms a call)
+            def run():
+                return slots.call(skeleton, tensors, inputs, kwargs)
         jvp = forward_ad_active()
         if train or key is not None or jvp:
             with KeyedRandomness(key, math_attention=jvp):
-                out = torch.func.functional_call(skeleton, tensors, inputs, kwargs, strict=False)
+                out = run()
         else:
-            out = torch.func.functional_call(skeleton, tensors, inputs, kwargs, strict=False)
+            out = run()
         return (out, new_state) if train else out
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -391,3 +403,19 @@ def _check_key(key: Any, where: str) -> torch.Tensor:
         )
         raise ValueError(f"key must have shape (2,), got {tuple(key.shape)}{hint}")
     return key
+
+
+def _slots(skeleton: nn.Module, params: list[str], tied: dict[str, str], state: list[str],
+           consts: list[str]) -> Slots | None:
+    """Where ``apply`` swaps each tensor in (tied names read their canonical tensor), or
+    None (then ``functional_call``) for a module whose tensors are not all plain
+    parameters and buffers."""
+    names = {n: n for n in [*params, *state, *consts]}
+    names.update(tied)
+    canonical = {id(b): n for n, b in skeleton.named_buffers()}
+    names.update({n: canonical[id(b)] for n, b in skeleton.named_buffers(remove_duplicate=False)
+                  if n not in names and canonical[id(b)] in names})
+    try:
+        return Slots(skeleton, names)
+    except (KeyError, AttributeError):
+        return None
