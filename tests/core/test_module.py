@@ -441,7 +441,7 @@ def test_apply_swaps_as_functional_call_does_and_always_swaps_back(name, train):
     buffers), leave the skeleton's own tensors in place after a call that raises, and
     nest (an ``apply`` of the same model inside a forward)."""
     if name == "tied":
-        module, shape = TinyLM().double(), None
+        module = TinyLM().double()
         model, x = Model(module), torch.tensor([[1, 4, 2, 9]])
         params, state = model.init(random.key(0)), {}
     else:

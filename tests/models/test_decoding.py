@@ -32,6 +32,12 @@ VARIANTS = {
     # wider heads than dim // heads, RMSNorm on q and k, a window on the first layer only
     "qwen3-style": dict(position_embedding="rotary", kv_heads=2, norm="rms", mlp="swiglu",
                         bias=False, head_dim=6, qk_norm=True, layer_windows=[(3, None), None]),
+    # sandwich norms, GeGLU, scaled embeddings, capped scores and logits, a scale of
+    # its own, and a RoPE base per layer
+    "gemma-style": dict(position_embedding="rotary", kv_heads=2, norm="rms+1", mlp="geglu",
+                        bias=False, head_dim=6, qk_norm=True, post_norms=True, attn_scale=0.3,
+                        embed_scale=4.0, softcap=3.0, logit_softcap=5.0,
+                        layer_windows=[(3, None), None], layer_rotary=[(100.0, None), None]),
 }
 
 
@@ -246,9 +252,9 @@ def test_cache_and_generate_errors_are_named():
         MultiHeadAttention(12, 4, rotary=True)
     with pytest.raises(ValueError, match="position_embedding must be"):
         TransformerEncoder(dim=16, heads=2, depth=1, vocab_size=V, position_embedding="alibi")
-    with pytest.raises(ValueError, match="norm must be 'layer' or 'rms', got 'batch'"):
+    with pytest.raises(ValueError, match="norm must be 'layer', 'rms' or 'rms\\+1', got 'batch'"):
         TransformerEncoder(dim=16, heads=2, depth=1, vocab_size=V, norm="batch")
-    with pytest.raises(ValueError, match="mlp must be 'gelu' or 'swiglu', got 'relu'"):
+    with pytest.raises(ValueError, match="mlp must be 'gelu', 'swiglu' or 'geglu', got 'relu'"):
         TransformerEncoder(dim=16, heads=2, depth=1, vocab_size=V, mlp="relu")
     with pytest.raises(ValueError, match=r"layer_windows must be a list of depth = 2 "):
         TransformerEncoder(dim=16, heads=2, depth=2, vocab_size=V, layer_windows=[None])
@@ -265,9 +271,20 @@ def test_cache_and_generate_errors_are_named():
                                          r"\(or give head_dim\)"):
         TransformerEncoder(dim=16, heads=3, depth=1, vocab_size=V)
     TransformerEncoder(dim=16, heads=3, depth=1, vocab_size=V, head_dim=4)  # then it may
+    with pytest.raises(ValueError, match=r"layer_rotary must be a list of depth = 2 "):
+        TransformerEncoder(dim=16, heads=2, depth=2, vocab_size=V, layer_rotary=[None, None])
+    with pytest.raises(ValueError, match=r"layer_rotary must be a list of depth = 2 "):
+        TransformerEncoder(dim=16, heads=2, depth=2, vocab_size=V, layer_rotary=[None],
+                           position_embedding="rotary")
+    for name in ("embed_scale", "logit_softcap", "attn_scale"):
+        with pytest.raises(ValueError, match=f"{'scale' if name == 'attn_scale' else name} "
+                                             r"must be a number > 0 or None, got -1"):
+            TransformerEncoder(dim=16, heads=2, depth=1, vocab_size=V, **{name: -1})
+    with pytest.raises(ValueError, match="mlp must be 'gelu', 'swiglu' or 'geglu'"):
+        TransformerEncoder(dim=16, heads=2, depth=1, vocab_size=V, mlp="reglu")
 
 
-@pytest.mark.parametrize("variant", ["rotary, multi-query", "qwen3-style"])
+@pytest.mark.parametrize("variant", ["rotary, multi-query", "qwen3-style", "gemma-style"])
 def test_per_sample_grads_through_a_rotary_gqa_model_equal_the_loop(variant):
     model, params = lm(**VARIANTS[variant])
     tokens = random.randint(random.key(7), (3, 8), 0, V)

@@ -1,5 +1,5 @@
 """A Hugging Face Llama-family checkpoint (Llama, Mistral, Mixtral, Qwen2, Qwen2-MoE, Qwen3,
-Qwen3-MoE) as a ``TransformerEncoder`` and its params pytree."""
+Qwen3-MoE, Gemma, Gemma 2, Gemma 3) as a ``TransformerEncoder`` and its params pytree."""
 
 from __future__ import annotations
 
@@ -41,17 +41,18 @@ _MOE = {  # model_type -> (router, one expert's matrices, their stacked names, s
 }
 _MOE["qwen3_moe"] = _MOE["qwen2_moe"][:3] + ({},)  # no shared expert
 _IGNORED = re.compile(r".*rotary_emb\.inv_freq$")  # a buffer older checkpoints carry
-_TYPES = ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe")
+_GEMMA = ("gemma", "gemma2", "gemma3_text")
+_TYPES = ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", *_GEMMA)
+_GEMMA_NAMES = {  # Gemma 2 and 3 norm each sublayer's input and output
+    "post_attention_layernorm.weight": "post_ln1.weight",
+    "pre_feedforward_layernorm.weight": "ln2.weight",
+    "post_feedforward_layernorm.weight": "post_ln2.weight",
+}
 
 
-def _rope(config: Mapping[str, Any]) -> tuple[float, dict[str, Any] | None]:
-    """RoPE's base and scaling dict: from ``rope_parameters`` (transformers >= 5 writes
-    ``{"rope_type": ..., "rope_theta": ..., <the scaling's keys>}``), else from
-    ``rope_theta`` and ``rope_scaling`` (the configs of earlier versions)."""
-    params = config.get("rope_parameters")
-    if params is None:
-        scaling = config.get("rope_scaling")
-        return float(config.get("rope_theta", 10000.0)), dict(scaling) if scaling else None
+def _rope_of(params: Any, config: Mapping[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """One ``rope_parameters`` dict (transformers >= 5: ``{"rope_type", "rope_theta",
+    <the scaling's keys>}``) as ``(base, scaling)``."""
     if not isinstance(params, Mapping):
         raise ValueError(f"config['rope_parameters'] must be a dict, got {params!r}")
     scaling = dict(params)
@@ -60,31 +61,90 @@ def _rope(config: Mapping[str, Any]) -> tuple[float, dict[str, Any] | None]:
     return base, (None if kind == "default" else scaling)
 
 
-def _windows(config: Mapping[str, Any], kind: str) -> dict[str, Any]:
-    """``window`` (every layer alike) or ``layer_windows`` (per layer). A window of ``w``
-    lets each token see itself and the ``w - 1`` before it. The layers that have one are
-    named by ``layer_types`` (transformers >= 4.53 writes it); without it, Mistral and
-    Mixtral window every layer, Qwen2 and Qwen3 (``use_sliding_window``) the layers from
-    ``max_window_layers`` on, Qwen3-MoE every layer."""
+def _ropes(config: Mapping[str, Any], types: list[str]) -> dict[str, Any]:
+    """RoPE's ``rotary_base`` and ``rotary_scaling`` from ``rope_parameters``
+    (transformers >= 5), else from ``rope_theta`` and ``rope_scaling``; and Gemma 3's
+    ``layer_rotary``: its windowed layers rotate by their own base
+    (``rope_parameters["sliding_attention"]``, or ``rope_local_base_freq``), unscaled."""
+    params = config.get("rope_parameters")
+    local = None
+    if isinstance(params, Mapping) and "full_attention" in params:  # one per layer type
+        local = _rope_of(params.get("sliding_attention", params["full_attention"]), config)
+        base, scaling = _rope_of(params["full_attention"], config)
+    elif params is not None:
+        base, scaling = _rope_of(params, config)
+    else:
+        scaling = config.get("rope_scaling")
+        base, scaling = float(config.get("rope_theta", 10000.0)), dict(scaling) if scaling \
+            else None
+        if "rope_local_base_freq" in config:  # Gemma 3, transformers 4
+            local = (float(config["rope_local_base_freq"]), None)
+    out: dict[str, Any] = dict(rotary_base=base, rotary_scaling=scaling)
+    if local is not None and local != (base, scaling) and "sliding_attention" in types:
+        out["layer_rotary"] = [local if t == "sliding_attention" else None for t in types]
+    return out
+
+
+def _layer_types(config: Mapping[str, Any], kind: str) -> list[str]:
+    """``"sliding_attention"`` or ``"full_attention"`` for each layer: ``layer_types``
+    (transformers >= 4.53 writes it), else the family's rule: Mistral and Mixtral window
+    every layer, Qwen2 and Qwen3 (``use_sliding_window``) the layers from
+    ``max_window_layers`` on, Qwen3-MoE every layer, Gemma 2 every other one from the
+    first, Gemma 3 all but every ``sliding_window_pattern``-th."""
+    depth = config["num_hidden_layers"]
     w = config.get("sliding_window")
     if kind.startswith("qwen") and not config.get("use_sliding_window"):
         w = None  # Qwen configs keep a sliding_window they do not use unless told to
+    if w is None or kind == "gemma":
+        return ["full_attention"] * depth
     types = config.get("layer_types")
-    depth = config["num_hidden_layers"]
-    if w is None:
-        return {}
     if types is None:
         if kind == "qwen2_moe":
             raise ValueError("config['use_sliding_window'] = True without 'layer_types' is "
                              "not supported for qwen2_moe (which layers slide differs "
                              "between transformers versions)")
-        first = config.get("max_window_layers", 0) if kind in ("qwen2", "qwen3") else 0
-        types = ["sliding_attention" if i >= first else "full_attention" for i in range(depth)]
+        if kind == "gemma2":
+            slides = [i % 2 == 0 for i in range(depth)]
+        elif kind == "gemma3_text":
+            every = config.get("sliding_window_pattern", config.get("_sliding_window_pattern", 6))
+            slides = [(i + 1) % every != 0 for i in range(depth)]
+        else:
+            first = config.get("max_window_layers", 0) if kind in ("qwen2", "qwen3") else 0
+            slides = [i >= first for i in range(depth)]
+        types = ["sliding_attention" if x else "full_attention" for x in slides]
+    types = list(types)
     if len(types) != depth or not set(types) <= {"sliding_attention", "full_attention"}:
         raise ValueError(f"config['layer_types'] must list 'sliding_attention' or "
                          f"'full_attention' for each of {depth} layers, got {types!r}")
+    return types
+
+
+def _windows(config: Mapping[str, Any], types: list[str]) -> dict[str, Any]:
+    """``window`` (every layer alike) or ``layer_windows`` (per layer). A window of ``w``
+    lets each token see itself and the ``w - 1`` before it."""
+    w = config.get("sliding_window")
     windows = [(w - 1, None) if t == "sliding_attention" else None for t in types]
     return dict(window=windows[0]) if len(set(windows)) == 1 else dict(layer_windows=windows)
+
+
+def _gemma(config: Mapping[str, Any], kind: str, head_dim: int) -> dict[str, Any]:
+    """Gemma's differences from Llama: a tanh-GELU gate, embeddings times
+    ``sqrt(hidden_size)``, tied head; from Gemma 2 on, norms after each sublayer too,
+    ``query_pre_attn_scalar``, soft-capped scores and logits; Gemma 3 ``qk_norm``."""
+    act = config.get("hidden_activation") or config.get("hidden_act") or "gelu_pytorch_tanh"
+    if act not in ("gelu_pytorch_tanh", "gelu"):  # Gemma's "gelu" was always the tanh one
+        raise ValueError(f"config['hidden_activation'] = {act!r} is not supported here "
+                         "(needs 'gelu_pytorch_tanh')")
+    out: dict[str, Any] = dict(mlp="geglu", norm="rms+1",
+                               embed_scale=config["hidden_size"] ** 0.5,
+                               tie_embeddings=bool(config.get("tie_word_embeddings", True)))
+    if kind != "gemma":
+        out.update(post_norms=True, softcap=config.get("attn_logit_softcapping"),
+                   logit_softcap=config.get("final_logit_softcapping"),
+                   attn_scale=config.get("query_pre_attn_scalar", head_dim) ** -0.5)
+    if kind == "gemma3_text":
+        out["qk_norm"] = True
+    return out
 
 
 def _moe(config: Mapping[str, Any], kind: str) -> dict[str, Any]:
@@ -122,28 +182,29 @@ def _config(config: Mapping[str, Any]) -> dict[str, Any]:
         raise ValueError(f"config['model_type'] = {kind!r} is not supported here (needs one "
                          f"of {_TYPES})")
     dim, heads = config["hidden_size"], config["num_attention_heads"]
+    head_dim = config.get("head_dim") or dim // heads
     checks = {
-        "hidden_act": (config.get("hidden_act", "silu"), "silu"),
         "attention_bias": (config.get("attention_bias", False), False),
         "mlp_bias": (config.get("mlp_bias", False), False),
     }
+    if kind not in _GEMMA:
+        checks["hidden_act"] = (config.get("hidden_act", "silu"), "silu")
     for key, (got, want) in checks.items():
         if got != want:
             raise ValueError(f"config[{key!r}] = {got!r} is not supported here (needs {want!r})")
-    base, scaling = _rope(config)
+    types = _layer_types(config, kind)
     return dict(
         dim=dim, heads=heads, depth=config["num_hidden_layers"],
         vocab_size=config["vocab_size"], out_dim=config["vocab_size"], causal=True,
         max_len=config.get("max_position_embeddings", 2048),
-        kv_heads=config.get("num_key_value_heads") or heads,
-        head_dim=config.get("head_dim") or dim // heads,
-        position_embedding="rotary", rotary_base=base, rotary_scaling=scaling, norm="rms",
-        mlp="swiglu", bias=False,
+        kv_heads=config.get("num_key_value_heads") or heads, head_dim=head_dim,
+        position_embedding="rotary", norm="rms", mlp="swiglu", bias=False,
         mlp_hidden=config["intermediate_size"], norm_eps=float(config.get("rms_norm_eps", 1e-6)),
         tie_embeddings=bool(config.get("tie_word_embeddings", False)),
         qkv_bias=kind.startswith("qwen2"),  # Qwen2: biases on q, k and v only
         qk_norm=kind.startswith("qwen3"),  # Qwen3: RMSNorm on each head's q and k
-    ) | _windows(config, kind) | _moe(config, kind)
+    ) | _ropes(config, types) | _windows(config, types) | _moe(config, kind) | (
+        _gemma(config, kind, head_dim) if kind in _GEMMA else {})
 
 
 def llama_from_hf(config: Mapping[str, Any], state_dict: Mapping[str, Tensor] | None = None,
@@ -164,6 +225,12 @@ def llama_from_hf(config: Mapping[str, Any], state_dict: Mapping[str, Tensor] | 
     (``qk_norm=True``). A ``head_dim`` other than ``hidden_size // num_attention_heads``
     (Qwen3, Mistral NeMo) is kept, and windows on some layers only (``layer_types``, or
     Qwen's ``use_sliding_window`` from ``max_window_layers`` on) become ``layer_windows``.
+    Gemma (``"gemma"``, ``"gemma2"``, ``"gemma3_text"``) gets its tanh-GELU gate
+    (``mlp="geglu"``), RMSNorm scaling by ``1 + weight`` (``norm="rms+1"``) and
+    embeddings times ``sqrt(hidden_size)``; Gemma 2 and 3 their norms after each
+    sublayer (``post_norms``), ``query_pre_attn_scalar`` (``attn_scale``), score and
+    logit soft-capping (``softcap``, ``logit_softcap``) and alternating windows; Gemma 3
+    its q/k norms and a RoPE base of its own on the windowed layers (``layer_rotary``).
     The q, k and v projections become one ``qkv`` matrix. The checkpoint's tensors are
     used as they are (nothing is copied but ``qkv`` and the stacked experts), so
     ``safetensors.torch.load_file`` of a checkpoint's shards gives ``state_dict``.
@@ -208,6 +275,8 @@ def llama_from_hf(config: Mapping[str, Any], state_dict: Mapping[str, Tensor] | 
     router, expert_names, stacked, shared = _MOE.get(kind, (None, None, {}, {}))
     names = {k: v for k, v in _NAMES.items() if not (router and k.startswith("mlp."))}
     names.update(shared)
+    if kind in ("gemma2", "gemma3_text"):
+        names.update(_GEMMA_NAMES)
     for name, tensor in state_dict.items():
         layer = _LAYER.fullmatch(name)
         at, rest = (f"blocks.{layer[1]}.", layer[2]) if layer else ("", "")

@@ -103,6 +103,8 @@ class SwiGLU(nn.Module):
     ``(..., dim) -> (..., dim)`` through ``hidden`` units (Shazeer 2020, "GLU Variants
     Improve Transformer"). It has 3 weight matrices where a GELU MLP has 2, so Llama sets
     ``hidden`` near ``8/3 dim`` to keep the parameter count of a 4x GELU MLP.
+    ``activation="gelu_tanh"`` makes it GeGLU with the tanh-approximate GELU (Gemma's
+    ``gelu_pytorch_tanh``); ``"gelu"`` the exact one.
 
     Example::
 
@@ -117,12 +119,23 @@ class SwiGLU(nn.Module):
         torch.Size([2, 5, 8])
     """
 
-    def __init__(self, dim: int, hidden: int, *, bias: bool = True) -> None:
+    def __init__(self, dim: int, hidden: int, *, bias: bool = True,
+                 activation: str = "silu") -> None:
         super().__init__()
         _check_dims(dim=dim, hidden=hidden)
+        if activation not in _GATES:
+            raise ValueError(f"activation must be one of {sorted(_GATES)}, got {activation!r}")
+        self.activation = activation
         self.gate = nn.Linear(dim, hidden, bias=bias)
         self.up = nn.Linear(dim, hidden, bias=bias)
         self.down = nn.Linear(hidden, dim, bias=bias)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down(nn.functional.silu(self.gate(x)) * self.up(x))  # (..., dim)
+        return self.down(_GATES[self.activation](self.gate(x)) * self.up(x))  # (..., dim)
+
+
+_GATES = {
+    "silu": nn.functional.silu,
+    "gelu": nn.functional.gelu,
+    "gelu_tanh": lambda x: nn.functional.gelu(x, approximate="tanh"),
+}

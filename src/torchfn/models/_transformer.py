@@ -11,6 +11,7 @@ from torchfn.core._eager import plain
 from torchfn.models._kv_cache import KVCache, StaticKVCache, check_cache
 from torchfn.models._mlp import SwiGLU, _check_dims
 from torchfn.models._moe import MoE
+from torchfn.models._norm import make_norm
 from torchfn.models._remat_block import call_remat, remat_policy
 from torchfn.models._rotary import RotaryTable, apply_rotary, rotary_table
 from torchfn.models._rotary_scaling import rotary_frequencies
@@ -30,7 +31,7 @@ def _fused_attention(q: Tensor, k: Tensor, v: Tensor, *, key_padding_mask, causa
     return attention(q, k, v, key_padding_mask=key_padding_mask, causal=causal, **extra)
 
 
-def _extra(window, segment_ids, softcap=None, dropout: float = 0.0) -> dict:
+def _extra(window, segment_ids, softcap=None, dropout: float = 0.0, scale=None) -> dict:
     """The attention keywords beyond the basic two, only where set (so a custom ``attend``
     without them keeps working when they are not used). ``dropout`` > 0: with the next
     key of the running ``Model.apply``."""
@@ -45,6 +46,8 @@ def _extra(window, segment_ids, softcap=None, dropout: float = 0.0) -> dict:
         extra["segment_ids"] = segment_ids
     if softcap is not None:
         extra["softcap"] = softcap
+    if scale is not None:
+        extra["scale"] = scale
     return extra
 
 
@@ -71,7 +74,9 @@ class MultiHeadAttention(nn.Module):
     of 1024); the output projection maps ``heads * head_dim`` back to ``dim``.
     ``qk_norm=True`` puts an RMSNorm over each head's queries and keys (one weight of
     ``head_dim`` for all heads, epsilon ``norm_eps``) before the rotary embedding, as
-    Qwen3 and Gemma 3 do.
+    Qwen3 does (``qk_norm="rms+1"``: Gemma 3's, scaling by ``1 + weight``). ``scale``
+    replaces the scores' ``1 / sqrt(head_dim)`` (Gemma 2 and 3:
+    ``query_pre_attn_scalar ** -0.5``).
 
     ``forward(x, key_padding_mask, segment_ids, positions, cache)``: ``positions`` may
     also be the layer's :meth:`rotary_table` of them, made once for several layers. With a
@@ -98,8 +103,8 @@ class MultiHeadAttention(nn.Module):
                  kv_heads: int | None = None, rotary: bool = False,
                  rotary_base: float = 10000.0, rotary_scaling: dict | None = None,
                  bias: bool = True, qkv_bias: bool | None = None,
-                 head_dim: int | None = None, qk_norm: bool = False,
-                 norm_eps: float | None = None,
+                 head_dim: int | None = None, qk_norm: bool | str = False,
+                 norm_eps: float | None = None, scale: float | None = None,
                  attend: AttendFn | None = None) -> None:
         super().__init__()
         _check_dims(dim=dim, heads=heads)
@@ -118,7 +123,11 @@ class MultiHeadAttention(nn.Module):
             raise ValueError(f"rotary needs an even head dim, got {hd}")
         if not isinstance(rotary_base, (int, float)) or not rotary_base > 0:
             raise ValueError(f"rotary_base must be a number > 0, got {rotary_base!r}")
+        if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
+                                  or not scale > 0):
+            raise ValueError(f"scale must be a number > 0 or None, got {scale!r}")
         self.heads, self.causal, self.window, self.softcap = heads, causal, window, softcap
+        self.scale = None if scale is None else float(scale)
         self.kv_heads, self.rotary, self.rotary_base = kv_heads, rotary, float(rotary_base)
         self.rotary_scaling = rotary_scaling
         if rotary:  # a bad scaling dict fails here, not at the first forward
@@ -129,10 +138,11 @@ class MultiHeadAttention(nn.Module):
         qkv_bias = bias if qkv_bias is None else qkv_bias
         self.qkv = nn.Linear(dim, (heads + 2 * kv_heads) * hd, bias=qkv_bias)  # [q | k | v]
         self.out = nn.Linear(heads * hd, dim, bias=bias)
-        self.qk_norm = qk_norm
+        self.qk_norm = bool(qk_norm)
         if qk_norm:
-            self.q_norm = make_norm("rms", hd, eps=norm_eps)
-            self.k_norm = make_norm("rms", hd, eps=norm_eps)
+            kind = "rms" if qk_norm is True else qk_norm
+            self.q_norm = make_norm(kind, hd, eps=norm_eps)
+            self.k_norm = make_norm(kind, hd, eps=norm_eps)
 
     def rotary_table(self, positions: Tensor, dtype: torch.dtype) -> RotaryTable:
         """The cos / sin table of ``positions`` ``(N,)`` or ``(B, N)`` for this layer's
@@ -171,7 +181,7 @@ class MultiHeadAttention(nn.Module):
         if isinstance(cache, StaticKVCache):
             k, v, cache, mask = _write_static(cache, k, v, self.window)
             o = self.attend(q, k, v, key_padding_mask=key_padding_mask, causal=False,
-                            mask=mask, **_extra(None, None, self.softcap, drop))
+                            mask=mask, **_extra(None, None, self.softcap, drop, self.scale))
         else:
             if cache is not None:
                 if cache.keys:
@@ -179,7 +189,7 @@ class MultiHeadAttention(nn.Module):
                     v = torch.cat((cache.values[0], v), dim=2)
                 cache = KVCache((k,), (v,))
             o = self.attend(q, k, v, key_padding_mask=key_padding_mask, causal=self.causal,
-                            **_extra(self.window, segment_ids, self.softcap, drop))
+                            **_extra(self.window, segment_ids, self.softcap, drop, self.scale))
         out = self.out(o.transpose(1, 2).reshape(b, n, hq))  # (B, N, dim)
         return out if cache is None else (out, cache)
 
@@ -227,23 +237,11 @@ def token_positions(n: int, device: torch.device, start: int = 0,
     return positions
 
 
-def make_norm(norm: str, dim: int, bias: bool = True, eps: float | None = None) -> nn.Module:
-    """``"layer"``: ``nn.LayerNorm`` (its bias only if ``bias``); ``"rms"``: ``nn.RMSNorm``.
-    ``eps`` None: each one's default (1e-5; the dtype's machine epsilon)."""
-    if eps is not None and (isinstance(eps, bool) or not isinstance(eps, (int, float))
-                            or not eps > 0):
-        raise ValueError(f"norm_eps must be a number > 0 or None, got {eps!r}")
-    if norm == "layer":
-        return nn.LayerNorm(dim, bias=bias, eps=1e-5 if eps is None else eps)
-    if norm == "rms":
-        return nn.RMSNorm(dim, eps=eps)
-    raise ValueError(f"norm must be 'layer' or 'rms', got {norm!r}")
-
-
 class TransformerBlock(nn.Module):
     """``x + Drop(Attn(LN(x)))`` then ``x + Drop(MLP(LN(x)))`` (pre-norm; LayerNorm and a
     GELU MLP, or with ``norm="rms"``, ``mlp="swiglu"``, ``bias=False`` Llama's RMSNorm,
-    :class:`SwiGLU` and bias-free projections).
+    :class:`SwiGLU` and bias-free projections). ``post_norms=True`` also normalises each
+    sublayer's output before the residual add (Gemma 2 and 3): ``x + Drop(LN(Attn(LN(x))))``.
 
     ``(B, N, dim) -> (B, N, dim)``; arguments as in :class:`TransformerEncoder`.
     ``key_padding_mask`` ``(B, N)`` bool marks real tokens (True). ``positions`` and
@@ -276,19 +274,22 @@ class TransformerBlock(nn.Module):
                  norm: str = "layer", mlp: str = "gelu",
                  bias: bool = True, qkv_bias: bool | None = None,
                  head_dim: int | None = None, qk_norm: bool = False,
+                 attn_scale: float | None = None, post_norms: bool = False,
                  experts: int | None = None, top_k: int = 2,
                  moe_options: dict | None = None,
                  attend: AttendFn | None = None) -> None:
         super().__init__()
-        if mlp not in ("gelu", "swiglu"):
-            raise ValueError(f"mlp must be 'gelu' or 'swiglu', got {mlp!r}")
+        if mlp not in ("gelu", "swiglu", "geglu"):
+            raise ValueError(f"mlp must be 'gelu', 'swiglu' or 'geglu', got {mlp!r}")
         self.ln1 = make_norm(norm, dim, bias, norm_eps)
         self.attn = MultiHeadAttention(dim, heads, causal=causal, window=window, softcap=softcap,
                                        attn_dropout=attn_dropout, kv_heads=kv_heads,
                                        rotary=rotary, rotary_base=rotary_base,
                                        rotary_scaling=rotary_scaling, bias=bias,
-                                       qkv_bias=qkv_bias, head_dim=head_dim, qk_norm=qk_norm,
-                                       norm_eps=norm_eps, attend=attend)
+                                       qkv_bias=qkv_bias, head_dim=head_dim,
+                                       qk_norm=(norm if norm != "layer" else "rms") if qk_norm
+                                       else False,
+                                       norm_eps=norm_eps, scale=attn_scale, attend=attend)
         self.ln2 = make_norm(norm, dim, bias, norm_eps)
         hidden = mlp_ratio * dim if mlp_hidden is None else mlp_hidden
         _check_dims(mlp_hidden=hidden)
@@ -298,11 +299,16 @@ class TransformerBlock(nn.Module):
                                       **(moe_options or {}))
         elif moe_options:
             raise ValueError(f"moe_options need experts, got moe_options={moe_options}")
-        elif mlp == "swiglu":
-            self.mlp = SwiGLU(dim, hidden, bias=bias)
+        elif mlp in ("swiglu", "geglu"):
+            self.mlp = SwiGLU(dim, hidden, bias=bias,
+                              activation="silu" if mlp == "swiglu" else "gelu_tanh")
         else:
             self.mlp = nn.Sequential(nn.Linear(dim, hidden, bias=bias), nn.GELU(),
                                      nn.Linear(hidden, dim, bias=bias))
+        self.post_norms = post_norms
+        if post_norms:  # Gemma 2's sandwich: a norm on each sublayer's output too
+            self.post_ln1 = make_norm(norm, dim, bias, norm_eps)
+            self.post_ln2 = make_norm(norm, dim, bias, norm_eps)
         self.drop = nn.Dropout(dropout)
 
     def forward(self, x: Tensor, key_padding_mask: Tensor | None = None,
@@ -312,13 +318,17 @@ class TransformerBlock(nn.Module):
         a = self.attn(self.ln1(x), key_padding_mask, segment_ids, positions, cache)
         if cache is not None:
             a, cache = a
-        x = x + self.drop(a)
+        x = x + self.drop(self.post_ln1(a) if self.post_norms else a)
+        logits = None
         if return_router_logits:
             if not self.moe:
                 raise ValueError("TransformerBlock: return_router_logits needs experts")
             m, logits = self.mlp(self.ln2(x), True)  # logits (B, N, E)
-            return x + self.drop(m), logits
-        x = x + self.drop(self.mlp(self.ln2(x)))  # (B, N, dim)
+        else:
+            m = self.mlp(self.ln2(x))
+        x = x + self.drop(self.post_ln2(m) if self.post_norms else m)  # (B, N, dim)
+        if logits is not None:
+            return x, logits
         return x if cache is None else (x, cache)
 
 
@@ -360,10 +370,12 @@ class TransformerEncoder(nn.Module):
             logits ``(B, N, E)`` per block, for :func:`torchfn.losses.moe_load_balance`.
         moe_options: :class:`MoE`'s other keywords: ``normalize``, ``shared_hidden``,
             ``shared_gate``.
-        norm, mlp, bias: ``"layer"`` or ``"rms"`` (RMSNorm) for the blocks' and the final
-            norm; ``"gelu"`` or ``"swiglu"`` (:class:`SwiGLU`, ``mlp_ratio * dim`` hidden
-            units) for the MLPs; ``bias=False`` drops the projections', the MLPs', the
-            LayerNorms' and the head's biases. A Llama-style model is
+        norm, mlp, bias: ``"layer"``, ``"rms"`` (RMSNorm) or ``"rms+1"`` (Gemma's,
+            scaling by ``1 + weight``) for the blocks' and the final norm; ``"gelu"``,
+            ``"swiglu"`` (:class:`SwiGLU`, ``mlp_ratio * dim`` hidden units) or
+            ``"geglu"`` (its tanh-GELU gate, as Gemma) for the MLPs;
+            ``bias=False`` drops the projections', the MLPs', the LayerNorms' and the
+            head's biases. A Llama-style model is
             ``position_embedding="rotary", norm="rms", mlp="swiglu", bias=False``.
         qkv_bias: the attention's q/k/v projection bias alone (default ``bias``; Qwen2
             has ``bias=False, qkv_bias=True``).
@@ -382,6 +394,13 @@ class TransformerEncoder(nn.Module):
             alternation ``[(4095, None), None] * (depth // 2)``; not with ``window``.
         head_dim, qk_norm: the heads' width (default ``dim // heads``) and an RMSNorm on
             each head's queries and keys, as :class:`MultiHeadAttention`'s.
+        layer_rotary: a ``(rotary_base, rotary_scaling)`` per block (None: the encoder's),
+            e.g. Gemma 3's base 10000 on its windowed layers and 1e6, scaled, on the others.
+        attn_scale: the attention scores' scale instead of ``1 / sqrt(head_dim)``.
+        post_norms: a norm on each sublayer's output as well (Gemma 2 and 3).
+        embed_scale: multiplies the token embeddings (Gemma: ``sqrt(dim)``, rounded to
+            their dtype).
+        logit_softcap: the head's outputs become ``cap * tanh(out / cap)`` (Gemma 2: 30).
         softcap: attention logit soft-capping (Gemma 2 uses 50), as the kernel's.
         attn_dropout: attention dropout (on the probabilities, in the fused kernel), keyed
             by ``Model.apply``'s ``key`` in train mode.
@@ -432,6 +451,11 @@ class TransformerEncoder(nn.Module):
         head_dim: int | None = None,
         qk_norm: bool = False,
         layer_windows: Sequence[int | tuple[int | None, int | None] | None] | None = None,
+        layer_rotary: Sequence[tuple[float, dict | None] | None] | None = None,
+        attn_scale: float | None = None,
+        post_norms: bool = False,
+        embed_scale: float | None = None,
+        logit_softcap: float | None = None,
         experts: int | None = None,
         top_k: int = 2,
         moe_options: dict | None = None,
@@ -473,17 +497,33 @@ class TransformerEncoder(nn.Module):
             raise ValueError(f"layer_windows must be a list of depth = {depth} windows (None: "
                              f"full attention), given without window; got layer_windows="
                              f"{layer_windows!r}, window={window!r}")
+        if layer_rotary is None:
+            layer_rotary = [None] * depth
+        elif position_embedding != "rotary" or isinstance(layer_rotary, (str, tuple)) \
+                or len(layer_rotary) != depth:
+            raise ValueError(f"layer_rotary must be a list of depth = {depth} (base, scaling) "
+                             f"pairs or None, with position_embedding='rotary'; got "
+                             f"{layer_rotary!r}")
+        ropes = [(rotary_base, rotary_scaling) if r is None else tuple(r) for r in layer_rotary]
+        # blocks with the same rotary settings share one cos / sin table per forward
+        self._rope_first = [ropes.index(r) for r in ropes]
+        for name, value in (("embed_scale", embed_scale), ("logit_softcap", logit_softcap)):
+            if value is not None and (isinstance(value, bool) or not isinstance(
+                    value, (int, float)) or not value > 0):
+                raise ValueError(f"{name} must be a number > 0 or None, got {value!r}")
+        self.embed_scale, self.logit_softcap = embed_scale, logit_softcap
         self.blocks = nn.ModuleList(
             TransformerBlock(dim, heads, mlp_ratio=mlp_ratio, mlp_hidden=mlp_hidden,
                              norm_eps=norm_eps, dropout=dropout, causal=causal,
                              window=layer_window, softcap=softcap, attn_dropout=attn_dropout,
                              kv_heads=kv_heads, rotary=position_embedding == "rotary",
-                             rotary_base=rotary_base, rotary_scaling=rotary_scaling,
+                             rotary_base=rope[0], rotary_scaling=rope[1],
                              norm=norm, mlp=mlp, bias=bias, qkv_bias=qkv_bias,
-                             head_dim=head_dim, qk_norm=qk_norm,
+                             head_dim=head_dim, qk_norm=qk_norm, attn_scale=attn_scale,
+                             post_norms=post_norms,
                              experts=experts, top_k=top_k, moe_options=moe_options,
                              attend=attend)
-            for layer_window in layer_windows
+            for layer_window, rope in zip(layer_windows, ropes)
         )
         self.ln = make_norm(norm, dim, bias, norm_eps)
         if tie_embeddings and (vocab_size is None or out_dim not in (None, vocab_size)):
@@ -526,6 +566,8 @@ class TransformerEncoder(nn.Module):
             raise ValueError(f"positions must be a tensor (N,) or (B, N) with N = {n}, got "
                              f"{getattr(positions, 'shape', positions)}")
         h = self.embed(x)  # (B, N, dim)
+        if self.embed_scale is not None:  # in h's dtype, as Gemma rounds it
+            h = h * torch.tensor(self.embed_scale, dtype=h.dtype, device=h.device)
         if self.position_embedding == "learned":
             if static and cache.capacity > self.max_len:
                 raise ValueError(f"StaticKVCache capacity {cache.capacity} exceeds "
@@ -534,11 +576,16 @@ class TransformerEncoder(nn.Module):
                 raise ValueError(f"sequence length {start + n} exceeds max_len={self.max_len}")
             h = h + self.pos(positions)
         h = self.drop(h)
-        block_positions = None
-        if self.position_embedding == "rotary":  # one cos / sin table for every block
-            block_positions = self.blocks[0].attn.rotary_table(positions, h.dtype)
+        tables: dict[int, RotaryTable] = {}  # one cos / sin table per rotary setting
+        rotary = self.position_embedding == "rotary"
         new_keys, new_values, router_logits = [], [], []
         for i, block in enumerate(self.blocks):
+            block_positions = None
+            if rotary:
+                first = self._rope_first[i]
+                if first not in tables:
+                    tables[first] = self.blocks[first].attn.rotary_table(positions, h.dtype)
+                block_positions = tables[first]
             if cache is not None:
                 h, layer = block(h, key_padding_mask, None, block_positions, cache.layer(i))
                 # layer: this block's keys and values, cached and new
@@ -557,6 +604,8 @@ class TransformerEncoder(nn.Module):
                 router_logits.append(logits.squeeze(0) if one else logits)
         h = self.ln(h)
         out = h @ self.embed.weight.T if self.tied else self.head(h)  # (B, N, out_dim)
+        if self.logit_softcap is not None:  # Gemma 2: cap * tanh(logits / cap)
+            out = torch.tanh(out / self.logit_softcap) * self.logit_softcap
         out = out.squeeze(0) if one else out
         if return_router_logits:
             return out, tuple(router_logits)
