@@ -10,12 +10,14 @@ as 10000 that way)."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 import torchfn
-from torchfn.models import KVCache, generate, llama_from_hf
+from torchfn.models import KVCache, generate, llama_from_hf, llama_to_hf
 
 transformers = pytest.importorskip(
     "transformers", reason="transformers (a dev dependency) is the peer these tests compare "
@@ -119,3 +121,44 @@ def test_greedy_generation_from_left_padded_prompts_equals_transformers(case, tm
             want = hf.generate(prompt[row:row + 1, mask[row]], max_new_tokens=10,
                                do_sample=False, pad_token_id=0, eos_token_id=None)
         assert torch.equal(got[row:row + 1, -10:], want[:, -10:])
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_llama_to_hf_gives_back_the_checkpoint(case, tmp_path):
+    """``llama_to_hf(llama_from_hf(checkpoint))`` is the checkpoint: every name, shape and
+    value. And params changed here (as training would) load in transformers through
+    ``from_pretrained`` and give the logits they give here."""
+    hf, config, sd = hf_checkpoint(*CASES[case], tmp_path)
+    module, params = llama_from_hf(config, sd)
+    back = llama_to_hf(config, params)
+    assert set(back) == set(sd)
+    for name in sd:
+        assert torch.equal(back[name], sd[name]), name
+    if case not in ("llama-tied", "mixtral", "qwen2-moe", "qwen3-wide-heads", "gemma3"):
+        return  # the loading below once per kind of name mapping
+    moved = {n: t + 0.01 * torch.randn(t.shape, dtype=t.dtype,
+                                       generator=torch.Generator().manual_seed(3))
+             for n, t in params.items()}
+    out = tmp_path / "trained"
+    out.mkdir()
+    save_file(llama_to_hf(config, moved), out / "model.safetensors")
+    (out / "config.json").write_text(json.dumps(config))
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(
+        out, dtype=torch.float64, experts_implementation="eager").eval()
+    tokens = torch.randint(0, 50, (2, 9), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        want = loaded(tokens).logits
+    torch.testing.assert_close(torchfn.Model(module).apply(moved, tokens), want, rtol=0,
+                               atol=2e-6)
+
+
+def test_llama_to_hf_names_params_that_do_not_fit():
+    config = dict(BASE, model_type="llama")
+    module, _ = llama_from_hf(config)
+    params = torchfn.Model(module).init(torchfn.random.key(0))
+    with pytest.raises(ValueError, match=r"missing \['blocks.1.ln2.weight'\]"):
+        llama_to_hf(config, {n: t for n, t in params.items() if n != "blocks.1.ln2.weight"})
+    with pytest.raises(ValueError, match=r"\(name, got, want\) \[\('embed.weight', \(50, 8\)"):
+        llama_to_hf(config, dict(params, **{"embed.weight": torch.zeros(50, 8)}))
+    with pytest.raises(TypeError, match="params must be a dict of tensors, got list"):
+        llama_to_hf(config, [])

@@ -11,6 +11,7 @@ from torchfn.models._generate import generate, sample_logits
 from torchfn.models._graph import GraphAttention, GraphConv
 from torchfn.models._kv_cache import KVCache, StaticKVCache
 from torchfn.models._llama import llama_from_hf
+from torchfn.models._llama_export import llama_to_hf
 from torchfn.models._lora import (
     LoRAConv1d,
     LoRAConv2d,
@@ -59,6 +60,7 @@ __all__ = [
     "speculative_generate",
     "beam_search",
     "llama_from_hf",
+    "llama_to_hf",
     "MLPVAE",
     # DCGAN generator and critic for small images (_gan)
     "ConvGenerator",

@@ -1,0 +1,105 @@
+"""A ``TransformerEncoder``'s params under a Hugging Face checkpoint's names: the inverse
+of :func:`llama_from_hf`, so a model trained here loads in ``transformers``."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from torchfn.models._llama import _GEMMA_NAMES, _MOE, _NAMES, _config
+from torchfn.models._transformer import TransformerEncoder
+
+__all__ = ["llama_to_hf"]
+
+_BLOCK = re.compile(r"blocks\.(\d+)\.(.+)")
+_EXPERT = {  # model_type -> one expert's matrix name, from its index and kind
+    "mixtral": "block_sparse_moe.experts.{j}.{w}.weight",
+    "qwen2_moe": "mlp.experts.{j}.{w}_proj.weight",
+    "qwen3_moe": "mlp.experts.{j}.{w}_proj.weight",
+}
+
+
+def llama_to_hf(config: Mapping[str, Any], params: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """``params`` of the ``TransformerEncoder`` that ``llama_from_hf(config)`` builds, under
+    the names and shapes of a Hugging Face checkpoint of ``config``.
+
+    ``qkv`` is split into ``q_proj`` / ``k_proj`` / ``v_proj``, a mixture's stacked
+    experts into one matrix per expert (the names a checkpoint on disk has, e.g. Mixtral's
+    ``block_sparse_moe.experts.3.w1.weight``), and a tied head is left out, as
+    ``save_pretrained`` leaves it. Split and unstacked tensors are copies (safetensors
+    refuses tensors that share memory); the others are ``params``' own. Save the result
+    with ``safetensors.torch.save_file`` beside the ``config.json`` and
+    ``transformers.AutoModelForCausalLM.from_pretrained`` loads it (tested, with the
+    logits, for every family ``llama_from_hf`` reads).
+
+    Args:
+        config: the ``config.json`` dict the model was built from.
+        params: its params (``llama_from_hf``'s, or trained ones).
+
+    Returns:
+        ``{hf_name: tensor}``.
+
+    Example::
+
+        >>> import torchfn
+        >>> from torchfn.models import llama_from_hf, llama_to_hf
+        >>> config = {"hidden_size": 16, "num_attention_heads": 4, "num_key_value_heads": 2,
+        ...           "num_hidden_layers": 1, "intermediate_size": 24, "vocab_size": 10}
+        >>> module, _ = llama_from_hf(config)
+        >>> params = torchfn.Model(module).init(torchfn.random.key(0))
+        >>> sd = llama_to_hf(config, params)
+        >>> sd["model.layers.0.self_attn.k_proj.weight"].shape  # 2 kv heads of 4
+        torch.Size([8, 16])
+        >>> llama_from_hf(config, sd)[1]["blocks.0.attn.qkv.weight"].equal(
+        ...     params["blocks.0.attn.qkv.weight"])
+        True
+    """
+    kwargs = _config(config)
+    if not isinstance(params, Mapping):
+        raise TypeError(f"params must be a dict of tensors, got {type(params).__name__}")
+    with torch.device("meta"):
+        want = {n: tuple(p.shape) for n, p in TransformerEncoder(**kwargs).named_parameters()}
+    got = {n: tuple(t.shape) for n, t in params.items()}
+    if got != want:
+        missing, unknown = sorted(set(want) - set(got)), sorted(set(got) - set(want))
+        wrong = [(n, got[n], want[n]) for n in want if n in got and got[n] != want[n]]
+        raise ValueError(f"params do not fit the config: missing {missing[:5]}, unknown "
+                         f"{unknown[:5]}, (name, got, want) {wrong[:3]}")
+    kind = config.get("model_type", "llama")
+    router, _, stacked, shared = _MOE.get(kind, (None, None, {}, {}))
+    names = {k: v for k, v in _NAMES.items() if not (router and k.startswith("mlp."))}
+    names.update(shared)
+    if kind in ("gemma2", "gemma3_text"):
+        names.update(_GEMMA_NAMES)
+    hf_name = {ours: hf for hf, ours in names.items()}
+    hf_expert = {ours: hf for hf, ours in stacked.items()}  # "mlp.gate" -> "w1" / "gate"
+    q, kv = kwargs["heads"] * kwargs["head_dim"], kwargs["kv_heads"] * kwargs["head_dim"]
+    out: dict[str, Tensor] = {}
+    for name, t in params.items():
+        block = _BLOCK.fullmatch(name)
+        if name == "embed.weight":
+            out["model.embed_tokens.weight"] = t
+        elif name == "ln.weight":
+            out["model.norm.weight"] = t
+        elif name == "head.weight":
+            out["lm_head.weight"] = t
+        elif block is None:
+            raise AssertionError(name)  # every other name is a block's (checked above)
+        else:
+            at, rest = f"model.layers.{block[1]}.", block[2]
+            if rest in hf_name:
+                out[at + hf_name[rest]] = t
+            elif rest in ("attn.qkv.weight", "attn.qkv.bias"):
+                suffix = rest.rsplit(".", 1)[1]
+                for p, part in zip("qkv", t.split([q, kv, kv])):
+                    out[f"{at}self_attn.{p}_proj.{suffix}"] = part.clone()
+            elif rest == "mlp.router.weight":
+                out[at + router] = t
+            else:  # stacked experts (E, ...) -> one matrix each
+                for j, part in enumerate(t.unbind(0)):
+                    out[at + _EXPERT[kind].format(j=j, w=hf_expert[rest])] = part.clone()
+    return out
