@@ -31,7 +31,8 @@ VARIANTS = {
                         bias=False),
     # wider heads than dim // heads, RMSNorm on q and k, a window on the first layer only
     "qwen3-style": dict(position_embedding="rotary", kv_heads=2, norm="rms", mlp="swiglu",
-                        bias=False, head_dim=6, qk_norm=True, layer_windows=[(3, None), None]),
+                        bias=False, head_dim=6, qk_norm=True, layer_windows=[(3, None), None],
+                        rotary_dim=4),  # and partial rotary, as Phi-4-mini
     # sandwich norms, GeGLU, scaled embeddings, capped scores and logits, a scale of
     # its own, and a RoPE base per layer
     "gemma-style": dict(position_embedding="rotary", kv_heads=2, norm="rms+1", mlp="geglu",
@@ -280,6 +281,10 @@ def test_cache_and_generate_errors_are_named():
         with pytest.raises(ValueError, match=f"{'scale' if name == 'attn_scale' else name} "
                                              r"must be a number > 0 or None, got -1"):
             TransformerEncoder(dim=16, heads=2, depth=1, vocab_size=V, **{name: -1})
+    with pytest.raises(ValueError, match=r"rotary_dim must be an even int in 2..head_dim = 8, "
+                                         r"got 5"):
+        TransformerEncoder(dim=16, heads=2, depth=1, vocab_size=V, rotary_dim=5,
+                           position_embedding="rotary")
     with pytest.raises(ValueError, match="mlp must be 'gelu', 'swiglu' or 'geglu'"):
         TransformerEncoder(dim=16, heads=2, depth=1, vocab_size=V, mlp="reglu")
 

@@ -52,6 +52,9 @@ CASES = {
                                        sliding_window=3, max_window_layers=2)),
     "qwen3-moe": ("qwen3_moe", dict(MOE, num_experts=4, head_dim=8, norm_topk_prob=True)),
     "mistral-wide-heads": ("mistral", dict(head_dim=16, sliding_window=6)),
+    "phi3": ("phi3", dict(pad_token_id=0, sliding_window=5)),
+    "phi3-partial-rotary": ("phi3", dict(pad_token_id=0, sliding_window=None,
+                                         partial_rotary_factor=0.5)),
     "gemma": ("gemma", dict(head_dim=12)),
     # soft caps small enough to bite, a window on every other layer
     "gemma2": ("gemma2", dict(head_dim=12, num_hidden_layers=3, query_pre_attn_scalar=10,
@@ -134,7 +137,7 @@ def test_llama_to_hf_gives_back_the_checkpoint(case, tmp_path):
     assert set(back) == set(sd)
     for name in sd:
         assert torch.equal(back[name], sd[name]), name
-    if case not in ("llama-tied", "mixtral", "qwen2-moe", "qwen3-wide-heads", "gemma3"):
+    if case not in ("llama-tied", "mixtral", "qwen2-moe", "qwen3-wide-heads", "gemma3", "phi3"):
         return  # the loading below once per kind of name mapping
     moved = {n: t + 0.01 * torch.randn(t.shape, dtype=t.dtype,
                                        generator=torch.Generator().manual_seed(3))

@@ -1,5 +1,5 @@
 """A Hugging Face Llama-family checkpoint (Llama, Mistral, Mixtral, Qwen2, Qwen2-MoE, Qwen3,
-Qwen3-MoE, Gemma, Gemma 2, Gemma 3) as a ``TransformerEncoder`` and its params pytree."""
+Qwen3-MoE, Phi-3, Gemma, Gemma 2, Gemma 3) as a ``TransformerEncoder`` and its params."""
 
 from __future__ import annotations
 
@@ -42,7 +42,9 @@ _MOE = {  # model_type -> (router, one expert's matrices, their stacked names, s
 _MOE["qwen3_moe"] = _MOE["qwen2_moe"][:3] + ({},)  # no shared expert
 _IGNORED = re.compile(r".*rotary_emb\.inv_freq$")  # a buffer older checkpoints carry
 _GEMMA = ("gemma", "gemma2", "gemma3_text")
-_TYPES = ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", *_GEMMA)
+_TYPES = ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "phi3",
+          *_GEMMA)
+_PHI3 = ("self_attn.qkv_proj.weight", "mlp.gate_up_proj.weight")  # Phi-3's fused matrices
 _GEMMA_NAMES = {  # Gemma 2 and 3 norm each sublayer's input and output
     "post_attention_layernorm.weight": "post_ln1.weight",
     "pre_feedforward_layernorm.weight": "ln2.weight",
@@ -193,6 +195,7 @@ def _config(config: Mapping[str, Any]) -> dict[str, Any]:
         if got != want:
             raise ValueError(f"config[{key!r}] = {got!r} is not supported here (needs {want!r})")
     types = _layer_types(config, kind)
+    partial = config.get("partial_rotary_factor", 1.0)  # Phi-4-mini: 0.75
     return dict(
         dim=dim, heads=heads, depth=config["num_hidden_layers"],
         vocab_size=config["vocab_size"], out_dim=config["vocab_size"], causal=True,
@@ -203,6 +206,7 @@ def _config(config: Mapping[str, Any]) -> dict[str, Any]:
         tie_embeddings=bool(config.get("tie_word_embeddings", False)),
         qkv_bias=kind.startswith("qwen2"),  # Qwen2: biases on q, k and v only
         qk_norm=kind.startswith("qwen3"),  # Qwen3: RMSNorm on each head's q and k
+        rotary_dim=None if partial == 1 else int(head_dim * partial),
     ) | _ropes(config, types) | _windows(config, types) | _moe(config, kind) | (
         _gemma(config, kind, head_dim) if kind in _GEMMA else {})
 
@@ -225,6 +229,8 @@ def llama_from_hf(config: Mapping[str, Any], state_dict: Mapping[str, Tensor] | 
     (``qk_norm=True``). A ``head_dim`` other than ``hidden_size // num_attention_heads``
     (Qwen3, Mistral NeMo) is kept, and windows on some layers only (``layer_types``, or
     Qwen's ``use_sliding_window`` from ``max_window_layers`` on) become ``layer_windows``.
+    Phi-3 (``"phi3"``) has q/k/v and gate/up fused, and ``partial_rotary_factor``
+    becomes ``rotary_dim`` (its LongRoPE scaling is not supported).
     Gemma (``"gemma"``, ``"gemma2"``, ``"gemma3_text"``) gets its tanh-GELU gate
     (``mlp="geglu"``), RMSNorm scaling by ``1 + weight`` (``norm="rms+1"``) and
     embeddings times ``sqrt(hidden_size)``; Gemma 2 and 3 their norms after each
@@ -294,6 +300,11 @@ def llama_from_hf(config: Mapping[str, Any], state_dict: Mapping[str, Tensor] | 
             params[at + "mlp.router.weight"] = tensor
         elif layer and rest in _QKV:  # q, k, v in that order
             parts.setdefault(at + _QKV[rest], {})[rest[10]] = tensor
+        elif layer and kind == "phi3" and rest in _PHI3:  # fused: [q | k | v], [gate | up]
+            if rest == "self_attn.qkv_proj.weight":
+                params[at + "attn.qkv.weight"] = tensor
+            else:
+                params[at + "mlp.gate.weight"], params[at + "mlp.up.weight"] = tensor.chunk(2)
         elif expert:  # expert j's matrix -> row j of the stacked one
             parts.setdefault(at + stacked[expert[2]], {})[int(expert[1])] = tensor
         elif not _IGNORED.fullmatch(name):

@@ -27,7 +27,8 @@ def llama_to_hf(config: Mapping[str, Any], params: Mapping[str, Tensor]) -> dict
     """``params`` of the ``TransformerEncoder`` that ``llama_from_hf(config)`` builds, under
     the names and shapes of a Hugging Face checkpoint of ``config``.
 
-    ``qkv`` is split into ``q_proj`` / ``k_proj`` / ``v_proj``, a mixture's stacked
+    ``qkv`` is split into ``q_proj`` / ``k_proj`` / ``v_proj`` (Phi-3 keeps it fused, and
+    joins ``gate`` and ``up`` into ``gate_up_proj``), a mixture's stacked
     experts into one matrix per expert (the names a checkpoint on disk has, e.g. Mixtral's
     ``block_sparse_moe.experts.3.w1.weight``), and a tied head is left out, as
     ``save_pretrained`` leaves it. Split and unstacked tensors are copies (safetensors
@@ -91,7 +92,13 @@ def llama_to_hf(config: Mapping[str, Any], params: Mapping[str, Tensor]) -> dict
             raise AssertionError(name)  # every other name is a block's (checked above)
         else:
             at, rest = f"model.layers.{block[1]}.", block[2]
-            if rest in hf_name:
+            if kind == "phi3" and rest in ("attn.qkv.weight", "mlp.gate.weight"):  # fused
+                out[at + ("self_attn.qkv_proj.weight" if rest.startswith("attn") else
+                          "mlp.gate_up_proj.weight")] = t if rest.startswith("attn") else \
+                    torch.cat((t, params[f"blocks.{block[1]}.mlp.up.weight"]))
+            elif kind == "phi3" and rest == "mlp.up.weight":
+                pass  # in gate_up_proj
+            elif rest in hf_name:
                 out[at + hf_name[rest]] = t
             elif rest in ("attn.qkv.weight", "attn.qkv.bias"):
                 suffix = rest.rsplit(".", 1)[1]

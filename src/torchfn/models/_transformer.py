@@ -67,7 +67,8 @@ class MultiHeadAttention(nn.Module):
     smaller ``KVCache``. ``rotary=True`` applies :func:`rotary_embedding` (with
     ``rotary_base``) to queries and keys at the forward's ``positions`` (default
     ``cache.length + arange(N)``, restarting at each document with ``segment_ids``),
-    its frequencies stretched by ``rotary_scaling`` (:func:`rotary_frequencies`).
+    its frequencies stretched by ``rotary_scaling`` (:func:`rotary_frequencies`), to the
+    first ``rotary_dim`` features of each head (default all; Phi-4-mini: 3/4 of them).
     ``bias=False`` drops the projections' biases; ``qkv_bias`` (default ``bias``) sets the
     q/k/v projection's alone (Qwen2: ``bias=False, qkv_bias=True``). ``head_dim`` sets
     the heads' width apart from ``dim // heads`` (Qwen3-0.6B: 16 heads of 128 in a width
@@ -102,6 +103,7 @@ class MultiHeadAttention(nn.Module):
                  softcap: float | None = None, attn_dropout: float = 0.0,
                  kv_heads: int | None = None, rotary: bool = False,
                  rotary_base: float = 10000.0, rotary_scaling: dict | None = None,
+                 rotary_dim: int | None = None,
                  bias: bool = True, qkv_bias: bool | None = None,
                  head_dim: int | None = None, qk_norm: bool | str = False,
                  norm_eps: float | None = None, scale: float | None = None,
@@ -119,8 +121,12 @@ class MultiHeadAttention(nn.Module):
             raise ValueError(f"kv_heads must divide heads = {heads}, got kv_heads={kv_heads}")
         if not 0.0 <= attn_dropout < 1.0:
             raise ValueError(f"attn_dropout must be in [0, 1), got {attn_dropout}")
-        if rotary and hd % 2:
-            raise ValueError(f"rotary needs an even head dim, got {hd}")
+        rot = hd if rotary_dim is None else rotary_dim
+        if rotary and (isinstance(rot, bool) or not isinstance(rot, int) or rot % 2
+                       or not 2 <= rot <= hd):
+            raise ValueError(f"rotary needs an even head dim, got {hd}" if rotary_dim is None
+                             else f"rotary_dim must be an even int in 2..head_dim = {hd}, "
+                                  f"got {rotary_dim!r}")
         if not isinstance(rotary_base, (int, float)) or not rotary_base > 0:
             raise ValueError(f"rotary_base must be a number > 0, got {rotary_base!r}")
         if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
@@ -129,9 +135,9 @@ class MultiHeadAttention(nn.Module):
         self.heads, self.causal, self.window, self.softcap = heads, causal, window, softcap
         self.scale = None if scale is None else float(scale)
         self.kv_heads, self.rotary, self.rotary_base = kv_heads, rotary, float(rotary_base)
-        self.rotary_scaling = rotary_scaling
+        self.rotary_scaling, self.rotary_dim = rotary_scaling, rot
         if rotary:  # a bad scaling dict fails here, not at the first forward
-            rotary_frequencies(hd, self.rotary_base, rotary_scaling)
+            rotary_frequencies(rot, self.rotary_base, rotary_scaling)
         self.attn_dropout = attn_dropout
         self.attend = attend or _fused_attention
         self.head_dim = hd
@@ -148,7 +154,7 @@ class MultiHeadAttention(nn.Module):
         """The cos / sin table of ``positions`` ``(N,)`` or ``(B, N)`` for this layer's
         rotary settings: pass it as the forward's ``positions`` to reuse it across
         layers that share them (as :class:`TransformerEncoder` does)."""
-        return rotary_table(positions, self.head_dim, base=self.rotary_base,
+        return rotary_table(positions, self.rotary_dim, base=self.rotary_base,
                             scaling=self.rotary_scaling, dtype=dtype, device=positions.device)
 
     def forward(self, x: Tensor, key_padding_mask: Tensor | None = None,
@@ -271,6 +277,7 @@ class TransformerBlock(nn.Module):
                  softcap: float | None = None, attn_dropout: float = 0.0,
                  kv_heads: int | None = None, rotary: bool = False,
                  rotary_base: float = 10000.0, rotary_scaling: dict | None = None,
+                 rotary_dim: int | None = None,
                  norm: str = "layer", mlp: str = "gelu",
                  bias: bool = True, qkv_bias: bool | None = None,
                  head_dim: int | None = None, qk_norm: bool = False,
@@ -285,7 +292,8 @@ class TransformerBlock(nn.Module):
         self.attn = MultiHeadAttention(dim, heads, causal=causal, window=window, softcap=softcap,
                                        attn_dropout=attn_dropout, kv_heads=kv_heads,
                                        rotary=rotary, rotary_base=rotary_base,
-                                       rotary_scaling=rotary_scaling, bias=bias,
+                                       rotary_scaling=rotary_scaling,
+                                       rotary_dim=rotary_dim, bias=bias,
                                        qkv_bias=qkv_bias, head_dim=head_dim,
                                        qk_norm=(norm if norm != "layer" else "rms") if qk_norm
                                        else False,
@@ -394,6 +402,8 @@ class TransformerEncoder(nn.Module):
             alternation ``[(4095, None), None] * (depth // 2)``; not with ``window``.
         head_dim, qk_norm: the heads' width (default ``dim // heads``) and an RMSNorm on
             each head's queries and keys, as :class:`MultiHeadAttention`'s.
+        rotary_dim: rotate only each head's first ``rotary_dim`` features (partial
+            rotary, as GPT-NeoX and Phi-4-mini); default all.
         layer_rotary: a ``(rotary_base, rotary_scaling)`` per block (None: the encoder's),
             e.g. Gemma 3's base 10000 on its windowed layers and 1e6, scaled, on the others.
         attn_scale: the attention scores' scale instead of ``1 / sqrt(head_dim)``.
@@ -444,6 +454,7 @@ class TransformerEncoder(nn.Module):
         position_embedding: str = "learned",
         rotary_base: float = 10000.0,
         rotary_scaling: dict | None = None,
+        rotary_dim: int | None = None,
         norm: str = "layer",
         mlp: str = "gelu",
         bias: bool = True,
@@ -518,6 +529,7 @@ class TransformerEncoder(nn.Module):
                              window=layer_window, softcap=softcap, attn_dropout=attn_dropout,
                              kv_heads=kv_heads, rotary=position_embedding == "rotary",
                              rotary_base=rope[0], rotary_scaling=rope[1],
+                             rotary_dim=rotary_dim,
                              norm=norm, mlp=mlp, bias=bias, qkv_bias=qkv_bias,
                              head_dim=head_dim, qk_norm=qk_norm, attn_scale=attn_scale,
                              post_norms=post_norms,
