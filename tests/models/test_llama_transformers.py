@@ -10,14 +10,19 @@ as 10000 that way)."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 import torchfn
-from torchfn.models import KVCache, generate, llama_from_hf, llama_to_hf
+from torchfn.models import (
+    KVCache,
+    generate,
+    llama_from_hf,
+    llama_from_pretrained,
+    llama_save_pretrained,
+    llama_to_hf,
+)
 
 transformers = pytest.importorskip(
     "transformers", reason="transformers (a dev dependency) is the peer these tests compare "
@@ -144,8 +149,7 @@ def test_llama_to_hf_gives_back_the_checkpoint(case, tmp_path):
              for n, t in params.items()}
     out = tmp_path / "trained"
     out.mkdir()
-    save_file(llama_to_hf(config, moved), out / "model.safetensors")
-    (out / "config.json").write_text(json.dumps(config))
+    llama_save_pretrained(out, config, moved)
     loaded = transformers.AutoModelForCausalLM.from_pretrained(
         out, dtype=torch.float64, experts_implementation="eager").eval()
     tokens = torch.randint(0, 50, (2, 9), generator=torch.Generator().manual_seed(4))
@@ -165,3 +169,56 @@ def test_llama_to_hf_names_params_that_do_not_fit():
         llama_to_hf(config, dict(params, **{"embed.weight": torch.zeros(50, 8)}))
     with pytest.raises(TypeError, match="params must be a dict of tensors, got list"):
         llama_to_hf(config, [])
+
+
+@pytest.mark.parametrize("case", ["qwen2-moe", "gemma2"])
+def test_a_sharded_folder_loads_with_the_logits_of_transformers(case, tmp_path):
+    """``save_pretrained`` in shards of 20 kB (an index naming them), read back by
+    ``llama_from_pretrained``, in float32 as asked."""
+    hf, config, _ = hf_checkpoint(*CASES[case], tmp_path / "one")
+    hf.save_pretrained(tmp_path / "shards", max_shard_size="20KB")
+    assert (tmp_path / "shards" / "model.safetensors.index.json").exists()
+    module, params, read = llama_from_pretrained(tmp_path / "shards", dtype=torch.float32)
+    assert read["model_type"] == config["model_type"]
+    assert all(t.dtype == torch.float32 for t in params.values())
+    tokens = torch.randint(0, 50, (2, 9), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        want = hf(tokens).logits.float()
+    torch.testing.assert_close(torchfn.Model(module).apply(params, tokens), want, rtol=0,
+                               atol=1e-4)
+
+
+def test_pretrained_folders_errors_and_a_failed_save_keeps_the_old_files(tmp_path,
+                                                                        monkeypatch):
+    config = dict(BASE, model_type="llama")
+    params = torchfn.Model(llama_from_hf(config)[0]).init(torchfn.random.key(0))
+    with pytest.raises(FileNotFoundError, match="has no config.json"):
+        llama_from_pretrained(tmp_path)
+    with pytest.raises(FileNotFoundError, match="is not a folder"):
+        llama_save_pretrained(tmp_path / "nowhere", config, params)
+    llama_save_pretrained(tmp_path, config, params)
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    assert set(before) == {"config.json", "model.safetensors"}
+
+    def dies(tensors, path, metadata=None):  # half a file written, then the process dies
+        open(path, "wb").write(b"partial")
+        raise KeyboardInterrupt
+
+    import torchfn.models._pretrained as pretrained
+
+    monkeypatch.setattr(pretrained, "save_file", dies)
+    moved = {n: t + 1 for n, t in params.items()}
+    with pytest.raises(KeyboardInterrupt):
+        llama_save_pretrained(tmp_path, config, moved)
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before  # no temp file
+    monkeypatch.undo()
+    _, back, _ = llama_from_pretrained(tmp_path)
+    assert all(back[n].equal(params[n]) for n in params)
+    (tmp_path / "model.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match="has neither model.safetensors nor"):
+        llama_from_pretrained(tmp_path)
+    (tmp_path / "model.safetensors.index.json").write_text('{"weight_map": {"a": "x.st"}}')
+    with pytest.raises(FileNotFoundError, match="names 'x.st', which is missing"):
+        llama_from_pretrained(tmp_path)
+    with pytest.raises(FileExistsError, match="holds a sharded checkpoint"):
+        llama_save_pretrained(tmp_path, config, params)

@@ -25,6 +25,7 @@ from torchfn.models._lora import (
 from torchfn.models._mlp import MLP, SwiGLU
 from torchfn.models._moe import MoE
 from torchfn.models._nerf import NeRF
+from torchfn.models._pretrained import llama_from_pretrained, llama_save_pretrained
 from torchfn.models._rnn import GRU, LSTM
 from torchfn.models._rotary import rotary_embedding
 from torchfn.models._rotary_scaling import rotary_frequencies
@@ -61,6 +62,8 @@ __all__ = [
     "beam_search",
     "llama_from_hf",
     "llama_to_hf",
+    "llama_from_pretrained",
+    "llama_save_pretrained",
     "MLPVAE",
     # DCGAN generator and critic for small images (_gan)
     "ConvGenerator",

@@ -1,0 +1,140 @@
+"""A Hugging Face model folder (``config.json`` and safetensors, one file or shards with
+an index) read into a ``TransformerEncoder`` and its params, and written back."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import Tensor
+
+from torchfn.core.checkpoint import _fsync_dir
+from torchfn.models._llama import llama_from_hf
+from torchfn.models._llama_export import llama_to_hf
+from torchfn.models._transformer import TransformerEncoder
+
+__all__ = ["llama_from_pretrained", "llama_save_pretrained"]
+
+_WEIGHTS, _INDEX, _CONFIG = "model.safetensors", "model.safetensors.index.json", "config.json"
+
+
+def llama_from_pretrained(folder: str | os.PathLike, *, dtype: torch.dtype | None = None,
+                          device: str | torch.device = "cpu", **overrides: Any,
+                          ) -> tuple[TransformerEncoder, dict[str, Tensor], dict[str, Any]]:
+    """The model in ``folder`` (as ``save_pretrained`` or the Hub leave it:
+    ``config.json`` and ``model.safetensors``, or shards named by
+    ``model.safetensors.index.json``) as ``(module, params, config)``, through
+    :func:`llama_from_hf`.
+
+    Args:
+        folder: the model's folder.
+        dtype: cast the floating-point tensors to it (e.g. ``torch.float32`` for a bf16
+            checkpoint); None keeps the checkpoint's.
+        device: where the tensors load.
+        overrides: other ``TransformerEncoder`` arguments, as for :func:`llama_from_hf`.
+
+    Example::
+
+        >>> import tempfile
+        >>> import torch
+        >>> import torchfn
+        >>> from torchfn.models import llama_from_hf, llama_from_pretrained, llama_save_pretrained
+        >>> config = {"hidden_size": 16, "num_attention_heads": 4, "num_hidden_layers": 1,
+        ...           "intermediate_size": 24, "vocab_size": 10}
+        >>> params = torchfn.Model(llama_from_hf(config)[0]).init(torchfn.random.key(0))
+        >>> with tempfile.TemporaryDirectory() as folder:
+        ...     llama_save_pretrained(folder, config, params)
+        ...     module, back, _ = llama_from_pretrained(folder)
+        >>> all(back[n].equal(params[n]) for n in params)
+        True
+    """
+    folder = _folder(folder, "folder")
+    path = os.path.join(folder, _CONFIG)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"folder: {folder!r} has no {_CONFIG}")
+    with open(path) as f:
+        config = json.load(f)
+    if os.path.isfile(os.path.join(folder, _WEIGHTS)):
+        files = [_WEIGHTS]
+    elif os.path.isfile(os.path.join(folder, _INDEX)):
+        with open(os.path.join(folder, _INDEX)) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    else:
+        raise FileNotFoundError(f"folder: {folder!r} has neither {_WEIGHTS} nor {_INDEX}")
+    state: dict[str, Tensor] = {}
+    for name in files:
+        shard = os.path.join(folder, name)
+        if not os.path.isfile(shard):
+            raise FileNotFoundError(f"folder: {_INDEX} names {name!r}, which is missing")
+        state.update(load_file(shard, device=str(device)))
+    if dtype is not None:
+        state = {n: t.to(dtype) if t.is_floating_point() else t for n, t in state.items()}
+    module, params = llama_from_hf(config, state, **overrides)
+    return module, params, config
+
+
+def llama_save_pretrained(folder: str | os.PathLike, config: Mapping[str, Any],
+                          params: Mapping[str, Tensor]) -> None:
+    """Write ``params`` (of the model ``llama_from_hf(config)`` builds) to ``folder`` as
+    ``config.json`` and ``model.safetensors`` under Hugging Face's names
+    (:func:`llama_to_hf`): ``transformers.AutoModelForCausalLM.from_pretrained(folder)``
+    loads it. Each file is written to a temporary file and moved over the old one, so a
+    failed save leaves the earlier files whole. A folder holding a sharded checkpoint is
+    refused (its index would still name the old shards).
+
+    Example::
+
+        >>> import os
+        >>> import tempfile
+        >>> import torchfn
+        >>> from torchfn.models import llama_from_hf, llama_save_pretrained
+        >>> config = {"hidden_size": 16, "num_attention_heads": 4, "num_hidden_layers": 1,
+        ...           "intermediate_size": 24, "vocab_size": 10}
+        >>> params = torchfn.Model(llama_from_hf(config)[0]).init(torchfn.random.key(0))
+        >>> with tempfile.TemporaryDirectory() as folder:
+        ...     llama_save_pretrained(folder, config, params)
+        ...     sorted(os.listdir(folder))
+        ['config.json', 'model.safetensors']
+    """
+    folder = _folder(folder, "folder")
+    if os.path.exists(os.path.join(folder, _INDEX)):
+        raise FileExistsError(f"folder: {folder!r} holds a sharded checkpoint ({_INDEX}); "
+                              "save to another folder")
+    tensors = {n: t.detach().contiguous().cpu() for n, t in llama_to_hf(config, params).items()}
+    text = json.dumps(dict(config), indent=2, sort_keys=True)
+    _atomic(os.path.join(folder, _WEIGHTS),
+            lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
+    _atomic(os.path.join(folder, _CONFIG), lambda tmp: open(tmp, "w").write(text))
+    _fsync_dir(folder)
+
+
+def _folder(folder: Any, name: str) -> str:
+    if not isinstance(folder, (str, os.PathLike)):
+        raise TypeError(f"{name} must be a str or os.PathLike, got {type(folder).__name__}")
+    folder = os.fspath(folder)
+    if not os.path.isdir(folder):
+        raise FileNotFoundError(f"{name}: {folder!r} is not a folder")
+    return folder
+
+
+def _atomic(path: str, write: Callable[[str], Any]) -> None:
+    """``write(tmp)`` a temporary file beside ``path``, fsync it, move it over ``path``."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp",
+                               dir=os.path.dirname(path))
+    os.close(fd)
+    try:
+        write(tmp)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
