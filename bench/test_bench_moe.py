@@ -84,3 +84,19 @@ def test_forward_backward(benchmark, computation):
     want = torch.func.grad(lambda p, x: hf_mixtral_moe(p, x).square().mean())(params, x)
     for name in want:
         torch.testing.assert_close(g[name], want[name], rtol=1e-3, atol=1e-6)
+
+
+@pytest.mark.parametrize("how", ["dense", "capacity 1.25", "capacity 2.0"])
+def test_per_sample_gradients(benchmark, how):
+    """``vmap(grad)`` over the 4 rows (per-sample gradients, as DP-SGD needs): the dense
+    computation vmap takes without a capacity, against ``capacity_factor`` (fixed-shape
+    expert buffers of ceil(factor * 512 * 2 / 8) tokens per row; 2.0 drops nothing
+    here only if the routing is balanced enough, so its values are not compared)."""
+    factor = None if how == "dense" else float(how.split()[1])
+    model = torchfn.Model(MoE(DIM, HIDDEN, E, K, capacity_factor=factor))
+    params = model.init(random.key(0))
+    x = random.normal(random.key(1), (B, N, DIM))
+    per = torch.func.vmap(torch.func.grad(lambda p, xi: model.apply(p, xi).square().mean()),
+                          in_dims=(None, 0))
+    g = benchmark.pedantic(per, (params, x), rounds=3, iterations=1, warmup_rounds=1)
+    assert g["up"].shape == (B, E, HIDDEN, DIM)

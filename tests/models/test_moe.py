@@ -4,6 +4,8 @@ and the MoE Transformer's router logits."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -139,6 +141,70 @@ def test_compiles_fullgraph_to_the_same_values():
                                atol=1e-6)
 
 
+def capacity_reference(params, x, top_k, factor, mlp="swiglu", normalize=True):
+    """GShard's capacity written out: over a call's T tokens, every first choice (in
+    token order), then every second one, ...; an expert takes the first
+    ceil(factor * T * top_k / E) assignments it gets, and the rest add nothing."""
+    tokens = x.reshape(-1, x.shape[-1])
+    e = params["router.weight"].shape[0]
+    cap = max(1, math.ceil(factor * tokens.shape[0] * top_k / e))
+    probs = (tokens @ params["router.weight"].T).softmax(-1)
+    w, chosen = probs.topk(top_k, dim=-1)
+    w = w / w.sum(-1, keepdim=True) if normalize else w
+    taken = [0] * e
+    out = torch.zeros_like(tokens)
+    for slot in range(top_k):
+        for i, t in enumerate(tokens):
+            j = int(chosen[i, slot])
+            if taken[j] < cap:
+                taken[j] += 1
+                h = params["up"][j] @ t
+                h = (torch.nn.functional.silu(params["gate"][j] @ t) * h if mlp == "swiglu"
+                     else torch.nn.functional.gelu(h))
+                out[i] = out[i] + w[i, slot] * (params["down"][j] @ h)
+    return out.reshape(x.shape)
+
+
+@settings(max_examples=15, deadline=None)
+@given(experts=st.integers(1, 6), data=st.data(), mlp=st.sampled_from(["swiglu", "gelu"]),
+       factor=st.sampled_from([0.25, 0.5, 1.0, 1.25]), shape=st.sampled_from([(7,), (2, 5)]),
+       seed=st.integers(0, 2**20))
+def test_capacity_drops_exactly_the_assignments_past_each_experts_capacity(
+        experts, data, mlp, factor, shape, seed):
+    top_k = data.draw(st.integers(1, experts))
+    model, params, x = setup(experts, top_k, mlp, shape=shape, seed=seed,
+                             capacity_factor=factor)
+    want = capacity_reference(params, x, top_k, factor, mlp)
+    torch.testing.assert_close(model.apply(params, x), want, rtol=0, atol=1e-12)
+
+
+def test_capacity_enough_for_every_token_is_the_dropless_moe():
+    model, params, x = setup(experts=4, top_k=2, capacity_factor=2.0)  # C = T: nothing drops
+    dropless = torchfn.Model(MoE(8, 12, 4, 2))
+    torch.testing.assert_close(model.apply(params, x), dropless.apply(params, x), rtol=0,
+                               atol=1e-12)
+
+
+def test_capacity_under_vmap_and_compile_equals_each_example_alone():
+    """Per-sample gradients at sparse cost: vmap over examples, each with its own
+    capacity from its own tokens, equals a loop; so does the compiled forward."""
+    model, params, x = setup(experts=4, top_k=2, shape=(3, 6), capacity_factor=0.75)
+
+    def loss(p, xi):
+        return model.apply(p, xi).square().sum()
+
+    per = torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0))(params, x)
+    for i, xi in enumerate(x):
+        one = torch.func.grad(loss)(params, xi)
+        for name in params:
+            torch.testing.assert_close(per[name][i], one[name], rtol=0, atol=1e-12)
+        torch.testing.assert_close(model.apply(params, xi),
+                                   capacity_reference(params, xi, 2, 0.75), rtol=0, atol=1e-12)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda p, x: model.apply(p, x), fullgraph=True, backend="eager")
+    torch.testing.assert_close(compiled(params, x), model.apply(params, x), rtol=0, atol=1e-12)
+
+
 def test_router_logits_are_the_routers():
     model, params, x = setup()
     out, logits = model.apply(params, x, return_router_logits=True)
@@ -224,6 +290,9 @@ def test_bad_input_is_named():
         TransformerEncoder(8, 2, 1, moe_options={"shared_hidden": 4})
     with pytest.raises(ValueError, match="mlp must be 'swiglu' or 'gelu', got 'relu'"):
         MoE(8, 16, 4, mlp="relu")
+    for bad in (0, -1.0, True):
+        with pytest.raises(ValueError, match="capacity_factor must be a number > 0 or None"):
+            MoE(8, 16, 4, capacity_factor=bad)
     model, params, _ = setup()
     with pytest.raises(ValueError, match=r"x must end in dim = 8, got shape \(2, 7\)"):
         model.apply(params, torch.ones(2, 7, dtype=torch.float64))

@@ -32,7 +32,14 @@ class MoE(nn.Module):
 
     Routing as Mixtral's: ``p = softmax(router(x))`` over the experts ``(T, E)``, the
     ``top_k`` largest kept, renormalised to sum to 1 (``normalize=False``: kept as they
-    are, as Qwen-MoE's default). Every token is computed (no capacity, no dropped tokens).
+    are, as Qwen-MoE's default). Every token is computed (no capacity, no dropped tokens),
+    unless ``capacity_factor`` is given: then each expert takes at most
+    ``C = ceil(capacity_factor * T * top_k / E)`` of the ``T`` tokens of a call, first
+    choices before second ones and in token order within each (GShard's priority), and
+    an assignment beyond that adds nothing (the residual carries the token; Switch
+    Transformer, GShard). Its buffers have fixed shapes ``(E, C, dim)``: the same code,
+    ``capacity_factor * top_k / experts`` of the dense work, runs in eager mode, under
+    ``vmap`` (per-sample gradients at sparse cost) and under ``torch.compile``.
     The experts are SwiGLU (``mlp="swiglu"``, as Mixtral) or GELU MLPs, without biases;
     their weights are stacked: ``gate`` / ``up`` ``(E, hidden, dim)``, ``down``
     ``(E, dim, hidden)``.
@@ -68,7 +75,7 @@ class MoE(nn.Module):
 
     def __init__(self, dim: int, hidden: int, experts: int, top_k: int = 2, *,
                  mlp: str = "swiglu", normalize: bool = True, shared_hidden: int | None = None,
-                 shared_gate: bool = False) -> None:
+                 shared_gate: bool = False, capacity_factor: float | None = None) -> None:
         super().__init__()
         _check_dims(dim=dim, hidden=hidden, experts=experts, top_k=top_k)
         if shared_hidden is not None:
@@ -79,6 +86,12 @@ class MoE(nn.Module):
             raise ValueError(f"top_k must be <= experts = {experts}, got top_k={top_k}")
         if mlp not in ("swiglu", "gelu"):
             raise ValueError(f"mlp must be 'swiglu' or 'gelu', got {mlp!r}")
+        if capacity_factor is not None and (isinstance(capacity_factor, bool) or not
+                                            isinstance(capacity_factor, (int, float))
+                                            or not capacity_factor > 0):
+            raise ValueError(f"capacity_factor must be a number > 0 or None, got "
+                             f"{capacity_factor!r}")
+        self.capacity_factor = capacity_factor
         self.dim, self.hidden, self.experts, self.top_k = dim, hidden, experts, top_k
         self.mlp, self.normalize = mlp, normalize
         self.router = nn.Linear(dim, experts, bias=False)
@@ -129,7 +142,9 @@ class MoE(nn.Module):
         tokens = x.reshape(-1, self.dim)  # (T, dim)
         logits, weights, chosen = self.route(tokens)
         gate = getattr(self, "gate", None)
-        if _batched_transform_active():
+        if self.capacity_factor is not None:
+            out = self._capacity(tokens, weights, chosen, gate)
+        elif _batched_transform_active():
             out = self._dense(tokens, weights, chosen, gate)
         else:
             out = self._sparse(tokens, weights, chosen, gate)
@@ -148,6 +163,24 @@ class MoE(nn.Module):
         y = self._expert(x, self.up, self.down, gate)  # (E, T, dim)
         return torch.einsum("te,etd->td", mix, y)
 
+    def _capacity(self, x: Tensor, weights: Tensor, chosen: Tensor,
+                  gate: Tensor | None) -> Tensor:
+        """Each expert on at most ``C`` of the tokens sent to it, in fixed-shape buffers
+        ``(E, C, dim)``: the assignments beyond an expert's capacity add nothing."""
+        t, k, e = x.shape[0], self.top_k, self.experts
+        cap = max(1, math.ceil(self.capacity_factor * t * k / e))
+        expert = chosen.t().reshape(-1)  # (k T,) slot-major: every first choice first
+        token = torch.arange(t, device=x.device).repeat(k)  # (k T,)
+        onehot = (expert[:, None] == torch.arange(e, device=x.device)).long()  # (k T, E)
+        pos = ((onehot.cumsum(0) - 1) * onehot).sum(-1)  # (k T,) place in its expert's queue
+        keep = pos < cap
+        slot = torch.where(keep, expert * cap + pos, e * cap)  # dropped: a spare row
+        buf = x.new_zeros(e * cap + 1, self.dim).index_add(0, slot, x[token])  # (E C + 1, dim)
+        y = self._expert(buf[:-1].view(e, cap, self.dim), self.up, self.down, gate)  # (E, C, dim)
+        y = torch.cat((y.reshape(e * cap, self.dim), y.new_zeros(1, self.dim)))
+        w = (weights.t().reshape(-1) * keep).unsqueeze(-1)  # (k T, 1)
+        return x.new_zeros(x.shape).index_add(0, token, y[slot] * w)  # (T, dim)
+
     def _sparse(self, x: Tensor, weights: Tensor, chosen: Tensor,
                 gate: Tensor | None) -> Tensor:
         """Tokens grouped by expert: each expert on its own tokens."""
@@ -164,4 +197,5 @@ class MoE(nn.Module):
     def extra_repr(self) -> str:
         return (f"dim={self.dim}, hidden={self.hidden}, experts={self.experts}, "
                 f"top_k={self.top_k}, mlp={self.mlp!r}, normalize={self.normalize}, "
-                f"shared_hidden={self.shared_hidden}, shared_gate={self.shared_gate}")
+                f"shared_hidden={self.shared_hidden}, shared_gate={self.shared_gate}, "
+                f"capacity_factor={self.capacity_factor}")
