@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 import torchfn
 from torchfn.models import (
     KVCache,
+    MoE,
     generate,
     llama_from_hf,
     llama_from_pretrained,
@@ -222,3 +223,39 @@ def test_pretrained_folders_errors_and_a_failed_save_keeps_the_old_files(tmp_pat
         llama_from_pretrained(tmp_path)
     with pytest.raises(FileExistsError, match="holds a sharded checkpoint"):
         llama_save_pretrained(tmp_path, config, params)
+
+
+@pytest.mark.parametrize("groups", [None, (4, 2)])
+def test_deepseek_v3_routing_equals_transformers_moe_block(groups):
+    """``MoE(scoring="sigmoid", groups=..., routed_scale=..., router_bias=True)`` with a
+    shared expert against transformers' ``DeepseekV3MoE`` on the same weights and a
+    random selection bias (which moves the choice, not the weights)."""
+    from transformers.models.deepseek_v3 import modeling_deepseek_v3 as ds
+
+    g, tg = groups or (1, 1)
+    config = transformers.DeepseekV3Config(
+        hidden_size=16, moe_intermediate_size=12, n_routed_experts=8, num_experts_per_tok=3,
+        n_group=g, topk_group=tg, norm_topk_prob=True, routed_scaling_factor=2.5,
+        n_shared_experts=1, hidden_act="silu", experts_implementation="eager")
+    torch.manual_seed(0)
+    hf = ds.DeepseekV3MoE(config).double().eval()
+    with torch.no_grad():
+        for p in [*hf.parameters(), hf.gate.e_score_correction_bias]:
+            p.copy_(torch.randn_like(p) * 0.3)
+    ours = MoE(16, 12, 8, 3, scoring="sigmoid", normalize=True, routed_scale=2.5,
+               router_bias=True, shared_hidden=12,
+               **(dict(groups=g, topk_groups=tg) if groups else {}))
+    model = torchfn.Model(ours)
+    gate_up = hf.experts.gate_up_proj.detach()
+    params = {"router.weight": hf.gate.weight.detach(), "gate": gate_up[:, :12],
+              "up": gate_up[:, 12:], "down": hf.experts.down_proj.detach(),
+              **{f"shared.{n}.weight": getattr(hf.shared_experts, f"{n}_proj").weight.detach()
+                 for n in ("gate", "up", "down")}}
+    state = {"router_bias": hf.gate.e_score_correction_bias.detach().clone()}
+    x = torch.randn(2, 7, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = hf(x)
+    torch.testing.assert_close(model.apply(params, x, state=state), want, rtol=0, atol=2e-6)
+    _, chosen = ours.select(x.reshape(-1, 16) @ params["router.weight"].T, state["router_bias"])
+    _, unbiased = ours.select(x.reshape(-1, 16) @ params["router.weight"].T, torch.zeros(8))
+    assert not torch.equal(chosen.sort(-1).values, unbiased.sort(-1).values)  # it bites

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 import torchfn
 from torchfn import losses, random
-from torchfn.models import KVCache, MoE, TransformerEncoder, _moe
+from torchfn.models import KVCache, MoE, TransformerEncoder, _moe, moe_bias_update
 
 
 def loop_reference(params, x, top_k, mlp="swiglu", normalize=True):
@@ -205,6 +205,40 @@ def test_capacity_under_vmap_and_compile_equals_each_example_alone():
     torch.testing.assert_close(compiled(params, x), model.apply(params, x), rtol=0, atol=1e-12)
 
 
+def test_deepseek_routing_is_the_same_on_both_paths_and_its_load_and_bias_update():
+    """Sigmoid scores, group-limited choice, a selection bias and a routed scale: the
+    grouped and dense computations agree (vmap takes the dense one); ``expert_load``
+    counts the choices; ``moe_bias_update`` is ``b + rate * sign(mean - load)``, and a
+    few updates even out a skewed load without a gradient."""
+    model, params, x = setup(experts=8, top_k=2, shape=(4, 16), scoring="sigmoid",
+                             groups=4, topk_groups=2, routed_scale=1.5, router_bias=True)
+    moe = model._eval_skeleton
+    state = {"router_bias": torch.linspace(-0.3, 0.3, 8, dtype=torch.float64)}
+    sparse = model.apply(params, x, state=state)
+    real = _moe._batched_transform_active
+    try:
+        _moe._batched_transform_active = lambda: True
+        dense = model.apply(params, x, state=state)
+    finally:
+        _moe._batched_transform_active = real
+    torch.testing.assert_close(sparse, dense, rtol=0, atol=1e-12)
+    logits = x.reshape(-1, 8) @ params["router.weight"].T
+    _, chosen = moe.select(logits, state["router_bias"])
+    load = moe.expert_load(logits, state["router_bias"])
+    assert torch.equal(load, torch.bincount(chosen.reshape(-1), minlength=8).float())
+    bias = torch.zeros(8, dtype=torch.float64)
+    bias2 = moe_bias_update(bias, load, rate=0.05)
+    want = 0.05 * torch.sign(load.mean() - load).double()
+    torch.testing.assert_close(bias2, want, rtol=0, atol=0)
+    skew = params["router.weight"] + torch.linspace(0, 1, 8, dtype=torch.float64)[:, None]
+    logits = x.reshape(-1, 8) @ skew.T  # routing crowds the later experts
+    bias = torch.zeros(8, dtype=torch.float64)
+    spread = moe.expert_load(logits, bias).std()
+    for _ in range(60):
+        bias = moe_bias_update(bias, moe.expert_load(logits, bias), rate=0.02)
+    assert moe.expert_load(logits, bias).std() < 0.5 * spread
+
+
 def test_router_logits_are_the_routers():
     model, params, x = setup()
     out, logits = model.apply(params, x, return_router_logits=True)
@@ -293,6 +327,14 @@ def test_bad_input_is_named():
     for bad in (0, -1.0, True):
         with pytest.raises(ValueError, match="capacity_factor must be a number > 0 or None"):
             MoE(8, 16, 4, capacity_factor=bad)
+    with pytest.raises(ValueError, match="scoring must be 'softmax' or 'sigmoid', got 'relu'"):
+        MoE(8, 16, 4, scoring="relu")
+    with pytest.raises(ValueError, match="give groups and topk_groups together"):
+        MoE(8, 16, 4, groups=2)
+    with pytest.raises(ValueError, match="groups must divide experts = 6 into groups of >= 2"):
+        MoE(8, 16, 6, groups=4, topk_groups=1)
+    with pytest.raises(ValueError, match=r"bias and load must be tensors \(E,\) of one shape"):
+        moe_bias_update(torch.zeros(4), torch.zeros(3))
     model, params, _ = setup()
     with pytest.raises(ValueError, match=r"x must end in dim = 8, got shape \(2, 7\)"):
         model.apply(params, torch.ones(2, 7, dtype=torch.float64))

@@ -23,7 +23,7 @@ from torchfn.models._lora import (
     with_lora,
 )
 from torchfn.models._mlp import MLP, SwiGLU
-from torchfn.models._moe import MoE
+from torchfn.models._moe import MoE, moe_bias_update
 from torchfn.models._nerf import NeRF
 from torchfn.models._pretrained import llama_from_pretrained, llama_save_pretrained
 from torchfn.models._rnn import GRU, LSTM
@@ -45,6 +45,7 @@ __all__ = [
     "MLP",
     "SwiGLU",
     "MoE",
+    "moe_bias_update",
     "ConvNet",
     "ResNet",
     "BasicBlock",

@@ -9,7 +9,7 @@ from torch import Tensor, nn
 
 from torchfn.models._mlp import SwiGLU, _check_dims
 
-__all__ = ["MoE"]
+__all__ = ["MoE", "moe_bias_update"]
 
 
 def _batched_transform_active() -> bool:
@@ -32,7 +32,12 @@ class MoE(nn.Module):
 
     Routing as Mixtral's: ``p = softmax(router(x))`` over the experts ``(T, E)``, the
     ``top_k`` largest kept, renormalised to sum to 1 (``normalize=False``: kept as they
-    are, as Qwen-MoE's default). Every token is computed (no capacity, no dropped tokens),
+    are, as Qwen-MoE's default). DeepSeek-V3's routing: ``scoring="sigmoid"``
+    (independent scores), ``groups`` / ``topk_groups`` (the experts split into groups,
+    only the best ``topk_groups`` groups compete), ``routed_scale`` (the weights' factor)
+    and ``router_bias=True``: a buffer added to the scores for the choice only, which
+    :func:`moe_bias_update` moves toward balanced loads without an auxiliary loss.
+    Every token is computed (no capacity, no dropped tokens),
     unless ``capacity_factor`` is given: then each expert takes at most
     ``C = ceil(capacity_factor * T * top_k / E)`` of the ``T`` tokens of a call, first
     choices before second ones and in token order within each (GShard's priority), and
@@ -75,7 +80,10 @@ class MoE(nn.Module):
 
     def __init__(self, dim: int, hidden: int, experts: int, top_k: int = 2, *,
                  mlp: str = "swiglu", normalize: bool = True, shared_hidden: int | None = None,
-                 shared_gate: bool = False, capacity_factor: float | None = None) -> None:
+                 shared_gate: bool = False, capacity_factor: float | None = None,
+                 scoring: str = "softmax", groups: int | None = None,
+                 topk_groups: int | None = None, routed_scale: float = 1.0,
+                 router_bias: bool = False) -> None:
         super().__init__()
         _check_dims(dim=dim, hidden=hidden, experts=experts, top_k=top_k)
         if shared_hidden is not None:
@@ -92,6 +100,25 @@ class MoE(nn.Module):
             raise ValueError(f"capacity_factor must be a number > 0 or None, got "
                              f"{capacity_factor!r}")
         self.capacity_factor = capacity_factor
+        if scoring not in ("softmax", "sigmoid"):
+            raise ValueError(f"scoring must be 'softmax' or 'sigmoid', got {scoring!r}")
+        if (groups is None) != (topk_groups is None):
+            raise ValueError(f"give groups and topk_groups together, got groups={groups!r}, "
+                             f"topk_groups={topk_groups!r}")
+        if groups is not None:
+            _check_dims(groups=groups, topk_groups=topk_groups)
+            if experts % groups or experts // groups < 2 or topk_groups > groups \
+                    or top_k > topk_groups * (experts // groups):
+                raise ValueError(f"groups must divide experts = {experts} into groups of >= 2, "
+                                 f"topk_groups <= groups and top_k <= the experts of "
+                                 f"topk_groups groups; got groups={groups}, topk_groups="
+                                 f"{topk_groups}, top_k={top_k}")
+        self.scoring, self.groups, self.topk_groups = scoring, groups, topk_groups
+        self.routed_scale = float(routed_scale)
+        if router_bias:  # DeepSeek-V3's selection bias: state, moved by moe_bias_update
+            self.register_buffer("router_bias", torch.zeros(experts))
+        else:
+            self.router_bias = None
         self.dim, self.hidden, self.experts, self.top_k = dim, hidden, experts, top_k
         self.mlp, self.normalize = mlp, normalize
         self.router = nn.Linear(dim, experts, bias=False)
@@ -117,13 +144,30 @@ class MoE(nn.Module):
 
     def route(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """``(logits (T, E), weights (T, top_k), experts (T, top_k))`` for tokens
-        ``x`` ``(T, dim)``; the weights in ``x``'s dtype, the softmax in float32 or wider."""
+        ``x`` ``(T, dim)``; the weights in ``x``'s dtype, the scores in float32 or wider."""
         logits = self.router(x)  # (T, E)
-        probs = logits.to(torch.promote_types(logits.dtype, torch.float32)).softmax(-1)
-        weights, chosen = probs.topk(self.top_k, dim=-1)  # (T, k)
+        weights, chosen = self.select(logits)
+        return logits, weights.to(x.dtype), chosen
+
+    def select(self, logits: Tensor, bias: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """The routing of router ``logits`` ``(T, E)``: ``(weights, experts)``, each
+        ``(T, top_k)``. ``bias`` (default the ``router_bias`` buffer) shifts the scores
+        for the choice only, not the weights (DeepSeek-V3); with ``groups``, only the
+        experts of the ``topk_groups`` groups whose two best scores sum highest compete."""
+        scores = logits.to(torch.promote_types(logits.dtype, torch.float32))
+        scores = scores.softmax(-1) if self.scoring == "softmax" else scores.sigmoid()
+        bias = self.router_bias if bias is None else bias
+        choice = scores if bias is None else scores + bias
+        if self.groups is not None:
+            per = choice.unflatten(-1, (self.groups, -1))  # (T, G, E / G)
+            best = per.topk(2, dim=-1).values.sum(-1).topk(self.topk_groups, dim=-1).indices
+            keep = torch.zeros_like(per[..., 0], dtype=torch.bool).scatter(-1, best, True)
+            choice = per.masked_fill(~keep[..., None], float("-inf")).flatten(-2)
+        chosen = choice.topk(self.top_k, dim=-1).indices  # (T, k)
+        weights = scores.gather(-1, chosen)
         if self.normalize:
             weights = weights / weights.sum(-1, keepdim=True)
-        return logits, weights.to(x.dtype), chosen
+        return weights * self.routed_scale, chosen
 
     def _expert(self, x: Tensor, up: Tensor, down: Tensor, gate: Tensor | None) -> Tensor:
         """One expert (or all, with a leading E dim on the weights and ``x``):
@@ -198,4 +242,31 @@ class MoE(nn.Module):
         return (f"dim={self.dim}, hidden={self.hidden}, experts={self.experts}, "
                 f"top_k={self.top_k}, mlp={self.mlp!r}, normalize={self.normalize}, "
                 f"shared_hidden={self.shared_hidden}, shared_gate={self.shared_gate}, "
-                f"capacity_factor={self.capacity_factor}")
+                f"capacity_factor={self.capacity_factor}, scoring={self.scoring!r}")
+
+    def expert_load(self, logits: Tensor, bias: Tensor | None = None) -> Tensor:
+        """How many tokens each expert gets ``(E,)`` from router ``logits`` ``(..., E)``
+        (``forward(..., return_router_logits=True)``'s), chosen with ``bias``."""
+        chosen = self.select(logits.reshape(-1, self.experts), bias)[1]
+        return torch.zeros(self.experts, device=logits.device).index_add(
+            0, chosen.reshape(-1), torch.ones(chosen.numel(), device=logits.device))
+
+
+def moe_bias_update(bias: Tensor, load: Tensor, rate: float = 1e-3) -> Tensor:
+    """DeepSeek-V3's auxiliary-loss-free balancing: ``bias + rate * sign(mean(load) -
+    load)``, a new ``(E,)`` tensor. Each step raises the bias of the experts that got
+    fewer tokens than the mean and lowers the others', so the choice drifts toward
+    balance without a gradient.
+
+    Example::
+
+        >>> import torch
+        >>> from torchfn.models import moe_bias_update
+        >>> moe_bias_update(torch.zeros(4), torch.tensor([10.0, 2.0, 4.0, 0.0]), rate=0.1)
+        tensor([-0.1000,  0.1000,  0.0000,  0.1000])
+    """
+    if not isinstance(bias, Tensor) or not isinstance(load, Tensor) or bias.shape != load.shape \
+            or bias.dim() != 1:
+        raise ValueError(f"bias and load must be tensors (E,) of one shape, got "
+                         f"{getattr(bias, 'shape', bias)} and {getattr(load, 'shape', load)}")
+    return bias + rate * torch.sign(load.mean() - load).to(bias.dtype)
