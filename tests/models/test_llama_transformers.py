@@ -18,6 +18,7 @@ import torchfn
 from torchfn.models import (
     KVCache,
     MoE,
+    beam_search,
     generate,
     llama_from_hf,
     llama_from_pretrained,
@@ -259,3 +260,34 @@ def test_deepseek_v3_routing_equals_transformers_moe_block(groups):
     _, chosen = ours.select(x.reshape(-1, 16) @ params["router.weight"].T, state["router_bias"])
     _, unbiased = ours.select(x.reshape(-1, 16) @ params["router.weight"].T, torch.zeros(8))
     assert not torch.equal(chosen.sort(-1).values, unbiased.sort(-1).values)  # it bites
+
+
+@pytest.mark.parametrize("with_eos, length_penalty, early_stopping",
+                         [(False, 0.0, False), (True, 1.0, "never"), (True, 0.0, True),
+                          (True, 2.0, False)])
+def test_beam_search_equals_transformers_beam_search(with_eos, length_penalty,
+                                                     early_stopping, tmp_path):
+    """Every beam (best first) and its score against transformers' ``generate`` with
+    ``num_beams``; the eos is the token the beams end on most often without one, so
+    finished hypotheses are pooled and ranked against the live ones."""
+    hf, config, sd = hf_checkpoint(*CASES["llama"], tmp_path)
+    module, params = llama_from_hf(config, sd)
+    model = torchfn.Model(module)
+    prompt = torch.randint(1, 50, (2, 5), generator=torch.Generator().manual_seed(2))
+    eos = None
+    if with_eos:
+        free, _ = beam_search(model, params, prompt, 8, beams=4, return_all=True)
+        eos = int(free[..., 5:].reshape(-1).mode().values)
+    tokens, scores = beam_search(model, params, prompt, 8, beams=4, eos=eos,
+                                 length_penalty=length_penalty, return_all=True)
+    if with_eos:
+        assert (tokens[..., 5:] == eos).any()
+    with torch.no_grad():
+        out = hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=8,
+                          num_beams=4, num_return_sequences=4, do_sample=False,
+                          length_penalty=length_penalty, early_stopping=early_stopping,
+                          eos_token_id=eos, pad_token_id=0 if eos is None else eos,
+                          output_scores=True, return_dict_in_generate=True)
+    assert torch.equal(out.sequences.view(2, 4, -1), tokens)
+    torch.testing.assert_close(out.sequences_scores.view(2, 4).double(), scores, rtol=1e-5,
+                               atol=1e-6)  # transformers keeps beam scores in float32

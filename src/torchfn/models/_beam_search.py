@@ -47,7 +47,9 @@ def beam_search(
     kept aside. The best ``beams`` that do not end go on, so ``beams`` sequences are
     always live. At the end the live beams (scored over ``steps ** length_penalty``) and
     the finished ones are ranked together. With at least ``V ** steps`` beams this is
-    exact too (tested).
+    exact too (tested), and every beam and score equals transformers' ``generate(...,
+    num_beams=beams)`` on the same Llama weights, with and without ``eos``, for length
+    penalties 0, 1 and 2 (tested).
 
     Args:
         model, params: ``model(params, tokens, cache=cache) -> (logits, cache)``, e.g. a
