@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from safetensors.torch import load_file
 
 import torchfn
@@ -291,3 +293,29 @@ def test_beam_search_equals_transformers_beam_search(with_eos, length_penalty,
     assert torch.equal(out.sequences.view(2, 4, -1), tokens)
     torch.testing.assert_close(out.sequences_scores.view(2, 4).double(), scores, rtol=1e-5,
                                atol=1e-6)  # transformers keeps beam scores in float32
+
+
+@settings(deadline=None)
+@given(seed=st.integers(0, 2**20), temperature=st.sampled_from([0.5, 1.0, 1.7]),
+       top_k=st.sampled_from([None, 1, 5, 19]), top_p=st.sampled_from([None, 0.3, 0.9]),
+       min_p=st.sampled_from([None, 0.05, 0.3]))
+def test_sampling_filters_equal_transformers_logits_warpers(seed, temperature, top_k, top_p,
+                                                             min_p):
+    """The distribution ``sample_logits`` draws from (``filter_logits``) is the one
+    transformers' temperature, top-k, top-p and min-p warpers leave, in their order."""
+    from torchfn.models._generate import filter_logits
+
+    logits = torch.randn(3, 20, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
+    warpers = [transformers.TemperatureLogitsWarper(temperature)]
+    if top_k is not None:
+        warpers.append(transformers.TopKLogitsWarper(top_k))
+    if top_p is not None:
+        warpers.append(transformers.TopPLogitsWarper(top_p))
+    if min_p is not None:
+        warpers.append(transformers.MinPLogitsWarper(min_p))
+    want = logits.clone()
+    for warp in warpers:
+        want = warp(torch.zeros(3, 1, dtype=torch.long), want)
+    got = filter_logits(logits, temperature, top_k, top_p, min_p)
+    assert torch.equal(got.isinf(), want.isinf())
+    torch.testing.assert_close(got.softmax(-1), want.softmax(-1), rtol=0, atol=1e-12)
