@@ -33,6 +33,10 @@ VARIANTS = {
     "qwen3-style": dict(position_embedding="rotary", kv_heads=2, norm="rms", mlp="swiglu",
                         bias=False, head_dim=6, qk_norm=True, layer_windows=[(3, None), None],
                         rotary_dim=4),  # and partial rotary, as Phi-4-mini
+    # norms on the sublayers' outputs only, q/k norms over all heads (OLMo 2)
+    "olmo2-style": dict(position_embedding="rotary", kv_heads=2, norm="rms", mlp="swiglu",
+                        bias=False, pre_norms=False, post_norms=True, qk_norm=True,
+                        qk_norm_scope="all"),
     # sandwich norms, GeGLU, scaled embeddings, capped scores and logits, a scale of
     # its own, and a RoPE base per layer
     "gemma-style": dict(position_embedding="rotary", kv_heads=2, norm="rms+1", mlp="geglu",
@@ -285,6 +289,11 @@ def test_cache_and_generate_errors_are_named():
                                          r"got 5"):
         TransformerEncoder(dim=16, heads=2, depth=1, vocab_size=V, rotary_dim=5,
                            position_embedding="rotary")
+    with pytest.raises(ValueError, match="qk_norm_scope must be 'head' or 'all', got 'row'"):
+        TransformerEncoder(dim=16, heads=2, depth=1, vocab_size=V, qk_norm=True,
+                           qk_norm_scope="row")
+    with pytest.raises(ValueError, match="pre_norms=False needs post_norms=True"):
+        TransformerEncoder(dim=16, heads=2, depth=1, vocab_size=V, pre_norms=False)
     with pytest.raises(ValueError, match="mlp must be 'gelu', 'swiglu' or 'geglu'"):
         TransformerEncoder(dim=16, heads=2, depth=1, vocab_size=V, mlp="reglu")
 

@@ -208,8 +208,8 @@ def test_bad_checkpoints_and_configs_are_named():
         llama_from_hf(dict(CONFIG, intermediate_size=48), sd)
     with pytest.raises(ValueError, match=r"config\['hidden_act'\] = 'gelu' is not supported"):
         llama_from_hf(dict(CONFIG, hidden_act="gelu"))
-    with pytest.raises(ValueError, match=r"config\['model_type'\] = 'olmo2' is not supported"):
-        llama_from_hf(dict(CONFIG, model_type="olmo2"))
+    with pytest.raises(ValueError, match=r"config\['model_type'\] = 'gpt2' is not supported"):
+        llama_from_hf(dict(CONFIG, model_type="gpt2"))
     with pytest.raises(ValueError, match=r"config\['hidden_activation'\] = 'silu' is not "):
         llama_from_hf(dict(CONFIG, model_type="gemma"))  # CONFIG's Llama activation
     with pytest.raises(ValueError, match=r"config\['decoder_sparse_step'\] = 2 and"):

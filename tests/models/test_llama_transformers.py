@@ -64,6 +64,7 @@ CASES = {
     "phi3": ("phi3", dict(pad_token_id=0, sliding_window=5)),
     "phi3-partial-rotary": ("phi3", dict(pad_token_id=0, sliding_window=None,
                                          partial_rotary_factor=0.5)),
+    "olmo2": ("olmo2", dict(pad_token_id=0, eos_token_id=1)),
     "gemma": ("gemma", dict(head_dim=12)),
     # soft caps small enough to bite, a window on every other layer
     "gemma2": ("gemma2", dict(head_dim=12, num_hidden_layers=3, query_pre_attn_scalar=10,
@@ -113,7 +114,7 @@ def test_a_transformers_checkpoint_gives_the_same_logits(case, tmp_path):
 
 
 @pytest.mark.parametrize("case", ["llama", "mistral-window", "qwen2-moe", "qwen3-wide-heads",
-                                  "gemma2", "gemma3"])
+                                  "gemma2", "gemma3", "olmo2"])
 def test_greedy_generation_from_left_padded_prompts_equals_transformers(case, tmp_path):
     """Rows of different prompt lengths, padded on the left: ``generate`` with
     ``prompt_mask`` against transformers' ``generate`` on each row alone, unpadded.
@@ -146,7 +147,8 @@ def test_llama_to_hf_gives_back_the_checkpoint(case, tmp_path):
     assert set(back) == set(sd)
     for name in sd:
         assert torch.equal(back[name], sd[name]), name
-    if case not in ("llama-tied", "mixtral", "qwen2-moe", "qwen3-wide-heads", "gemma3", "phi3"):
+    if case not in ("llama-tied", "mixtral", "qwen2-moe", "qwen3-wide-heads", "gemma3", "phi3",
+                    "olmo2"):
         return  # the loading below once per kind of name mapping
     moved = {n: t + 0.01 * torch.randn(t.shape, dtype=t.dtype,
                                        generator=torch.Generator().manual_seed(3))

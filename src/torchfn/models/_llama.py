@@ -1,5 +1,6 @@
 """A Hugging Face Llama-family checkpoint (Llama, Mistral, Mixtral, Qwen2, Qwen2-MoE, Qwen3,
-Qwen3-MoE, Phi-3, Gemma, Gemma 2, Gemma 3) as a ``TransformerEncoder`` and its params."""
+Qwen3-MoE, Phi-3, OLMo 2, Gemma, Gemma 2, Gemma 3) as a ``TransformerEncoder`` and its
+params."""
 
 from __future__ import annotations
 
@@ -43,13 +44,24 @@ _MOE["qwen3_moe"] = _MOE["qwen2_moe"][:3] + ({},)  # no shared expert
 _IGNORED = re.compile(r".*rotary_emb\.inv_freq$")  # a buffer older checkpoints carry
 _GEMMA = ("gemma", "gemma2", "gemma3_text")
 _TYPES = ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "phi3",
-          *_GEMMA)
+          "olmo2", *_GEMMA)
 _PHI3 = ("self_attn.qkv_proj.weight", "mlp.gate_up_proj.weight")  # Phi-3's fused matrices
 _GEMMA_NAMES = {  # Gemma 2 and 3 norm each sublayer's input and output
     "post_attention_layernorm.weight": "post_ln1.weight",
     "pre_feedforward_layernorm.weight": "ln2.weight",
     "post_feedforward_layernorm.weight": "post_ln2.weight",
 }
+
+
+def layer_names(kind: str) -> dict[str, str]:
+    """A layer's Hugging Face tensor names -> ours (but q/k/v and the experts) for
+    ``model_type`` ``kind``."""
+    router, _, _, shared = _MOE.get(kind, (None, None, {}, {}))
+    names = {k: v for k, v in _NAMES.items() if not (router and k.startswith("mlp."))}
+    names.update(shared)
+    if kind in ("gemma2", "gemma3_text", "olmo2"):  # norms on the sublayers' outputs
+        names.update(_GEMMA_NAMES)
+    return names
 
 
 def _rope_of(params: Any, config: Mapping[str, Any]) -> tuple[float, dict[str, Any] | None]:
@@ -208,7 +220,10 @@ def _config(config: Mapping[str, Any]) -> dict[str, Any]:
         qk_norm=kind.startswith("qwen3"),  # Qwen3: RMSNorm on each head's q and k
         rotary_dim=None if partial == 1 else int(head_dim * partial),
     ) | _ropes(config, types) | _windows(config, types) | _moe(config, kind) | (
-        _gemma(config, kind, head_dim) if kind in _GEMMA else {})
+        _gemma(config, kind, head_dim) if kind in _GEMMA else {}) | (
+        # OLMo 2: norms only on the sublayers' outputs, q/k norms over all heads
+        dict(pre_norms=False, post_norms=True, qk_norm=True, qk_norm_scope="all")
+        if kind == "olmo2" else {})
 
 
 def llama_from_hf(config: Mapping[str, Any], state_dict: Mapping[str, Tensor] | None = None,
@@ -229,6 +244,8 @@ def llama_from_hf(config: Mapping[str, Any], state_dict: Mapping[str, Tensor] | 
     (``qk_norm=True``). A ``head_dim`` other than ``hidden_size // num_attention_heads``
     (Qwen3, Mistral NeMo) is kept, and windows on some layers only (``layer_types``, or
     Qwen's ``use_sliding_window`` from ``max_window_layers`` on) become ``layer_windows``.
+    OLMo 2 (``"olmo2"``) normalises the sublayers' outputs only (``pre_norms=False,
+    post_norms=True``) and its queries and keys over all heads (``qk_norm_scope="all"``).
     Phi-3 (``"phi3"``) has q/k/v and gate/up fused, and ``partial_rotary_factor``
     becomes ``rotary_dim`` (its LongRoPE scaling is not supported).
     Gemma (``"gemma"``, ``"gemma2"``, ``"gemma3_text"``) gets its tanh-GELU gate
@@ -278,11 +295,8 @@ def llama_from_hf(config: Mapping[str, Any], state_dict: Mapping[str, Tensor] | 
     parts: dict[str, dict[Any, Tensor]] = {}  # our name -> the pieces to join
     unknown = []
     kind = config.get("model_type", "llama")
-    router, expert_names, stacked, shared = _MOE.get(kind, (None, None, {}, {}))
-    names = {k: v for k, v in _NAMES.items() if not (router and k.startswith("mlp."))}
-    names.update(shared)
-    if kind in ("gemma2", "gemma3_text"):
-        names.update(_GEMMA_NAMES)
+    router, expert_names, stacked, _ = _MOE.get(kind, (None, None, {}, {}))
+    names = layer_names(kind)
     for name, tensor in state_dict.items():
         layer = _LAYER.fullmatch(name)
         at, rest = (f"blocks.{layer[1]}.", layer[2]) if layer else ("", "")

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from torchfn.models._llama import _GEMMA_NAMES, _MOE, _NAMES, _config
+from torchfn.models._llama import _MOE, _config, layer_names
 from torchfn.models._transformer import TransformerEncoder
 
 __all__ = ["llama_to_hf"]
@@ -71,12 +71,8 @@ def llama_to_hf(config: Mapping[str, Any], params: Mapping[str, Tensor]) -> dict
         raise ValueError(f"params do not fit the config: missing {missing[:5]}, unknown "
                          f"{unknown[:5]}, (name, got, want) {wrong[:3]}")
     kind = config.get("model_type", "llama")
-    router, _, stacked, shared = _MOE.get(kind, (None, None, {}, {}))
-    names = {k: v for k, v in _NAMES.items() if not (router and k.startswith("mlp."))}
-    names.update(shared)
-    if kind in ("gemma2", "gemma3_text"):
-        names.update(_GEMMA_NAMES)
-    hf_name = {ours: hf for hf, ours in names.items()}
+    router, _, stacked, _ = _MOE.get(kind, (None, None, {}, {}))
+    hf_name = {ours: hf for hf, ours in layer_names(kind).items()}
     hf_expert = {ours: hf for hf, ours in stacked.items()}  # "mlp.gate" -> "w1" / "gate"
     q, kv = kwargs["heads"] * kwargs["head_dim"], kwargs["kv_heads"] * kwargs["head_dim"]
     out: dict[str, Tensor] = {}

@@ -75,7 +75,9 @@ class MultiHeadAttention(nn.Module):
     of 1024); the output projection maps ``heads * head_dim`` back to ``dim``.
     ``qk_norm=True`` puts an RMSNorm over each head's queries and keys (one weight of
     ``head_dim`` for all heads, epsilon ``norm_eps``) before the rotary embedding, as
-    Qwen3 does (``qk_norm="rms+1"``: Gemma 3's, scaling by ``1 + weight``). ``scale``
+    Qwen3 does (``qk_norm="rms+1"``: Gemma 3's, scaling by ``1 + weight``;
+    ``qk_norm_scope="all"``: one norm over all heads' queries and one over all keys, as
+    OLMo 2's). ``scale``
     replaces the scores' ``1 / sqrt(head_dim)`` (Gemma 2 and 3:
     ``query_pre_attn_scalar ** -0.5``).
 
@@ -106,6 +108,7 @@ class MultiHeadAttention(nn.Module):
                  rotary_dim: int | None = None,
                  bias: bool = True, qkv_bias: bool | None = None,
                  head_dim: int | None = None, qk_norm: bool | str = False,
+                 qk_norm_scope: str = "head",
                  norm_eps: float | None = None, scale: float | None = None,
                  attend: AttendFn | None = None) -> None:
         super().__init__()
@@ -145,10 +148,14 @@ class MultiHeadAttention(nn.Module):
         self.qkv = nn.Linear(dim, (heads + 2 * kv_heads) * hd, bias=qkv_bias)  # [q | k | v]
         self.out = nn.Linear(heads * hd, dim, bias=bias)
         self.qk_norm = bool(qk_norm)
+        if qk_norm_scope not in ("head", "all"):
+            raise ValueError(f"qk_norm_scope must be 'head' or 'all', got {qk_norm_scope!r}")
+        self.qk_norm_scope = qk_norm_scope
         if qk_norm:
             kind = "rms" if qk_norm is True else qk_norm
-            self.q_norm = make_norm(kind, hd, eps=norm_eps)
-            self.k_norm = make_norm(kind, hd, eps=norm_eps)
+            every = qk_norm_scope == "all"  # OLMo 2: over all heads' features at once
+            self.q_norm = make_norm(kind, heads * hd if every else hd, eps=norm_eps)
+            self.k_norm = make_norm(kind, kv_heads * hd if every else hd, eps=norm_eps)
 
     def rotary_table(self, positions: Tensor, dtype: torch.dtype) -> RotaryTable:
         """The cos / sin table of ``positions`` ``(N,)`` or ``(B, N)`` for this layer's
@@ -171,10 +178,12 @@ class MultiHeadAttention(nn.Module):
                 raise ValueError("MultiHeadAttention: cache does not take segment_ids "
                                  "(decode one document per row)")
         q, k, v = self.qkv(x).split([hq, self.kv_heads * hd, self.kv_heads * hd], dim=-1)
+        if self.qk_norm and self.qk_norm_scope == "all":
+            q, k = self.q_norm(q), self.k_norm(k)  # (B, N, H D), (B, N, Hkv D)
         q = q.reshape(b, n, self.heads, hd).transpose(1, 2)  # (B, H, N, D)
         k = k.reshape(b, n, self.kv_heads, hd).transpose(1, 2)  # (B, Hkv, N, D)
         v = v.reshape(b, n, self.kv_heads, hd).transpose(1, 2)  # (B, Hkv, N, D)
-        if self.qk_norm:
+        if self.qk_norm and self.qk_norm_scope == "head":
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rotary:
             if positions is None:
@@ -247,7 +256,8 @@ class TransformerBlock(nn.Module):
     """``x + Drop(Attn(LN(x)))`` then ``x + Drop(MLP(LN(x)))`` (pre-norm; LayerNorm and a
     GELU MLP, or with ``norm="rms"``, ``mlp="swiglu"``, ``bias=False`` Llama's RMSNorm,
     :class:`SwiGLU` and bias-free projections). ``post_norms=True`` also normalises each
-    sublayer's output before the residual add (Gemma 2 and 3): ``x + Drop(LN(Attn(LN(x))))``.
+    sublayer's output before the residual add (Gemma 2 and 3): ``x + Drop(LN(Attn(LN(x))))``;
+    with ``pre_norms=False`` as well, only the output is normalised (OLMo 2).
 
     ``(B, N, dim) -> (B, N, dim)``; arguments as in :class:`TransformerEncoder`.
     ``key_padding_mask`` ``(B, N)`` bool marks real tokens (True). ``positions`` and
@@ -282,13 +292,17 @@ class TransformerBlock(nn.Module):
                  bias: bool = True, qkv_bias: bool | None = None,
                  head_dim: int | None = None, qk_norm: bool = False,
                  attn_scale: float | None = None, post_norms: bool = False,
+                 pre_norms: bool = True, qk_norm_scope: str = "head",
                  experts: int | None = None, top_k: int = 2,
                  moe_options: dict | None = None,
                  attend: AttendFn | None = None) -> None:
         super().__init__()
         if mlp not in ("gelu", "swiglu", "geglu"):
             raise ValueError(f"mlp must be 'gelu', 'swiglu' or 'geglu', got {mlp!r}")
-        self.ln1 = make_norm(norm, dim, bias, norm_eps)
+        if not (pre_norms or post_norms):
+            raise ValueError("TransformerBlock: pre_norms=False needs post_norms=True (a "
+                             "block without norms)")
+        self.ln1 = make_norm(norm, dim, bias, norm_eps) if pre_norms else nn.Identity()
         self.attn = MultiHeadAttention(dim, heads, causal=causal, window=window, softcap=softcap,
                                        attn_dropout=attn_dropout, kv_heads=kv_heads,
                                        rotary=rotary, rotary_base=rotary_base,
@@ -296,9 +310,9 @@ class TransformerBlock(nn.Module):
                                        rotary_dim=rotary_dim, bias=bias,
                                        qkv_bias=qkv_bias, head_dim=head_dim,
                                        qk_norm=(norm if norm != "layer" else "rms") if qk_norm
-                                       else False,
+                                       else False, qk_norm_scope=qk_norm_scope,
                                        norm_eps=norm_eps, scale=attn_scale, attend=attend)
-        self.ln2 = make_norm(norm, dim, bias, norm_eps)
+        self.ln2 = make_norm(norm, dim, bias, norm_eps) if pre_norms else nn.Identity()
         hidden = mlp_ratio * dim if mlp_hidden is None else mlp_hidden
         _check_dims(mlp_hidden=hidden)
         self.moe = experts is not None
@@ -408,6 +422,10 @@ class TransformerEncoder(nn.Module):
             e.g. Gemma 3's base 10000 on its windowed layers and 1e6, scaled, on the others.
         attn_scale: the attention scores' scale instead of ``1 / sqrt(head_dim)``.
         post_norms: a norm on each sublayer's output as well (Gemma 2 and 3).
+        pre_norms: ``False`` drops the norms on the sublayers' inputs; with
+            ``post_norms=True`` that is OLMo 2's block.
+        qk_norm_scope: ``"head"`` (one norm per head's features) or ``"all"`` (over all
+            heads' at once, OLMo 2).
         embed_scale: multiplies the token embeddings (Gemma: ``sqrt(dim)``, rounded to
             their dtype).
         logit_softcap: the head's outputs become ``cap * tanh(out / cap)`` (Gemma 2: 30).
@@ -465,6 +483,8 @@ class TransformerEncoder(nn.Module):
         layer_rotary: Sequence[tuple[float, dict | None] | None] | None = None,
         attn_scale: float | None = None,
         post_norms: bool = False,
+        pre_norms: bool = True,
+        qk_norm_scope: str = "head",
         embed_scale: float | None = None,
         logit_softcap: float | None = None,
         experts: int | None = None,
@@ -532,8 +552,9 @@ class TransformerEncoder(nn.Module):
                              rotary_dim=rotary_dim,
                              norm=norm, mlp=mlp, bias=bias, qkv_bias=qkv_bias,
                              head_dim=head_dim, qk_norm=qk_norm, attn_scale=attn_scale,
-                             post_norms=post_norms,
-                             experts=experts, top_k=top_k, moe_options=moe_options,
+                             post_norms=post_norms, pre_norms=pre_norms,
+                             qk_norm_scope=qk_norm_scope, experts=experts, top_k=top_k,
+                             moe_options=moe_options,
                              attend=attend)
             for layer_window, rope in zip(layer_windows, ropes)
         )
