@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _cached import logits_through_cache
 
 import torchfn
 from torchfn import random
-from torchfn.models import KVCache, generate, llama_from_hf
+from torchfn.models import generate, llama_from_hf
 
 CONFIG = {"hidden_size": 32, "num_attention_heads": 4, "num_key_value_heads": 2,
           "num_hidden_layers": 2, "intermediate_size": 40, "vocab_size": 50,
@@ -179,12 +180,8 @@ def test_a_llama_checkpoint_runs_as_the_hf_forward_does(tied, window, kind):
     want = hf_llama_forward(sd, config, tokens)
     torch.testing.assert_close(model.apply(params, tokens), want, rtol=0, atol=1e-11)
     # and it decodes from its cache: the prompt, then one token at a time
-    out, cache = model.apply(params, tokens[:, :6], cache=KVCache())
-    outs = [out]
-    for i in range(6, 11):
-        o, cache = model.apply(params, tokens[:, i:i + 1], cache=cache)
-        outs.append(o)
-    torch.testing.assert_close(torch.cat(outs, 1), want, rtol=0, atol=1e-11)
+    torch.testing.assert_close(logits_through_cache(model, params, tokens, 6), want, rtol=0,
+                               atol=1e-11)
     greedy = generate(model, params, tokens[:, :4], 5)
     seq = tokens[:, :4]
     for _ in range(5):

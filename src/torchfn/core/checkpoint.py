@@ -243,6 +243,27 @@ def _fsync_dir(folder: str) -> None:
         os.close(fd)
 
 
+def atomic_write(path: str, write: Any) -> None:
+    """``write(tmp)`` a temporary file beside ``path``, flush and fsync it, then move it
+    over ``path``: a write that dies midway leaves ``path`` as it was (and no temporary
+    file). The caller fsyncs the folder after its last file."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp",
+                               dir=os.path.dirname(os.path.abspath(path)))
+    os.close(fd)
+    try:
+        write(tmp)
+        with open(tmp, "rb+") as f:  # the writer closed it; flush the data to disk
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
 def save(path: str | os.PathLike, tree: Any, metadata: Any = None) -> None:
     """Write ``tree`` to ``path`` atomically as one safetensors file.
 
@@ -287,20 +308,7 @@ def save(path: str | os.PathLike, tree: Any, metadata: Any = None) -> None:
         _USER: user,
         _CHECKSUM: _checksum(structure, user, enc.tensors),
     }
-    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=folder)
-    os.close(fd)
-    try:
-        save_file(enc.tensors, tmp, metadata=header)
-        with open(tmp, "rb+") as f:  # save_file closed it; flush the data to disk
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+    atomic_write(path, lambda tmp: save_file(enc.tensors, tmp, metadata=header))
     _fsync_dir(folder)
 
 

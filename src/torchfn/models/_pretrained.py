@@ -5,15 +5,14 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
-from torchfn.core.checkpoint import _fsync_dir
+from torchfn.core.checkpoint import _fsync_dir, atomic_write
 from torchfn.models._llama import llama_from_hf
 from torchfn.models._llama_export import llama_to_hf
 from torchfn.models._transformer import TransformerEncoder
@@ -107,9 +106,9 @@ def llama_save_pretrained(folder: str | os.PathLike, config: Mapping[str, Any],
                               "save to another folder")
     tensors = {n: t.detach().contiguous().cpu() for n, t in llama_to_hf(config, params).items()}
     text = json.dumps(dict(config), indent=2, sort_keys=True)
-    _atomic(os.path.join(folder, _WEIGHTS),
+    atomic_write(os.path.join(folder, _WEIGHTS),
             lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
-    _atomic(os.path.join(folder, _CONFIG), lambda tmp: open(tmp, "w").write(text))
+    atomic_write(os.path.join(folder, _CONFIG), lambda tmp: _write_text(tmp, text))
     _fsync_dir(folder)
 
 
@@ -122,19 +121,6 @@ def _folder(folder: Any, name: str) -> str:
     return folder
 
 
-def _atomic(path: str, write: Callable[[str], Any]) -> None:
-    """``write(tmp)`` a temporary file beside ``path``, fsync it, move it over ``path``."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp",
-                               dir=os.path.dirname(path))
-    os.close(fd)
-    try:
-        write(tmp)
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+def _write_text(path: str, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
