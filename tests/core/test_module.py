@@ -1,5 +1,6 @@
 """torchfn.Model: pure init/apply equal the nn.Module, compose with torch.func, keyed dropout."""
 
+import copy
 import math
 import warnings
 
@@ -467,6 +468,9 @@ def test_apply_swaps_as_functional_call_does_and_always_swaps_back(name, train):
     outer = Model(Twice())
     a, b = outer.apply({}, x)
     torch.testing.assert_close(a, b, rtol=0, atol=0)
+    twin = copy.deepcopy(model)  # its swap table follows its own skeleton
+    again = twin.apply(params, x, state=state, train=train)
+    torch.testing.assert_close(again[0] if train else again, want, rtol=0, atol=0)
 
 
 def test_parameters_without_reset_are_copied_and_warned():

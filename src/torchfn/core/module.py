@@ -148,9 +148,9 @@ class Model:
         keep = set(self.copied) | set(self._const_names)
         self._fixed = {n: named[n].detach().clone() for n in named if n in keep}
         self._consts = {n: self._fixed[n] for n in self._const_names}
-        self._slots = {id(s): _slots(s, self._param_names, self.tied, self._state_names,
-                                     self._const_names)
-                       for s in (self._train_skeleton, self._eval_skeleton)}
+        self._train_slots, self._eval_slots = (
+            _slots(s, self._param_names, self.tied, self._state_names, self._const_names)
+            for s in (self._train_skeleton, self._eval_skeleton))
         uncovered_params = [n for n in self._param_names if n in self.copied]
         if uncovered_params:
             warnings.warn(
@@ -311,7 +311,7 @@ class Model:
         skeleton = self._train_skeleton if train else self._eval_skeleton
         new_state = {n: t.clone() for n, t in state.items()}  # functional_call writes in place
         tensors = {**params, **new_state, **self._consts}
-        slots = self._slots[id(skeleton)]
+        slots = self._train_slots if train else self._eval_slots
         if slots is None or torch.compiler.is_compiling():  # dynamo traces functional_call
             def run():
                 return torch.func.functional_call(skeleton, tensors, inputs, kwargs,

@@ -46,7 +46,7 @@ _GEMMA = ("gemma", "gemma2", "gemma3_text")
 _TYPES = ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "phi3",
           "olmo2", *_GEMMA)
 _PHI3 = ("self_attn.qkv_proj.weight", "mlp.gate_up_proj.weight")  # Phi-3's fused matrices
-_GEMMA_NAMES = {  # Gemma 2 and 3 norm each sublayer's input and output
+_POST_NORM_NAMES = {  # Gemma 2 and 3, OLMo 2: norms on the sublayers' outputs
     "post_attention_layernorm.weight": "post_ln1.weight",
     "pre_feedforward_layernorm.weight": "ln2.weight",
     "post_feedforward_layernorm.weight": "post_ln2.weight",
@@ -60,7 +60,7 @@ def layer_names(kind: str) -> dict[str, str]:
     names = {k: v for k, v in _NAMES.items() if not (router and k.startswith("mlp."))}
     names.update(shared)
     if kind in ("gemma2", "gemma3_text", "olmo2"):  # norms on the sublayers' outputs
-        names.update(_GEMMA_NAMES)
+        names.update(_POST_NORM_NAMES)
     return names
 
 

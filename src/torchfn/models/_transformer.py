@@ -77,8 +77,7 @@ class MultiHeadAttention(nn.Module):
     ``head_dim`` for all heads, epsilon ``norm_eps``) before the rotary embedding, as
     Qwen3 does (``qk_norm="rms+1"``: Gemma 3's, scaling by ``1 + weight``;
     ``qk_norm_scope="all"``: one norm over all heads' queries and one over all keys, as
-    OLMo 2's). ``scale``
-    replaces the scores' ``1 / sqrt(head_dim)`` (Gemma 2 and 3:
+    OLMo 2's). ``scale`` replaces the scores' ``1 / sqrt(head_dim)`` (Gemma 2 and 3:
     ``query_pre_attn_scalar ** -0.5``).
 
     ``forward(x, key_padding_mask, segment_ids, positions, cache)``: ``positions`` may
