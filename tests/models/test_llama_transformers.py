@@ -26,6 +26,9 @@ from torchfn.models import (
     llama_from_pretrained,
     llama_save_pretrained,
     llama_to_hf,
+    merge_lora,
+    split_lora,
+    with_lora,
 )
 
 transformers = pytest.importorskip(
@@ -333,3 +336,37 @@ def test_bf16_logits_are_as_close_to_float64_as_transformers_bf16(case, tmp_path
         theirs = hf.bfloat16()(tokens).logits.double()
     e_ours, e_theirs = (ours - ref).abs(), (theirs - ref).abs()
     assert e_ours.mean() <= 1.3 * e_theirs.mean() and e_ours.max() <= 2 * e_theirs.max()
+
+
+def test_lora_fine_tuning_a_checkpoint_and_loading_the_merge_in_transformers(tmp_path):
+    """A checkpoint folder in, LoRA adapters on q/k/v and the output projection trained
+    by pure gradient steps (only the adapters move), merged, written as a folder, loaded
+    by transformers: its logits are the adapted model's."""
+    hf, config, _ = hf_checkpoint(*CASES["qwen2"], tmp_path / "base")
+    module, base, _ = llama_from_pretrained(tmp_path / "base")
+    lora = with_lora(module, rank=2, targets=["qkv", "out"])
+    model = torchfn.Model(lora)
+    params = {**{n: t.double() for n, t in model.init(torchfn.random.key(0)).items()}, **base}
+    frozen, adapters = split_lora(params)
+    tokens = torch.randint(0, 50, (4, 12), generator=torch.Generator().manual_seed(6))
+
+    def loss(adapters):
+        logits = model.apply({**frozen, **adapters}, tokens[:, :-1])
+        return torch.nn.functional.cross_entropy(logits.transpose(1, 2), tokens[:, 1:])
+
+    first = loss(adapters)
+    for _ in range(5):
+        grads = torch.func.grad(loss)(adapters)
+        adapters = {n: a - 0.5 * grads[n] for n, a in adapters.items()}
+    assert loss(adapters) < first
+    merged = merge_lora(lora, {**frozen, **adapters})
+    assert set(merged) == set(base) and not torch.equal(merged["blocks.0.attn.qkv.weight"],
+                                                        base["blocks.0.attn.qkv.weight"])
+    (tmp_path / "tuned").mkdir()
+    llama_save_pretrained(tmp_path / "tuned", config, merged)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "tuned",
+                                                               dtype=torch.float64).eval()
+    with torch.no_grad():
+        want = loaded(tokens).logits
+    torch.testing.assert_close(model.apply({**frozen, **adapters}, tokens), want, rtol=0,
+                               atol=2e-6)
