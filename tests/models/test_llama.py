@@ -209,8 +209,8 @@ def test_bad_checkpoints_and_configs_are_named():
         llama_from_hf(dict(CONFIG, model_type="gpt2"))
     with pytest.raises(ValueError, match=r"config\['hidden_activation'\] = 'silu' is not "):
         llama_from_hf(dict(CONFIG, model_type="gemma"))  # CONFIG's Llama activation
-    with pytest.raises(ValueError, match=r"config\['decoder_sparse_step'\] = 2 and"):
-        llama_from_hf(dict(CONFIG, **dict(QWEN2_MOE, decoder_sparse_step=2)))
+    with pytest.raises(ValueError, match=r"config\['decoder_sparse_step'\] = 3 and .* leave no"):
+        llama_from_hf(dict(CONFIG, **dict(QWEN2_MOE, decoder_sparse_step=3)))
     with pytest.raises(ValueError, match=r"config\['use_sliding_window'\] = True without "):
         llama_from_hf(dict(CONFIG, **dict(QWEN2_MOE, use_sliding_window=True,
                                           sliding_window=4)))

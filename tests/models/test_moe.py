@@ -239,6 +239,25 @@ def test_deepseek_routing_is_the_same_on_both_paths_and_its_load_and_bias_update
     assert moe.expert_load(logits, bias).std() < 0.5 * spread
 
 
+def test_layer_experts_mix_dense_and_mixture_blocks():
+    """Only the chosen blocks route (their logits, in order, are what
+    ``return_router_logits`` gives); the others keep a dense MLP of ``mlp_hidden``."""
+    net = TransformerEncoder(16, 2, 3, vocab_size=11, out_dim=11, causal=True, experts=4,
+                             top_k=2, mlp="swiglu", mlp_hidden=24, expert_hidden=8,
+                             layer_experts=[False, True, False])
+    model = torchfn.Model(net)
+    params = model.init(random.key(0))
+    assert params["blocks.0.mlp.gate.weight"].shape == (24, 16)
+    assert params["blocks.1.mlp.gate"].shape == (4, 8, 16)
+    tokens = random.randint(random.key(1), (2, 5), 0, 11)
+    out, logits = model.apply(params, tokens, return_router_logits=True)
+    assert len(logits) == 1 and logits[0].shape == (2, 5, 4)
+    torch.testing.assert_close(out, model.apply(params, tokens))
+    for bad in ([True], [False, False, False]):
+        with pytest.raises(ValueError, match="layer_experts must be a list of depth = 3 bools"):
+            TransformerEncoder(16, 2, 3, experts=4, layer_experts=bad)
+
+
 def test_router_logits_are_the_routers():
     model, params, x = setup()
     out, logits = model.apply(params, x, return_router_logits=True)

@@ -168,19 +168,19 @@ def _moe(config: Mapping[str, Any], kind: str) -> dict[str, Any]:
                     top_k=config.get("num_experts_per_tok", 2))
     if kind not in ("qwen2_moe", "qwen3_moe"):
         return {}
-    step, dense = config.get("decoder_sparse_step", 1), config.get("mlp_only_layers")
-    if step != 1 or dense:
+    step, dense = config.get("decoder_sparse_step") or 1, config.get("mlp_only_layers") or []
+    sparse = [i not in dense and (i + 1) % step == 0 for i in range(config["num_hidden_layers"])]
+    if not any(sparse):
         raise ValueError(f"config['decoder_sparse_step'] = {step!r} and config["
-                         f"'mlp_only_layers'] = {dense!r} are not supported here (needs 1 "
-                         "and []: every layer a mixture of experts)")
+                         f"'mlp_only_layers'] = {dense!r} leave no layer a mixture of experts")
     options: dict[str, Any] = dict(normalize=bool(config.get("norm_topk_prob", False)))
     if kind == "qwen2_moe":  # and a shared expert for every token, sigmoid-gated
         options.update(shared_hidden=config.get("shared_expert_intermediate_size"),
                        shared_gate=True)
     experts = config.get("num_experts") or config.get("num_local_experts", 60)  # v5: the latter
     return dict(experts=experts, top_k=config.get("num_experts_per_tok", 4),
-                mlp_hidden=config.get("moe_intermediate_size", config["intermediate_size"]),
-                moe_options=options)
+                expert_hidden=config.get("moe_intermediate_size", config["intermediate_size"]),
+                moe_options=options, layer_experts=None if all(sparse) else sparse)
 
 
 def _config(config: Mapping[str, Any]) -> dict[str, Any]:
@@ -310,6 +310,9 @@ def llama_from_hf(config: Mapping[str, Any], state_dict: Mapping[str, Tensor] | 
                 params["head.weight"] = tensor
         elif layer and rest in names:
             params[at + names[rest]] = tensor
+        elif layer and router and rest in _NAMES and rest.startswith("mlp.") and not \
+                (kwargs.get("layer_experts") or [True] * kwargs["depth"])[int(layer[1])]:
+            params[at + _NAMES[rest]] = tensor  # a dense layer of a mixture model
         elif layer and rest == router:
             params[at + "mlp.router.weight"] = tensor
         elif layer and rest in _QKV:  # q, k, v in that order

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from torchfn.models._llama import _MOE, _config, layer_names
+from torchfn.models._llama import _MOE, _NAMES, _config, layer_names
 from torchfn.models._transformer import TransformerEncoder
 
 __all__ = ["llama_to_hf"]
@@ -73,6 +73,8 @@ def llama_to_hf(config: Mapping[str, Any], params: Mapping[str, Tensor]) -> dict
     kind = config.get("model_type", "llama")
     router, _, stacked, _ = _MOE.get(kind, (None, None, {}, {}))
     hf_name = {ours: hf for hf, ours in layer_names(kind).items()}
+    dense = {ours: hf for hf, ours in _NAMES.items() if hf.startswith("mlp.")}  # a dense
+    # layer's MLP in a mixture model (its experts' stacked params have no ".weight")
     hf_expert = {ours: hf for hf, ours in stacked.items()}  # "mlp.gate" -> "w1" / "gate"
     q, kv = kwargs["heads"] * kwargs["head_dim"], kwargs["kv_heads"] * kwargs["head_dim"]
     out: dict[str, Tensor] = {}
@@ -100,6 +102,8 @@ def llama_to_hf(config: Mapping[str, Any], params: Mapping[str, Tensor]) -> dict
                 suffix = rest.rsplit(".", 1)[1]
                 for p, part in zip("qkv", t.split([q, kv, kv])):
                     out[f"{at}self_attn.{p}_proj.{suffix}"] = part.clone()
+            elif rest in dense:
+                out[at + dense[rest]] = t
             elif rest == "mlp.router.weight":
                 out[at + router] = t
             else:  # stacked experts (E, ...) -> one matrix each

@@ -293,7 +293,7 @@ class TransformerBlock(nn.Module):
                  attn_scale: float | None = None, post_norms: bool = False,
                  pre_norms: bool = True, qk_norm_scope: str = "head",
                  experts: int | None = None, top_k: int = 2,
-                 moe_options: dict | None = None,
+                 moe_options: dict | None = None, expert_hidden: int | None = None,
                  attend: AttendFn | None = None) -> None:
         super().__init__()
         if mlp not in ("gelu", "swiglu", "geglu"):
@@ -316,7 +316,7 @@ class TransformerBlock(nn.Module):
         _check_dims(mlp_hidden=hidden)
         self.moe = experts is not None
         if self.moe:
-            self.mlp: nn.Module = MoE(dim, hidden, experts, top_k, mlp=mlp,
+            self.mlp: nn.Module = MoE(dim, expert_hidden or hidden, experts, top_k, mlp=mlp,
                                       **(moe_options or {}))
         elif moe_options:
             raise ValueError(f"moe_options need experts, got moe_options={moe_options}")
@@ -390,7 +390,11 @@ class TransformerEncoder(nn.Module):
             ``return_router_logits=True`` then returns ``(out, logits)``, the routers'
             logits ``(B, N, E)`` per block, for :func:`torchfn.losses.moe_load_balance`.
         moe_options: :class:`MoE`'s other keywords: ``normalize``, ``shared_hidden``,
-            ``shared_gate``.
+            ``shared_gate``, ``capacity_factor``, DeepSeek-V3's routing.
+        expert_hidden: the experts' width (default ``mlp_hidden``).
+        layer_experts: which blocks have the mixture (the others a dense MLP of
+            ``mlp_hidden``), e.g. Qwen-MoE's ``mlp_only_layers`` or DeepSeek's dense first
+            layers; the router logits come from those blocks only.
         norm, mlp, bias: ``"layer"``, ``"rms"`` (RMSNorm) or ``"rms+1"`` (Gemma's,
             scaling by ``1 + weight``) for the blocks' and the final norm; ``"gelu"``,
             ``"swiglu"`` (:class:`SwiGLU`, ``mlp_ratio * dim`` hidden units) or
@@ -489,6 +493,8 @@ class TransformerEncoder(nn.Module):
         experts: int | None = None,
         top_k: int = 2,
         moe_options: dict | None = None,
+        expert_hidden: int | None = None,
+        layer_experts: Sequence[bool] | None = None,
         attend: AttendFn | None = None,
         remat: bool | Callable[..., bool] = False,
         tie_embeddings: bool = False,
@@ -542,6 +548,16 @@ class TransformerEncoder(nn.Module):
                     value, (int, float)) or not value > 0):
                 raise ValueError(f"{name} must be a number > 0 or None, got {value!r}")
         self.embed_scale, self.logit_softcap = embed_scale, logit_softcap
+        if moe_options and experts is None:
+            raise ValueError(f"moe_options need experts, got moe_options={moe_options}")
+        if layer_experts is None:
+            layer_experts = [experts is not None] * depth
+        elif experts is None or isinstance(layer_experts, (str, tuple)) \
+                or len(layer_experts) != depth or not any(layer_experts):
+            raise ValueError(f"layer_experts must be a list of depth = {depth} bools, some "
+                             f"True, with experts; got layer_experts={layer_experts!r}, "
+                             f"experts={experts!r}")
+        self._sparse = [bool(x) for x in layer_experts]
         self.blocks = nn.ModuleList(
             TransformerBlock(dim, heads, mlp_ratio=mlp_ratio, mlp_hidden=mlp_hidden,
                              norm_eps=norm_eps, dropout=dropout, causal=causal,
@@ -552,10 +568,11 @@ class TransformerEncoder(nn.Module):
                              norm=norm, mlp=mlp, bias=bias, qkv_bias=qkv_bias,
                              head_dim=head_dim, qk_norm=qk_norm, attn_scale=attn_scale,
                              post_norms=post_norms, pre_norms=pre_norms,
-                             qk_norm_scope=qk_norm_scope, experts=experts, top_k=top_k,
-                             moe_options=moe_options,
-                             attend=attend)
-            for layer_window, rope in zip(layer_windows, ropes)
+                             qk_norm_scope=qk_norm_scope,
+                             experts=experts if sparse else None, top_k=top_k,
+                             moe_options=moe_options if sparse else None,
+                             expert_hidden=expert_hidden, attend=attend)
+            for layer_window, rope, sparse in zip(layer_windows, ropes, self._sparse)
         )
         self.ln = make_norm(norm, dim, bias, norm_eps)
         if tie_embeddings and (vocab_size is None or out_dim not in (None, vocab_size)):
@@ -625,13 +642,14 @@ class TransformerEncoder(nn.Module):
                 new_values += layer.values
                 continue
             args = (h, key_padding_mask, segment_ids, block_positions)
-            if return_router_logits:
+            routed = return_router_logits and self._sparse[i]
+            if routed:
                 args += (None, True)
             if self.remat is None:
                 h = block(*args)
             else:
                 h = call_remat(block, self.remat, *args, stochastic=self._stochastic)
-            if return_router_logits:
+            if routed:
                 h, logits = h  # logits (B, N, E)
                 router_logits.append(logits.squeeze(0) if one else logits)
         h = self.ln(h)
