@@ -107,7 +107,7 @@ def llama_save_pretrained(folder: str | os.PathLike, config: Mapping[str, Any],
     tensors = {n: t.detach().contiguous().cpu() for n, t in llama_to_hf(config, params).items()}
     text = json.dumps(dict(config), indent=2, sort_keys=True)
     atomic_write(os.path.join(folder, _WEIGHTS),
-            lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
+                 lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
     atomic_write(os.path.join(folder, _CONFIG), lambda tmp: _write_text(tmp, text))
     _fsync_dir(folder)
 
