@@ -6,11 +6,12 @@ from torchfn.models import KVCache
 
 
 def logits_through_cache(model, params, tokens, prefill):
-    """``(B, N, V)``: ``tokens[:, :prefill]`` in one call, then each later token alone
+    """``(B, N, V)`` from ``model(params, ...)`` (a ``torchfn.Model`` or its ``apply``
+    with state bound): ``tokens[:, :prefill]`` in one call, then each later token alone
     against the cache; to compare with the uncached forward."""
-    out, cache = model.apply(params, tokens[:, :prefill], cache=KVCache())
+    out, cache = model(params, tokens[:, :prefill], cache=KVCache())
     outs = [out]
     for i in range(prefill, tokens.shape[1]):
-        out, cache = model.apply(params, tokens[:, i:i + 1], cache=cache)
+        out, cache = model(params, tokens[:, i:i + 1], cache=cache)
         outs.append(out)
     return torch.cat(outs, 1)

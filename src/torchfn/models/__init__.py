@@ -3,6 +3,7 @@
 from torchfn.models._aggregate import GINConv, SAGEConv, aggregate_neighbours
 from torchfn.models._beam_search import beam_search
 from torchfn.models._cnn import BasicBlock, ConvNet, ResNet
+from torchfn.models._deepseek import deepseek_from_hf, deepseek_to_hf
 from torchfn.models._denoiser import MLPDenoiser, fourier_features, timestep_embedding
 from torchfn.models._energy import MLPEnergy
 from torchfn.models._gan import ConvCritic, ConvGenerator
@@ -22,6 +23,7 @@ from torchfn.models._lora import (
     split_lora,
     with_lora,
 )
+from torchfn.models._mla import LatentAttention
 from torchfn.models._mlp import MLP, SwiGLU
 from torchfn.models._moe import MoE, moe_bias_update
 from torchfn.models._nerf import NeRF
@@ -52,6 +54,7 @@ __all__ = [
     "TransformerEncoder",
     "TransformerBlock",
     "MultiHeadAttention",
+    "LatentAttention",
     # rotary positions, KV-cache decoding and token sampling (_rotary, _kv_cache, _generate)
     "rotary_embedding",
     "rotary_frequencies",
@@ -65,6 +68,8 @@ __all__ = [
     "llama_to_hf",
     "llama_from_pretrained",
     "llama_save_pretrained",
+    "deepseek_from_hf",
+    "deepseek_to_hf",
     "MLPVAE",
     # DCGAN generator and critic for small images (_gan)
     "ConvGenerator",

@@ -109,7 +109,10 @@ class StaticKVCache(NamedTuple):
                  dtype: torch.dtype = torch.float32,
                  device: torch.device | str | None = None) -> StaticKVCache:
         """An empty cache for every attention layer of ``module`` (an ``nn.Module``
-        holding ``MultiHeadAttention`` layers, or the ``torchfn.Model`` of one)."""
+        holding ``MultiHeadAttention`` or ``LatentAttention`` layers, or the
+        ``torchfn.Model`` of one); a ``LatentAttention``'s holds its latents and rotary
+        keys."""
+        from torchfn.models._mla import LatentAttention
         from torchfn.models._transformer import MultiHeadAttention
 
         module = getattr(module, "_eval_skeleton", module)  # a torchfn.Model's module
@@ -119,14 +122,16 @@ class StaticKVCache(NamedTuple):
         for name, n in (("batch_size", batch_size), ("capacity", capacity)):
             if isinstance(n, bool) or not isinstance(n, int) or n < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {n!r}")
-        layers = [m for m in module.modules() if isinstance(m, MultiHeadAttention)]
+        layers = [m for m in module.modules()
+                  if isinstance(m, (MultiHeadAttention, LatentAttention))]
         if not layers:
-            raise ValueError(f"module has no MultiHeadAttention layer to cache: "
-                             f"{type(module).__name__}")
-        shapes = [(batch_size, m.kv_heads, capacity, m.head_dim) for m in layers]
+            raise ValueError(f"module has no MultiHeadAttention or LatentAttention layer to "
+                             f"cache: {type(module).__name__}")
+        shapes = [m.cache_shapes(batch_size, capacity) if isinstance(m, LatentAttention)
+                  else ((batch_size, m.kv_heads, capacity, m.head_dim),) * 2 for m in layers]
         return StaticKVCache(
-            tuple(torch.zeros(s, dtype=dtype, device=device) for s in shapes),
-            tuple(torch.zeros(s, dtype=dtype, device=device) for s in shapes),
+            tuple(torch.zeros(k, dtype=dtype, device=device) for k, _ in shapes),
+            tuple(torch.zeros(v, dtype=dtype, device=device) for _, v in shapes),
             torch.zeros((), dtype=torch.long, device=device))
 
 

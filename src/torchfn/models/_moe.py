@@ -34,9 +34,11 @@ class MoE(nn.Module):
     ``top_k`` largest kept, renormalised to sum to 1 (``normalize=False``: kept as they
     are, as Qwen-MoE's default). DeepSeek-V3's routing: ``scoring="sigmoid"``
     (independent scores), ``groups`` / ``topk_groups`` (the experts split into groups,
-    only the best ``topk_groups`` groups compete), ``routed_scale`` (the weights' factor)
-    and ``router_bias=True``: a buffer added to the scores for the choice only, which
-    :func:`moe_bias_update` moves toward balanced loads without an auxiliary loss.
+    only the best ``topk_groups`` groups compete, ranked by the sum of their two best
+    scores, or with ``group_score="max"`` by their best as DeepSeek-V2), ``routed_scale``
+    (the weights' factor) and ``router_bias=True``: a buffer added to the scores for the
+    choice only, which :func:`moe_bias_update` moves toward balanced loads without an
+    auxiliary loss.
     Every token is computed (no capacity, no dropped tokens),
     unless ``capacity_factor`` is given: then each expert takes at most
     ``C = ceil(capacity_factor * T * top_k / E)`` of the ``T`` tokens of a call, first
@@ -82,8 +84,8 @@ class MoE(nn.Module):
                  mlp: str = "swiglu", normalize: bool = True, shared_hidden: int | None = None,
                  shared_gate: bool = False, capacity_factor: float | None = None,
                  scoring: str = "softmax", groups: int | None = None,
-                 topk_groups: int | None = None, routed_scale: float = 1.0,
-                 router_bias: bool = False) -> None:
+                 topk_groups: int | None = None, group_score: str = "top2",
+                 routed_scale: float = 1.0, router_bias: bool = False) -> None:
         super().__init__()
         _check_dims(dim=dim, hidden=hidden, experts=experts, top_k=top_k)
         if shared_hidden is not None:
@@ -113,7 +115,10 @@ class MoE(nn.Module):
                                  f"topk_groups <= groups and top_k <= the experts of "
                                  f"topk_groups groups; got groups={groups}, topk_groups="
                                  f"{topk_groups}, top_k={top_k}")
+        if group_score not in ("top2", "max"):
+            raise ValueError(f"group_score must be 'top2' or 'max', got {group_score!r}")
         self.scoring, self.groups, self.topk_groups = scoring, groups, topk_groups
+        self.group_score = group_score
         self.routed_scale = float(routed_scale)
         if router_bias:  # DeepSeek-V3's selection bias: state, moved by moe_bias_update
             self.register_buffer("router_bias", torch.zeros(experts))
@@ -144,8 +149,13 @@ class MoE(nn.Module):
 
     def route(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """``(logits (T, E), weights (T, top_k), experts (T, top_k))`` for tokens
-        ``x`` ``(T, dim)``; the weights in ``x``'s dtype, the scores in float32 or wider."""
-        logits = self.router(x)  # (T, E)
+        ``x`` ``(T, dim)``; the weights in ``x``'s dtype, the scores in float32 or wider.
+        A router weight wider than ``x`` (a bf16 model's float32 router, as DeepSeek-V3
+        keeps it) computes the logits in its dtype."""
+        w = self.router.weight
+        logits = self.router(x) if w.dtype == x.dtype else nn.functional.linear(
+            x.to(torch.promote_types(x.dtype, w.dtype)), w.to(torch.promote_types(
+                x.dtype, w.dtype)))  # (T, E)
         weights, chosen = self.select(logits)
         return logits, weights.to(x.dtype), chosen
 
@@ -153,14 +163,17 @@ class MoE(nn.Module):
         """The routing of router ``logits`` ``(T, E)``: ``(weights, experts)``, each
         ``(T, top_k)``. ``bias`` (default the ``router_bias`` buffer) shifts the scores
         for the choice only, not the weights (DeepSeek-V3); with ``groups``, only the
-        experts of the ``topk_groups`` groups whose two best scores sum highest compete."""
+        experts of the ``topk_groups`` groups whose two best scores sum highest
+        (``group_score="max"``: whose best score is highest, DeepSeek-V2) compete."""
         scores = logits.to(torch.promote_types(logits.dtype, torch.float32))
         scores = scores.softmax(-1) if self.scoring == "softmax" else scores.sigmoid()
         bias = self.router_bias if bias is None else bias
         choice = scores if bias is None else scores + bias
         if self.groups is not None:
             per = choice.unflatten(-1, (self.groups, -1))  # (T, G, E / G)
-            best = per.topk(2, dim=-1).values.sum(-1).topk(self.topk_groups, dim=-1).indices
+            rank = per.topk(2, dim=-1).values.sum(-1) if self.group_score == "top2" else \
+                per.amax(-1)  # (T, G)
+            best = rank.topk(self.topk_groups, dim=-1).indices
             keep = torch.zeros_like(per[..., 0], dtype=torch.bool).scatter(-1, best, True)
             choice = per.masked_fill(~keep[..., None], float("-inf")).flatten(-2)
         chosen = choice.topk(self.top_k, dim=-1).indices  # (T, k)

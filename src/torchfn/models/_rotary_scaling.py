@@ -19,7 +19,7 @@ _KEYS = {
     "llama3": {"factor", "low_freq_factor", "high_freq_factor",
                "original_max_position_embeddings"},
     "yarn": {"factor", "original_max_position_embeddings", "beta_fast", "beta_slow",
-             "attention_factor"},
+             "attention_factor", "mscale", "mscale_all_dim", "truncate"},
 }
 _REQUIRED = {"linear": {"factor"}, "ntk": {"factor"},
              "llama3": _KEYS["llama3"], "yarn": {"factor", "original_max_position_embeddings"}}
@@ -63,10 +63,13 @@ def rotary_frequencies(rotary_dim: int, base: float = 10000.0,
       low_freq_factor`` divided by ``factor``, and between them the two are blended
       linearly in ``original / wavelength``.
     - ``{"rope_type": "yarn", "factor", "original_max_position_embeddings",
-      "beta_fast"=32, "beta_slow"=1, "attention_factor"=None}``: YaRN (Peng et al. 2023).
+      "beta_fast"=32, "beta_slow"=1, "attention_factor"=None, "mscale", "mscale_all_dim",
+      "truncate"=True}``: YaRN (Peng et al. 2023).
       Dimensions that turn more than ``beta_fast`` times over the original context are
-      kept, fewer than ``beta_slow`` interpolated, a linear ramp between; cos and sin
-      are scaled by ``attention_factor``, by default ``0.1 ln(factor) + 1``.
+      kept, fewer than ``beta_slow`` interpolated, a linear ramp between (its ends
+      rounded outward unless ``truncate=False``); cos and sin are scaled by
+      ``attention_factor``, by default ``m(mscale) / m(mscale_all_dim)`` where both are
+      given (DeepSeek), else ``m(1)``, with ``m(s) = 0.1 s ln(factor) + 1``.
 
     Example::
 
@@ -110,12 +113,21 @@ def rotary_frequencies(rotary_dim: int, base: float = 10000.0,
     def dim_turning(turns: float) -> float:  # the dim index that turns `turns` times
         return d * math.log(original / (turns * 2 * math.pi)) / (2 * math.log(base))
 
-    lo = max(math.floor(dim_turning(fast)), 0)
-    hi = min(math.ceil(dim_turning(slow)), d - 1)
+    lo, hi = dim_turning(fast), dim_turning(slow)
+    if opts.get("truncate", True):
+        lo, hi = math.floor(lo), math.ceil(hi)
+    lo, hi = max(lo, 0), min(hi, d - 1)
     hi = hi + 0.001 if hi == lo else hi
     ramp = ((torch.arange(d // 2, dtype=torch.float64, device=device) - lo) / (hi - lo)).clamp(
         0, 1)  # 0: kept, 1: interpolated
     scale = opts.get("attention_factor")
     if scale is None:
-        scale = 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
+        mscale, mscale_all = opts.get("mscale"), opts.get("mscale_all_dim")
+        scale = yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all) \
+            if mscale and mscale_all else yarn_mscale(factor)
     return inv_freq * (1 - ramp) + inv_freq / factor * ramp, float(scale)
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's temperature ``0.1 mscale ln(factor) + 1`` (1 for ``factor <= 1``)."""
+    return 0.1 * mscale * math.log(factor) + 1.0 if factor > 1 else 1.0

@@ -9,6 +9,7 @@ from torch import Tensor, nn
 
 from torchfn.core._eager import plain
 from torchfn.models._kv_cache import KVCache, StaticKVCache, check_cache
+from torchfn.models._mla import LatentAttention
 from torchfn.models._mlp import SwiGLU, _check_dims
 from torchfn.models._moe import MoE
 from torchfn.models._norm import make_norm
@@ -251,6 +252,25 @@ def token_positions(n: int, device: torch.device, start: int = 0,
     return positions
 
 
+def _latent(dim: int, heads: int, options: dict, *, rotary: bool, kv_heads, head_dim,
+            qk_norm, rotary_dim, qkv_bias, **kwargs) -> LatentAttention:
+    """A block's :class:`LatentAttention` from ``latent_attention`` (its ``kv_rank``,
+    ``rope_dim``, ``nope_dim``, ``v_dim``, ``q_rank``, ``latent_eps``); the options of
+    :class:`MultiHeadAttention`'s heads that it has no use for must be unset."""
+    if not isinstance(options, dict) or "kv_rank" not in options:
+        raise ValueError(f"latent_attention must be a dict with kv_rank (and rope_dim, "
+                         f"nope_dim, v_dim, q_rank, latent_eps), got {options!r}")
+    if not rotary:
+        raise ValueError("latent_attention needs rotary positions (position_embedding="
+                         "'rotary')")
+    unset = {"kv_heads": kv_heads, "head_dim": head_dim, "qk_norm": qk_norm or None,
+             "rotary_dim": rotary_dim, "qkv_bias": qkv_bias or None}
+    clash = {k: v for k, v in unset.items() if v is not None}
+    if clash:
+        raise ValueError(f"latent_attention sets the heads' shapes itself; got {clash} too")
+    return LatentAttention(dim, heads, **kwargs, **options)
+
+
 class TransformerBlock(nn.Module):
     """``x + Drop(Attn(LN(x)))`` then ``x + Drop(MLP(LN(x)))`` (pre-norm; LayerNorm and a
     GELU MLP, or with ``norm="rms"``, ``mlp="swiglu"``, ``bias=False`` Llama's RMSNorm,
@@ -294,6 +314,7 @@ class TransformerBlock(nn.Module):
                  pre_norms: bool = True, qk_norm_scope: str = "head",
                  experts: int | None = None, top_k: int = 2,
                  moe_options: dict | None = None, expert_hidden: int | None = None,
+                 latent_attention: dict | None = None,
                  attend: AttendFn | None = None) -> None:
         super().__init__()
         if mlp not in ("gelu", "swiglu", "geglu"):
@@ -302,15 +323,21 @@ class TransformerBlock(nn.Module):
             raise ValueError("TransformerBlock: pre_norms=False needs post_norms=True (a "
                              "block without norms)")
         self.ln1 = make_norm(norm, dim, bias, norm_eps) if pre_norms else nn.Identity()
-        self.attn = MultiHeadAttention(dim, heads, causal=causal, window=window, softcap=softcap,
-                                       attn_dropout=attn_dropout, kv_heads=kv_heads,
-                                       rotary=rotary, rotary_base=rotary_base,
-                                       rotary_scaling=rotary_scaling,
-                                       rotary_dim=rotary_dim, bias=bias,
-                                       qkv_bias=qkv_bias, head_dim=head_dim,
-                                       qk_norm=(norm if norm != "layer" else "rms") if qk_norm
-                                       else False, qk_norm_scope=qk_norm_scope,
-                                       norm_eps=norm_eps, scale=attn_scale, attend=attend)
+        if latent_attention is not None:
+            self.attn: nn.Module = _latent(
+                dim, heads, latent_attention, causal=causal, window=window, softcap=softcap,
+                attn_dropout=attn_dropout, rotary=rotary, rotary_base=rotary_base,
+                rotary_scaling=rotary_scaling, scale=attn_scale, attend=attend,
+                kv_heads=kv_heads, head_dim=head_dim, qk_norm=qk_norm, rotary_dim=rotary_dim,
+                qkv_bias=qkv_bias)
+        else:
+            self.attn = MultiHeadAttention(
+                dim, heads, causal=causal, window=window, softcap=softcap,
+                attn_dropout=attn_dropout, kv_heads=kv_heads, rotary=rotary,
+                rotary_base=rotary_base, rotary_scaling=rotary_scaling, rotary_dim=rotary_dim,
+                bias=bias, qkv_bias=qkv_bias, head_dim=head_dim,
+                qk_norm=(norm if norm != "layer" else "rms") if qk_norm else False,
+                qk_norm_scope=qk_norm_scope, norm_eps=norm_eps, scale=attn_scale, attend=attend)
         self.ln2 = make_norm(norm, dim, bias, norm_eps) if pre_norms else nn.Identity()
         hidden = mlp_ratio * dim if mlp_hidden is None else mlp_hidden
         _check_dims(mlp_hidden=hidden)
@@ -435,6 +462,12 @@ class TransformerEncoder(nn.Module):
         softcap: attention logit soft-capping (Gemma 2 uses 50), as the kernel's.
         attn_dropout: attention dropout (on the probabilities, in the fused kernel), keyed
             by ``Model.apply``'s ``key`` in train mode.
+        latent_attention: DeepSeek's multi-head latent attention in every block instead
+            (:class:`LatentAttention`): a dict of its ``kv_rank``, ``rope_dim``,
+            ``nope_dim``, ``v_dim``, ``q_rank``, ``latent_eps``; needs
+            ``position_embedding="rotary"`` and leaves ``kv_heads``, ``head_dim``,
+            ``qk_norm``, ``rotary_dim`` and ``qkv_bias`` unset. The cache then holds each
+            token's latent and rotary key.
         attend: the attention function (default ``torchfn.kernels.attention``).
         remat: recompute each block's activations in the backward (``torchfn.remat``):
             ``True`` keeps only the blocks' inputs, a policy from
@@ -495,6 +528,7 @@ class TransformerEncoder(nn.Module):
         moe_options: dict | None = None,
         expert_hidden: int | None = None,
         layer_experts: Sequence[bool] | None = None,
+        latent_attention: dict | None = None,
         attend: AttendFn | None = None,
         remat: bool | Callable[..., bool] = False,
         tie_embeddings: bool = False,
@@ -571,7 +605,8 @@ class TransformerEncoder(nn.Module):
                              qk_norm_scope=qk_norm_scope,
                              experts=experts if sparse else None, top_k=top_k,
                              moe_options=moe_options if sparse else None,
-                             expert_hidden=expert_hidden, attend=attend)
+                             expert_hidden=expert_hidden, latent_attention=latent_attention,
+                             attend=attend)
             for layer_window, rope, sparse in zip(layer_windows, ropes, self._sparse)
         )
         self.ln = make_norm(norm, dim, bias, norm_eps)

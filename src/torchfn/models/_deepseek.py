@@ -1,0 +1,310 @@
+"""A Hugging Face DeepSeek-V2 / V3 checkpoint (also Kimi K2, a ``deepseek_v3``) as a
+``TransformerEncoder`` with latent attention, its params and its router state; and back."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from torchfn.models._llama import _ropes
+from torchfn.models._rotary_scaling import yarn_mscale
+from torchfn.models._transformer import TransformerEncoder
+
+__all__ = ["deepseek_from_hf", "deepseek_to_hf"]
+
+_TYPES = ("deepseek_v2", "deepseek_v3")
+_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
+_EXPERT = re.compile(r"mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight")
+_NAMES = {  # a layer's HF names -> ours, but the experts
+    "input_layernorm.weight": "ln1.weight",
+    "post_attention_layernorm.weight": "ln2.weight",
+    "self_attn.q_proj.weight": "attn.q.weight",
+    "self_attn.q_a_proj.weight": "attn.q_a.weight",
+    "self_attn.q_a_layernorm.weight": "attn.q_norm.weight",
+    "self_attn.q_b_proj.weight": "attn.q_b.weight",
+    "self_attn.kv_a_proj_with_mqa.weight": "attn.kv_a.weight",
+    "self_attn.kv_a_layernorm.weight": "attn.kv_norm.weight",
+    "self_attn.kv_b_proj.weight": "attn.kv_b.weight",
+    "self_attn.o_proj.weight": "attn.out.weight",
+    "mlp.gate_proj.weight": "mlp.gate.weight",  # a dense layer
+    "mlp.up_proj.weight": "mlp.up.weight",
+    "mlp.down_proj.weight": "mlp.down.weight",
+    "mlp.gate.weight": "mlp.router.weight",
+    **{f"mlp.shared_experts.{p}_proj.weight": f"mlp.shared.{p}.weight"
+       for p in ("gate", "up", "down")},
+}
+_BIAS = "mlp.gate.e_score_correction_bias"  # V3's selection bias: our state
+_ROTATED = ("attn.q.weight", "attn.q_b.weight", "attn.kv_a.weight")  # rows with rotary parts
+
+
+def _config(config: Mapping[str, Any]) -> dict[str, Any]:
+    """``TransformerEncoder``'s arguments for a DeepSeek-V2 / V3 ``config``."""
+    if not isinstance(config, Mapping):
+        raise TypeError(f"config must be a dict (a DeepSeek config.json), got "
+                        f"{type(config).__name__}")
+    kind = config.get("model_type")
+    if kind not in _TYPES:
+        raise ValueError(f"config['model_type'] must be one of {_TYPES}, got {kind!r}")
+    missing = [k for k in ("hidden_size", "num_attention_heads", "num_hidden_layers",
+                           "intermediate_size", "vocab_size", "kv_lora_rank",
+                           "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim")
+               if config.get(k) is None]
+    if missing:
+        raise ValueError(f"config lacks {missing}: not a DeepSeek-V2/V3 config")
+    for key, want in (("attention_bias", False), ("hidden_act", "silu"), ("mlp_bias", False)):
+        if config.get(key, want) != want:
+            raise ValueError(f"config[{key!r}] = {config[key]!r} is not supported here "
+                             f"(needs {want!r})")
+    depth = config["num_hidden_layers"]
+    nope, rope = config["qk_nope_head_dim"], config["qk_rope_head_dim"]
+    rotary = _ropes(config, ["full_attention"] * depth)
+    scale = (nope + rope) ** -0.5
+    scaling = rotary["rotary_scaling"]
+    if scaling and scaling.get("mscale_all_dim"):  # YaRN's temperature, on the scores too
+        scale *= yarn_mscale(scaling["factor"], scaling["mscale_all_dim"]) ** 2
+    kwargs: dict[str, Any] = dict(
+        dim=config["hidden_size"], heads=config["num_attention_heads"], depth=depth,
+        vocab_size=config["vocab_size"], out_dim=config["vocab_size"], causal=True,
+        max_len=config.get("max_position_embeddings", 4096), position_embedding="rotary",
+        norm="rms", mlp="swiglu", bias=False, mlp_hidden=config["intermediate_size"],
+        norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+        tie_embeddings=bool(config.get("tie_word_embeddings", False)), attn_scale=scale,
+        latent_attention=dict(kv_rank=config["kv_lora_rank"], rope_dim=rope, nope_dim=nope,
+                              v_dim=config["v_head_dim"], q_rank=config.get("q_lora_rank")),
+        **rotary)
+    experts = config.get("n_routed_experts")
+    first = config.get("first_k_dense_replace") or 0
+    sparse = [experts is not None and i >= first for i in range(depth)]
+    if any(sparse):
+        kwargs.update(experts=experts, top_k=config.get("num_experts_per_tok", 8),
+                      expert_hidden=config["moe_intermediate_size"],
+                      moe_options=_routing(config, kind),
+                      layer_experts=None if all(sparse) else sparse)
+    return kwargs
+
+
+def _routing(config: Mapping[str, Any], kind: str) -> dict[str, Any]:
+    """``MoE``'s options: V3 scores by sigmoid, picks among the ``topk_group`` groups
+    whose two best (biased) scores sum highest, renormalises (``norm_topk_prob``); V2
+    scores by softmax, groups only with ``topk_method="group_limited_greedy"`` (ranked by
+    their best score), no renormalisation. Both scale the weights by
+    ``routed_scaling_factor`` and add ``n_shared_experts`` experts' worth of shared MLP."""
+    options: dict[str, Any] = dict(routed_scale=float(config.get("routed_scaling_factor", 1.0)))
+    shared = config.get("n_shared_experts")
+    if shared:
+        options["shared_hidden"] = config["moe_intermediate_size"] * shared
+    if kind == "deepseek_v3":
+        options.update(scoring="sigmoid", router_bias=True,
+                       normalize=bool(config.get("norm_topk_prob", True)),
+                       groups=config.get("n_group") or 1,
+                       topk_groups=config.get("topk_group") or 1)
+        return options
+    method = config.get("topk_method", "greedy")
+    if method not in ("greedy", "group_limited_greedy"):
+        raise ValueError(f"config['topk_method'] = {method!r} is not supported for "
+                         f"deepseek_v2 (needs 'greedy' or 'group_limited_greedy')")
+    if config.get("norm_topk_prob"):
+        raise ValueError("config['norm_topk_prob'] = True is not supported for deepseek_v2 "
+                         "(transformers' DeepSeek-V2 does not renormalise; DeepSeek's own "
+                         "code does: the two disagree)")
+    options.update(normalize=False)
+    if method == "group_limited_greedy":
+        options.update(groups=config["n_group"], topk_groups=config["topk_group"],
+                       group_score="max")
+    return options
+
+
+def _interleaved(config: Mapping[str, Any]) -> bool:
+    """Whether the checkpoint pairs its rotary features as ``(x0, x1), (x2, x3), ...``
+    (DeepSeek's own layout; V2 always, V3 unless ``rope_interleave=False``)."""
+    return config.get("model_type") == "deepseek_v2" or bool(config.get("rope_interleave", True))
+
+
+def _rotary_rows(config: Mapping[str, Any], ours: str, rows: int) -> Tensor:
+    """For a matrix with rotary output rows, the row order that takes the checkpoint's
+    interleaved pairs ``(x0, x1), (x2, x3), ...`` to the half-split ``(x0, x2, ..., x1,
+    x3, ...)`` that :func:`apply_rotary` rotates: both give the same scores."""
+    rope, nope = config["qk_rope_head_dim"], config["qk_nope_head_dim"]
+    pairs = torch.cat((torch.arange(0, rope, 2), torch.arange(1, rope, 2)))  # (dr,)
+    order = torch.arange(rows)
+    if ours == "attn.kv_a.weight":  # [latent | rope key]
+        order[-rope:] = rows - rope + pairs
+    else:  # per head [nope | rope]
+        per = nope + rope
+        for h in range(rows // per):
+            order[h * per + nope:(h + 1) * per] = h * per + nope + pairs
+    return order
+
+
+def deepseek_from_hf(config: Mapping[str, Any], state_dict: Mapping[str, Tensor] | None = None,
+                     **overrides: Any,
+                     ) -> tuple[TransformerEncoder, dict[str, Tensor] | None,
+                                dict[str, Tensor] | None]:
+    """The ``TransformerEncoder`` of a Hugging Face DeepSeek-V2 or V3 ``config``
+    (``model_type`` ``"deepseek_v2"`` / ``"deepseek_v3"``; Kimi K2 is the latter), and the
+    params and state of its ``state_dict`` under the encoder's names.
+
+    Attention is :class:`LatentAttention` (``kv_lora_rank``, ``q_lora_rank``,
+    ``qk_rope_head_dim``, ``qk_nope_head_dim``, ``v_head_dim``); its rotary rows are
+    permuted from DeepSeek's interleaved pairs to the half-split layout (V3 with
+    ``rope_interleave=False`` is kept as is), and YaRN's ``mscale_all_dim`` multiplies the
+    scores' scale by its square, as DeepSeek does. The first ``first_k_dense_replace``
+    layers have a dense SwiGLU MLP, the others a :class:`MoE` of ``n_routed_experts``
+    with ``n_shared_experts`` shared: V3's sigmoid scores, group-limited choice and
+    renormalised weights, V2's softmax (``topk_method`` ``"greedy"`` or
+    ``"group_limited_greedy"``), both times ``routed_scaling_factor``. V3's
+    ``e_score_correction_bias`` is router *state* (``blocks.i.mlp.router_bias``, for
+    :func:`moe_bias_update`), returned apart from the params: pass it as
+    ``Model.apply``'s ``state``. Multi-token-prediction layers past
+    ``num_hidden_layers`` (DeepSeek-V3's layer 61) are skipped. Tested against
+    ``transformers`` 5 on logits, cached decoding and the round trip.
+
+    Args:
+        config: the checkpoint's ``config.json`` as a dict.
+        state_dict: its tensors under Hugging Face's names, or None for the module alone.
+        overrides: other ``TransformerEncoder`` arguments (``attend``, ``remat``, ...).
+
+    Returns:
+        ``(module, params, state)``; ``params`` and ``state`` are None without a
+        ``state_dict``, ``state`` is ``{}`` for V2.
+
+    Example::
+
+        >>> import torch
+        >>> import torchfn
+        >>> from torchfn.models import deepseek_from_hf
+        >>> config = {"model_type": "deepseek_v3", "hidden_size": 32, "num_attention_heads": 4,
+        ...           "num_hidden_layers": 2, "intermediate_size": 48, "vocab_size": 10,
+        ...           "kv_lora_rank": 16, "q_lora_rank": 24, "qk_rope_head_dim": 8,
+        ...           "qk_nope_head_dim": 8, "v_head_dim": 8, "n_routed_experts": 4,
+        ...           "num_experts_per_tok": 2, "moe_intermediate_size": 8,
+        ...           "n_shared_experts": 1, "first_k_dense_replace": 1, "n_group": 2,
+        ...           "topk_group": 1}
+        >>> module, _, _ = deepseek_from_hf(config)
+        >>> model = torchfn.Model(module)
+        >>> params, state = model.init(torchfn.random.key(0)), model.init_state()
+        >>> sorted(state)
+        ['blocks.1.mlp.router_bias']
+        >>> model.apply(params, torch.tensor([[1, 2, 3]]), state=state).shape
+        torch.Size([1, 3, 10])
+    """
+    kwargs = _config(config)
+    kwargs.update(overrides)
+    module = TransformerEncoder(**kwargs)
+    if state_dict is None:
+        return module, None, None
+    if not isinstance(state_dict, Mapping):
+        raise TypeError(f"state_dict must be a dict of tensors, got {type(state_dict).__name__}")
+    depth, kind = kwargs["depth"], config["model_type"]
+    params: dict[str, Tensor] = {}
+    state: dict[str, Tensor] = {}
+    stacks: dict[str, dict[int, Tensor]] = {}
+    unknown = []
+    for name, tensor in state_dict.items():
+        layer = _LAYER.fullmatch(name)
+        if name == "model.embed_tokens.weight":
+            params["embed.weight"] = tensor
+        elif name == "model.norm.weight":
+            params["ln.weight"] = tensor
+        elif name == "lm_head.weight":
+            if not kwargs["tie_embeddings"]:
+                params["head.weight"] = tensor
+        elif layer is None:
+            unknown.append(name)
+        elif int(layer[1]) >= depth:
+            if not config.get("num_nextn_predict_layers"):
+                unknown.append(name)  # else a multi-token-prediction layer: not used here
+        else:
+            at, rest = f"blocks.{layer[1]}.", layer[2]
+            expert = _EXPERT.fullmatch(rest)
+            if rest in _NAMES:
+                ours = _NAMES[rest]
+                if ours in _ROTATED and _interleaved(config):
+                    tensor = tensor[_rotary_rows(config, ours, tensor.shape[0])]
+                params[at + ours] = tensor
+            elif rest == _BIAS and kind == "deepseek_v3":
+                state[at + "mlp.router_bias"] = tensor
+            elif expert:  # expert j's matrix -> row j of the stacked one
+                stacks.setdefault(f"{at}mlp.{expert[2]}", {})[int(expert[1])] = tensor
+            else:
+                unknown.append(name)
+    if unknown:
+        raise ValueError(f"state_dict has tensors a {kind} does not: {unknown[:5]}"
+                         + (f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""))
+    for name, pieces in stacks.items():
+        if sorted(pieces) != list(range(kwargs["experts"])):
+            raise ValueError(f"state_dict holds experts {sorted(pieces)[:8]} for {name}, "
+                             f"not 0..{kwargs['experts'] - 1}")
+        params[name] = torch.stack([pieces[j] for j in range(len(pieces))])  # (E, ...)
+    _check(module, params, state)
+    return module, params, state
+
+
+def _check(module: TransformerEncoder, params: Mapping[str, Tensor],
+           state: Mapping[str, Tensor]) -> None:
+    """Every param and state tensor of ``module``, no other, each of its shape."""
+    want = {n: tuple(p.shape) for n, p in module.named_parameters()}
+    want_state = {n: tuple(b.shape) for n, b in module.named_buffers() if n.endswith("router_bias")}
+    for what, got, need in (("params", params, want), ("state", state, want_state)):
+        missing, extra = sorted(set(need) - set(got)), sorted(set(got) - set(need))
+        wrong = [(n, tuple(got[n].shape), need[n]) for n in need if n in got
+                 and tuple(got[n].shape) != need[n]]
+        if missing or extra or wrong:
+            raise ValueError(f"state_dict does not fit the config ({what}): missing "
+                             f"{missing[:5]}, unused {extra[:5]}, (name, got, want) {wrong[:3]}")
+
+
+def deepseek_to_hf(config: Mapping[str, Any], params: Mapping[str, Tensor],
+                   state: Mapping[str, Tensor] | None = None) -> dict[str, Tensor]:
+    """``params`` (and, for V3, the routers' ``state``) of the model
+    ``deepseek_from_hf(config)`` builds, under a Hugging Face checkpoint's names: the
+    rotary rows back in DeepSeek's interleaved order, the stacked experts one matrix each
+    (copies), ``router_bias`` as ``e_score_correction_bias``. The inverse of
+    :func:`deepseek_from_hf`: the round trip gives the checkpoint back bit for bit.
+
+    Example::
+
+        >>> import torchfn
+        >>> from torchfn.models import deepseek_from_hf, deepseek_to_hf
+        >>> config = {"model_type": "deepseek_v2", "hidden_size": 16, "num_attention_heads": 2,
+        ...           "num_hidden_layers": 1, "intermediate_size": 24, "vocab_size": 10,
+        ...           "kv_lora_rank": 8, "qk_rope_head_dim": 4, "qk_nope_head_dim": 4,
+        ...           "v_head_dim": 4}
+        >>> model = torchfn.Model(deepseek_from_hf(config)[0])
+        >>> sd = deepseek_to_hf(config, model.init(torchfn.random.key(0)))
+        >>> sd["model.layers.0.self_attn.kv_a_proj_with_mqa.weight"].shape  # [latent | rope]
+        torch.Size([12, 16])
+    """
+    module = TransformerEncoder(**_config(config))
+    if not isinstance(params, Mapping):
+        raise TypeError(f"params must be a dict of tensors, got {type(params).__name__}")
+    state = {} if state is None else state
+    if not isinstance(state, Mapping):
+        raise TypeError(f"state must be a dict of tensors or None, got {type(state).__name__}")
+    _check(module, params, state)
+    hf_name = {ours: hf for hf, ours in _NAMES.items()}
+    out: dict[str, Tensor] = {}
+    for name, t in {**params, **state}.items():
+        if name == "embed.weight":
+            out["model.embed_tokens.weight"] = t
+        elif name == "ln.weight":
+            out["model.norm.weight"] = t
+        elif name == "head.weight":
+            out["lm_head.weight"] = t
+        else:
+            i, rest = name.split(".", 2)[1:]
+            at = f"model.layers.{i}."
+            if rest == "mlp.router_bias":
+                out[at + _BIAS] = t
+            elif rest in ("mlp.gate", "mlp.up", "mlp.down"):  # stacked experts (E, ...)
+                for j, part in enumerate(t.unbind(0)):
+                    out[f"{at}mlp.experts.{j}.{rest[4:]}_proj.weight"] = part.clone()
+            else:
+                if rest in _ROTATED and _interleaved(config):
+                    t = t[torch.argsort(_rotary_rows(config, rest, t.shape[0]))]
+                out[at + hf_name[rest]] = t
+    return out

@@ -1,0 +1,129 @@
+"""``deepseek_from_hf`` against ``transformers``' DeepSeek-V2 and V3: small random models
+saved with ``save_pretrained``, loaded here, compared on logits (whole sequences and
+through the latent cache), greedy generation, and the round trip back to the checkpoint.
+
+As in test_llama_transformers.py, transformers runs its norms, softmax and rotary tables
+in float32 even for a float64 model: agreement is ~1e-7, where a wrong rotary layout,
+scale or routing is off by ~1e-2."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from _cached import logits_through_cache
+from safetensors.torch import load_file
+
+import torchfn
+from torchfn.models import StaticKVCache, deepseek_from_hf, deepseek_to_hf, generate
+
+transformers = pytest.importorskip(
+    "transformers", reason="transformers (a dev dependency) is the peer these tests compare "
+    "against; test_mla.py checks the latent attention without it")
+
+BASE = dict(vocab_size=50, hidden_size=32, intermediate_size=40, moe_intermediate_size=12,
+            num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
+            n_shared_experts=1, n_routed_experts=8, num_experts_per_tok=2,
+            first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8,
+            v_head_dim=12, qk_nope_head_dim=8, max_position_embeddings=128,
+            rms_norm_eps=1e-5, rope_theta=5000.0)
+CASES = {
+    # sigmoid scores, 4 groups of 2 with 2 chosen, routed_scaling_factor, interleaved rope
+    "v3": ("deepseek_v3", dict(n_group=4, topk_group=2, routed_scaling_factor=2.5)),
+    # no query bottleneck, rotary rows stored half-split, one group
+    "v3-plain": ("deepseek_v3", dict(q_lora_rank=None, rope_interleave=False, n_group=1,
+                                     topk_group=1, norm_topk_prob=False)),
+    # YaRN with DeepSeek's mscale: the scores' scale and the rotary table both change
+    "v3-yarn": ("deepseek_v3", dict(n_group=2, topk_group=1, rope_scaling=dict(
+        rope_type="yarn", factor=4.0, original_max_position_embeddings=16, beta_fast=8,
+        beta_slow=1, mscale=0.707, mscale_all_dim=1.0))),
+    "v2": ("deepseek_v2", dict(topk_method="greedy", routed_scaling_factor=1.5)),
+    # V2's groups, ranked by their best score
+    "v2-groups": ("deepseek_v2", dict(topk_method="group_limited_greedy", n_group=4,
+                                      topk_group=2, q_lora_rank=None)),
+}
+
+
+def hf_checkpoint(kind, extra, tmp_path, seed=0):
+    """A float64 transformers model with random weights (norms and V3's router bias
+    included), and its config and state dict as a checkpoint on disk holds them."""
+    config = transformers.AutoConfig.for_model(kind, **dict(BASE, **extra))
+    torch.manual_seed(seed)  # transformers' own init draws from the global generator
+    model = transformers.AutoModelForCausalLM.from_config(
+        config, dtype=torch.float64, experts_implementation="eager")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # big enough to change choices
+                b.copy_(0.3 * torch.randn_like(b))
+    model.eval()
+    model.save_pretrained(tmp_path)
+    return model, config.to_dict(), load_file(tmp_path / "model.safetensors")
+
+
+def loaded(config, sd):
+    module, params, state = deepseek_from_hf(config, sd)
+    model = torchfn.Model(module)
+    return model, params, state, functools.partial(model.apply, state=state)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_transformers_checkpoint_gives_the_same_logits(case, tmp_path):
+    hf, config, sd = hf_checkpoint(*CASES[case], tmp_path)
+    model, params, state, run = loaded(config, sd)
+    tokens = torch.randint(0, 50, (2, 20), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = hf(tokens).logits
+    torch.testing.assert_close(run(params, tokens), want, rtol=0, atol=2e-6)
+    # the latent cache, decoding one token at a time (the absorbed path)
+    torch.testing.assert_close(logits_through_cache(run, params, tokens, 12), want, rtol=0,
+                               atol=2e-6)
+
+
+
+@pytest.mark.parametrize("case", ["v3", "v2-groups"])
+def test_greedy_generation_equals_transformers(case, tmp_path):
+    """``generate`` (latent cache, absorbed decoding) against transformers' ``generate``
+    (its cache of latents, expanded each step), and the same from a StaticKVCache."""
+    hf, config, sd = hf_checkpoint(*CASES[case], tmp_path)
+    model, params, state, run = loaded(config, sd)
+    prompt = torch.randint(1, 50, (2, 6), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        want = hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=10,
+                           do_sample=False, pad_token_id=0, eos_token_id=None)
+    assert torch.equal(generate(run, params, prompt, 10), want)
+    cache = StaticKVCache.allocate(model, 2, 16, dtype=torch.float64)
+    assert torch.equal(generate(run, params, prompt, 10, cache=cache), want)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_deepseek_to_hf_gives_back_the_checkpoint(case, tmp_path):
+    """``deepseek_to_hf(deepseek_from_hf(checkpoint))`` is the checkpoint: every name and
+    value, rotary rows back in their interleaved order. Params changed here load in
+    transformers with the logits they give here."""
+    hf, config, sd = hf_checkpoint(*CASES[case], tmp_path)
+    model, params, state, run = loaded(config, sd)
+    back = deepseek_to_hf(config, params, state)
+    assert set(back) == set(sd)
+    for name in sd:
+        assert torch.equal(back[name], sd[name]), name
+    if case not in ("v3", "v2-groups"):
+        return
+    gen = torch.Generator().manual_seed(3)
+    moved = {n: t + 0.01 * torch.randn(t.shape, dtype=t.dtype, generator=gen)
+             for n, t in params.items()}
+    out = tmp_path / "trained"
+    out.mkdir()
+    from safetensors.torch import save_file
+
+    save_file({n: t.contiguous() for n, t in deepseek_to_hf(config, moved, state).items()},
+              out / "model.safetensors", metadata={"format": "pt"})
+    (out / "config.json").write_text((tmp_path / "config.json").read_text())
+    again = transformers.AutoModelForCausalLM.from_pretrained(
+        out, dtype=torch.float64, experts_implementation="eager").eval()
+    tokens = torch.randint(0, 50, (2, 9), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        want = again(tokens).logits
+    torch.testing.assert_close(run(moved, tokens), want, rtol=0, atol=2e-6)
