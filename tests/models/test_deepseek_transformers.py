@@ -16,7 +16,14 @@ from _cached import logits_through_cache
 from safetensors.torch import load_file
 
 import torchfn
-from torchfn.models import StaticKVCache, deepseek_from_hf, deepseek_to_hf, generate
+from torchfn.models import (
+    StaticKVCache,
+    deepseek_from_hf,
+    deepseek_from_pretrained,
+    deepseek_save_pretrained,
+    deepseek_to_hf,
+    generate,
+)
 
 transformers = pytest.importorskip(
     "transformers", reason="transformers (a dev dependency) is the peer these tests compare "
@@ -101,8 +108,9 @@ def test_greedy_generation_equals_transformers(case, tmp_path):
 @pytest.mark.parametrize("case", list(CASES))
 def test_deepseek_to_hf_gives_back_the_checkpoint(case, tmp_path):
     """``deepseek_to_hf(deepseek_from_hf(checkpoint))`` is the checkpoint: every name and
-    value, rotary rows back in their interleaved order. Params changed here load in
-    transformers with the logits they give here."""
+    value, rotary rows back in their interleaved order. The folder transformers saved
+    loads the same through ``deepseek_from_pretrained``; params changed here, saved by
+    ``deepseek_save_pretrained``, load in transformers with the logits they give here."""
     hf, config, sd = hf_checkpoint(*CASES[case], tmp_path)
     model, params, state, run = loaded(config, sd)
     back = deepseek_to_hf(config, params, state)
@@ -111,16 +119,15 @@ def test_deepseek_to_hf_gives_back_the_checkpoint(case, tmp_path):
         assert torch.equal(back[name], sd[name]), name
     if case not in ("v3", "v2-groups"):
         return
+    _, from_folder, folder_state, _ = deepseek_from_pretrained(tmp_path)
+    assert all(torch.equal(from_folder[n], params[n]) for n in params)
+    assert all(torch.equal(folder_state[n], state[n]) for n in state)
     gen = torch.Generator().manual_seed(3)
     moved = {n: t + 0.01 * torch.randn(t.shape, dtype=t.dtype, generator=gen)
              for n, t in params.items()}
     out = tmp_path / "trained"
     out.mkdir()
-    from safetensors.torch import save_file
-
-    save_file({n: t.contiguous() for n, t in deepseek_to_hf(config, moved, state).items()},
-              out / "model.safetensors", metadata={"format": "pt"})
-    (out / "config.json").write_text((tmp_path / "config.json").read_text())
+    deepseek_save_pretrained(out, config, moved, state)
     again = transformers.AutoModelForCausalLM.from_pretrained(
         out, dtype=torch.float64, experts_implementation="eager").eval()
     tokens = torch.randint(0, 50, (2, 9), generator=torch.Generator().manual_seed(4))

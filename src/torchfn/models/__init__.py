@@ -3,7 +3,7 @@
 from torchfn.models._aggregate import GINConv, SAGEConv, aggregate_neighbours
 from torchfn.models._beam_search import beam_search
 from torchfn.models._cnn import BasicBlock, ConvNet, ResNet
-from torchfn.models._deepseek import deepseek_from_hf, deepseek_to_hf
+from torchfn.models._deepseek import deepseek_from_hf, deepseek_to_hf, dequantize_fp8
 from torchfn.models._denoiser import MLPDenoiser, fourier_features, timestep_embedding
 from torchfn.models._energy import MLPEnergy
 from torchfn.models._gan import ConvCritic, ConvGenerator
@@ -27,7 +27,12 @@ from torchfn.models._mla import LatentAttention
 from torchfn.models._mlp import MLP, SwiGLU
 from torchfn.models._moe import MoE, moe_bias_update
 from torchfn.models._nerf import NeRF
-from torchfn.models._pretrained import llama_from_pretrained, llama_save_pretrained
+from torchfn.models._pretrained import (
+    deepseek_from_pretrained,
+    deepseek_save_pretrained,
+    llama_from_pretrained,
+    llama_save_pretrained,
+)
 from torchfn.models._rnn import GRU, LSTM
 from torchfn.models._rotary import rotary_embedding
 from torchfn.models._rotary_scaling import rotary_frequencies
@@ -70,6 +75,9 @@ __all__ = [
     "llama_save_pretrained",
     "deepseek_from_hf",
     "deepseek_to_hf",
+    "deepseek_from_pretrained",
+    "deepseek_save_pretrained",
+    "dequantize_fp8",
     "MLPVAE",
     # DCGAN generator and critic for small images (_gan)
     "ConvGenerator",

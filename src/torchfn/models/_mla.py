@@ -35,8 +35,10 @@ class LatentAttention(nn.Module):
     cached tokens (decoding), the up-projections are *absorbed*: the queries move into
     the latent space (``q_nope W_k^h``), attention runs there over ``[c | k_r]`` as one
     key head, and the output leaves it through ``W_v^h``, never expanding the cache. The
-    path is chosen by a multiply-add count of the two; both give the same values up to
-    rounding (tested in float64), and both compose with ``grad`` and ``vmap``.
+    path is chosen by a multiply-add count of the two (``absorb=True`` / ``False``
+    forces one); both give the same values up to rounding (tested in float64), and both
+    compose with ``grad``, ``vmap`` and ``jvp``. The absorbed path materialises its
+    ``(B, H, N, L)`` scores and takes no attention dropout or ``segment_ids``.
 
     Params: ``q`` (or ``q_a``, ``q_norm``, ``q_b``), ``kv_a`` ``(kv_rank + rope_dim,
     dim)``, ``kv_norm``, ``kv_b`` ``(heads * (nope_dim + v_dim), kv_rank)``, ``out``;
@@ -69,6 +71,7 @@ class LatentAttention(nn.Module):
                  softcap: float | None = None, attn_dropout: float = 0.0,
                  rotary_base: float = 10000.0, rotary_scaling: dict | None = None,
                  latent_eps: float = 1e-6, scale: float | None = None,
+                 absorb: bool | None = None,
                  attend: Callable[..., Tensor] | None = None) -> None:
         super().__init__()
         _check_dims(dim=dim, heads=heads, kv_rank=kv_rank, rope_dim=rope_dim,
@@ -85,6 +88,9 @@ class LatentAttention(nn.Module):
             raise ValueError(f"scale must be a number > 0 or None, got {scale!r}")
         if not 0.0 <= attn_dropout < 1.0:
             raise ValueError(f"attn_dropout must be in [0, 1), got {attn_dropout}")
+        if absorb not in (None, True, False):
+            raise ValueError(f"absorb must be None, True or False, got {absorb!r}")
+        self.absorb = absorb
         from torchfn.models._transformer import _fused_attention
 
         self.heads, self.causal, self.window, self.softcap = heads, causal, window, softcap
@@ -159,7 +165,13 @@ class LatentAttention(nn.Module):
                 k_rope = torch.cat((cache.values[0], k_rope), dim=2)  # (B, 1, L + N, dr)
             cache = KVCache((latent,), (k_rope,))
         drop = self.attn_dropout if self.training else 0.0
-        if drop == 0 and self._absorb_cheaper(n, latent.shape[2]):
+        absorb = self._absorb_cheaper(n, latent.shape[2]) if self.absorb is None else self.absorb
+        if absorb and (drop > 0 or segment_ids is not None):
+            if self.absorb:
+                raise ValueError("LatentAttention: absorb=True takes neither attention "
+                                 "dropout nor segment_ids")
+            absorb = False
+        if absorb:
             o = self._absorbed(q_nope, q_rope, latent, k_rope, key_padding_mask, mask)
         else:
             kv = self.kv_b(latent[:, 0]).unflatten(-1, (h, dn + self.v_dim)).transpose(1, 2)

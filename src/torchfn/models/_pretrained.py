@@ -13,11 +13,13 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor
 
 from torchfn.core.checkpoint import _fsync_dir, atomic_write
+from torchfn.models._deepseek import deepseek_from_hf, deepseek_to_hf
 from torchfn.models._llama import llama_from_hf
 from torchfn.models._llama_export import llama_to_hf
 from torchfn.models._transformer import TransformerEncoder
 
-__all__ = ["llama_from_pretrained", "llama_save_pretrained"]
+__all__ = ["llama_from_pretrained", "llama_save_pretrained", "deepseek_from_pretrained",
+           "deepseek_save_pretrained"]
 
 _WEIGHTS, _INDEX, _CONFIG = "model.safetensors", "model.safetensors.index.json", "config.json"
 
@@ -52,27 +54,7 @@ def llama_from_pretrained(folder: str | os.PathLike, *, dtype: torch.dtype | Non
         >>> all(back[n].equal(params[n]) for n in params)
         True
     """
-    folder = _folder(folder, "folder")
-    path = os.path.join(folder, _CONFIG)
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"folder: {folder!r} has no {_CONFIG}")
-    with open(path) as f:
-        config = json.load(f)
-    if os.path.isfile(os.path.join(folder, _WEIGHTS)):
-        files = [_WEIGHTS]
-    elif os.path.isfile(os.path.join(folder, _INDEX)):
-        with open(os.path.join(folder, _INDEX)) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
-    else:
-        raise FileNotFoundError(f"folder: {folder!r} has neither {_WEIGHTS} nor {_INDEX}")
-    state: dict[str, Tensor] = {}
-    for name in files:
-        shard = os.path.join(folder, name)
-        if not os.path.isfile(shard):
-            raise FileNotFoundError(f"folder: {_INDEX} names {name!r}, which is missing")
-        state.update(load_file(shard, device=str(device)))
-    if dtype is not None:
-        state = {n: t.to(dtype) if t.is_floating_point() else t for n, t in state.items()}
+    config, state = _read(folder, dtype, device)
     module, params = llama_from_hf(config, state, **overrides)
     return module, params, config
 
@@ -100,11 +82,89 @@ def llama_save_pretrained(folder: str | os.PathLike, config: Mapping[str, Any],
         ...     sorted(os.listdir(folder))
         ['config.json', 'model.safetensors']
     """
+    _write(folder, config, llama_to_hf(config, params))
+
+
+def deepseek_from_pretrained(folder: str | os.PathLike, *, dtype: torch.dtype | None = None,
+                             device: str | torch.device = "cpu", **overrides: Any,
+                             ) -> tuple[TransformerEncoder, dict[str, Tensor],
+                                        dict[str, Tensor], dict[str, Any]]:
+    """A DeepSeek-V2 / V3 model folder as ``(module, params, state, config)``, through
+    :func:`deepseek_from_hf` (``state``: V3's router biases). Arguments as
+    :func:`llama_from_pretrained`'s; an FP8 checkpoint (DeepSeek-V3's own, with
+    ``weight_scale_inv`` blocks) is dequantized to bfloat16, then cast to ``dtype``.
+
+    Example::
+
+        >>> import tempfile
+        >>> import torchfn
+        >>> from torchfn.models import (deepseek_from_hf, deepseek_from_pretrained,
+        ...                             deepseek_save_pretrained)
+        >>> config = {"model_type": "deepseek_v2", "hidden_size": 16, "num_attention_heads": 2,
+        ...           "num_hidden_layers": 1, "intermediate_size": 24, "vocab_size": 10,
+        ...           "kv_lora_rank": 8, "qk_rope_head_dim": 4, "qk_nope_head_dim": 4,
+        ...           "v_head_dim": 4}
+        >>> params = torchfn.Model(deepseek_from_hf(config)[0]).init(torchfn.random.key(0))
+        >>> with tempfile.TemporaryDirectory() as folder:
+        ...     deepseek_save_pretrained(folder, config, params)
+        ...     module, back, state, _ = deepseek_from_pretrained(folder)
+        >>> all(back[n].equal(params[n]) for n in params), state
+        (True, {})
+    """
+    config, tensors = _read(folder, None, device)
+    module, params, state = deepseek_from_hf(config, tensors, **overrides)
+    if dtype is not None:  # the routers stay at least float32, as transformers keeps them
+        params = {n: t.to(torch.promote_types(dtype, torch.float32)
+                          if n.endswith("mlp.router.weight") else dtype)
+                  if t.is_floating_point() else t for n, t in params.items()}
+    return module, params, state, config
+
+
+def deepseek_save_pretrained(folder: str | os.PathLike, config: Mapping[str, Any],
+                             params: Mapping[str, Tensor],
+                             state: Mapping[str, Tensor] | None = None) -> None:
+    """Write ``params`` and ``state`` of the model ``deepseek_from_hf(config)`` builds to
+    ``folder`` under Hugging Face's names (:func:`deepseek_to_hf`), each file atomically,
+    as :func:`llama_save_pretrained` does; ``transformers`` loads the folder (tested).
+    The weights are written as they are (an FP8 checkpoint comes back in their dtype)."""
+    config = {k: v for k, v in config.items() if k != "quantization_config"}
+    _write(folder, config, deepseek_to_hf(config, params, state))
+
+def _read(folder: Any, dtype: torch.dtype | None, device: str | torch.device,
+          ) -> tuple[dict[str, Any], dict[str, Tensor]]:
+    """A model folder's ``config.json`` and tensors (one file or the index's shards),
+    floating-point ones cast to ``dtype`` (None: kept)."""
+    folder = _folder(folder, "folder")
+    path = os.path.join(folder, _CONFIG)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"folder: {folder!r} has no {_CONFIG}")
+    with open(path) as f:
+        config = json.load(f)
+    if os.path.isfile(os.path.join(folder, _WEIGHTS)):
+        files = [_WEIGHTS]
+    elif os.path.isfile(os.path.join(folder, _INDEX)):
+        with open(os.path.join(folder, _INDEX)) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    else:
+        raise FileNotFoundError(f"folder: {folder!r} has neither {_WEIGHTS} nor {_INDEX}")
+    state: dict[str, Tensor] = {}
+    for name in files:
+        shard = os.path.join(folder, name)
+        if not os.path.isfile(shard):
+            raise FileNotFoundError(f"folder: {_INDEX} names {name!r}, which is missing")
+        state.update(load_file(shard, device=str(device)))
+    if dtype is not None:
+        state = {n: t.to(dtype) if t.is_floating_point() else t for n, t in state.items()}
+    return config, state
+
+
+def _write(folder: Any, config: Mapping[str, Any], named: Mapping[str, Tensor]) -> None:
+    """``config.json`` and ``model.safetensors`` into ``folder``, each atomically."""
     folder = _folder(folder, "folder")
     if os.path.exists(os.path.join(folder, _INDEX)):
         raise FileExistsError(f"folder: {folder!r} holds a sharded checkpoint ({_INDEX}); "
                               "save to another folder")
-    tensors = {n: t.detach().contiguous().cpu() for n, t in llama_to_hf(config, params).items()}
+    tensors = {n: t.detach().contiguous().cpu() for n, t in named.items()}
     text = json.dumps(dict(config), indent=2, sort_keys=True)
     atomic_write(os.path.join(folder, _WEIGHTS),
                  lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))

@@ -255,7 +255,7 @@ def token_positions(n: int, device: torch.device, start: int = 0,
 def _latent(dim: int, heads: int, options: dict, *, rotary: bool, kv_heads, head_dim,
             qk_norm, rotary_dim, qkv_bias, **kwargs) -> LatentAttention:
     """A block's :class:`LatentAttention` from ``latent_attention`` (its ``kv_rank``,
-    ``rope_dim``, ``nope_dim``, ``v_dim``, ``q_rank``, ``latent_eps``); the options of
+    ``rope_dim``, ``nope_dim``, ``v_dim``, ``q_rank``, ``latent_eps``, ``absorb``); the options of
     :class:`MultiHeadAttention`'s heads that it has no use for must be unset."""
     if not isinstance(options, dict) or "kv_rank" not in options:
         raise ValueError(f"latent_attention must be a dict with kv_rank (and rope_dim, "
