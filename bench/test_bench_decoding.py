@@ -11,6 +11,8 @@ rotary position embeddings. CPU, float32.
 * ``test_rotary``: ``rotary_embedding`` on (B, H, N, D) = (8, 8, 1024, 64) against the
   usual implementation (Hugging Face's Llama): float32 cos/sin tables built once and
   indexed per call. torchfn builds its table from float64 angles on every call.
+* ``test_generate_deepseek_vs_transformers``: DeepSeek-V3's latent attention and
+  mixture, decoding with its latent cache, absorbed and expanded, against transformers.
 * ``test_lm_step``: one gradient of the next-token loss, (B, N) = (8, 256), learned
   positions against rotary: what rotary costs in training.
 
@@ -26,6 +28,7 @@ from torchfn import random
 from torchfn.models import (
     StaticKVCache,
     TransformerEncoder,
+    deepseek_from_pretrained,
     generate,
     llama_from_hf,
     rotary_embedding,
@@ -153,3 +156,47 @@ def test_generate_llama_vs_transformers(benchmark, how):
     with torch.no_grad():
         out = benchmark.pedantic(run, rounds=3, iterations=1, warmup_rounds=1)
     assert out.shape == (4, 192)
+
+
+def hf_deepseek(tmp_path, seed=0):
+    """A float32 transformers DeepSeek-V3 of the bench's width (dim 256, 8 heads, 4 blocks,
+    latent rank 128, query rank 192, head dims 64 + 32 and 64; the last 3 blocks a mixture
+    of 8 experts of 128, 2 chosen, and a shared one), saved and read back through
+    ``deepseek_from_pretrained``."""
+    transformers = pytest.importorskip("transformers", reason="the peer of this bench")
+    config = transformers.DeepseekV3Config(
+        hidden_size=256, num_attention_heads=8, num_key_value_heads=8, num_hidden_layers=4,
+        intermediate_size=688, moe_intermediate_size=128, n_routed_experts=8,
+        num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, n_group=2,
+        topk_group=1, kv_lora_rank=128, q_lora_rank=192, qk_rope_head_dim=32,
+        qk_nope_head_dim=64, v_head_dim=64, vocab_size=V, max_position_embeddings=1024)
+    torch.manual_seed(seed)
+    hf = transformers.AutoModelForCausalLM.from_config(config).eval()
+    hf.save_pretrained(tmp_path)
+    module, params, state, _ = deepseek_from_pretrained(tmp_path)
+    return hf, module, params, state
+
+
+@pytest.mark.parametrize("prompt_len", [64, 512])
+@pytest.mark.parametrize("how", ["torchfn", "torchfn-expanded", "transformers"])
+def test_generate_deepseek_vs_transformers(benchmark, how, prompt_len, tmp_path):
+    """Greedy decoding of one DeepSeek-V3, 4 prompts, 64 new tokens. ``torchfn``:
+    ``generate`` with the latent cache, each step absorbed (attention in the latent
+    space); ``torchfn-expanded``: the same cache, each step expanding every cached latent
+    into keys and values (``absorb=False``), as transformers does; ``transformers``: its
+    ``generate`` (a cache of latents, SDPA attention)."""
+    hf, module, params, state = hf_deepseek(tmp_path)
+    if how == "torchfn-expanded":
+        for block in module.blocks:
+            block.attn.absorb = False
+    model = torchfn.Model(module)
+    prompt = random.randint(random.key(1), (4, prompt_len), 0, V)
+    if how.startswith("torchfn"):
+        step = lambda p, *a, **k: model.apply(p, *a, state=state, **k)  # noqa: E731
+        run = lambda: generate(step, params, prompt, 64)  # noqa: E731
+    else:
+        run = lambda: hf.generate(prompt, max_new_tokens=64, min_new_tokens=64,  # noqa: E731
+                                  do_sample=False, pad_token_id=0, eos_token_id=None)
+    with torch.no_grad():
+        out = benchmark.pedantic(run, rounds=3, iterations=1, warmup_rounds=1)
+    assert out.shape == (4, prompt_len + 64)
