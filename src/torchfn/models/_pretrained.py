@@ -126,7 +126,24 @@ def deepseek_save_pretrained(folder: str | os.PathLike, config: Mapping[str, Any
     """Write ``params`` and ``state`` of the model ``deepseek_from_hf(config)`` builds to
     ``folder`` under Hugging Face's names (:func:`deepseek_to_hf`), each file atomically,
     as :func:`llama_save_pretrained` does; ``transformers`` loads the folder (tested).
-    The weights are written as they are (an FP8 checkpoint comes back in their dtype)."""
+    The weights are written as they are (an FP8 checkpoint comes back in their dtype).
+
+    Example::
+
+        >>> import os
+        >>> import tempfile
+        >>> import torchfn
+        >>> from torchfn.models import deepseek_from_hf, deepseek_save_pretrained
+        >>> config = {"model_type": "deepseek_v2", "hidden_size": 16, "num_attention_heads": 2,
+        ...           "num_hidden_layers": 1, "intermediate_size": 24, "vocab_size": 10,
+        ...           "kv_lora_rank": 8, "qk_rope_head_dim": 4, "qk_nope_head_dim": 4,
+        ...           "v_head_dim": 4}
+        >>> params = torchfn.Model(deepseek_from_hf(config)[0]).init(torchfn.random.key(0))
+        >>> with tempfile.TemporaryDirectory() as folder:
+        ...     deepseek_save_pretrained(folder, config, params)
+        ...     sorted(os.listdir(folder))
+        ['config.json', 'model.safetensors']
+    """
     config = {k: v for k, v in config.items() if k != "quantization_config"}
     _write(folder, config, deepseek_to_hf(config, params, state))
 
