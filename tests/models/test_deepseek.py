@@ -10,7 +10,14 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import torchfn
-from torchfn.models import deepseek_from_hf, deepseek_to_hf, dequantize_fp8, llama_from_hf
+from torchfn.models import (
+    deepseek_from_hf,
+    deepseek_to_hf,
+    dequantize_fp8,
+    from_pretrained,
+    llama_from_hf,
+    save_pretrained,
+)
 
 CONFIG = {"model_type": "deepseek_v3", "hidden_size": 32, "num_attention_heads": 4,
           "num_hidden_layers": 2, "intermediate_size": 40, "vocab_size": 20,
@@ -84,12 +91,39 @@ def test_an_fp8_checkpoint_loads_as_its_dequantized_weights():
     assert params["embed.weight"].dtype == torch.float32  # not quantized: kept
 
 
+@pytest.mark.parametrize("kind", ["deepseek_v3", "glm4_moe", "llama"])
+def test_save_and_from_pretrained_round_trip_any_family(kind, tmp_path):
+    """``save_pretrained`` then ``from_pretrained`` gives the params and state back, for a
+    family with router state and one without; ``dtype`` casts the params but the routers,
+    which stay float32."""
+    config = dict(CONFIG, model_type=kind)
+    if kind == "llama":
+        config = {k: CONFIG[k] for k in ("hidden_size", "num_attention_heads",
+                                         "num_hidden_layers", "intermediate_size",
+                                         "vocab_size")}
+    build = llama_from_hf if kind == "llama" else deepseek_from_hf
+    model = torchfn.Model(build(config)[0])
+    params = model.init(torchfn.random.key(0))
+    state = {n: t + 0.5 for n, t in model.init_state().items()}
+    save_pretrained(tmp_path, config, params, state)
+    module, back, back_state, back_config = from_pretrained(tmp_path)
+    assert back_config == config and back.keys() == params.keys()
+    assert all(torch.equal(back[n], params[n]) for n in params)
+    assert back_state.keys() == state.keys() and all(
+        torch.equal(back_state[n], state[n]) for n in state)
+    assert (kind == "llama") == (state == {})
+    _, half, _, _ = from_pretrained(tmp_path, dtype=torch.bfloat16)
+    for name, t in half.items():
+        want = torch.float32 if name.endswith("mlp.router.weight") else torch.bfloat16
+        assert t.dtype == want, name
+
+
 def test_deepseek_errors_are_named():
     with pytest.raises(ValueError, match=r"model_type'\] must be one of \('deepseek_v2', "
-                                         r"'deepseek_v3'\), got 'llama'"):
+                                         r"'deepseek_v3', 'glm4_moe'\), got 'llama'"):
         deepseek_from_hf(dict(CONFIG, model_type="llama"))
     with pytest.raises(ValueError, match=r"config\['model_type'\] = 'deepseek_v3' is not "
-                                         r"supported here"):
+                                         r"supported here \(use deepseek_from_hf\)"):
         llama_from_hf(CONFIG)
     with pytest.raises(ValueError, match=r"config lacks \['kv_lora_rank'\]"):
         deepseek_from_hf({k: v for k, v in CONFIG.items() if k != "kv_lora_rank"})

@@ -1,4 +1,5 @@
-"""``deepseek_from_hf`` against ``transformers``' DeepSeek-V2 and V3: small random models
+"""``deepseek_from_hf`` against ``transformers``' DeepSeek-V2, V3 and GLM-4.5 (``glm4_moe``,
+DeepSeek-V3's mixture behind grouped-query attention): small random models
 saved with ``save_pretrained``, loaded here, compared on logits (whole sequences and
 through the latent cache), greedy generation, and the round trip back to the checkpoint.
 
@@ -22,6 +23,7 @@ from torchfn.models import (
     deepseek_from_pretrained,
     deepseek_save_pretrained,
     deepseek_to_hf,
+    from_pretrained,
     generate,
 )
 
@@ -35,6 +37,11 @@ BASE = dict(vocab_size=50, hidden_size=32, intermediate_size=40, moe_intermediat
             first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8,
             v_head_dim=12, qk_nope_head_dim=8, max_position_embeddings=128,
             rms_norm_eps=1e-5, rope_theta=5000.0)
+GLM = dict(vocab_size=50, hidden_size=32, intermediate_size=40, moe_intermediate_size=12,
+           num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+           n_shared_experts=1, n_routed_experts=8, num_experts_per_tok=2,
+           first_k_dense_replace=1, n_group=2, topk_group=1, max_position_embeddings=128,
+           rms_norm_eps=1e-5)
 CASES = {
     # sigmoid scores, 4 groups of 2 with 2 chosen, routed_scaling_factor, interleaved rope
     "v3": ("deepseek_v3", dict(n_group=4, topk_group=2, routed_scaling_factor=2.5)),
@@ -49,13 +56,22 @@ CASES = {
     # V2's groups, ranked by their best score
     "v2-groups": ("deepseek_v2", dict(topk_method="group_limited_greedy", n_group=4,
                                       topk_group=2, q_lora_rank=None)),
+    # GLM-4.5: grouped-query attention with q/k/v biases, q/k norms and half the head
+    # rotated; DeepSeek-V3's router
+    "glm4-moe": ("glm4_moe", dict(GLM, attention_bias=True, use_qk_norm=True,
+                                  routed_scaling_factor=2.5)),
+    "glm4-moe-plain": ("glm4_moe", dict(GLM, use_qk_norm=False, norm_topk_prob=False,
+                                        rope_parameters=dict(rope_type="default",
+                                                             rope_theta=500.0,
+                                                             partial_rotary_factor=1.0))),
 }
 
 
 def hf_checkpoint(kind, extra, tmp_path, seed=0):
     """A float64 transformers model with random weights (norms and V3's router bias
     included), and its config and state dict as a checkpoint on disk holds them."""
-    config = transformers.AutoConfig.for_model(kind, **dict(BASE, **extra))
+    config = transformers.AutoConfig.for_model(kind, **(extra if kind == "glm4_moe" else
+                                                       dict(BASE, **extra)))
     torch.manual_seed(seed)  # transformers' own init draws from the global generator
     model = transformers.AutoModelForCausalLM.from_config(
         config, dtype=torch.float64, experts_implementation="eager")
@@ -90,7 +106,7 @@ def test_a_transformers_checkpoint_gives_the_same_logits(case, tmp_path):
 
 
 
-@pytest.mark.parametrize("case", ["v3", "v2-groups"])
+@pytest.mark.parametrize("case", ["v3", "v2-groups", "glm4-moe"])
 def test_greedy_generation_equals_transformers(case, tmp_path):
     """``generate`` (latent cache, absorbed decoding) against transformers' ``generate``
     (its cache of latents, expanded each step), and the same from a StaticKVCache."""
@@ -117,11 +133,13 @@ def test_deepseek_to_hf_gives_back_the_checkpoint(case, tmp_path):
     assert set(back) == set(sd)
     for name in sd:
         assert torch.equal(back[name], sd[name]), name
-    if case not in ("v3", "v2-groups"):
+    if case not in ("v3", "v2-groups", "glm4-moe"):
         return
-    _, from_folder, folder_state, _ = deepseek_from_pretrained(tmp_path)
-    assert all(torch.equal(from_folder[n], params[n]) for n in params)
-    assert all(torch.equal(folder_state[n], state[n]) for n in state)
+    for read in (deepseek_from_pretrained, from_pretrained):
+        _, from_folder, folder_state, _ = read(tmp_path)
+        assert all(torch.equal(from_folder[n], params[n]) for n in params)
+        assert folder_state.keys() == state.keys()
+        assert all(torch.equal(folder_state[n], state[n]) for n in state)
     gen = torch.Generator().manual_seed(3)
     moved = {n: t + 0.01 * torch.randn(t.shape, dtype=t.dtype, generator=gen)
              for n, t in params.items()}

@@ -30,8 +30,10 @@ from torchfn.models._nerf import NeRF
 from torchfn.models._pretrained import (
     deepseek_from_pretrained,
     deepseek_save_pretrained,
+    from_pretrained,
     llama_from_pretrained,
     llama_save_pretrained,
+    save_pretrained,
 )
 from torchfn.models._rnn import GRU, LSTM
 from torchfn.models._rotary import rotary_embedding
@@ -69,6 +71,8 @@ __all__ = [
     "sample_logits",
     "speculative_generate",
     "beam_search",
+    "from_pretrained",
+    "save_pretrained",
     "llama_from_hf",
     "llama_to_hf",
     "llama_from_pretrained",

@@ -1,5 +1,6 @@
-"""A Hugging Face DeepSeek-V2 / V3 checkpoint (also Kimi K2, a ``deepseek_v3``) as a
-``TransformerEncoder`` with latent attention, its params and its router state; and back."""
+"""A Hugging Face checkpoint with DeepSeek's mixture of experts as a ``TransformerEncoder``,
+its params and its router state, and back: DeepSeek-V2 / V3 (latent attention; Kimi K2 is
+a ``deepseek_v3``) and GLM-4.5 / 4.6 (``glm4_moe``: grouped-query attention)."""
 
 from __future__ import annotations
 
@@ -10,13 +11,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from torchfn.models._llama import _ropes
+from torchfn.models._llama import _ropes, partial_rotary
 from torchfn.models._rotary_scaling import yarn_mscale
 from torchfn.models._transformer import TransformerEncoder
 
 __all__ = ["deepseek_from_hf", "deepseek_to_hf", "dequantize_fp8"]
 
-_TYPES = ("deepseek_v2", "deepseek_v3")
+_TYPES = ("deepseek_v2", "deepseek_v3", "glm4_moe")
+_GQA = ("glm4_moe",)  # q/k/v projections (joined into one qkv here), not latent attention
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 _EXPERT = re.compile(r"mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight")
 _NAMES = {  # a layer's HF names -> ours, but the experts
@@ -37,6 +39,10 @@ _NAMES = {  # a layer's HF names -> ours, but the experts
     **{f"mlp.shared_experts.{p}_proj.weight": f"mlp.shared.{p}.weight"
        for p in ("gate", "up", "down")},
 }
+_QKV = {f"self_attn.{p}_proj.{kind}": f"attn.qkv.{kind}" for kind in ("weight", "bias")
+        for p in "qkv"}  # GLM: joined in the order q, k, v
+_QK_NORMS = {"self_attn.q_norm.weight": "attn.q_norm.weight",
+             "self_attn.k_norm.weight": "attn.k_norm.weight"}
 _BIAS = "mlp.gate.e_score_correction_bias"  # V3's selection bias: our state
 _ROTATED = ("attn.q.weight", "attn.q_b.weight", "attn.kv_a.weight")  # rows with rotary parts
 
@@ -49,33 +55,45 @@ def _config(config: Mapping[str, Any]) -> dict[str, Any]:
     kind = config.get("model_type")
     if kind not in _TYPES:
         raise ValueError(f"config['model_type'] must be one of {_TYPES}, got {kind!r}")
+    latent = ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim")
     missing = [k for k in ("hidden_size", "num_attention_heads", "num_hidden_layers",
-                           "intermediate_size", "vocab_size", "kv_lora_rank",
-                           "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim")
+                           "intermediate_size", "vocab_size", *(() if kind in _GQA else latent))
                if config.get(k) is None]
     if missing:
-        raise ValueError(f"config lacks {missing}: not a DeepSeek-V2/V3 config")
-    for key, want in (("attention_bias", False), ("hidden_act", "silu"), ("mlp_bias", False)):
+        raise ValueError(f"config lacks {missing}: not a {kind} config")
+    checks = [("hidden_act", "silu"), ("mlp_bias", False)]
+    if kind not in _GQA:  # GLM's attention_bias is its q/k/v biases, which it has
+        checks.append(("attention_bias", False))
+    for key, want in checks:
         if config.get(key, want) != want:
             raise ValueError(f"config[{key!r}] = {config[key]!r} is not supported here "
                              f"(needs {want!r})")
-    depth = config["num_hidden_layers"]
-    nope, rope = config["qk_nope_head_dim"], config["qk_rope_head_dim"]
+    depth, dim, heads = config["num_hidden_layers"], config["hidden_size"], \
+        config["num_attention_heads"]
     rotary = _ropes(config, ["full_attention"] * depth)
-    scale = (nope + rope) ** -0.5
-    scaling = rotary["rotary_scaling"]
-    if scaling and scaling.get("mscale_all_dim"):  # YaRN's temperature, on the scores too
-        scale *= yarn_mscale(scaling["factor"], scaling["mscale_all_dim"]) ** 2
     kwargs: dict[str, Any] = dict(
-        dim=config["hidden_size"], heads=config["num_attention_heads"], depth=depth,
+        dim=dim, heads=heads, depth=depth,
         vocab_size=config["vocab_size"], out_dim=config["vocab_size"], causal=True,
         max_len=config.get("max_position_embeddings", 4096), position_embedding="rotary",
         norm="rms", mlp="swiglu", bias=False, mlp_hidden=config["intermediate_size"],
         norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-        tie_embeddings=bool(config.get("tie_word_embeddings", False)), attn_scale=scale,
-        latent_attention=dict(kv_rank=config["kv_lora_rank"], rope_dim=rope, nope_dim=nope,
-                              v_dim=config["v_head_dim"], q_rank=config.get("q_lora_rank")),
-        **rotary)
+        tie_embeddings=bool(config.get("tie_word_embeddings", False)), **rotary)
+    if kind in _GQA:  # Llama's attention, q/k/v biases and q/k norms as the config says
+        head_dim = config.get("head_dim") or dim // heads
+        partial = partial_rotary(config)
+        kwargs.update(kv_heads=config.get("num_key_value_heads") or heads, head_dim=head_dim,
+                      qkv_bias=bool(config.get("attention_bias", False)),
+                      qk_norm=bool(config.get("use_qk_norm", False)),
+                      rotary_dim=None if partial == 1 else int(head_dim * partial))
+    else:
+        nope, rope = config["qk_nope_head_dim"], config["qk_rope_head_dim"]
+        scale = (nope + rope) ** -0.5
+        scaling = rotary["rotary_scaling"]
+        if scaling and scaling.get("mscale_all_dim"):  # YaRN's temperature, on the scores
+            scale *= yarn_mscale(scaling["factor"], scaling["mscale_all_dim"]) ** 2
+        kwargs.update(attn_scale=scale, latent_attention=dict(
+            kv_rank=config["kv_lora_rank"], rope_dim=rope, nope_dim=nope,
+            v_dim=config["v_head_dim"], q_rank=config.get("q_lora_rank")))
     experts = config.get("n_routed_experts")
     first = config.get("first_k_dense_replace") or 0
     sparse = [experts is not None and i >= first for i in range(depth)]
@@ -97,7 +115,7 @@ def _routing(config: Mapping[str, Any], kind: str) -> dict[str, Any]:
     shared = config.get("n_shared_experts")
     if shared:
         options["shared_hidden"] = config["moe_intermediate_size"] * shared
-    if kind == "deepseek_v3":
+    if kind != "deepseek_v2":  # V3's router, which GLM-4.5 shares
         options.update(scoring="sigmoid", router_bias=True,
                        normalize=bool(config.get("norm_topk_prob", True)),
                        groups=config.get("n_group") or 1,
@@ -121,7 +139,9 @@ def _routing(config: Mapping[str, Any], kind: str) -> dict[str, Any]:
 def _interleaved(config: Mapping[str, Any]) -> bool:
     """Whether the checkpoint pairs its rotary features as ``(x0, x1), (x2, x3), ...``
     (DeepSeek's own layout; V2 always, V3 unless ``rope_interleave=False``)."""
-    return config.get("model_type") == "deepseek_v2" or bool(config.get("rope_interleave", True))
+    kind = config.get("model_type")
+    return kind == "deepseek_v2" or (kind == "deepseek_v3"
+                                     and bool(config.get("rope_interleave", True)))
 
 
 def _rotary_rows(config: Mapping[str, Any], ours: str, rows: int) -> Tensor:
@@ -145,8 +165,14 @@ def deepseek_from_hf(config: Mapping[str, Any], state_dict: Mapping[str, Tensor]
                      ) -> tuple[TransformerEncoder, dict[str, Tensor] | None,
                                 dict[str, Tensor] | None]:
     """The ``TransformerEncoder`` of a Hugging Face DeepSeek-V2 or V3 ``config``
-    (``model_type`` ``"deepseek_v2"`` / ``"deepseek_v3"``; Kimi K2 is the latter), and the
-    params and state of its ``state_dict`` under the encoder's names.
+    (``model_type`` ``"deepseek_v2"`` / ``"deepseek_v3"``; Kimi K2 is the latter) or of a
+    GLM-4.5 / 4.6 one (``"glm4_moe"``), and the params and state of its ``state_dict``
+    under the encoder's names.
+
+    GLM-4.5 has DeepSeek-V3's mixture (and router state) behind Llama's grouped-query
+    attention: q/k/v biases (``attention_bias``), q/k norms (``use_qk_norm``) and a
+    rotated fraction of each head (``partial_rotary_factor``); its q, k and v become one
+    ``qkv`` matrix. The rest of this paragraph is DeepSeek's.
 
     Attention is :class:`LatentAttention` (``kv_lora_rank``, ``q_lora_rank``,
     ``qk_rope_head_dim``, ``qk_nope_head_dim``, ``v_head_dim``); its rotary rows are
@@ -207,6 +233,8 @@ def deepseek_from_hf(config: Mapping[str, Any], state_dict: Mapping[str, Tensor]
     params: dict[str, Tensor] = {}
     state: dict[str, Tensor] = {}
     stacks: dict[str, dict[int, Tensor]] = {}
+    qkv: dict[str, dict[str, Tensor]] = {}  # GLM: our joined name -> q, k, v
+    gqa = kind in _GQA
     unknown = []
     for name, tensor in state_dict.items():
         layer = _LAYER.fullmatch(name)
@@ -225,12 +253,16 @@ def deepseek_from_hf(config: Mapping[str, Any], state_dict: Mapping[str, Tensor]
         else:
             at, rest = f"blocks.{layer[1]}.", layer[2]
             expert = _EXPERT.fullmatch(rest)
-            if rest in _NAMES:
+            if gqa and rest in _QKV:
+                qkv.setdefault(at + _QKV[rest], {})[rest[10]] = tensor
+            elif gqa and rest in _QK_NORMS:
+                params[at + _QK_NORMS[rest]] = tensor
+            elif rest in _NAMES:
                 ours = _NAMES[rest]
                 if ours in _ROTATED and _interleaved(config):
                     tensor = tensor[_rotary_rows(config, ours, tensor.shape[0])]
                 params[at + ours] = tensor
-            elif rest == _BIAS and kind == "deepseek_v3":
+            elif rest == _BIAS and kind != "deepseek_v2":
                 state[at + "mlp.router_bias"] = tensor
             elif expert:  # expert j's matrix -> row j of the stacked one
                 stacks.setdefault(f"{at}mlp.{expert[2]}", {})[int(expert[1])] = tensor
@@ -244,6 +276,9 @@ def deepseek_from_hf(config: Mapping[str, Any], state_dict: Mapping[str, Tensor]
             raise ValueError(f"state_dict holds experts {sorted(pieces)[:8]} for {name}, "
                              f"not 0..{kwargs['experts'] - 1}")
         params[name] = torch.stack([pieces[j] for j in range(len(pieces))])  # (E, ...)
+    for name, parts in qkv.items():
+        if len(parts) == 3:  # else reported missing below
+            params[name] = torch.cat([parts[p] for p in "qkv"])  # rows [q | k | v]
     _check(module, params, state)
     return module, params, state
 
@@ -290,7 +325,12 @@ def deepseek_to_hf(config: Mapping[str, Any], params: Mapping[str, Tensor],
     if not isinstance(state, Mapping):
         raise TypeError(f"state must be a dict of tensors or None, got {type(state).__name__}")
     _check(module, params, state)
+    kwargs = _config(config)
     hf_name = {ours: hf for hf, ours in _NAMES.items()}
+    if config["model_type"] in _GQA:
+        hf_name.update({ours: hf for hf, ours in _QK_NORMS.items()})
+        hd = kwargs["head_dim"]
+        sizes = [kwargs["heads"] * hd, kwargs["kv_heads"] * hd, kwargs["kv_heads"] * hd]
     out: dict[str, Tensor] = {}
     for name, t in {**params, **state}.items():
         if name == "embed.weight":
@@ -304,6 +344,9 @@ def deepseek_to_hf(config: Mapping[str, Any], params: Mapping[str, Tensor],
             at = f"model.layers.{i}."
             if rest == "mlp.router_bias":
                 out[at + _BIAS] = t
+            elif rest in ("attn.qkv.weight", "attn.qkv.bias"):  # GLM: q, k, v apart
+                for p, part in zip("qkv", t.split(sizes)):
+                    out[f"{at}self_attn.{p}_proj.{rest.rsplit('.', 1)[1]}"] = part.clone()
             elif rest in ("mlp.gate", "mlp.up", "mlp.down"):  # stacked experts (E, ...)
                 for j, part in enumerate(t.unbind(0)):
                     out[f"{at}mlp.experts.{j}.{rest[4:]}_proj.weight"] = part.clone()

@@ -70,9 +70,18 @@ def _rope_of(params: Any, config: Mapping[str, Any]) -> tuple[float, dict[str, A
     if not isinstance(params, Mapping):
         raise ValueError(f"config['rope_parameters'] must be a dict, got {params!r}")
     scaling = dict(params)
+    scaling.pop("partial_rotary_factor", None)  # transformers 5 keeps it here: not scaling
     base = float(scaling.pop("rope_theta", config.get("rope_theta", 10000.0)))
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     return base, (None if kind == "default" else scaling)
+
+
+def partial_rotary(config: Mapping[str, Any]) -> float:
+    """The rotated fraction of each head: ``partial_rotary_factor``, at the config's top
+    level or (transformers 5) in ``rope_parameters``; 1 if neither has it."""
+    params = config.get("rope_parameters")
+    inner = params.get("partial_rotary_factor") if isinstance(params, Mapping) else None
+    return float(config.get("partial_rotary_factor") or inner or 1.0)
 
 
 def _ropes(config: Mapping[str, Any], types: list[str]) -> dict[str, Any]:
@@ -193,8 +202,10 @@ def _config(config: Mapping[str, Any]) -> dict[str, Any]:
         raise ValueError(f"config lacks {missing}: not a Llama config")
     kind = config.get("model_type", "llama")
     if kind not in _TYPES:
-        raise ValueError(f"config['model_type'] = {kind!r} is not supported here (needs one "
-                         f"of {_TYPES})")
+        hint = " (use deepseek_from_hf)" if kind in ("deepseek_v2", "deepseek_v3",
+                                                       "glm4_moe") else ""
+        raise ValueError(f"config['model_type'] = {kind!r} is not supported here{hint} (needs "
+                         f"one of {_TYPES})")
     dim, heads = config["hidden_size"], config["num_attention_heads"]
     head_dim = config.get("head_dim") or dim // heads
     checks = {
@@ -207,7 +218,7 @@ def _config(config: Mapping[str, Any]) -> dict[str, Any]:
         if got != want:
             raise ValueError(f"config[{key!r}] = {got!r} is not supported here (needs {want!r})")
     types = _layer_types(config, kind)
-    partial = config.get("partial_rotary_factor", 1.0)  # Phi-4-mini: 0.75
+    partial = partial_rotary(config)  # Phi-4-mini: 0.75
     return dict(
         dim=dim, heads=heads, depth=config["num_hidden_layers"],
         vocab_size=config["vocab_size"], out_dim=config["vocab_size"], causal=True,

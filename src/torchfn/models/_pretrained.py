@@ -13,13 +13,15 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor
 
 from torchfn.core.checkpoint import _fsync_dir, atomic_write
+from torchfn.core.module import Model
+from torchfn.models._deepseek import _TYPES as _DEEPSEEK_TYPES
 from torchfn.models._deepseek import deepseek_from_hf, deepseek_to_hf
 from torchfn.models._llama import llama_from_hf
 from torchfn.models._llama_export import llama_to_hf
 from torchfn.models._transformer import TransformerEncoder
 
-__all__ = ["llama_from_pretrained", "llama_save_pretrained", "deepseek_from_pretrained",
-           "deepseek_save_pretrained"]
+__all__ = ["from_pretrained", "save_pretrained", "llama_from_pretrained",
+           "llama_save_pretrained", "deepseek_from_pretrained", "deepseek_save_pretrained"]
 
 _WEIGHTS, _INDEX, _CONFIG = "model.safetensors", "model.safetensors.index.json", "config.json"
 
@@ -113,10 +115,8 @@ def deepseek_from_pretrained(folder: str | os.PathLike, *, dtype: torch.dtype | 
     """
     config, tensors = _read(folder, None, device)
     module, params, state = deepseek_from_hf(config, tensors, **overrides)
-    if dtype is not None:  # the routers stay at least float32, as transformers keeps them
-        params = {n: t.to(torch.promote_types(dtype, torch.float32)
-                          if n.endswith("mlp.router.weight") else dtype)
-                  if t.is_floating_point() else t for n, t in params.items()}
+    if dtype is not None:
+        params = _cast(params, dtype)
     return module, params, state, config
 
 
@@ -146,6 +146,77 @@ def deepseek_save_pretrained(folder: str | os.PathLike, config: Mapping[str, Any
     """
     config = {k: v for k, v in config.items() if k != "quantization_config"}
     _write(folder, config, deepseek_to_hf(config, params, state))
+
+def from_pretrained(folder: str | os.PathLike, *, dtype: torch.dtype | None = None,
+                    device: str | torch.device = "cpu", **overrides: Any,
+                    ) -> tuple[TransformerEncoder, dict[str, Tensor], dict[str, Tensor],
+                               dict[str, Any]]:
+    """Any model folder torchfn reads, whatever its family, as ``(module, params, state,
+    config)``: DeepSeek-V2 / V3 and GLM-4.5 through :func:`deepseek_from_pretrained`, the
+    others (Llama, Mistral, Mixtral, Qwen, Phi-3, OLMo 2, Gemma) through
+    :func:`llama_from_pretrained`, with their ``state`` (persistent buffers, ``{}`` for
+    most) from the module. Arguments as theirs. ``Model(module).apply(params, tokens,
+    state=state)`` runs it.
+
+    Example::
+
+        >>> import tempfile
+        >>> import torchfn
+        >>> from torchfn.models import from_pretrained, llama_from_hf, save_pretrained
+        >>> config = {"hidden_size": 16, "num_attention_heads": 4, "num_hidden_layers": 1,
+        ...           "intermediate_size": 24, "vocab_size": 10}
+        >>> params = torchfn.Model(llama_from_hf(config)[0]).init(torchfn.random.key(0))
+        >>> with tempfile.TemporaryDirectory() as folder:
+        ...     save_pretrained(folder, config, params)
+        ...     module, back, state, _ = from_pretrained(folder)
+        >>> all(back[n].equal(params[n]) for n in params), state
+        (True, {})
+    """
+    config, tensors = _read(folder, None, device)
+    if config.get("model_type") in _DEEPSEEK_TYPES:
+        module, params, state = deepseek_from_hf(config, tensors, **overrides)
+    else:
+        module, params = llama_from_hf(config, tensors, **overrides)
+        state = Model(module).init_state()
+    if dtype is not None:
+        params = _cast(params, dtype)
+    return module, params, state, config
+
+
+def save_pretrained(folder: str | os.PathLike, config: Mapping[str, Any],
+                    params: Mapping[str, Tensor],
+                    state: Mapping[str, Tensor] | None = None) -> None:
+    """Write a model of any family :func:`from_pretrained` reads to ``folder`` (through
+    :func:`deepseek_save_pretrained` or :func:`llama_save_pretrained`, by
+    ``config["model_type"]``), each file atomically; ``state`` as ``from_pretrained``
+    returned it (ignored where the family has none).
+
+    Example::
+
+        >>> import os
+        >>> import tempfile
+        >>> import torchfn
+        >>> from torchfn.models import deepseek_from_hf, save_pretrained
+        >>> config = {"model_type": "glm4_moe", "hidden_size": 16, "num_attention_heads": 2,
+        ...           "num_hidden_layers": 1, "intermediate_size": 24, "vocab_size": 10}
+        >>> params = torchfn.Model(deepseek_from_hf(config)[0]).init(torchfn.random.key(0))
+        >>> with tempfile.TemporaryDirectory() as folder:
+        ...     save_pretrained(folder, config, params)
+        ...     sorted(os.listdir(folder))
+        ['config.json', 'model.safetensors']
+    """
+    if config.get("model_type") in _DEEPSEEK_TYPES:
+        deepseek_save_pretrained(folder, config, params, state)
+    else:
+        llama_save_pretrained(folder, config, params)
+
+
+def _cast(params: Mapping[str, Tensor], dtype: torch.dtype) -> dict[str, Tensor]:
+    """Floating-point params in ``dtype``; routers in at least float32, as transformers
+    keeps them."""
+    return {n: t.to(torch.promote_types(dtype, torch.float32)
+                    if n.endswith("mlp.router.weight") else dtype)
+            if t.is_floating_point() else t for n, t in params.items()}
 
 def _read(folder: Any, dtype: torch.dtype | None, device: str | torch.device,
           ) -> tuple[dict[str, Any], dict[str, Tensor]]:
