@@ -348,6 +348,7 @@ def attention(
     backend: str | None = None,
     deterministic: bool = True,
     return_lse: bool = False,
+    sinks: Tensor | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Fused softmax attention that composes with ``grad``, ``vmap``, ``jvp`` and ``compile``.
 
@@ -429,6 +430,12 @@ def attention(
             attention over parts of the keys (``o = sum_p exp(lse_p - lse) o_p`` with
             ``lse = logsumexp_p lse_p``, as ring attention and KV-cache chunks do) with
             exact gradients and tangents.
+        sinks: attention sinks (gpt-oss; FlashAttention-3's ``learnable_sink``): one
+            logit per head, (H,) float, that joins every row's softmax as a key with no
+            value, so a row may put weight on nothing: ``o_sink = o * sigmoid(lse -
+            sink)``. Computed that way from the kernels' ``o`` and ``lse``, so every
+            backend, option and transform takes it, and it gets its own gradient (a
+            learned parameter). With ``return_lse`` the lse includes the sink.
 
     Returns:
         (B, H, Nq, Dv) in q's dtype. A row with no allowed key returns 0 (never NaN)
@@ -457,6 +464,9 @@ def attention(
     for name, flag in (("deterministic", deterministic), ("return_lse", return_lse)):
         if not isinstance(flag, bool):
             raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
+    if sinks is not None:
+        _check_sinks(sinks, q)
+    want_lse, return_lse = return_lse, return_lse or sinks is not None
     if args.causal and q.shape[2] == 1:  # one query, the last position: it sees every key
         args = args._replace(causal=False)
     shape = q.shape  # (B, H, Nq, D)
@@ -473,10 +483,24 @@ def attention(
         o = o[..., :dv]  # (B, H, Nq, Dv)
     if groups > 1:
         o = o.reshape(*shape[:3], dv)  # (B, H, 1, Dv)
-    if return_lse:
-        lse = out[1] if groups == 1 else out[1].reshape(shape[:3])  # (B, H, Nq)
-        return o, lse
-    return o
+    if not return_lse:
+        return o
+    lse = out[1] if groups == 1 else out[1].reshape(shape[:3])  # (B, H, Nq)
+    if sinks is not None:  # the share of each row's weight that its keys keep
+        sink = sinks.to(lse.dtype)[:, None]  # (H, 1)
+        o = o * torch.sigmoid(lse - sink)[..., None].to(o.dtype)  # (B, H, Nq, Dv)
+        lse = torch.logaddexp(lse, sink)
+    return (o, lse) if want_lse else o
+
+
+def _check_sinks(sinks: Tensor, q: Tensor) -> None:
+    """``sinks``: (H,) floating point, on q's device."""
+    if not isinstance(sinks, Tensor) or not sinks.is_floating_point() \
+            or tuple(sinks.shape) != (q.shape[1],) or sinks.device != q.device:
+        raise ValueError(f"sinks must be a floating-point tensor (H,) = ({q.shape[1]},) on "
+                         f"{q.device}, got "
+                         + (f"{sinks.dtype} {tuple(sinks.shape)} on {sinks.device}"
+                            if isinstance(sinks, Tensor) else type(sinks).__name__))
 
 
 def _decode_groups(q: Tensor, k: Tensor, args: _Args) -> int:
