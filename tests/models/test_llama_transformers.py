@@ -73,6 +73,14 @@ CASES = {
     "phi3-partial-rotary": ("phi3", dict(pad_token_id=0, sliding_window=None,
                                          partial_rotary_factor=0.5)),
     "olmo2": ("olmo2", dict(pad_token_id=0, eos_token_id=1)),
+    # attention sinks, biases on q/k/v/o, windows on alternate layers, YaRN without
+    # truncation, a biased router and clamped-SwiGLU experts with biases
+    "gpt-oss": ("gpt_oss", dict(head_dim=8, num_local_experts=4, num_experts_per_tok=2,
+                                intermediate_size=12, sliding_window=5, swiglu_limit=1.5,
+                                rope_scaling=None, rope_parameters=dict(
+                                    rope_type="yarn", factor=4.0, rope_theta=1000.0,
+                                    original_max_position_embeddings=8, beta_fast=8.0,
+                                    beta_slow=1.0, truncate=False))),
     "gemma": ("gemma", dict(head_dim=12)),
     # soft caps small enough to bite, a window on every other layer
     "gemma2": ("gemma2", dict(head_dim=12, num_hidden_layers=3, query_pre_attn_scalar=10,
@@ -117,7 +125,7 @@ def test_a_transformers_checkpoint_gives_the_same_logits(case, tmp_path):
 
 
 @pytest.mark.parametrize("case", ["llama", "mistral-window", "qwen2-moe", "qwen3-wide-heads",
-                                  "gemma2", "gemma3", "olmo2"])
+                                  "gemma2", "gemma3", "olmo2", "gpt-oss"])
 def test_greedy_generation_from_left_padded_prompts_equals_transformers(case, tmp_path):
     """Rows of different prompt lengths, padded on the left: ``generate`` with
     ``prompt_mask`` against transformers' ``generate`` on each row alone, unpadded.
@@ -151,7 +159,7 @@ def test_llama_to_hf_gives_back_the_checkpoint(case, tmp_path):
     for name in sd:
         assert torch.equal(back[name], sd[name]), name
     if case not in ("llama-tied", "mixtral", "qwen2-moe", "qwen3-wide-heads", "gemma3", "phi3",
-                    "olmo2", "qwen3-moe-every-other"):
+                    "olmo2", "qwen3-moe-every-other", "gpt-oss"):
         return  # the loading below once per kind of name mapping
     moved = {n: t + 0.01 * torch.randn(t.shape, dtype=t.dtype,
                                        generator=torch.Generator().manual_seed(3))

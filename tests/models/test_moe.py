@@ -341,7 +341,8 @@ def test_bad_input_is_named():
         MoE(8, 16, 4, shared_gate=True)
     with pytest.raises(ValueError, match="moe_options need experts"):
         TransformerEncoder(8, 2, 1, moe_options={"shared_hidden": 4})
-    with pytest.raises(ValueError, match="mlp must be 'swiglu' or 'gelu', got 'relu'"):
+    with pytest.raises(ValueError, match="mlp must be 'swiglu', 'gelu' or 'swiglu_clamp', got "
+                                         "'relu'"):
         MoE(8, 16, 4, mlp="relu")
     for bad in (0, -1.0, True):
         with pytest.raises(ValueError, match="capacity_factor must be a number > 0 or None"):
@@ -369,3 +370,33 @@ def test_bad_input_is_named():
         losses.router_z_loss(torch.zeros(3, 4), mask=torch.ones(4, dtype=torch.bool))
     with pytest.raises(TypeError, match="router_logits must be a float tensor"):
         losses.moe_load_balance(torch.zeros(3, 4, dtype=torch.long), 1)
+
+
+@pytest.mark.parametrize("how", ["sparse", "dense", "capacity"])
+def test_gpt_oss_experts_equal_their_formula_on_every_path(how, monkeypatch):
+    """gpt-oss's experts (``swiglu_clamp`` with biases, a biased router, softmax over the
+    top-k logits) against the formula token by token, on the sparse path, the dense one
+    (``vmap`` / compile) and with ample capacity; the clamp is low enough to bite."""
+    limit, alpha = 0.4, 1.702
+    moe = MoE(8, 12, 4, 2, mlp="swiglu_clamp", expert_bias=True, logit_bias=True,
+              swiglu_limit=limit, swiglu_alpha=alpha,
+              capacity_factor=4.0 if how == "capacity" else None)
+    model = torchfn.Model(moe)
+    params = {n: p.double() for n, p in model.init(random.key(3)).items()}
+    assert {"router.bias", "up_bias", "gate_bias", "down_bias"} <= set(params)
+    x = random.normal(random.key(4), (3, 5, 8), torch.float64)
+    if how == "dense":
+        monkeypatch.setattr(_moe, "_batched_transform_active", lambda: True)
+    want = []
+    for t in x.reshape(-1, 8):
+        logits = params["router.weight"] @ t + params["router.bias"]
+        top, chosen = logits.topk(2)
+        acc = torch.zeros_like(t)
+        for w, e in zip(top.softmax(-1), chosen):
+            g = (params["gate"][e] @ t + params["gate_bias"][e]).clamp(max=limit)
+            u = (params["up"][e] @ t + params["up_bias"][e]).clamp(-limit, limit)
+            h = (u + 1) * g * torch.sigmoid(alpha * g)
+            acc = acc + w * (params["down"][e] @ h + params["down_bias"][e])
+        want.append(acc)
+    torch.testing.assert_close(model.apply(params, x), torch.stack(want).reshape(x.shape),
+                               rtol=0, atol=1e-12)

@@ -1,6 +1,6 @@
 """A Hugging Face Llama-family checkpoint (Llama, Mistral, Mixtral, Qwen2, Qwen2-MoE, Qwen3,
-Qwen3-MoE, Phi-3, OLMo 2, Gemma, Gemma 2, Gemma 3) as a ``TransformerEncoder`` and its
-params."""
+Qwen3-MoE, Phi-3, OLMo 2, gpt-oss, Gemma, Gemma 2, Gemma 3) as a ``TransformerEncoder`` and
+its params."""
 
 from __future__ import annotations
 
@@ -44,7 +44,15 @@ _MOE["qwen3_moe"] = _MOE["qwen2_moe"][:3] + ({},)  # no shared expert
 _IGNORED = re.compile(r".*rotary_emb\.inv_freq$")  # a buffer older checkpoints carry
 _GEMMA = ("gemma", "gemma2", "gemma3_text")
 _TYPES = ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "phi3",
-          "olmo2", *_GEMMA)
+          "olmo2", "gpt_oss", *_GEMMA)
+_GPT_OSS = {  # gpt-oss's tensors that Llama lacks -> ours (its experts come fused: below)
+    "self_attn.sinks": "attn.sinks",
+    "self_attn.o_proj.bias": "attn.out.bias",
+    "mlp.router.weight": "mlp.router.weight",
+    "mlp.router.bias": "mlp.router.bias",
+}
+_GPT_OSS_EXPERTS = ("mlp.experts.gate_up_proj", "mlp.experts.gate_up_proj_bias",
+                    "mlp.experts.down_proj", "mlp.experts.down_proj_bias")
 _PHI3 = ("self_attn.qkv_proj.weight", "mlp.gate_up_proj.weight")  # Phi-3's fused matrices
 _POST_NORM_NAMES = {  # Gemma 2 and 3, OLMo 2: norms on the sublayers' outputs
     "post_attention_layernorm.weight": "post_ln1.weight",
@@ -61,7 +69,21 @@ def layer_names(kind: str) -> dict[str, str]:
     names.update(shared)
     if kind in ("gemma2", "gemma3_text", "olmo2"):  # norms on the sublayers' outputs
         names.update(_POST_NORM_NAMES)
+    if kind == "gpt_oss":
+        names = {k: v for k, v in names.items() if not k.startswith("mlp.")}
+        names.update(_GPT_OSS)
     return names
+
+
+def _gpt_oss_experts(parts: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """gpt-oss's fused experts as ours: ``gate_up_proj`` ``(E, dim, 2 hidden)`` with gate
+    and up in alternate columns -> ``gate`` / ``up`` ``(E, hidden, dim)``; ``down_proj``
+    ``(E, hidden, dim)`` -> ``down`` ``(E, dim, hidden)``; and their biases."""
+    gate_up, bias = parts["mlp.experts.gate_up_proj"], parts["mlp.experts.gate_up_proj_bias"]
+    return {"mlp.gate": gate_up[..., ::2].transpose(1, 2), "mlp.up": gate_up[..., 1::2]
+            .transpose(1, 2), "mlp.gate_bias": bias[..., ::2], "mlp.up_bias": bias[..., 1::2],
+            "mlp.down": parts["mlp.experts.down_proj"].transpose(1, 2),
+            "mlp.down_bias": parts["mlp.experts.down_proj_bias"]}
 
 
 def _rope_of(params: Any, config: Mapping[str, Any]) -> tuple[float, dict[str, Any] | None]:
@@ -171,7 +193,14 @@ def _gemma(config: Mapping[str, Any], kind: str, head_dim: int) -> dict[str, Any
 
 
 def _moe(config: Mapping[str, Any], kind: str) -> dict[str, Any]:
-    """``experts``, ``top_k`` and ``MoE``'s options of a Mixtral / Qwen-MoE config."""
+    """``experts``, ``top_k`` and ``MoE``'s options of a Mixtral / Qwen-MoE / gpt-oss
+    config."""
+    if kind == "gpt_oss":  # softmax over the top-k logits = Mixtral's renormalised top-k
+        return dict(experts=config.get("num_local_experts", 32),
+                    top_k=config.get("num_experts_per_tok", 4), moe_options=dict(
+                        mlp="swiglu_clamp", expert_bias=True, logit_bias=True,
+                        swiglu_limit=float(config.get("swiglu_limit", 7.0)),
+                        swiglu_alpha=float(config.get("swiglu_alpha", 1.702))))
     if kind == "mixtral":
         return dict(experts=config.get("num_local_experts", 8),
                     top_k=config.get("num_experts_per_tok", 2))
@@ -209,7 +238,7 @@ def _config(config: Mapping[str, Any]) -> dict[str, Any]:
     dim, heads = config["hidden_size"], config["num_attention_heads"]
     head_dim = config.get("head_dim") or dim // heads
     checks = {
-        "attention_bias": (config.get("attention_bias", False), False),
+        "attention_bias": (config.get("attention_bias", False), kind == "gpt_oss"),
         "mlp_bias": (config.get("mlp_bias", False), False),
     }
     if kind not in _GEMMA:
@@ -227,14 +256,15 @@ def _config(config: Mapping[str, Any]) -> dict[str, Any]:
         position_embedding="rotary", norm="rms", mlp="swiglu", bias=False,
         mlp_hidden=config["intermediate_size"], norm_eps=float(config.get("rms_norm_eps", 1e-6)),
         tie_embeddings=bool(config.get("tie_word_embeddings", False)),
-        qkv_bias=kind.startswith("qwen2"),  # Qwen2: biases on q, k and v only
+        qkv_bias=kind.startswith("qwen2") or kind == "gpt_oss",  # Qwen2: q, k and v only
         qk_norm=kind.startswith("qwen3"),  # Qwen3: RMSNorm on each head's q and k
         rotary_dim=None if partial == 1 else int(head_dim * partial),
     ) | _ropes(config, types) | _windows(config, types) | _moe(config, kind) | (
         _gemma(config, kind, head_dim) if kind in _GEMMA else {}) | (
         # OLMo 2: norms only on the sublayers' outputs, q/k norms over all heads
         dict(pre_norms=False, post_norms=True, qk_norm=True, qk_norm_scope="all")
-        if kind == "olmo2" else {})
+        if kind == "olmo2" else {}) | (
+        dict(attn_sinks=True, out_bias=True) if kind == "gpt_oss" else {})
 
 
 def llama_from_hf(config: Mapping[str, Any], state_dict: Mapping[str, Tensor] | None = None,
@@ -257,6 +287,11 @@ def llama_from_hf(config: Mapping[str, Any], state_dict: Mapping[str, Tensor] | 
     Qwen's ``use_sliding_window`` from ``max_window_layers`` on) become ``layer_windows``.
     OLMo 2 (``"olmo2"``) normalises the sublayers' outputs only (``pre_norms=False,
     post_norms=True``) and its queries and keys over all heads (``qk_norm_scope="all"``).
+    gpt-oss (``"gpt_oss"``) has biases on q, k, v and the output, a learned attention sink
+    per head (``attn_sinks``), windows on alternate layers, YaRN, and a mixture whose
+    router has a bias and whose experts are clamped SwiGLUs with biases (:class:`MoE`'s
+    ``mlp="swiglu_clamp"``, ``expert_bias``, ``logit_bias``); its fused ``gate_up_proj``
+    is split (the MXFP4 checkpoints on the Hub need dequantizing first: not done here).
     Phi-3 (``"phi3"``) has q/k/v and gate/up fused, and ``partial_rotary_factor``
     becomes ``rotary_dim`` (its LongRoPE scaling is not supported).
     Gemma (``"gemma"``, ``"gemma2"``, ``"gemma3_text"``) gets its tanh-GELU gate
@@ -328,6 +363,8 @@ def llama_from_hf(config: Mapping[str, Any], state_dict: Mapping[str, Tensor] | 
             params[at + "mlp.router.weight"] = tensor
         elif layer and rest in _QKV:  # q, k, v in that order
             parts.setdefault(at + _QKV[rest], {})[rest[10]] = tensor
+        elif layer and kind == "gpt_oss" and rest in _GPT_OSS_EXPERTS:
+            parts.setdefault(at + "gpt_oss", {})[rest] = tensor
         elif layer and kind == "phi3" and rest in _PHI3:  # fused: [q | k | v], [gate | up]
             if rest == "self_attn.qkv_proj.weight":
                 params[at + "attn.qkv.weight"] = tensor
@@ -342,7 +379,11 @@ def llama_from_hf(config: Mapping[str, Any], state_dict: Mapping[str, Tensor] | 
                          f"{unknown[:5]}"
                          + (f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""))
     for name, pieces in parts.items():
-        if name.endswith((".qkv.weight", ".qkv.bias")):
+        if name.endswith("gpt_oss"):
+            if len(pieces) == len(_GPT_OSS_EXPERTS):  # else missing, reported below
+                at = name[:-len("gpt_oss")]
+                params.update({at + n: t for n, t in _gpt_oss_experts(pieces).items()})
+        elif name.endswith((".qkv.weight", ".qkv.bias")):
             if len(pieces) == 3:
                 params[name] = torch.cat([pieces[p] for p in "qkv"])
         elif sorted(pieces) == list(range(kwargs["experts"])):

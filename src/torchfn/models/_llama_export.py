@@ -104,9 +104,32 @@ def llama_to_hf(config: Mapping[str, Any], params: Mapping[str, Tensor]) -> dict
                     out[f"{at}self_attn.{p}_proj.{suffix}"] = part.clone()
             elif rest in dense:
                 out[at + dense[rest]] = t
+            elif kind == "gpt_oss" and rest.startswith(("mlp.gate", "mlp.up", "mlp.down")):
+                if rest in ("mlp.gate", "mlp.gate_bias", "mlp.down", "mlp.down_bias"):
+                    out.update(_gpt_oss_experts(params, f"blocks.{block[1]}.", at, rest))
             elif rest == "mlp.router.weight":
                 out[at + router] = t
             else:  # stacked experts (E, ...) -> one matrix each
                 for j, part in enumerate(t.unbind(0)):
                     out[at + _EXPERT[kind].format(j=j, w=hf_expert[rest])] = part.clone()
     return out
+
+
+def _gpt_oss_experts(params: Mapping[str, Tensor], ours: str, at: str,
+                     rest: str) -> dict[str, Tensor]:
+    """gpt-oss's fused expert tensors from ours: ``gate`` and ``up`` ``(E, hidden, dim)``
+    into alternate columns of ``gate_up_proj`` ``(E, dim, 2 hidden)`` (and their biases
+    into ``gate_up_proj_bias``), ``down`` transposed to ``down_proj``."""
+    if rest == "mlp.down":
+        return {at + "mlp.experts.down_proj": params[ours + "mlp.down"].transpose(1, 2)
+                .contiguous()}
+    if rest == "mlp.down_bias":
+        return {at + "mlp.experts.down_proj_bias": params[ours + "mlp.down_bias"]}
+    bias = rest.endswith("_bias")
+    gate = params[ours + ("mlp.gate_bias" if bias else "mlp.gate")]
+    up = params[ours + ("mlp.up_bias" if bias else "mlp.up")]
+    if not bias:
+        gate, up = gate.transpose(1, 2), up.transpose(1, 2)  # (E, dim, hidden)
+    fused = torch.stack((gate, up), dim=-1).flatten(-2)  # (..., 2 hidden): g0 u0 g1 u1 ...
+    return {at + ("mlp.experts.gate_up_proj_bias" if bias else "mlp.experts.gate_up_proj"):
+            fused}

@@ -49,7 +49,12 @@ class MoE(nn.Module):
     ``vmap`` (per-sample gradients at sparse cost) and under ``torch.compile``.
     The experts are SwiGLU (``mlp="swiglu"``, as Mixtral) or GELU MLPs, without biases;
     their weights are stacked: ``gate`` / ``up`` ``(E, hidden, dim)``, ``down``
-    ``(E, dim, hidden)``.
+    ``(E, dim, hidden)``. gpt-oss's experts: ``mlp="swiglu_clamp"`` (the gate clamped
+    above and the up projection both ways at ``swiglu_limit``, then ``(up + 1) * g *
+    sigmoid(swiglu_alpha * g)``), ``expert_bias=True`` (``up_bias`` / ``gate_bias``
+    ``(E, hidden)``, ``down_bias`` ``(E, dim)``) and ``logit_bias=True`` (a bias on the
+    router's logits, ``router.bias``); its softmax over the top-k logits is the default
+    routing (renormalised top-k probabilities are the same numbers).
 
     ``shared_hidden``: also one shared expert of that width that every token goes
     through, added to the routed experts' output (DeepSeekMoE, Qwen-MoE); with
@@ -85,7 +90,9 @@ class MoE(nn.Module):
                  shared_gate: bool = False, capacity_factor: float | None = None,
                  scoring: str = "softmax", groups: int | None = None,
                  topk_groups: int | None = None, group_score: str = "top2",
-                 routed_scale: float = 1.0, router_bias: bool = False) -> None:
+                 routed_scale: float = 1.0, router_bias: bool = False,
+                 logit_bias: bool = False, expert_bias: bool = False,
+                 swiglu_limit: float = 7.0, swiglu_alpha: float = 1.702) -> None:
         super().__init__()
         _check_dims(dim=dim, hidden=hidden, experts=experts, top_k=top_k)
         if shared_hidden is not None:
@@ -94,8 +101,14 @@ class MoE(nn.Module):
             raise ValueError("shared_gate needs shared_hidden (a shared expert to gate)")
         if top_k > experts:
             raise ValueError(f"top_k must be <= experts = {experts}, got top_k={top_k}")
-        if mlp not in ("swiglu", "gelu"):
-            raise ValueError(f"mlp must be 'swiglu' or 'gelu', got {mlp!r}")
+        if mlp not in ("swiglu", "gelu", "swiglu_clamp"):
+            raise ValueError(f"mlp must be 'swiglu', 'gelu' or 'swiglu_clamp', got {mlp!r}")
+        for name, value in (("swiglu_limit", swiglu_limit), ("swiglu_alpha", swiglu_alpha)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"{name} must be a number > 0, got {value!r}")
+        self.swiglu_limit, self.swiglu_alpha = float(swiglu_limit), float(swiglu_alpha)
+        if mlp == "swiglu_clamp" and shared_hidden is not None:
+            raise ValueError("a shared expert takes mlp='swiglu' or 'gelu', not 'swiglu_clamp'")
         if capacity_factor is not None and (isinstance(capacity_factor, bool) or not
                                             isinstance(capacity_factor, (int, float))
                                             or not capacity_factor > 0):
@@ -126,11 +139,17 @@ class MoE(nn.Module):
             self.router_bias = None
         self.dim, self.hidden, self.experts, self.top_k = dim, hidden, experts, top_k
         self.mlp, self.normalize = mlp, normalize
-        self.router = nn.Linear(dim, experts, bias=False)
+        self.router = nn.Linear(dim, experts, bias=logit_bias)
         self.up = nn.Parameter(torch.empty(experts, hidden, dim))
-        if mlp == "swiglu":
+        if mlp != "gelu":
             self.gate = nn.Parameter(torch.empty(experts, hidden, dim))
         self.down = nn.Parameter(torch.empty(experts, dim, hidden))
+        self.expert_bias = expert_bias
+        if expert_bias:  # gpt-oss: each expert's projections have biases
+            self.up_bias = nn.Parameter(torch.empty(experts, hidden))
+            if mlp != "gelu":
+                self.gate_bias = nn.Parameter(torch.empty(experts, hidden))
+            self.down_bias = nn.Parameter(torch.empty(experts, dim))
         self.shared_hidden, self.shared_gate = shared_hidden, shared_gate
         if shared_hidden is not None:  # one expert every token goes through
             self.shared = SwiGLU(dim, shared_hidden, bias=False) if mlp == "swiglu" else \
@@ -146,6 +165,11 @@ class MoE(nn.Module):
             if w is not None:
                 bound = 1 / math.sqrt(w.shape[-1])
                 nn.init.uniform_(w, -bound, bound)
+        if self.expert_bias:
+            for b, fan_in in ((self.up_bias, self.dim), (getattr(self, "gate_bias", None),
+                                                         self.dim), (self.down_bias, self.hidden)):
+                if b is not None:
+                    nn.init.uniform_(b, -fan_in ** -0.5, fan_in ** -0.5)
 
     def route(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """``(logits (T, E), weights (T, top_k), experts (T, top_k))`` for tokens
@@ -182,15 +206,29 @@ class MoE(nn.Module):
             weights = weights / weights.sum(-1, keepdim=True)
         return weights * self.routed_scale, chosen
 
-    def _expert(self, x: Tensor, up: Tensor, down: Tensor, gate: Tensor | None) -> Tensor:
-        """One expert (or all, with a leading E dim on the weights and ``x``):
-        ``(..., T, dim) -> (..., T, dim)``."""
+    def _expert(self, x: Tensor, e: int | None = None) -> Tensor:
+        """Expert ``e`` on ``x`` ``(T, dim)``, or every expert (``e=None``) on ``x``
+        ``(T, dim)`` or ``(E, T, dim)``: ``(..., T, dim) -> (..., T, dim)``."""
+        def pick(w: Tensor | None, bias: bool = False) -> Tensor | None:
+            if w is None or e is not None:
+                return None if w is None else w[e]
+            return w.unsqueeze(1) if bias else w  # biases (E, 1, n): over the tokens
+
+        up, down, gate = pick(self.up), pick(self.down), pick(getattr(self, "gate", None))
         h = x @ up.transpose(-1, -2)  # (..., T, hidden)
+        g = None if gate is None else x @ gate.transpose(-1, -2)
+        if self.expert_bias:
+            h = h + pick(self.up_bias, True)
+            g = g + pick(self.gate_bias, True)
         if gate is None:
             h = nn.functional.gelu(h)
+        elif self.mlp == "swiglu_clamp":  # gpt-oss: clamped, (up + 1) * g sigmoid(alpha g)
+            g, h = g.clamp(max=self.swiglu_limit), h.clamp(-self.swiglu_limit, self.swiglu_limit)
+            h = (h + 1) * g * torch.sigmoid(self.swiglu_alpha * g)
         else:
-            h = nn.functional.silu(x @ gate.transpose(-1, -2)) * h
-        return h @ down.transpose(-1, -2)  # (..., T, dim)
+            h = nn.functional.silu(g) * h
+        out = h @ down.transpose(-1, -2)  # (..., T, dim)
+        return out + pick(self.down_bias, True) if self.expert_bias else out
 
     def forward(self, x: Tensor, return_router_logits: bool = False) -> Tensor | tuple:
         if x.shape[-1] != self.dim:
@@ -198,13 +236,12 @@ class MoE(nn.Module):
         shape = x.shape
         tokens = x.reshape(-1, self.dim)  # (T, dim)
         logits, weights, chosen = self.route(tokens)
-        gate = getattr(self, "gate", None)
         if self.capacity_factor is not None:
-            out = self._capacity(tokens, weights, chosen, gate)
+            out = self._capacity(tokens, weights, chosen)
         elif _batched_transform_active():
-            out = self._dense(tokens, weights, chosen, gate)
+            out = self._dense(tokens, weights, chosen)
         else:
-            out = self._sparse(tokens, weights, chosen, gate)
+            out = self._sparse(tokens, weights, chosen)
         if self.shared_hidden is not None:
             shared = self.shared(tokens)  # (T, dim)
             if self.shared_gate:
@@ -213,15 +250,14 @@ class MoE(nn.Module):
         out = out.reshape(shape)
         return (out, logits.reshape(*shape[:-1], self.experts)) if return_router_logits else out
 
-    def _dense(self, x: Tensor, weights: Tensor, chosen: Tensor, gate: Tensor | None) -> Tensor:
+    def _dense(self, x: Tensor, weights: Tensor, chosen: Tensor) -> Tensor:
         """Every expert on every token, weighted by the routing (zero where unchosen)."""
         mix = torch.zeros(x.shape[0], self.experts, dtype=weights.dtype, device=x.device)
         mix = mix.scatter(-1, chosen, weights)  # (T, E)
-        y = self._expert(x, self.up, self.down, gate)  # (E, T, dim)
+        y = self._expert(x)  # (E, T, dim)
         return torch.einsum("te,etd->td", mix, y)
 
-    def _capacity(self, x: Tensor, weights: Tensor, chosen: Tensor,
-                  gate: Tensor | None) -> Tensor:
+    def _capacity(self, x: Tensor, weights: Tensor, chosen: Tensor) -> Tensor:
         """Each expert on at most ``C`` of the tokens sent to it, in fixed-shape buffers
         ``(E, C, dim)``: the assignments beyond an expert's capacity add nothing."""
         t, k, e = x.shape[0], self.top_k, self.experts
@@ -233,21 +269,19 @@ class MoE(nn.Module):
         keep = pos < cap
         slot = torch.where(keep, expert * cap + pos, e * cap)  # dropped: a spare row
         buf = x.new_zeros(e * cap + 1, self.dim).index_add(0, slot, x[token])  # (E C + 1, dim)
-        y = self._expert(buf[:-1].view(e, cap, self.dim), self.up, self.down, gate)  # (E, C, dim)
+        y = self._expert(buf[:-1].view(e, cap, self.dim))  # (E, C, dim)
         y = torch.cat((y.reshape(e * cap, self.dim), y.new_zeros(1, self.dim)))
         w = (weights.t().reshape(-1) * keep).unsqueeze(-1)  # (k T, 1)
         return x.new_zeros(x.shape).index_add(0, token, y[slot] * w)  # (T, dim)
 
-    def _sparse(self, x: Tensor, weights: Tensor, chosen: Tensor,
-                gate: Tensor | None) -> Tensor:
+    def _sparse(self, x: Tensor, weights: Tensor, chosen: Tensor) -> Tensor:
         """Tokens grouped by expert: each expert on its own tokens."""
         flat = chosen.reshape(-1)  # (T k,) expert of each (token, slot)
         order = flat.argsort(stable=True)
         token = order // self.top_k  # (T k,) the token of each sorted assignment
         counts = torch.bincount(flat, minlength=self.experts).tolist()
         groups = x[token].split(counts)  # E tensors (count_e, dim)
-        outs = [self._expert(g, self.up[e], self.down[e], None if gate is None else gate[e])
-                for e, g in enumerate(groups) if counts[e]]
+        outs = [self._expert(g, e) for e, g in enumerate(groups) if counts[e]]
         y = torch.cat(outs) * weights.reshape(-1)[order, None]  # (T k, dim)
         return x.new_zeros(x.shape).index_add(0, token, y)  # (T, dim)
 

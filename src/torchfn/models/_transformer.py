@@ -32,7 +32,8 @@ def _fused_attention(q: Tensor, k: Tensor, v: Tensor, *, key_padding_mask, causa
     return attention(q, k, v, key_padding_mask=key_padding_mask, causal=causal, **extra)
 
 
-def _extra(window, segment_ids, softcap=None, dropout: float = 0.0, scale=None) -> dict:
+def _extra(window, segment_ids, softcap=None, dropout: float = 0.0, scale=None,
+           sinks=None) -> dict:
     """The attention keywords beyond the basic two, only where set (so a custom ``attend``
     without them keeps working when they are not used). ``dropout`` > 0: with the next
     key of the running ``Model.apply``."""
@@ -49,6 +50,8 @@ def _extra(window, segment_ids, softcap=None, dropout: float = 0.0, scale=None) 
         extra["softcap"] = softcap
     if scale is not None:
         extra["scale"] = scale
+    if sinks is not None:
+        extra["sinks"] = sinks
     return extra
 
 
@@ -79,7 +82,9 @@ class MultiHeadAttention(nn.Module):
     Qwen3 does (``qk_norm="rms+1"``: Gemma 3's, scaling by ``1 + weight``;
     ``qk_norm_scope="all"``: one norm over all heads' queries and one over all keys, as
     OLMo 2's). ``scale`` replaces the scores' ``1 / sqrt(head_dim)`` (Gemma 2 and 3:
-    ``query_pre_attn_scalar ** -0.5``).
+    ``query_pre_attn_scalar ** -0.5``). ``sinks=True`` learns one attention sink logit per
+    head (``sinks`` ``(H,)``, gpt-oss: see ``torchfn.kernels.attention``), and
+    ``out_bias`` sets the output projection's bias apart from ``bias``.
 
     ``forward(x, key_padding_mask, segment_ids, positions, cache)``: ``positions`` may
     also be the layer's :meth:`rotary_table` of them, made once for several layers. With a
@@ -110,6 +115,7 @@ class MultiHeadAttention(nn.Module):
                  head_dim: int | None = None, qk_norm: bool | str = False,
                  qk_norm_scope: str = "head",
                  norm_eps: float | None = None, scale: float | None = None,
+                 sinks: bool = False, out_bias: bool | None = None,
                  attend: AttendFn | None = None) -> None:
         super().__init__()
         _check_dims(dim=dim, heads=heads)
@@ -146,7 +152,11 @@ class MultiHeadAttention(nn.Module):
         self.head_dim = hd
         qkv_bias = bias if qkv_bias is None else qkv_bias
         self.qkv = nn.Linear(dim, (heads + 2 * kv_heads) * hd, bias=qkv_bias)  # [q | k | v]
-        self.out = nn.Linear(heads * hd, dim, bias=bias)
+        self.out = nn.Linear(heads * hd, dim, bias=bias if out_bias is None else out_bias)
+        if sinks:  # gpt-oss: a logit per head that every query may attend instead of a key
+            self.sinks = nn.Parameter(torch.zeros(heads))
+        else:
+            self.sinks = None
         self.qk_norm = bool(qk_norm)
         if qk_norm_scope not in ("head", "all"):
             raise ValueError(f"qk_norm_scope must be 'head' or 'all', got {qk_norm_scope!r}")
@@ -156,6 +166,11 @@ class MultiHeadAttention(nn.Module):
             every = qk_norm_scope == "all"  # OLMo 2: over all heads' features at once
             self.q_norm = make_norm(kind, heads * hd if every else hd, eps=norm_eps)
             self.k_norm = make_norm(kind, kv_heads * hd if every else hd, eps=norm_eps)
+
+    def reset_parameters(self) -> None:
+        """The sinks start at 0 (the projections are their own modules)."""
+        if self.sinks is not None:
+            nn.init.zeros_(self.sinks)
 
     def rotary_table(self, positions: Tensor, dtype: torch.dtype) -> RotaryTable:
         """The cos / sin table of ``positions`` ``(N,)`` or ``(B, N)`` for this layer's
@@ -196,7 +211,8 @@ class MultiHeadAttention(nn.Module):
         if isinstance(cache, StaticKVCache):
             k, v, cache, mask = _write_static(cache, k, v, self.window)
             o = self.attend(q, k, v, key_padding_mask=key_padding_mask, causal=False,
-                            mask=mask, **_extra(None, None, self.softcap, drop, self.scale))
+                            mask=mask, **_extra(None, None, self.softcap, drop, self.scale,
+                                                self.sinks))
         else:
             if cache is not None:
                 if cache.keys:
@@ -204,7 +220,8 @@ class MultiHeadAttention(nn.Module):
                     v = torch.cat((cache.values[0], v), dim=2)
                 cache = KVCache((k,), (v,))
             o = self.attend(q, k, v, key_padding_mask=key_padding_mask, causal=self.causal,
-                            **_extra(self.window, segment_ids, self.softcap, drop, self.scale))
+                            **_extra(self.window, segment_ids, self.softcap, drop, self.scale,
+                                     self.sinks))
         out = self.out(o.transpose(1, 2).reshape(b, n, hq))  # (B, N, dim)
         return out if cache is None else (out, cache)
 
@@ -314,7 +331,8 @@ class TransformerBlock(nn.Module):
                  pre_norms: bool = True, qk_norm_scope: str = "head",
                  experts: int | None = None, top_k: int = 2,
                  moe_options: dict | None = None, expert_hidden: int | None = None,
-                 latent_attention: dict | None = None,
+                 latent_attention: dict | None = None, attn_sinks: bool = False,
+                 out_bias: bool | None = None,
                  attend: AttendFn | None = None) -> None:
         super().__init__()
         if mlp not in ("gelu", "swiglu", "geglu"):
@@ -337,14 +355,16 @@ class TransformerBlock(nn.Module):
                 rotary_base=rotary_base, rotary_scaling=rotary_scaling, rotary_dim=rotary_dim,
                 bias=bias, qkv_bias=qkv_bias, head_dim=head_dim,
                 qk_norm=(norm if norm != "layer" else "rms") if qk_norm else False,
-                qk_norm_scope=qk_norm_scope, norm_eps=norm_eps, scale=attn_scale, attend=attend)
+                qk_norm_scope=qk_norm_scope, norm_eps=norm_eps, scale=attn_scale,
+                sinks=attn_sinks, out_bias=out_bias, attend=attend)
         self.ln2 = make_norm(norm, dim, bias, norm_eps) if pre_norms else nn.Identity()
         hidden = mlp_ratio * dim if mlp_hidden is None else mlp_hidden
         _check_dims(mlp_hidden=hidden)
         self.moe = experts is not None
         if self.moe:
-            self.mlp: nn.Module = MoE(dim, expert_hidden or hidden, experts, top_k, mlp=mlp,
-                                      **(moe_options or {}))
+            options = dict(moe_options or {})
+            self.mlp: nn.Module = MoE(dim, expert_hidden or hidden, experts, top_k,
+                                      mlp=options.pop("mlp", mlp), **options)
         elif moe_options:
             raise ValueError(f"moe_options need experts, got moe_options={moe_options}")
         elif mlp in ("swiglu", "geglu"):
@@ -417,7 +437,8 @@ class TransformerEncoder(nn.Module):
             ``return_router_logits=True`` then returns ``(out, logits)``, the routers'
             logits ``(B, N, E)`` per block, for :func:`torchfn.losses.moe_load_balance`.
         moe_options: :class:`MoE`'s other keywords: ``normalize``, ``shared_hidden``,
-            ``shared_gate``, ``capacity_factor``, DeepSeek-V3's routing.
+            ``shared_gate``, ``capacity_factor``, DeepSeek-V3's routing, gpt-oss's
+            experts (``mlp="swiglu_clamp"`` here sets the experts' MLP alone).
         expert_hidden: the experts' width (default ``mlp_hidden``).
         layer_experts: which blocks have the mixture (the others a dense MLP of
             ``mlp_hidden``), e.g. Qwen-MoE's ``mlp_only_layers`` or DeepSeek's dense first
@@ -468,6 +489,8 @@ class TransformerEncoder(nn.Module):
             ``position_embedding="rotary"`` and leaves ``kv_heads``, ``head_dim``,
             ``qk_norm``, ``rotary_dim`` and ``qkv_bias`` unset. The cache then holds each
             token's latent and rotary key.
+        attn_sinks: a learned attention sink per head in every block (gpt-oss).
+        out_bias: the attention output projection's bias alone (default ``bias``).
         attend: the attention function (default ``torchfn.kernels.attention``).
         remat: recompute each block's activations in the backward (``torchfn.remat``):
             ``True`` keeps only the blocks' inputs, a policy from
@@ -529,6 +552,8 @@ class TransformerEncoder(nn.Module):
         expert_hidden: int | None = None,
         layer_experts: Sequence[bool] | None = None,
         latent_attention: dict | None = None,
+        attn_sinks: bool = False,
+        out_bias: bool | None = None,
         attend: AttendFn | None = None,
         remat: bool | Callable[..., bool] = False,
         tie_embeddings: bool = False,
@@ -606,7 +631,7 @@ class TransformerEncoder(nn.Module):
                              experts=experts if sparse else None, top_k=top_k,
                              moe_options=moe_options if sparse else None,
                              expert_hidden=expert_hidden, latent_attention=latent_attention,
-                             attend=attend)
+                             attn_sinks=attn_sinks, out_bias=out_bias, attend=attend)
             for layer_window, rope, sparse in zip(layer_windows, ropes, self._sparse)
         )
         self.ln = make_norm(norm, dim, bias, norm_eps)
