@@ -14,6 +14,7 @@ from torchfn.models import (
     deepseek_from_hf,
     deepseek_to_hf,
     dequantize_fp8,
+    dequantize_mxfp4,
     from_pretrained,
     llama_from_hf,
     save_pretrained,
@@ -160,6 +161,13 @@ def test_deepseek_errors_are_named():
         dequantize_fp8({"a.weight": torch.zeros(3, 4), "a.weight_scale_inv": torch.ones(2, 1)})
     with pytest.raises(ValueError, match="scales without their weights"):
         dequantize_fp8({"a.weight_scale_inv": torch.ones(1, 1)})
+    blocks = torch.zeros(1, 2, 1, 16, dtype=torch.uint8)
+    with pytest.raises(ValueError, match=r"'e.w_blocks'\] must be uint8 \(E, rows, G, 16\) with "
+                                         r"'e.w_scales' \(E, rows, G\); got torch.uint8 "
+                                         r"\(1, 2, 1, 16\) and \(1, 2\)"):
+        dequantize_mxfp4({"e.w_blocks": blocks, "e.w_scales": torch.zeros(1, 2)})
+    with pytest.raises(ValueError, match=r"and None"):
+        dequantize_mxfp4({"e.w_blocks": blocks})
     params = torchfn.Model(deepseek_from_hf(CONFIG)[0]).init(torchfn.random.key(0))
     with pytest.raises(ValueError, match=r"\(state\): missing \['blocks.1.mlp.router_bias'\]"):
         deepseek_to_hf(CONFIG, params, {})

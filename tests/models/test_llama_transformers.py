@@ -383,3 +383,38 @@ def test_lora_fine_tuning_a_checkpoint_and_loading_the_merge_in_transformers(tmp
         want = loaded(tokens).logits
     torch.testing.assert_close(model.apply({**frozen, **adapters}, tokens), want, rtol=0,
                                atol=2e-6)
+
+
+def test_gpt_oss_mxfp4_experts_dequantize_as_transformers_does(tmp_path):
+    """The Hub's gpt-oss checkpoints store the experts as MXFP4 ``*_blocks`` / ``*_scales``.
+    ``dequantize_mxfp4`` equals transformers' ``convert_moe_packed_tensors`` bit for bit,
+    and ``llama_from_hf`` of such a state dict gives the logits of the transformers model
+    holding the dequantized experts."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from torchfn.models import dequantize_mxfp4
+
+    kind, extra = CASES["gpt-oss"]  # MXFP4 packs rows of 32 values: widths of 32
+    hf, config, sd = hf_checkpoint(kind, dict(extra, intermediate_size=32), tmp_path)
+    gen = torch.Generator().manual_seed(5)
+    quantized = dict(sd)
+    with torch.no_grad():
+        for name in list(sd):
+            if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                e, cols, rows = sd[name].shape  # (E, G * 32, rows)
+                blocks = torch.randint(0, 256, (e, rows, cols // 32, 16), generator=gen,
+                                       dtype=torch.uint8)
+                scales = torch.randint(112, 121, (e, rows, cols // 32), generator=gen,
+                                       dtype=torch.uint8)
+                want = convert_moe_packed_tensors(blocks, scales)
+                got = dequantize_mxfp4({name + "_blocks": blocks, name + "_scales": scales})
+                assert torch.equal(got[name], want)
+                del quantized[name]
+                quantized[name + "_blocks"], quantized[name + "_scales"] = blocks, scales
+                hf.get_parameter(name).copy_(want.double())
+    module, params = llama_from_hf(config, quantized)
+    tokens = torch.randint(0, 50, (2, 12), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        want = hf(tokens).logits
+    got = torchfn.Model(module).apply({n: t.double() for n, t in params.items()}, tokens)
+    torch.testing.assert_close(got, want, rtol=0, atol=2e-6)

@@ -3,8 +3,9 @@
 from torchfn.models._aggregate import GINConv, SAGEConv, aggregate_neighbours
 from torchfn.models._beam_search import beam_search
 from torchfn.models._cnn import BasicBlock, ConvNet, ResNet
-from torchfn.models._deepseek import deepseek_from_hf, deepseek_to_hf, dequantize_fp8
+from torchfn.models._deepseek import deepseek_from_hf, deepseek_to_hf
 from torchfn.models._denoiser import MLPDenoiser, fourier_features, timestep_embedding
+from torchfn.models._dequantize import dequantize_fp8, dequantize_mxfp4
 from torchfn.models._energy import MLPEnergy
 from torchfn.models._gan import ConvCritic, ConvGenerator
 from torchfn.models._gat import GATConv
@@ -82,6 +83,7 @@ __all__ = [
     "deepseek_from_pretrained",
     "deepseek_save_pretrained",
     "dequantize_fp8",
+    "dequantize_mxfp4",
     "MLPVAE",
     # DCGAN generator and critic for small images (_gan)
     "ConvGenerator",

@@ -11,11 +11,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from torchfn.models._dequantize import dequantize_fp8
 from torchfn.models._llama import _ropes, partial_rotary
 from torchfn.models._rotary_scaling import yarn_mscale
 from torchfn.models._transformer import TransformerEncoder
 
-__all__ = ["deepseek_from_hf", "deepseek_to_hf", "dequantize_fp8"]
+__all__ = ["deepseek_from_hf", "deepseek_to_hf"]
 
 _TYPES = ("deepseek_v2", "deepseek_v3", "glm4_moe")
 _GQA = ("glm4_moe",)  # q/k/v projections (joined into one qkv here), not latent attention
@@ -356,51 +357,3 @@ def deepseek_to_hf(config: Mapping[str, Any], params: Mapping[str, Tensor],
                 out[at + hf_name[rest]] = t
     return out
 
-
-def dequantize_fp8(state_dict: Mapping[str, Tensor], config: Mapping[str, Any] | None = None,
-                   dtype: torch.dtype = torch.bfloat16) -> dict[str, Tensor]:
-    """A block-wise FP8 checkpoint's weights in ``dtype``: each ``name.weight`` with a
-    ``name.weight_scale_inv`` ``(ceil(rows / b0), ceil(cols / b1))`` becomes ``weight *
-    scale`` block by block (blocks ``config["quantization_config"]["weight_block_size"]``,
-    default 128 x 128, the last ones cut at the matrix's edge), computed in float32 as
-    DeepSeek's ``weight_dequant`` does; the scales are dropped and the other tensors kept.
-
-    Example::
-
-        >>> import torch
-        >>> from torchfn.models import dequantize_fp8
-        >>> w = torch.full((3, 200), 1.5).to(torch.float8_e4m3fn)
-        >>> scale = torch.tensor([[2.0, 4.0]])                    # blocks of 128 columns
-        >>> out = dequantize_fp8({"w.weight": w, "w.weight_scale_inv": scale})
-        >>> out["w.weight"][0, 127].item(), out["w.weight"][0, 128].item(), out["w.weight"].dtype
-        (3.0, 6.0, torch.bfloat16)
-    """
-    block = ((config or {}).get("quantization_config") or {}).get("weight_block_size",
-                                                                  [128, 128])
-    if not (isinstance(block, (list, tuple)) and len(block) == 2
-            and all(isinstance(b, int) and b >= 1 for b in block)):
-        raise ValueError(f"config['quantization_config']['weight_block_size'] must be two "
-                         f"ints >= 1, got {block!r}")
-    out = {}
-    for name, t in state_dict.items():
-        if name.endswith("_scale_inv"):
-            continue
-        scale = state_dict.get(name + "_scale_inv")
-        if scale is None:
-            out[name] = t
-            continue
-        if t.dim() != 2:
-            raise ValueError(f"state_dict[{name!r}] has a scale, so must be a matrix; got "
-                             f"shape {tuple(t.shape)}")
-        rows, cols = t.shape
-        want = (-(-rows // block[0]), -(-cols // block[1]))
-        if tuple(scale.shape) != want:
-            raise ValueError(f"state_dict[{name + '_scale_inv'!r}] must have shape {want} for "
-                             f"a weight {tuple(t.shape)} in blocks {tuple(block)}, got "
-                             f"{tuple(scale.shape)}")
-        full = scale.float().repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)
-        out[name] = (t.float() * full[:rows, :cols]).to(dtype)  # (rows, cols)
-    orphans = [n for n in state_dict if n.endswith("_scale_inv") and n[:-10] not in state_dict]
-    if orphans:
-        raise ValueError(f"state_dict has scales without their weights: {orphans[:3]}")
-    return out

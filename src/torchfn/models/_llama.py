@@ -291,7 +291,7 @@ def llama_from_hf(config: Mapping[str, Any], state_dict: Mapping[str, Tensor] | 
     per head (``attn_sinks``), windows on alternate layers, YaRN, and a mixture whose
     router has a bias and whose experts are clamped SwiGLUs with biases (:class:`MoE`'s
     ``mlp="swiglu_clamp"``, ``expert_bias``, ``logit_bias``); its fused ``gate_up_proj``
-    is split (the MXFP4 checkpoints on the Hub need dequantizing first: not done here).
+    is split; the Hub's MXFP4 experts are dequantized to bfloat16 (:func:`dequantize_mxfp4`).
     Phi-3 (``"phi3"``) has q/k/v and gate/up fused, and ``partial_rotary_factor``
     becomes ``rotary_dim`` (its LongRoPE scaling is not supported).
     Gemma (``"gemma"``, ``"gemma2"``, ``"gemma3_text"``) gets its tanh-GELU gate
@@ -337,6 +337,10 @@ def llama_from_hf(config: Mapping[str, Any], state_dict: Mapping[str, Tensor] | 
         return module, None
     if not isinstance(state_dict, Mapping):
         raise TypeError(f"state_dict must be a dict of tensors, got {type(state_dict).__name__}")
+    if any(name.endswith("_blocks") for name in state_dict):  # gpt-oss's MXFP4 experts
+        from torchfn.models._dequantize import dequantize_mxfp4
+
+        state_dict = dequantize_mxfp4(state_dict)
     params: dict[str, Tensor] = {}
     parts: dict[str, dict[Any, Tensor]] = {}  # our name -> the pieces to join
     unknown = []
