@@ -215,6 +215,36 @@ def test_softcap(benchmark, impl, mode):
                   scale=4.0)
 
 
+# ---------------------------------------------------------------- attention sinks
+
+SINKS = torch.linspace(-1.0, 2.0, H)  # (H,): gpt-oss's learned logit per head
+
+
+def _eager_sinks(q, k, v):
+    """transformers' gpt-oss eager attention: the sink appended to each row's scores, a
+    softmax over both, the sink's column dropped (SDPA has no sinks)."""
+    s = (q @ k.transpose(-1, -2)) * D**-0.5
+    s = s.masked_fill(~torch.ones(SN, SN, dtype=torch.bool).tril(), float("-inf"))
+    s = torch.cat((s, SINKS[:, None, None].expand(*s.shape[:-1], 1)), -1)
+    return torch.softmax(s, -1)[..., :-1] @ v
+
+
+SINK_IMPLS = {
+    "torchfn sinks": lambda q, k, v: attention(q, k, v, causal=True, sinks=SINKS,
+                                               backend="torch"),
+    "torchfn no sinks": lambda q, k, v: attention(q, k, v, causal=True, backend="torch"),
+    "eager sinks": _eager_sinks,
+}
+
+
+@pytest.mark.parametrize("mode", ["forward", "forward+backward"])
+@pytest.mark.parametrize("impl", list(SINK_IMPLS))
+def test_sinks(benchmark, impl, mode):
+    benchmark.group = f"sinks N={SN} {mode}"
+    ref = None if impl == "torchfn no sinks" else _eager_sinks
+    _time_against(benchmark, SINK_IMPLS[impl], ref, mode, SN, seed=8, atol=1e-4)
+
+
 # ---------------------------------------------------------------- dropout
 
 P_DROP, DROP_KEY = 0.1, random.key(0)

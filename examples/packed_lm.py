@@ -30,12 +30,19 @@ the progression, and of the progressions continued without a single error.
 
     python examples/packed_lm.py --steps 300 --seed 0 [--optimizer muon] [--remat dots]
         [--positions rotary] [--kv-heads 1] [--draft-dim 32] [--dim 256 --depth 4]
-        [--experts 4]
+        [--experts 4 [--routing deepseek]] [--latent-attention]
 
 ``--experts 4`` makes every block's MLP a mixture of 4 experts, each token routed to
 2 (``models.MoE``, Mixtral's routing), trained with Switch's load-balancing loss
 (``losses.moe_load_balance`` on the routers' logits, weight ``--aux-weight``); the
 report gives each expert's share of the held-out tokens.
+
+``--routing deepseek`` routes as DeepSeek-V3: sigmoid scores and a selection bias per
+expert (router *state*, not a parameter) that ``models.moe_bias_update`` moves after each
+step toward balanced loads, ``--bias-rate`` a step, with no load-balancing loss
+(``--aux-weight`` defaults to 0 there). ``--latent-attention`` gives every block
+DeepSeek's multi-head latent attention (``models.LatentAttention``: keys and values from
+one small latent per token, which is all the KV cache holds; rotary positions).
 
 ``--draft-dim 32`` also trains a one-block model of width 32 on the same batches and
 decodes with it as the draft (``models.speculative_generate``): the output equals the
@@ -45,6 +52,7 @@ model's own greedy decoding, in fewer calls of the model.
 from __future__ import annotations
 
 import argparse
+import functools
 import time
 
 import torch
@@ -53,7 +61,7 @@ from tqdm import tqdm
 
 import torchfn
 from torchfn import checkpoint_policies, losses, optim, random
-from torchfn.models import TransformerEncoder, generate, speculative_generate
+from torchfn.models import TransformerEncoder, generate, moe_bias_update, speculative_generate
 
 VOCAB, PAD = 32, -1  # token ids; the segment id of a row's unused tail
 
@@ -96,8 +104,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="also train a one-block draft of this width; decode speculatively")
     p.add_argument("--experts", type=int, default=0,
                    help="a mixture of this many experts (top 2) per block; 0: dense MLPs")
-    p.add_argument("--aux-weight", type=float, default=0.02,
-                   help="weight of the experts' load-balancing loss")
+    p.add_argument("--aux-weight", type=float, default=None,
+                   help="weight of the experts' load-balancing loss (default 0.02; 0 with "
+                        "--routing deepseek)")
+    p.add_argument("--routing", choices=["mixtral", "deepseek"], default="mixtral",
+                   help="softmax top-2 (Mixtral), or sigmoid scores with a balancing bias")
+    p.add_argument("--bias-rate", type=float, default=1e-3,
+                   help="--routing deepseek: the selection bias's step per training step")
+    p.add_argument("--latent-attention", action="store_true",
+                   help="DeepSeek's multi-head latent attention in every block")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-every", type=int, default=50)
     return p.parse_args(argv)
@@ -167,23 +182,32 @@ def speculative_report(model, params, draft, d_params, key, n: int = 32, new: in
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
+    deepseek = args.routing == "deepseek" and args.experts > 0
+    aux_weight = args.aux_weight if args.aux_weight is not None else 0.0 if deepseek else 0.02
+    if args.latent_attention and args.positions != "rotary":
+        raise ValueError("--latent-attention needs --positions rotary")
     init_key, data_key = random.split(random.key(args.seed))
-    model = torchfn.Model(TransformerEncoder(dim=args.dim, heads=4, depth=args.depth,
-                                             vocab_size=VOCAB,
-                                             out_dim=VOCAB, causal=True, max_len=args.row_len,
-                                             remat=REMAT[args.remat], kv_heads=args.kv_heads,
-                                             position_embedding=args.positions,
-                                             experts=args.experts or None))
-    params = model.init(init_key)
+    net = TransformerEncoder(
+        dim=args.dim, heads=4, depth=args.depth, vocab_size=VOCAB, out_dim=VOCAB,
+        causal=True, max_len=args.row_len, remat=REMAT[args.remat],
+        kv_heads=None if args.latent_attention else args.kv_heads,
+        position_embedding=args.positions, experts=args.experts or None,
+        moe_options=dict(scoring="sigmoid", router_bias=True) if deepseek else None,
+        latent_attention=dict(kv_rank=args.dim // 2, rope_dim=8, nope_dim=args.dim // 4,
+                              v_dim=args.dim // 4) if args.latent_attention else None)
+    model = torchfn.Model(net)
+    params, state = model.init(init_key), model.init_state()  # state: the routers' biases
+    run = functools.partial(model.apply, state=state) if state else model
 
-    def loss_and_acc(params, tokens, ids, model=model, moe=args.experts > 0):  # (R, N)
-        aux = 0.0
-        if moe:  # the routers' logits (R, N, E) per block, for the load-balancing loss
-            logits, router = model.apply(params, tokens, segment_ids=ids,
+    def loss_and_acc(params, tokens, ids, model=model, moe=args.experts > 0, state=state):
+        aux, router = 0.0, ()  # tokens, ids: (R, N)
+        if moe:  # the routers' logits (R, N, E) per block, for balancing
+            logits, router = model.apply(params, tokens, segment_ids=ids, state=state,
                                          return_router_logits=True)
-            aux = args.aux_weight * losses.moe_load_balance(router, 2, mask=ids != PAD)
+            if aux_weight:
+                aux = aux_weight * losses.moe_load_balance(router, 2, mask=ids != PAD)
         else:
-            logits = model.apply(params, tokens, segment_ids=ids)
+            logits = model.apply(params, tokens, segment_ids=ids, state=state or None)
         logits = logits[:, :-1]  # (R, N - 1, V)
         target = tokens[:, 1:]
         # predict the next token of the same document, from its third token on (the step
@@ -193,7 +217,7 @@ def main(argv: list[str] | None = None) -> dict:
         loss = F.cross_entropy(logits.transpose(1, 2), target, reduction="none")
         loss = (loss * same).sum() / same.sum() + aux
         acc = ((logits.argmax(-1) == target) & third).sum() / third.sum()
-        return loss, acc
+        return loss, (acc, tuple(r.detach() for r in router))
 
     grad_fn = torch.func.grad_and_value(loss_and_acc, has_aux=True)
     draft = None
@@ -204,7 +228,8 @@ def main(argv: list[str] | None = None) -> dict:
         d_params = draft.init(random.fold_in(init_key, 1))
         d_opt = optim.adam(args.lr)
         d_state = d_opt.init(d_params)
-        draft_grad = torch.func.grad(loss_and_acc, has_aux=True)
+        draft_grad = torch.func.grad(lambda *a, **k: loss_and_acc(*a, **k, state={}),
+                                     has_aux=True)
     opt = OPTIMIZERS[args.optimizer](args.lr)
     opt_state = opt.init(params)
     history, tokens_seen, start = [], 0, time.perf_counter()
@@ -212,9 +237,14 @@ def main(argv: list[str] | None = None) -> dict:
     for step in pbar:
         docs = documents(random.fold_in(data_key, step), 8 * args.rows * args.row_len // 23)
         tokens, ids, used = pack(docs, args.rows, args.row_len)
-        grads, (loss, acc) = grad_fn(params, tokens, ids)
+        grads, (loss, (acc, router)) = grad_fn(params, tokens, ids)
         updates, opt_state = opt.update(grads, opt_state, params)
         params = optim.apply_updates(params, updates)
+        if deepseek:  # each expert's load this step moves its bias (no gradient)
+            for i, logits in enumerate(router):
+                name = f"blocks.{i}.mlp.router_bias"
+                load = net.blocks[i].mlp.expert_load(logits[ids != PAD], state[name])
+                state[name] = moe_bias_update(state[name], load, args.bias_rate)
         if draft is not None:  # the draft learns from the same batches
             d_grads, _ = draft_grad(d_params, tokens, ids, model=draft, moe=False)
             d_updates, d_state = d_opt.update(d_grads, d_state, d_params)
@@ -233,18 +263,22 @@ def main(argv: list[str] | None = None) -> dict:
     if args.optimizer == "schedule_free":  # evaluate at the average x, not at y
         params = optim.schedule_free_eval_params(opt_state, params)
     with torch.no_grad():
-        _, test_acc = loss_and_acc(params, tokens, ids)
+        _, (test_acc, _) = loss_and_acc(params, tokens, ids)
     seconds = time.perf_counter() - start
     shares = []
     if args.experts:  # each expert's share of the held-out tokens' first choices, per block
         with torch.no_grad():
-            _, router = model.apply(params, tokens, segment_ids=ids, return_router_logits=True)
-        shares = [torch.bincount(r[ids != PAD].argmax(-1), minlength=args.experts).div(
-            int((ids != PAD).sum())).tolist() for r in router]
-    token_acc, whole_acc = continuation_accuracy(model, params, random.fold_in(data_key, -1))
+            _, router = model.apply(params, tokens, segment_ids=ids, state=state,
+                                    return_router_logits=True)
+        for i, r in enumerate(router):  # the choice as routed: with the bias, if any
+            first = net.blocks[i].mlp.select(r[ids != PAD], state.get(
+                f"blocks.{i}.mlp.router_bias"))[1][:, 0]
+            shares.append(torch.bincount(first, minlength=args.experts).div(
+                len(first)).tolist())
+    token_acc, whole_acc = continuation_accuracy(run, params, random.fold_in(data_key, -1))
     spec = {}
     if draft is not None:
-        spec = speculative_report(model, params, draft, d_params, random.fold_in(data_key, -2))
+        spec = speculative_report(run, params, draft, d_params, random.fold_in(data_key, -2))
     k = max(1, min(20, len(history) // 5))
     first = sum(h[0] for h in history[:k]) / k
     last = sum(h[0] for h in history[-k:]) / k
@@ -263,7 +297,8 @@ def main(argv: list[str] | None = None) -> dict:
               f"{spec['plain_seconds']:.2f} s")
     return {"loss_first": first, "loss_last": last, "test_accuracy": float(test_acc),
             "continuation_accuracy": token_acc, "continuation_exact": whole_acc,
-            "expert_shares": shares, **spec}
+            "expert_shares": shares, "router_bias": {n: t.tolist() for n, t in state.items()},
+            **spec}
 
 
 if __name__ == "__main__":

@@ -84,3 +84,24 @@ def test_mixture_of_experts_lm_learns_and_uses_its_experts(example):
     for shares in result["expert_shares"]:  # no expert starved (uniform: 0.25 each)
         assert len(shares) == 4 and min(shares) > 0.05
         assert abs(sum(shares) - 1) < 1e-6
+
+
+def test_deepseek_style_lm_with_latent_attention_and_loss_free_balancing(example):
+    """--routing deepseek --latent-attention: sigmoid routing balanced by the selection
+    bias alone (no auxiliary loss) and latent attention learn the progressions and decode
+    them through the latent cache; each bias moved by at most rate x steps, and every
+    expert keeps a share of the tokens."""
+    steps, rate = 60, 0.01
+    result = example("packed_lm").main([
+        "--steps", str(steps), "--rows", "4", "--seed", "1", "--positions", "rotary",
+        "--experts", "4", "--routing", "deepseek", "--bias-rate", str(rate),
+        "--latent-attention"])
+    assert result["loss_last"] < result["loss_first"] / 3
+    assert result["test_accuracy"] > 0.9
+    assert result["continuation_accuracy"] > 0.9
+    assert sorted(result["router_bias"]) == ["blocks.0.mlp.router_bias",
+                                             "blocks.1.mlp.router_bias"]
+    for bias in result["router_bias"].values():
+        assert any(b != 0 for b in bias) and max(abs(b) for b in bias) <= rate * steps + 1e-6
+    for shares in result["expert_shares"]:
+        assert len(shares) == 4 and min(shares) > 0.05 and abs(sum(shares) - 1) < 1e-6

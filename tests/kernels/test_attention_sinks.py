@@ -86,6 +86,30 @@ def test_values_gradients_and_tangents_match_float64(backend, rel_err):
     assert rel_err(to, to64) <= tol and rel_err(tlse, tlse64) <= tol
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_lse_cotangent_folded_into_sdpas_fused_backward(dtype, monkeypatch, rel_err):
+    """On the CPU, where SDPA's fused backward applies (Nq == Nk, no window), lse's
+    cotangent rides on one more feature of O and dO (``_fold_dlse``): the gradients in
+    q, k, v and the sinks still equal the float64 formula's, and the fold ran."""
+    from torchfn.kernels import _torch_ops
+
+    calls = []
+    fold = _torch_ops._fold_dlse
+    monkeypatch.setattr(_torch_ops, "_fold_dlse", lambda *a: calls.append(1) or fold(*a))
+    q, k, v, sinks, mask = data(dtype, seed=4, Nq=9, Nk=9, D=12)
+    w = torch.randn(q.shape, generator=torch.Generator().manual_seed(2), dtype=dtype)
+    xs = tuple(x.clone().requires_grad_() for x in (q, k, v, sinks))
+    xs64 = tuple(x.detach().double().requires_grad_() for x in (q, k, v, sinks))
+    o = attention(*xs[:3], sinks=xs[3], causal=True, mask=mask, backend="torch")
+    o64 = formula(*xs64, True, mask)[0]
+    got = torch.autograd.grad((o * w).sum(), xs)
+    want = torch.autograd.grad((o64 * w.double()).sum(), xs64)
+    tol = 1e-10 if dtype == torch.float64 else 1e-5
+    for a, b in zip(got, want):
+        assert rel_err(a, b) <= tol
+    assert calls, "the fused backward with the folded lse cotangent did not run"
+
+
 def test_per_sample_gradients_in_the_sinks_equal_the_loop(rel_err):
     """vmap(grad) over examples, the sinks shared (a parameter): each example's gradient
     in q and in the sinks equals grad on that example alone."""

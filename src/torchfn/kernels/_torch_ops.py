@@ -220,7 +220,8 @@ def _sdpa_args(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: boo
                dlse=None, slopes=None):
     """(k, v, additive mask) for SDPA's fused CPU kernels, or None where they do not apply
     (a window or segments: the blockwise path skips the keys outside them; keyed dropout:
-    SDPA's draws from the global RNG; a cotangent for lse: SDPA's backward takes none;
+    SDPA's draws from the global RNG; a cotangent for lse on fp16 / bf16 inputs: SDPA's
+    backward takes none, and ``_fold_dlse``'s way in is exact only in float32 / float64;
     ALiBi: the bias would have to be materialised)."""
     if (not _USE_SDPA or _SDPA_BWD is None or q.device.type != "cpu" or max(window) >= 0
             or segments is not None or softcap > 0 or seeds is not None or dlse is not None
@@ -295,6 +296,26 @@ def _bwd_sdpa_blocks(L: _Layout, q, k, v, o, lse, do, scale: float):
     return dq, dk, dv
 
 
+def _fold_dlse(q: Tensor, k: Tensor, v: Tensor, o: Tensor, do: Tensor,
+               dlse: Tensor) -> tuple[Tensor, ...]:
+    """Inputs for SDPA's fused backward that also carry lse's cotangent. With it, the
+    backward's ``delta = rowsum(dO * O)`` must become ``delta - dlse`` (d lse_i / d s_ij
+    = P_ij), and SDPA takes no dlse; but it reads O only for delta. So one more feature
+    goes on every tensor: 1 on dO, ``-dlse`` on O, 0 on q, k and v (the scores, dP and
+    the first D features of every gradient are unchanged), padded to a multiple of 8
+    features with zeros. Exact, for float32 / float64 inputs (``-dlse`` is stored in
+    O's dtype)."""
+    d = q.shape[-1]
+    pad = 8 - d % 8 if d % 8 else 8
+
+    def widen(x: Tensor, first: Tensor | float = 0.0) -> Tensor:
+        extra = x.new_zeros(*x.shape[:-1], pad)
+        extra[..., 0] = first
+        return torch.cat((x, extra), -1)  # (..., D + pad)
+
+    return (widen(q), widen(k), widen(v), widen(o, -dlse.to(o.dtype)), widen(do, 1.0))
+
+
 def _sum_groups(x: Tensor, hkv: int) -> Tensor:
     """(B, H, Nk, D) -> (B, Hkv, Nk, D), summing the query heads of each kv head."""
     if x.shape[1] == hkv:
@@ -363,12 +384,18 @@ def bwd(
 
     Always deterministic; ``deterministic`` is accepted for the shared backend contract.
     """
-    sdpa = _sdpa_args(q, k, v, mask, causal, window, segments, softcap, seeds, dlse, slopes)
+    wide = q.dtype in (torch.float32, torch.float64)  # dlse folds in exactly: below
+    sdpa = _sdpa_args(q, k, v, mask, causal, window, segments, softcap, seeds,
+                      None if wide else dlse, slopes)
     if sdpa is not None:
         kr, vr, bias = sdpa
         lse = lse.masked_fill(lse == float("-inf"), 0.0)  # back to SDPA's convention
+        d = q.shape[-1]
+        if dlse is not None:
+            q, kr, vr, o, do = _fold_dlse(q, kr, vr, o, do, dlse)
         dq, dk, dv = _SDPA_BWD(do, q, kr, vr, o, lse, 0.0, causal, attn_mask=bias, scale=scale)
         hkv = k.shape[1]
+        dq, dk, dv = dq[..., :d], dk[..., :d], dv[..., :d]
         return dq.contiguous(), _sum_groups(dk, hkv).contiguous(), _sum_groups(dv, hkv).contiguous()
     L = _Layout(q, k, mask, causal, scale, window, segments, softcap, dropout, seeds, slopes)
     if _sdpa_blocks(q, mask, window, segments, softcap, seeds, dlse):

@@ -186,7 +186,9 @@ def deepseek_from_hf(config: Mapping[str, Any], state_dict: Mapping[str, Tensor]
     ``"group_limited_greedy"``), both times ``routed_scaling_factor``. V3's
     ``e_score_correction_bias`` is router *state* (``blocks.i.mlp.router_bias``, for
     :func:`moe_bias_update`), returned apart from the params: pass it as
-    ``Model.apply``'s ``state``. Multi-token-prediction layers past
+    ``Model.apply``'s ``state`` (to decode, bind it:
+    ``generate(functools.partial(model.apply, state=state), params, prompt, n)``).
+    Multi-token-prediction layers past
     ``num_hidden_layers`` (DeepSeek-V3's layer 61) are skipped. An FP8 checkpoint
     (DeepSeek-V3's: e4m3 weights, each 128 x 128 block with its ``weight_scale_inv``) is
     dequantized to bfloat16 (:func:`dequantize_fp8`). Tested against
