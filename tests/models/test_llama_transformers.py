@@ -72,6 +72,13 @@ CASES = {
     "phi3": ("phi3", dict(pad_token_id=0, sliding_window=5)),
     "phi3-partial-rotary": ("phi3", dict(pad_token_id=0, sliding_window=None,
                                          partial_rotary_factor=0.5)),
+    # LongRoPE (Phi-3.5, Phi-4-mini): short factors up to position 8, long past it; half
+    # the head rotated
+    "phi3-longrope": ("phi3", dict(pad_token_id=0, sliding_window=None,
+                                   partial_rotary_factor=0.5, original_max_position_embeddings=8,
+                                   rope_scaling=dict(type="longrope",
+                                                     short_factor=[1.0, 1.5],
+                                                     long_factor=[2.0, 5.0]))),
     "olmo2": ("olmo2", dict(pad_token_id=0, eos_token_id=1)),
     # attention sinks, biases on q/k/v/o, windows on alternate layers, YaRN without
     # truncation, a biased router and clamped-SwiGLU experts with biases
@@ -418,3 +425,28 @@ def test_gpt_oss_mxfp4_experts_dequantize_as_transformers_does(tmp_path):
         want = hf(tokens).logits
     got = torchfn.Model(module).apply({n: t.double() for n, t in params.items()}, tokens)
     torch.testing.assert_close(got, want, rtol=0, atol=2e-6)
+
+
+def test_longrope_switches_factors_where_transformers_does(tmp_path):
+    """LongRoPE picks short or long factors per call from its positions: a 7-token forward
+    runs short (the 20-token one of the test above runs long), and a cached decode from a
+    5-token prompt switches to the long factors at position 8, the cached keys keeping
+    their rotation, as transformers' model does when stepped with its cache. (Its
+    ``generate`` differs there: Phi-3's ``prepare_inputs_for_generation`` drops the cache
+    at that token and re-runs the whole sequence with the long factors.)"""
+    from transformers import DynamicCache
+
+    hf, config, sd = hf_checkpoint(*CASES["phi3-longrope"], tmp_path)
+    module, params = llama_from_hf(config, sd)
+    model = torchfn.Model(module)
+    tokens = torch.randint(0, 50, (2, 12), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        short = hf(tokens[:, :7]).logits
+        out = hf(tokens[:, :5], cache=DynamicCache(config=hf.config), use_cache=True)
+        stepped = [out.logits]
+        for i in range(5, 12):
+            out = hf(tokens[:, i:i + 1], cache=out.past_key_values, use_cache=True)
+            stepped.append(out.logits)
+    torch.testing.assert_close(model.apply(params, tokens[:, :7]), short, rtol=0, atol=2e-6)
+    torch.testing.assert_close(logits_through_cache(model, params, tokens, 5),
+                               torch.cat(stepped, 1), rtol=0, atol=2e-6)

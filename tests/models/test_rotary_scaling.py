@@ -113,3 +113,22 @@ def test_bad_scaling_is_named(scaling, err, match):
     with pytest.raises(err, match=match):  # at construction, not at the first forward
         TransformerEncoder(dim=16, heads=2, depth=1, vocab_size=7,
                            position_embedding="rotary", rotary_scaling=scaling)
+
+
+def test_longrope_divides_each_frequency_by_its_factor_and_checks_their_count():
+    """LongRoPE: short factors by default, long ones with ``long=True``, the attention
+    factor sqrt(1 + ln(factor) / ln(original)); a factor list of the wrong length is named."""
+
+
+    scaling = {"rope_type": "longrope", "short_factor": [1.0, 2.0, 4.0],
+               "long_factor": [3.0, 5.0, 7.0], "original_max_position_embeddings": 16,
+               "factor": 8.0}
+    plain, _ = rotary_frequencies(6, 100.0)
+    short, scale = rotary_frequencies(6, 100.0, scaling)
+    long, _ = rotary_frequencies(6, 100.0, scaling, long=True)
+    torch.testing.assert_close(short, plain / torch.tensor([1.0, 2.0, 4.0], dtype=torch.float64))
+    torch.testing.assert_close(long, plain / torch.tensor([3.0, 5.0, 7.0], dtype=torch.float64))
+    assert scale == pytest.approx(math.sqrt(1 + math.log(8) / math.log(16)))
+    with pytest.raises(ValueError, match=r"short_factor'\] must hold rotary_dim / 2 = 2 "
+                                         r"factors, got 3"):
+        rotary_frequencies(4, 100.0, scaling)

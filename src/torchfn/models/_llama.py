@@ -124,10 +124,28 @@ def _ropes(config: Mapping[str, Any], types: list[str]) -> dict[str, Any]:
             else None
         if "rope_local_base_freq" in config:  # Gemma 3, transformers 4
             local = (float(config["rope_local_base_freq"]), None)
+    if scaling and scaling.get("rope_type", scaling.get("type")) == "longrope":
+        scaling = _longrope(config, scaling)
     out: dict[str, Any] = dict(rotary_base=base, rotary_scaling=scaling)
     if local is not None and local != (base, scaling) and "sliding_attention" in types:
         out["layer_rotary"] = [local if t == "sliding_attention" else None for t in types]
     return out
+
+
+def _longrope(config: Mapping[str, Any], scaling: dict[str, Any]) -> dict[str, Any]:
+    """Phi-3's LongRoPE dict, completed from the config: ``original_max_position_embeddings``
+    (a top-level key in Phi-3's configs) and ``factor`` (the context's stretch,
+    ``max_position_embeddings / original_max_position_embeddings``, as transformers
+    computes it). A ``"type"`` key becomes ``"rope_type"``."""
+    scaling = dict(scaling)
+    scaling["rope_type"] = scaling.pop("type", None) or scaling["rope_type"]
+    original = scaling.setdefault("original_max_position_embeddings",
+                                  config.get("original_max_position_embeddings"))
+    if original is None:
+        raise ValueError("config: LongRoPE needs original_max_position_embeddings")
+    if scaling.get("factor") is None:
+        scaling["factor"] = max(1.0, config.get("max_position_embeddings", original) / original)
+    return scaling
 
 
 def _layer_types(config: Mapping[str, Any], kind: str) -> list[str]:
@@ -293,7 +311,9 @@ def llama_from_hf(config: Mapping[str, Any], state_dict: Mapping[str, Tensor] | 
     ``mlp="swiglu_clamp"``, ``expert_bias``, ``logit_bias``); its fused ``gate_up_proj``
     is split; the Hub's MXFP4 experts are dequantized to bfloat16 (:func:`dequantize_mxfp4`).
     Phi-3 (``"phi3"``) has q/k/v and gate/up fused, and ``partial_rotary_factor``
-    becomes ``rotary_dim`` (its LongRoPE scaling is not supported).
+    becomes ``rotary_dim``; its LongRoPE (Phi-3.5, Phi-4-mini) is ``rotary_scaling``
+    ``{"rope_type": "longrope", ...}``, the long factors chosen per call from its
+    positions, as transformers does (so a cached decode switches at the same token).
     Gemma (``"gemma"``, ``"gemma2"``, ``"gemma3_text"``) gets its tanh-GELU gate
     (``mlp="geglu"``), RMSNorm scaling by ``1 + weight`` (``norm="rms+1"``) and
     embeddings times ``sqrt(hidden_size)``; Gemma 2 and 3 their norms after each

@@ -111,6 +111,12 @@ def rotary_table(positions: Tensor, rotary_dim: int, *, base: float = 10000.0,
     # float64 angles: in float32, position 4096 would be off by up to 2.4e-4 rad
     inv_freq, scale = _frequencies(rotary_dim, base, scaling, device)  # (rot/2,)
     pos = positions.to(device=device, dtype=torch.float64)
+    if scaling is not None and scaling.get("rope_type", scaling.get("type")) == "longrope":
+        # LongRoPE: the long factors for a call that reaches past the original context
+        # (decided on the tensor, as Hugging Face does: no sync, traceable, vmap-able)
+        long_freq, _ = _frequencies(rotary_dim, base, scaling, device, long=True)
+        past = pos.max() + 1 > scaling["original_max_position_embeddings"]
+        inv_freq = torch.where(past, long_freq, inv_freq)
     if pos.dim() > 1:
         pos = pos.unsqueeze(-2)  # (B, 1, N): shared by the heads
     angles = pos[..., None] * inv_freq  # (..., N, rot/2)
@@ -141,20 +147,21 @@ def apply_rotary(x: Tensor, table: RotaryTable, interleaved: bool = False) -> Te
 
 
 def _frequencies(rotary_dim: int, base: float, scaling: Mapping[str, Any] | None,
-                 device: torch.device | None) -> tuple[Tensor, float]:
+                 device: torch.device | None, long: bool = False) -> tuple[Tensor, float]:
     """``rotary_frequencies``, remembered in plain eager mode: a decoding step would
     otherwise rebuild the same (rot/2,) tensor in every layer (~25 us each here)."""
     if torch.compiler.is_compiling():
-        return rotary_frequencies(rotary_dim, base, scaling, device=device)
+        return rotary_frequencies(rotary_dim, base, scaling, device=device, long=long)
     try:
-        key = (rotary_dim, float(base), None if scaling is None else
-               tuple(sorted(scaling.items())), str(torch.device(device or "cpu")))
+        key = (rotary_dim, float(base), None if scaling is None else tuple(sorted(
+            (k, tuple(v) if isinstance(v, list) else v) for k, v in scaling.items())),
+            str(torch.device(device or "cpu")), long)
         hash(key)
     except (TypeError, AttributeError):  # an unhashable scaling: no memo
-        return rotary_frequencies(rotary_dim, base, scaling, device=device)
+        return rotary_frequencies(rotary_dim, base, scaling, device=device, long=long)
     found = _FREQUENCIES.get(key)
     if found is None:
-        found = rotary_frequencies(rotary_dim, base, scaling, device=device)
+        found = rotary_frequencies(rotary_dim, base, scaling, device=device, long=long)
         if len(_FREQUENCIES) < 256:  # a few models' worth; never grows without bound
             _FREQUENCIES[key] = found
     return found

@@ -20,9 +20,13 @@ _KEYS = {
                "original_max_position_embeddings"},
     "yarn": {"factor", "original_max_position_embeddings", "beta_fast", "beta_slow",
              "attention_factor", "mscale", "mscale_all_dim", "truncate"},
+    "longrope": {"short_factor", "long_factor", "original_max_position_embeddings", "factor",
+                 "attention_factor"},
 }
 _REQUIRED = {"linear": {"factor"}, "ntk": {"factor"},
-             "llama3": _KEYS["llama3"], "yarn": {"factor", "original_max_position_embeddings"}}
+             "llama3": _KEYS["llama3"], "yarn": {"factor", "original_max_position_embeddings"},
+             "longrope": {"short_factor", "long_factor", "original_max_position_embeddings",
+                          "factor"}}
 
 
 def _kind(scaling: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
@@ -47,7 +51,8 @@ def _kind(scaling: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
 
 def rotary_frequencies(rotary_dim: int, base: float = 10000.0,
                        scaling: Mapping[str, Any] | None = None,
-                       device: torch.device | str | None = None) -> tuple[Tensor, float]:
+                       device: torch.device | str | None = None,
+                       long: bool = False) -> tuple[Tensor, float]:
     """RoPE's angular frequencies ``(rotary_dim / 2,)`` float64, and a scale for cos/sin.
 
     Without ``scaling``: ``base ** (-2i / rotary_dim)``, scale 1. ``scaling`` stretches
@@ -70,6 +75,14 @@ def rotary_frequencies(rotary_dim: int, base: float = 10000.0,
       rounded outward unless ``truncate=False``); cos and sin are scaled by
       ``attention_factor``, by default ``m(mscale) / m(mscale_all_dim)`` where both are
       given (DeepSeek), else ``m(1)``, with ``m(s) = 0.1 s ln(factor) + 1``.
+    - ``{"rope_type": "longrope", "short_factor", "long_factor",
+      "original_max_position_embeddings", "factor", "attention_factor"=None}``: LongRoPE
+      (Phi-3.5, Phi-4-mini): each frequency divided by its own factor, from
+      ``long_factor`` for a call that reaches past ``original_max_position_embeddings``
+      (``long=True``; :func:`rotary_table` decides from the positions) and from
+      ``short_factor`` otherwise; cos and sin scaled by ``attention_factor``, by default
+      ``sqrt(1 + ln(factor) / ln(original))`` (``factor``: the context's stretch,
+      Hugging Face's ``max_position_embeddings / original_max_position_embeddings``).
 
     Example::
 
@@ -93,6 +106,16 @@ def rotary_frequencies(rotary_dim: int, base: float = 10000.0,
         return inv_freq, 1.0
     kind, opts = _kind(scaling)
     factor = float(opts["factor"])
+    if kind == "longrope":
+        ext = opts["long_factor" if long else "short_factor"]
+        if len(ext) != d // 2:
+            raise ValueError(f"scaling['{'long' if long else 'short'}_factor'] must hold "
+                             f"rotary_dim / 2 = {d // 2} factors, got {len(ext)}")
+        original = opts["original_max_position_embeddings"]
+        scale = opts.get("attention_factor")
+        if scale is None:
+            scale = math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1 else 1.0
+        return inv_freq / torch.tensor(ext, dtype=torch.float64, device=device), float(scale)
     if kind == "linear":
         return inv_freq / factor, 1.0
     if kind == "ntk":
