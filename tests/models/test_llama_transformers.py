@@ -80,6 +80,10 @@ CASES = {
                                                      short_factor=[1.0, 1.5],
                                                      long_factor=[2.0, 5.0]))),
     "olmo2": ("olmo2", dict(pad_token_id=0, eos_token_id=1)),
+    # NoPE in every fourth layer (the last of 4), a window on the first two
+    "smollm3": ("smollm3", dict(num_hidden_layers=4, use_sliding_window=True, sliding_window=5,
+                                layer_types=["sliding_attention"] * 2 + ["full_attention"] * 2,
+                                pad_token_id=0)),
     # attention sinks, biases on q/k/v/o, windows on alternate layers, YaRN without
     # truncation, a biased router and clamped-SwiGLU experts with biases
     "gpt-oss": ("gpt_oss", dict(head_dim=8, num_local_experts=4, num_experts_per_tok=2,
@@ -132,7 +136,7 @@ def test_a_transformers_checkpoint_gives_the_same_logits(case, tmp_path):
 
 
 @pytest.mark.parametrize("case", ["llama", "mistral-window", "qwen2-moe", "qwen3-wide-heads",
-                                  "gemma2", "gemma3", "olmo2", "gpt-oss"])
+                                  "gemma2", "gemma3", "olmo2", "gpt-oss", "smollm3"])
 def test_greedy_generation_from_left_padded_prompts_equals_transformers(case, tmp_path):
     """Rows of different prompt lengths, padded on the left: ``generate`` with
     ``prompt_mask`` against transformers' ``generate`` on each row alone, unpadded.

@@ -1,6 +1,6 @@
 """A Hugging Face Llama-family checkpoint (Llama, Mistral, Mixtral, Qwen2, Qwen2-MoE, Qwen3,
-Qwen3-MoE, Phi-3, OLMo 2, gpt-oss, Gemma, Gemma 2, Gemma 3) as a ``TransformerEncoder`` and
-its params."""
+Qwen3-MoE, Phi-3, OLMo 2, gpt-oss, SmolLM3, Gemma, Gemma 2, Gemma 3) as a
+``TransformerEncoder`` and its params."""
 
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ _MOE["qwen3_moe"] = _MOE["qwen2_moe"][:3] + ({},)  # no shared expert
 _IGNORED = re.compile(r".*rotary_emb\.inv_freq$")  # a buffer older checkpoints carry
 _GEMMA = ("gemma", "gemma2", "gemma3_text")
 _TYPES = ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "phi3",
-          "olmo2", "gpt_oss", *_GEMMA)
+          "olmo2", "gpt_oss", "smollm3", *_GEMMA)
 _GPT_OSS = {  # gpt-oss's tensors that Llama lacks -> ours (its experts come fused: below)
     "self_attn.sinks": "attn.sinks",
     "self_attn.o_proj.bias": "attn.out.bias",
@@ -129,6 +129,13 @@ def _ropes(config: Mapping[str, Any], types: list[str]) -> dict[str, Any]:
     out: dict[str, Any] = dict(rotary_base=base, rotary_scaling=scaling)
     if local is not None and local != (base, scaling) and "sliding_attention" in types:
         out["layer_rotary"] = [local if t == "sliding_attention" else None for t in types]
+    nope = config.get("no_rope_layers")  # SmolLM3: 1 for a rotary layer, 0 for NoPE
+    if nope is not None and not all(nope):
+        if len(nope) != len(types):
+            raise ValueError(f"config['no_rope_layers'] must have one entry per layer "
+                             f"({len(types)}), got {nope!r}")
+        out["layer_rotary"] = [r if on else False for r, on in
+                               zip(out.get("layer_rotary", [None] * len(types)), nope)]
     return out
 
 
@@ -156,8 +163,8 @@ def _layer_types(config: Mapping[str, Any], kind: str) -> list[str]:
     first, Gemma 3 all but every ``sliding_window_pattern``-th."""
     depth = config["num_hidden_layers"]
     w = config.get("sliding_window")
-    if kind.startswith("qwen") and not config.get("use_sliding_window"):
-        w = None  # Qwen configs keep a sliding_window they do not use unless told to
+    if (kind.startswith("qwen") or kind == "smollm3") and not config.get("use_sliding_window"):
+        w = None  # Qwen's and SmolLM3's configs keep a sliding_window they use only if told
     if w is None or kind == "gemma":
         return ["full_attention"] * depth
     types = config.get("layer_types")
@@ -303,6 +310,8 @@ def llama_from_hf(config: Mapping[str, Any], state_dict: Mapping[str, Tensor] | 
     (``qk_norm=True``). A ``head_dim`` other than ``hidden_size // num_attention_heads``
     (Qwen3, Mistral NeMo) is kept, and windows on some layers only (``layer_types``, or
     Qwen's ``use_sliding_window`` from ``max_window_layers`` on) become ``layer_windows``.
+    SmolLM3 (``"smollm3"``) has no position embedding in the layers ``no_rope_layers``
+    marks 0 (``layer_rotary`` False there: NoPE).
     OLMo 2 (``"olmo2"``) normalises the sublayers' outputs only (``pre_norms=False,
     post_norms=True``) and its queries and keys over all heads (``qk_norm_scope="all"``).
     gpt-oss (``"gpt_oss"``) has biases on q, k, v and the output, a learned attention sink

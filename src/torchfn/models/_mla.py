@@ -97,7 +97,7 @@ class LatentAttention(nn.Module):
         self.kv_rank, self.rope_dim, self.nope_dim, self.v_dim = kv_rank, rope_dim, nope_dim, v_dim
         self.q_rank, self.attn_dropout = q_rank, attn_dropout
         self.rotary_base, self.rotary_scaling = float(rotary_base), rotary_scaling
-        self.rotary_dim = rope_dim  # what TransformerEncoder's tables are made for
+        self.rotary, self.rotary_dim = True, rope_dim  # as TransformerEncoder reads them
         qk = nope_dim + rope_dim
         self.scale = qk ** -0.5 if scale is None else float(scale)
         self.attend = attend or _fused_attention

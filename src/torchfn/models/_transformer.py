@@ -469,8 +469,10 @@ class TransformerEncoder(nn.Module):
             each head's queries and keys, as :class:`MultiHeadAttention`'s.
         rotary_dim: rotate only each head's first ``rotary_dim`` features (partial
             rotary, as GPT-NeoX and Phi-4-mini); default all.
-        layer_rotary: a ``(rotary_base, rotary_scaling)`` per block (None: the encoder's),
-            e.g. Gemma 3's base 10000 on its windowed layers and 1e6, scaled, on the others.
+        layer_rotary: a ``(rotary_base, rotary_scaling)`` per block (None: the encoder's;
+            False: no position embedding in that block, NoPE, as every fourth of
+            SmolLM3's), e.g. Gemma 3's base 10000 on its windowed layers and 1e6, scaled,
+            on the others.
         attn_scale: the attention scores' scale instead of ``1 / sqrt(head_dim)``.
         post_norms: a norm on each sublayer's output as well (Gemma 2 and 3).
         pre_norms: ``False`` drops the norms on the sublayers' inputs; with
@@ -599,7 +601,8 @@ class TransformerEncoder(nn.Module):
             raise ValueError(f"layer_rotary must be a list of depth = {depth} (base, scaling) "
                              f"pairs or None, with position_embedding='rotary'; got "
                              f"{layer_rotary!r}")
-        ropes = [(rotary_base, rotary_scaling) if r is None else tuple(r) for r in layer_rotary]
+        ropes = [(rotary_base, rotary_scaling) if r is None else False if r is False
+                 else tuple(r) for r in layer_rotary]  # False: no rotary in that block
         # blocks with the same rotary settings share one cos / sin table per forward
         self._rope_first = [ropes.index(r) for r in ropes]
         for name, value in (("embed_scale", embed_scale), ("logit_softcap", logit_softcap)):
@@ -621,8 +624,10 @@ class TransformerEncoder(nn.Module):
             TransformerBlock(dim, heads, mlp_ratio=mlp_ratio, mlp_hidden=mlp_hidden,
                              norm_eps=norm_eps, dropout=dropout, causal=causal,
                              window=layer_window, softcap=softcap, attn_dropout=attn_dropout,
-                             kv_heads=kv_heads, rotary=position_embedding == "rotary",
-                             rotary_base=rope[0], rotary_scaling=rope[1],
+                             kv_heads=kv_heads,
+                             rotary=position_embedding == "rotary" and rope is not False,
+                             rotary_base=rope[0] if rope else rotary_base,
+                             rotary_scaling=rope[1] if rope else None,
                              rotary_dim=rotary_dim,
                              norm=norm, mlp=mlp, bias=bias, qkv_bias=qkv_bias,
                              head_dim=head_dim, qk_norm=qk_norm, attn_scale=attn_scale,
@@ -690,7 +695,7 @@ class TransformerEncoder(nn.Module):
         new_keys, new_values, router_logits = [], [], []
         for i, block in enumerate(self.blocks):
             block_positions = None
-            if rotary:
+            if rotary and block.attn.rotary:  # (a NoPE block has no rotary)
                 first = self._rope_first[i]
                 if first not in tables:
                     tables[first] = self.blocks[first].attn.rotary_table(positions, h.dtype)
