@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from torchfn.models._dequantize import dequantize_fp8
-from torchfn.models._llama import _ropes, partial_rotary
+from torchfn.models._llama import GLOBAL_NAMES, _ropes, partial_rotary
 from torchfn.models._rotary_scaling import yarn_mscale
 from torchfn.models._transformer import TransformerEncoder
 
@@ -45,6 +45,7 @@ _QKV = {f"self_attn.{p}_proj.{kind}": f"attn.qkv.{kind}" for kind in ("weight", 
 _QK_NORMS = {"self_attn.q_norm.weight": "attn.q_norm.weight",
              "self_attn.k_norm.weight": "attn.k_norm.weight"}
 _BIAS = "mlp.gate.e_score_correction_bias"  # V3's selection bias: our state
+_HF_GLOBAL = {ours: hf for hf, ours in GLOBAL_NAMES.items()}
 _ROTATED = ("attn.q.weight", "attn.q_b.weight", "attn.kv_a.weight")  # rows with rotary parts
 
 
@@ -241,13 +242,9 @@ def deepseek_from_hf(config: Mapping[str, Any], state_dict: Mapping[str, Tensor]
     unknown = []
     for name, tensor in state_dict.items():
         layer = _LAYER.fullmatch(name)
-        if name == "model.embed_tokens.weight":
-            params["embed.weight"] = tensor
-        elif name == "model.norm.weight":
-            params["ln.weight"] = tensor
-        elif name == "lm_head.weight":
-            if not kwargs["tie_embeddings"]:
-                params["head.weight"] = tensor
+        if name in GLOBAL_NAMES:
+            if name != "lm_head.weight" or not kwargs["tie_embeddings"]:
+                params[GLOBAL_NAMES[name]] = tensor
         elif layer is None:
             unknown.append(name)
         elif int(layer[1]) >= depth:
@@ -336,12 +333,8 @@ def deepseek_to_hf(config: Mapping[str, Any], params: Mapping[str, Tensor],
         sizes = [kwargs["heads"] * hd, kwargs["kv_heads"] * hd, kwargs["kv_heads"] * hd]
     out: dict[str, Tensor] = {}
     for name, t in {**params, **state}.items():
-        if name == "embed.weight":
-            out["model.embed_tokens.weight"] = t
-        elif name == "ln.weight":
-            out["model.norm.weight"] = t
-        elif name == "head.weight":
-            out["lm_head.weight"] = t
+        if name in _HF_GLOBAL:
+            out[_HF_GLOBAL[name]] = t
         else:
             i, rest = name.split(".", 2)[1:]
             at = f"model.layers.{i}."

@@ -16,6 +16,8 @@ from torchfn.models._transformer import TransformerEncoder
 __all__ = ["llama_from_hf"]
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
+GLOBAL_NAMES = {"model.embed_tokens.weight": "embed.weight", "model.norm.weight": "ln.weight",
+                "lm_head.weight": "head.weight"}  # outside the layers: HF -> ours
 _NAMES = {  # a layer's HF names -> ours, but for q/k/v (one qkv matrix here)
     "input_layernorm.weight": "ln1.weight",
     "post_attention_layernorm.weight": "ln2.weight",
@@ -380,13 +382,9 @@ def llama_from_hf(config: Mapping[str, Any], state_dict: Mapping[str, Tensor] | 
         layer = _LAYER.fullmatch(name)
         at, rest = (f"blocks.{layer[1]}.", layer[2]) if layer else ("", "")
         expert = layer and router and expert_names.fullmatch(rest)
-        if name == "model.embed_tokens.weight":
-            params["embed.weight"] = tensor
-        elif name == "model.norm.weight":
-            params["ln.weight"] = tensor
-        elif name == "lm_head.weight":
-            if not kwargs["tie_embeddings"]:
-                params["head.weight"] = tensor
+        if name in GLOBAL_NAMES:
+            if name != "lm_head.weight" or not kwargs["tie_embeddings"]:
+                params[GLOBAL_NAMES[name]] = tensor
         elif layer and rest in names:
             params[at + names[rest]] = tensor
         elif layer and router and rest in _NAMES and rest.startswith("mlp.") and not \

@@ -10,12 +10,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from torchfn.models._llama import _MOE, _NAMES, _config, layer_names
+from torchfn.models._llama import _MOE, _NAMES, GLOBAL_NAMES, _config, layer_names
 from torchfn.models._transformer import TransformerEncoder
 
 __all__ = ["llama_to_hf"]
 
 _BLOCK = re.compile(r"blocks\.(\d+)\.(.+)")
+_HF_GLOBAL = {ours: hf for hf, ours in GLOBAL_NAMES.items()}
 _EXPERT = {  # model_type -> one expert's matrix name, from its index and kind
     "mixtral": "block_sparse_moe.experts.{j}.{w}.weight",
     "qwen2_moe": "mlp.experts.{j}.{w}_proj.weight",
@@ -80,12 +81,8 @@ def llama_to_hf(config: Mapping[str, Any], params: Mapping[str, Tensor]) -> dict
     out: dict[str, Tensor] = {}
     for name, t in params.items():
         block = _BLOCK.fullmatch(name)
-        if name == "embed.weight":
-            out["model.embed_tokens.weight"] = t
-        elif name == "ln.weight":
-            out["model.norm.weight"] = t
-        elif name == "head.weight":
-            out["lm_head.weight"] = t
+        if name in _HF_GLOBAL:
+            out[_HF_GLOBAL[name]] = t
         elif block is None:
             raise AssertionError(name)  # every other name is a block's (checked above)
         else:
