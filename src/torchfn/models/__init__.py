@@ -27,6 +27,7 @@ from torchfn.models._lora import (
 from torchfn.models._mla import LatentAttention
 from torchfn.models._mlp import MLP, SwiGLU
 from torchfn.models._moe import MoE, moe_bias_update
+from torchfn.models._neox import neox_from_hf, neox_to_hf
 from torchfn.models._nerf import NeRF
 from torchfn.models._pretrained import (
     deepseek_from_pretrained,
@@ -79,6 +80,8 @@ __all__ = [
     "llama_from_pretrained",
     "llama_save_pretrained",
     "deepseek_from_hf",
+    "neox_from_hf",
+    "neox_to_hf",
     "deepseek_to_hf",
     "deepseek_from_pretrained",
     "deepseek_save_pretrained",

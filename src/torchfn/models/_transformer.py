@@ -294,6 +294,8 @@ class TransformerBlock(nn.Module):
     :class:`SwiGLU` and bias-free projections). ``post_norms=True`` also normalises each
     sublayer's output before the residual add (Gemma 2 and 3): ``x + Drop(LN(Attn(LN(x))))``;
     with ``pre_norms=False`` as well, only the output is normalised (OLMo 2).
+    ``parallel=True``: ``x + Attn(LN1(x)) + MLP(LN2(x))``, both sublayers reading the
+    block's input (GPT-J, GPT-NeoX / Pythia).
 
     ``(B, N, dim) -> (B, N, dim)``; arguments as in :class:`TransformerEncoder`.
     ``key_padding_mask`` ``(B, N)`` bool marks real tokens (True). ``positions`` and
@@ -332,9 +334,13 @@ class TransformerBlock(nn.Module):
                  experts: int | None = None, top_k: int = 2,
                  moe_options: dict | None = None, expert_hidden: int | None = None,
                  latent_attention: dict | None = None, attn_sinks: bool = False,
-                 out_bias: bool | None = None,
+                 out_bias: bool | None = None, parallel: bool = False,
                  attend: AttendFn | None = None) -> None:
         super().__init__()
+        if parallel and (post_norms or not pre_norms):
+            raise ValueError("TransformerBlock: parallel=True takes the pre-norm block only "
+                             "(post_norms=False, pre_norms=True)")
+        self.parallel = parallel
         if mlp not in ("gelu", "swiglu", "geglu"):
             raise ValueError(f"mlp must be 'gelu', 'swiglu' or 'geglu', got {mlp!r}")
         if not (pre_norms or post_norms):
@@ -386,15 +392,17 @@ class TransformerBlock(nn.Module):
         a = self.attn(self.ln1(x), key_padding_mask, segment_ids, positions, cache)
         if cache is not None:
             a, cache = a
-        x = x + self.drop(self.post_ln1(a) if self.post_norms else a)
+        a = self.drop(self.post_ln1(a) if self.post_norms else a)
+        h = x if self.parallel else x + a  # parallel (GPT-J, GPT-NeoX): the MLP reads x too
         logits = None
         if return_router_logits:
             if not self.moe:
                 raise ValueError("TransformerBlock: return_router_logits needs experts")
-            m, logits = self.mlp(self.ln2(x), True)  # logits (B, N, E)
+            m, logits = self.mlp(self.ln2(h), True)  # logits (B, N, E)
         else:
-            m = self.mlp(self.ln2(x))
-        x = x + self.drop(self.post_ln2(m) if self.post_norms else m)  # (B, N, dim)
+            m = self.mlp(self.ln2(h))
+        m = self.drop(self.post_ln2(m) if self.post_norms else m)
+        x = x + a + m if self.parallel else h + m  # (B, N, dim)
         if logits is not None:
             return x, logits
         return x if cache is None else (x, cache)
@@ -493,6 +501,10 @@ class TransformerEncoder(nn.Module):
             token's latent and rotary key.
         attn_sinks: a learned attention sink per head in every block (gpt-oss).
         out_bias: the attention output projection's bias alone (default ``bias``).
+        parallel_residual: each block adds attention and MLP of its input side by side
+            (GPT-J, GPT-NeoX / Pythia): ``x + Attn(LN1(x)) + MLP(LN2(x))``.
+        head_bias: the head's bias alone (default ``bias``; GPT-NeoX has biases
+            everywhere but there).
         attend: the attention function (default ``torchfn.kernels.attention``).
         remat: recompute each block's activations in the backward (``torchfn.remat``):
             ``True`` keeps only the blocks' inputs, a policy from
@@ -556,6 +568,8 @@ class TransformerEncoder(nn.Module):
         latent_attention: dict | None = None,
         attn_sinks: bool = False,
         out_bias: bool | None = None,
+        parallel_residual: bool = False,
+        head_bias: bool | None = None,
         attend: AttendFn | None = None,
         remat: bool | Callable[..., bool] = False,
         tie_embeddings: bool = False,
@@ -636,7 +650,8 @@ class TransformerEncoder(nn.Module):
                              experts=experts if sparse else None, top_k=top_k,
                              moe_options=moe_options if sparse else None,
                              expert_hidden=expert_hidden, latent_attention=latent_attention,
-                             attn_sinks=attn_sinks, out_bias=out_bias, attend=attend)
+                             attn_sinks=attn_sinks, out_bias=out_bias,
+                             parallel=parallel_residual, attend=attend)
             for layer_window, rope, sparse in zip(layer_windows, ropes, self._sparse)
         )
         self.ln = make_norm(norm, dim, bias, norm_eps)
@@ -645,7 +660,7 @@ class TransformerEncoder(nn.Module):
                              f"None); got vocab_size={vocab_size}, out_dim={out_dim}")
         self.tied = tie_embeddings and out_dim is not None
         self.head = nn.Identity() if out_dim is None or self.tied else nn.Linear(
-            dim, out_dim, bias=bias)
+            dim, out_dim, bias=bias if head_bias is None else head_bias)
 
     def forward(self, x: Tensor, key_padding_mask: Tensor | None = None,
                 segment_ids: Tensor | None = None, positions: Tensor | None = None,
