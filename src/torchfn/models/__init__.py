@@ -29,6 +29,7 @@ from torchfn.models._mlp import MLP, SwiGLU
 from torchfn.models._moe import MoE, moe_bias_update
 from torchfn.models._neox import neox_from_hf, neox_to_hf
 from torchfn.models._nerf import NeRF
+from torchfn.models._phi import phi_from_hf, phi_to_hf
 from torchfn.models._pretrained import (
     deepseek_from_pretrained,
     deepseek_save_pretrained,
@@ -82,6 +83,8 @@ __all__ = [
     "deepseek_from_hf",
     "neox_from_hf",
     "neox_to_hf",
+    "phi_from_hf",
+    "phi_to_hf",
     "deepseek_to_hf",
     "deepseek_from_pretrained",
     "deepseek_save_pretrained",

@@ -259,7 +259,8 @@ def _config(config: Mapping[str, Any]) -> dict[str, Any]:
     kind = config.get("model_type", "llama")
     if kind not in _TYPES:
         hint = " (use deepseek_from_hf)" if kind in ("deepseek_v2", "deepseek_v3", "glm4_moe") \
-            else " (use neox_from_hf)" if kind == "gpt_neox" else ""
+            else " (use neox_from_hf)" if kind == "gpt_neox" else " (use phi_from_hf)" \
+            if kind == "phi" else ""
         raise ValueError(f"config['model_type'] = {kind!r} is not supported here{hint} (needs "
                          f"one of {_TYPES})")
     dim, heads = config["hidden_size"], config["num_attention_heads"]

@@ -19,11 +19,13 @@ from torchfn.models._deepseek import deepseek_from_hf, deepseek_to_hf
 from torchfn.models._llama import llama_from_hf
 from torchfn.models._llama_export import llama_to_hf
 from torchfn.models._neox import neox_from_hf, neox_to_hf
+from torchfn.models._phi import phi_from_hf, phi_to_hf
 from torchfn.models._transformer import TransformerEncoder
 
 __all__ = ["from_pretrained", "save_pretrained", "llama_from_pretrained",
            "llama_save_pretrained", "deepseek_from_pretrained", "deepseek_save_pretrained"]
 
+_OTHERS = {"gpt_neox": (neox_from_hf, neox_to_hf), "phi": (phi_from_hf, phi_to_hf)}
 _WEIGHTS, _INDEX, _CONFIG = "model.safetensors", "model.safetensors.index.json", "config.json"
 
 
@@ -154,11 +156,11 @@ def from_pretrained(folder: str | os.PathLike, *, dtype: torch.dtype | None = No
                                dict[str, Any]]:
     """Any model folder torchfn reads, whatever its family, as ``(module, params, state,
     config)``: DeepSeek-V2 / V3 and GLM-4.5 through :func:`deepseek_from_pretrained`,
-    GPT-NeoX (Pythia) through :func:`neox_from_hf`, the others (Llama, Mistral, Mixtral,
-    Qwen, Phi-3, OLMo 2, gpt-oss, SmolLM3, Gemma) through :func:`llama_from_pretrained`,
-    with their ``state`` (persistent buffers, ``{}`` for most) from the module. Arguments
-    as theirs. ``Model(module).apply(params, tokens,
-    state=state)`` runs it.
+    GPT-NeoX (Pythia) and Phi-2 through :func:`neox_from_hf` / :func:`phi_from_hf`, the
+    others (Llama, Mistral, Mixtral, Qwen, Phi-3, OLMo 2, gpt-oss, SmolLM3, Gemma)
+    through :func:`llama_from_pretrained`, with their ``state`` (persistent buffers,
+    ``{}`` for most) from the module. Arguments as theirs.
+    ``Model(module).apply(params, tokens, state=state)`` runs it.
 
     Example::
 
@@ -177,8 +179,8 @@ def from_pretrained(folder: str | os.PathLike, *, dtype: torch.dtype | None = No
     config, tensors = _read(folder, None, device)
     if config.get("model_type") in _DEEPSEEK_TYPES:
         module, params, state = deepseek_from_hf(config, tensors, **overrides)
-    elif config.get("model_type") == "gpt_neox":
-        module, params = neox_from_hf(config, tensors, **overrides)
+    elif config.get("model_type") in _OTHERS:
+        module, params = _OTHERS[config["model_type"]][0](config, tensors, **overrides)
         state = {}
     else:
         module, params = llama_from_hf(config, tensors, **overrides)
@@ -212,8 +214,8 @@ def save_pretrained(folder: str | os.PathLike, config: Mapping[str, Any],
     """
     if config.get("model_type") in _DEEPSEEK_TYPES:
         deepseek_save_pretrained(folder, config, params, state)
-    elif config.get("model_type") == "gpt_neox":
-        _write(folder, config, neox_to_hf(config, params))
+    elif config.get("model_type") in _OTHERS:
+        _write(folder, config, _OTHERS[config["model_type"]][1](config, params))
     else:
         llama_save_pretrained(folder, config, params)
 

@@ -295,7 +295,8 @@ class TransformerBlock(nn.Module):
     sublayer's output before the residual add (Gemma 2 and 3): ``x + Drop(LN(Attn(LN(x))))``;
     with ``pre_norms=False`` as well, only the output is normalised (OLMo 2).
     ``parallel=True``: ``x + Attn(LN1(x)) + MLP(LN2(x))``, both sublayers reading the
-    block's input (GPT-J, GPT-NeoX / Pythia).
+    block's input (GPT-NeoX / Pythia); ``parallel="shared"``: one norm for both,
+    ``x + Attn(LN(x)) + MLP(LN(x))`` (GPT-J, Phi-2).
 
     ``(B, N, dim) -> (B, N, dim)``; arguments as in :class:`TransformerEncoder`.
     ``key_padding_mask`` ``(B, N)`` bool marks real tokens (True). ``positions`` and
@@ -337,12 +338,15 @@ class TransformerBlock(nn.Module):
                  out_bias: bool | None = None, parallel: bool = False,
                  attend: AttendFn | None = None) -> None:
         super().__init__()
+        if parallel not in (False, True, "shared"):
+            raise ValueError(f"parallel must be False, True or 'shared', got {parallel!r}")
         if parallel and (post_norms or not pre_norms):
             raise ValueError("TransformerBlock: parallel=True takes the pre-norm block only "
                              "(post_norms=False, pre_norms=True)")
-        self.parallel = parallel
-        if mlp not in ("gelu", "swiglu", "geglu"):
-            raise ValueError(f"mlp must be 'gelu', 'swiglu' or 'geglu', got {mlp!r}")
+        self.parallel, self.shared_norm = bool(parallel), parallel == "shared"
+        if mlp not in ("gelu", "gelu_tanh", "swiglu", "geglu"):
+            raise ValueError(f"mlp must be 'gelu', 'gelu_tanh', 'swiglu' or 'geglu', got "
+                             f"{mlp!r}")
         if not (pre_norms or post_norms):
             raise ValueError("TransformerBlock: pre_norms=False needs post_norms=True (a "
                              "block without norms)")
@@ -363,7 +367,8 @@ class TransformerBlock(nn.Module):
                 qk_norm=(norm if norm != "layer" else "rms") if qk_norm else False,
                 qk_norm_scope=qk_norm_scope, norm_eps=norm_eps, scale=attn_scale,
                 sinks=attn_sinks, out_bias=out_bias, attend=attend)
-        self.ln2 = make_norm(norm, dim, bias, norm_eps) if pre_norms else nn.Identity()
+        self.ln2 = nn.Identity() if self.shared_norm or not pre_norms else \
+            make_norm(norm, dim, bias, norm_eps)  # "shared": the MLP reads ln1's output
         hidden = mlp_ratio * dim if mlp_hidden is None else mlp_hidden
         _check_dims(mlp_hidden=hidden)
         self.moe = experts is not None
@@ -376,8 +381,9 @@ class TransformerBlock(nn.Module):
         elif mlp in ("swiglu", "geglu"):
             self.mlp = SwiGLU(dim, hidden, bias=bias,
                               activation="silu" if mlp == "swiglu" else "gelu_tanh")
-        else:
-            self.mlp = nn.Sequential(nn.Linear(dim, hidden, bias=bias), nn.GELU(),
+        else:  # GELU, exact or tanh-approximated (GPT-2's and Phi's "gelu_new")
+            self.mlp = nn.Sequential(nn.Linear(dim, hidden, bias=bias),
+                                     nn.GELU("tanh" if mlp == "gelu_tanh" else "none"),
                                      nn.Linear(hidden, dim, bias=bias))
         self.post_norms = post_norms
         if post_norms:  # Gemma 2's sandwich: a norm on each sublayer's output too
@@ -389,11 +395,14 @@ class TransformerBlock(nn.Module):
                 segment_ids: Tensor | None = None, positions: Tensor | None = None,
                 cache: KVCache | None = None,
                 return_router_logits: bool = False) -> Tensor | tuple:
-        a = self.attn(self.ln1(x), key_padding_mask, segment_ids, positions, cache)
+        n1 = self.ln1(x)
+        a = self.attn(n1, key_padding_mask, segment_ids, positions, cache)
         if cache is not None:
             a, cache = a
         a = self.drop(self.post_ln1(a) if self.post_norms else a)
         h = x if self.parallel else x + a  # parallel (GPT-J, GPT-NeoX): the MLP reads x too
+        if self.shared_norm:  # Phi, GPT-J: one norm for both sublayers
+            h = n1
         logits = None
         if return_router_logits:
             if not self.moe:
@@ -502,7 +511,8 @@ class TransformerEncoder(nn.Module):
         attn_sinks: a learned attention sink per head in every block (gpt-oss).
         out_bias: the attention output projection's bias alone (default ``bias``).
         parallel_residual: each block adds attention and MLP of its input side by side
-            (GPT-J, GPT-NeoX / Pythia): ``x + Attn(LN1(x)) + MLP(LN2(x))``.
+            (GPT-NeoX / Pythia): ``x + Attn(LN1(x)) + MLP(LN2(x))``; ``"shared"``: with one
+            norm, ``x + Attn(LN(x)) + MLP(LN(x))`` (GPT-J, Phi-2).
         head_bias: the head's bias alone (default ``bias``; GPT-NeoX has biases
             everywhere but there).
         attend: the attention function (default ``torchfn.kernels.attention``).
@@ -568,7 +578,7 @@ class TransformerEncoder(nn.Module):
         latent_attention: dict | None = None,
         attn_sinks: bool = False,
         out_bias: bool | None = None,
-        parallel_residual: bool = False,
+        parallel_residual: bool | str = False,
         head_bias: bool | None = None,
         attend: AttendFn | None = None,
         remat: bool | Callable[..., bool] = False,
