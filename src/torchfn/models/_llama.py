@@ -1,5 +1,5 @@
 """A Hugging Face Llama-family checkpoint (Llama, Mistral, Mixtral, Qwen2, Qwen2-MoE, Qwen3,
-Qwen3-MoE, Phi-3, OLMo 2, gpt-oss, SmolLM3, Gemma, Gemma 2, Gemma 3) as a
+Qwen3-MoE, Phi-3, OLMo 2, gpt-oss, SmolLM3, Cohere, Cohere2, Gemma, Gemma 2, Gemma 3) as a
 ``TransformerEncoder`` and its params."""
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ _MOE["qwen3_moe"] = _MOE["qwen2_moe"][:3] + ({},)  # no shared expert
 _IGNORED = re.compile(r".*rotary_emb\.inv_freq$")  # a buffer older checkpoints carry
 _GEMMA = ("gemma", "gemma2", "gemma3_text")
 _TYPES = ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "phi3",
-          "olmo2", "gpt_oss", "smollm3", *_GEMMA)
+          "olmo2", "gpt_oss", "smollm3", "cohere", "cohere2", *_GEMMA)
 _GPT_OSS = {  # gpt-oss's tensors that Llama lacks -> ours (its experts come fused: below)
     "self_attn.sinks": "attn.sinks",
     "self_attn.o_proj.bias": "attn.out.bias",
@@ -132,6 +132,8 @@ def _ropes(config: Mapping[str, Any], types: list[str]) -> dict[str, Any]:
     if local is not None and local != (base, scaling) and "sliding_attention" in types:
         out["layer_rotary"] = [local if t == "sliding_attention" else None for t in types]
     nope = config.get("no_rope_layers")  # SmolLM3: 1 for a rotary layer, 0 for NoPE
+    if config.get("model_type") == "cohere2":  # rotary on the windowed layers only
+        nope = [int(t == "sliding_attention") for t in types]
     if nope is not None and not all(nope):
         if len(nope) != len(types):
             raise ValueError(f"config['no_rope_layers'] must have one entry per layer "
@@ -219,6 +221,18 @@ def _gemma(config: Mapping[str, Any], kind: str, head_dim: int) -> dict[str, Any
     return out
 
 
+def _cohere(config: Mapping[str, Any]) -> dict[str, Any]:
+    """Cohere (Command R) and Cohere2 (Command R7B): one LayerNorm without bias for both
+    parallel sublayers, rotary pairs interleaved, tied embeddings, logits scaled."""
+    if config.get("use_qk_norm"):
+        raise ValueError("config['use_qk_norm'] = True is not supported here (Cohere's q/k "
+                         "norms have a weight per head)")
+    return dict(norm="layer", parallel_residual="shared", rotary_interleaved=True,
+                norm_eps=float(config.get("layer_norm_eps", 1e-5)),
+                tie_embeddings=bool(config.get("tie_word_embeddings", True)),
+                logit_scale=float(config.get("logit_scale", 1.0)))
+
+
 def _moe(config: Mapping[str, Any], kind: str) -> dict[str, Any]:
     """``experts``, ``top_k`` and ``MoE``'s options of a Mixtral / Qwen-MoE / gpt-oss
     config."""
@@ -292,7 +306,8 @@ def _config(config: Mapping[str, Any]) -> dict[str, Any]:
         # OLMo 2: norms only on the sublayers' outputs, q/k norms over all heads
         dict(pre_norms=False, post_norms=True, qk_norm=True, qk_norm_scope="all")
         if kind == "olmo2" else {}) | (
-        dict(attn_sinks=True, out_bias=True) if kind == "gpt_oss" else {})
+        dict(attn_sinks=True, out_bias=True) if kind == "gpt_oss" else {}) | (
+        _cohere(config) if kind.startswith("cohere") else {})
 
 
 def llama_from_hf(config: Mapping[str, Any], state_dict: Mapping[str, Tensor] | None = None,
@@ -313,6 +328,10 @@ def llama_from_hf(config: Mapping[str, Any], state_dict: Mapping[str, Tensor] | 
     (``qk_norm=True``). A ``head_dim`` other than ``hidden_size // num_attention_heads``
     (Qwen3, Mistral NeMo) is kept, and windows on some layers only (``layer_types``, or
     Qwen's ``use_sliding_window`` from ``max_window_layers`` on) become ``layer_windows``.
+    Cohere and Cohere2 (``"cohere"``, ``"cohere2"``: Command R, R7B) have one LayerNorm
+    without bias for both parallel sublayers (``parallel_residual="shared"``), rotary
+    pairs interleaved (``rotary_interleaved``), ``logit_scale`` and tied embeddings;
+    Cohere2 windows three layers of four and rotates only those (NoPE on the others).
     SmolLM3 (``"smollm3"``) has no position embedding in the layers ``no_rope_layers``
     marks 0 (``layer_rotary`` False there: NoPE).
     OLMo 2 (``"olmo2"``) normalises the sublayers' outputs only (``pre_norms=False,

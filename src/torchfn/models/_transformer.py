@@ -85,6 +85,8 @@ class MultiHeadAttention(nn.Module):
     ``query_pre_attn_scalar ** -0.5``). ``sinks=True`` learns one attention sink logit per
     head (``sinks`` ``(H,)``, gpt-oss: see ``torchfn.kernels.attention``), and
     ``out_bias`` sets the output projection's bias apart from ``bias``.
+    ``rotary_interleaved=True`` pairs features ``(2i, 2i + 1)`` for the rotation (GPT-J,
+    Cohere) instead of Hugging Face Llama's halves.
 
     ``forward(x, key_padding_mask, segment_ids, positions, cache)``: ``positions`` may
     also be the layer's :meth:`rotary_table` of them, made once for several layers. With a
@@ -116,9 +118,11 @@ class MultiHeadAttention(nn.Module):
                  qk_norm_scope: str = "head",
                  norm_eps: float | None = None, scale: float | None = None,
                  sinks: bool = False, out_bias: bool | None = None,
+                 rotary_interleaved: bool = False,
                  attend: AttendFn | None = None) -> None:
         super().__init__()
         _check_dims(dim=dim, heads=heads)
+        self.rotary_interleaved = rotary_interleaved
         if head_dim is None and dim % heads:
             raise ValueError(f"dim must be divisible by heads, got dim={dim}, heads={heads} "
                              "(or give head_dim)")
@@ -206,7 +210,8 @@ class MultiHeadAttention(nn.Module):
                 positions = token_positions(n, x.device, start, segment_ids)
             table = positions if isinstance(positions, RotaryTable) else \
                 self.rotary_table(positions, x.dtype)  # one table for q and k
-            q, k = apply_rotary(q, table), apply_rotary(k, table)
+            q = apply_rotary(q, table, self.rotary_interleaved)
+            k = apply_rotary(k, table, self.rotary_interleaved)
         drop = self.attn_dropout if self.training else 0.0
         if isinstance(cache, StaticKVCache):
             k, v, cache, mask = _write_static(cache, k, v, self.window)
@@ -335,7 +340,8 @@ class TransformerBlock(nn.Module):
                  experts: int | None = None, top_k: int = 2,
                  moe_options: dict | None = None, expert_hidden: int | None = None,
                  latent_attention: dict | None = None, attn_sinks: bool = False,
-                 out_bias: bool | None = None, parallel: bool = False,
+                 out_bias: bool | None = None, parallel: bool | str = False,
+                 rotary_interleaved: bool = False,
                  attend: AttendFn | None = None) -> None:
         super().__init__()
         if parallel not in (False, True, "shared"):
@@ -366,7 +372,8 @@ class TransformerBlock(nn.Module):
                 bias=bias, qkv_bias=qkv_bias, head_dim=head_dim,
                 qk_norm=(norm if norm != "layer" else "rms") if qk_norm else False,
                 qk_norm_scope=qk_norm_scope, norm_eps=norm_eps, scale=attn_scale,
-                sinks=attn_sinks, out_bias=out_bias, attend=attend)
+                sinks=attn_sinks, out_bias=out_bias, rotary_interleaved=rotary_interleaved,
+                attend=attend)
         self.ln2 = nn.Identity() if self.shared_norm or not pre_norms else \
             make_norm(norm, dim, bias, norm_eps)  # "shared": the MLP reads ln1's output
         hidden = mlp_ratio * dim if mlp_hidden is None else mlp_hidden
@@ -515,6 +522,8 @@ class TransformerEncoder(nn.Module):
             norm, ``x + Attn(LN(x)) + MLP(LN(x))`` (GPT-J, Phi-2).
         head_bias: the head's bias alone (default ``bias``; GPT-NeoX has biases
             everywhere but there).
+        rotary_interleaved: rotate feature pairs ``(2i, 2i + 1)`` (GPT-J, Cohere).
+        logit_scale: multiplies the head's outputs (Cohere: 0.0625).
         attend: the attention function (default ``torchfn.kernels.attention``).
         remat: recompute each block's activations in the backward (``torchfn.remat``):
             ``True`` keeps only the blocks' inputs, a policy from
@@ -580,6 +589,8 @@ class TransformerEncoder(nn.Module):
         out_bias: bool | None = None,
         parallel_residual: bool | str = False,
         head_bias: bool | None = None,
+        rotary_interleaved: bool = False,
+        logit_scale: float | None = None,
         attend: AttendFn | None = None,
         remat: bool | Callable[..., bool] = False,
         tie_embeddings: bool = False,
@@ -629,11 +640,13 @@ class TransformerEncoder(nn.Module):
                  else tuple(r) for r in layer_rotary]  # False: no rotary in that block
         # blocks with the same rotary settings share one cos / sin table per forward
         self._rope_first = [ropes.index(r) for r in ropes]
-        for name, value in (("embed_scale", embed_scale), ("logit_softcap", logit_softcap)):
+        for name, value in (("embed_scale", embed_scale), ("logit_softcap", logit_softcap),
+                            ("logit_scale", logit_scale)):
             if value is not None and (isinstance(value, bool) or not isinstance(
                     value, (int, float)) or not value > 0):
                 raise ValueError(f"{name} must be a number > 0 or None, got {value!r}")
         self.embed_scale, self.logit_softcap = embed_scale, logit_softcap
+        self.logit_scale = logit_scale
         if moe_options and experts is None:
             raise ValueError(f"moe_options need experts, got moe_options={moe_options}")
         if layer_experts is None:
@@ -661,7 +674,8 @@ class TransformerEncoder(nn.Module):
                              moe_options=moe_options if sparse else None,
                              expert_hidden=expert_hidden, latent_attention=latent_attention,
                              attn_sinks=attn_sinks, out_bias=out_bias,
-                             parallel=parallel_residual, attend=attend)
+                             parallel=parallel_residual,
+                             rotary_interleaved=rotary_interleaved, attend=attend)
             for layer_window, rope, sparse in zip(layer_windows, ropes, self._sparse)
         )
         self.ln = make_norm(norm, dim, bias, norm_eps)
@@ -744,6 +758,8 @@ class TransformerEncoder(nn.Module):
                 router_logits.append(logits.squeeze(0) if one else logits)
         h = self.ln(h)
         out = h @ self.embed.weight.T if self.tied else self.head(h)  # (B, N, out_dim)
+        if self.logit_scale is not None:  # Cohere: the logits times a constant
+            out = out * self.logit_scale
         if self.logit_softcap is not None:  # Gemma 2: cap * tanh(logits / cap)
             out = torch.tanh(out / self.logit_softcap) * self.logit_softcap
         out = out.squeeze(0) if one else out
