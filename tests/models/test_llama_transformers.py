@@ -87,6 +87,9 @@ CASES = {
                                 pad_token_id=0, layer_types=["sliding_attention",
                                                              "full_attention",
                                                              "sliding_attention"])),
+    # Granite's four multipliers
+    "granite": ("granite", dict(embedding_multiplier=3.0, attention_multiplier=0.2,
+                                residual_multiplier=0.5, logits_scaling=4.0)),
     # NoPE in every fourth layer (the last of 4), a window on the first two
     "smollm3": ("smollm3", dict(num_hidden_layers=4, use_sliding_window=True, sliding_window=5,
                                 layer_types=["sliding_attention"] * 2 + ["full_attention"] * 2,

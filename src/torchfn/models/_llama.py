@@ -1,6 +1,6 @@
 """A Hugging Face Llama-family checkpoint (Llama, Mistral, Mixtral, Qwen2, Qwen2-MoE, Qwen3,
-Qwen3-MoE, Phi-3, OLMo 2, gpt-oss, SmolLM3, Cohere, Cohere2, Gemma, Gemma 2, Gemma 3) as a
-``TransformerEncoder`` and its params."""
+Qwen3-MoE, Phi-3, OLMo 2, gpt-oss, SmolLM3, Cohere, Cohere2, Granite, Gemma, Gemma 2,
+Gemma 3) as a ``TransformerEncoder`` and its params."""
 
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ _MOE["qwen3_moe"] = _MOE["qwen2_moe"][:3] + ({},)  # no shared expert
 _IGNORED = re.compile(r".*rotary_emb\.inv_freq$")  # a buffer older checkpoints carry
 _GEMMA = ("gemma", "gemma2", "gemma3_text")
 _TYPES = ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "phi3",
-          "olmo2", "gpt_oss", "smollm3", "cohere", "cohere2", *_GEMMA)
+          "olmo2", "gpt_oss", "smollm3", "cohere", "cohere2", "granite", *_GEMMA)
 _GPT_OSS = {  # gpt-oss's tensors that Llama lacks -> ours (its experts come fused: below)
     "self_attn.sinks": "attn.sinks",
     "self_attn.o_proj.bias": "attn.out.bias",
@@ -307,7 +307,13 @@ def _config(config: Mapping[str, Any]) -> dict[str, Any]:
         dict(pre_norms=False, post_norms=True, qk_norm=True, qk_norm_scope="all")
         if kind == "olmo2" else {}) | (
         dict(attn_sinks=True, out_bias=True) if kind == "gpt_oss" else {}) | (
-        _cohere(config) if kind.startswith("cohere") else {})
+        _cohere(config) if kind.startswith("cohere") else {}) | (
+        # Granite: the embeddings, scores, sublayer outputs and logits each scaled
+        dict(embed_scale=float(config.get("embedding_multiplier", 1.0)),
+             attn_scale=float(config.get("attention_multiplier", head_dim ** -0.5)),
+             residual_scale=float(config.get("residual_multiplier", 1.0)),
+             logit_scale=1.0 / float(config.get("logits_scaling", 1.0)))
+        if kind == "granite" else {})
 
 
 def llama_from_hf(config: Mapping[str, Any], state_dict: Mapping[str, Tensor] | None = None,
@@ -332,6 +338,9 @@ def llama_from_hf(config: Mapping[str, Any], state_dict: Mapping[str, Tensor] | 
     without bias for both parallel sublayers (``parallel_residual="shared"``), rotary
     pairs interleaved (``rotary_interleaved``), ``logit_scale`` and tied embeddings;
     Cohere2 windows three layers of four and rotates only those (NoPE on the others).
+    Granite (``"granite"``) multiplies its embeddings (``embed_scale``), scores
+    (``attn_scale``), sublayer outputs (``residual_scale``) and logits (``logit_scale``,
+    one over ``logits_scaling``) by its config's constants.
     SmolLM3 (``"smollm3"``) has no position embedding in the layers ``no_rope_layers``
     marks 0 (``layer_rotary`` False there: NoPE).
     OLMo 2 (``"olmo2"``) normalises the sublayers' outputs only (``pre_norms=False,

@@ -341,9 +341,13 @@ class TransformerBlock(nn.Module):
                  moe_options: dict | None = None, expert_hidden: int | None = None,
                  latent_attention: dict | None = None, attn_sinks: bool = False,
                  out_bias: bool | None = None, parallel: bool | str = False,
-                 rotary_interleaved: bool = False,
+                 rotary_interleaved: bool = False, residual_scale: float | None = None,
                  attend: AttendFn | None = None) -> None:
         super().__init__()
+        if residual_scale is not None and (isinstance(residual_scale, bool) or not isinstance(
+                residual_scale, (int, float))):
+            raise ValueError(f"residual_scale must be a number or None, got {residual_scale!r}")
+        self.residual_scale = residual_scale
         if parallel not in (False, True, "shared"):
             raise ValueError(f"parallel must be False, True or 'shared', got {parallel!r}")
         if parallel and (post_norms or not pre_norms):
@@ -407,6 +411,8 @@ class TransformerBlock(nn.Module):
         if cache is not None:
             a, cache = a
         a = self.drop(self.post_ln1(a) if self.post_norms else a)
+        if self.residual_scale is not None:  # Granite: each sublayer's output scaled
+            a = a * self.residual_scale
         h = x if self.parallel else x + a  # parallel (GPT-J, GPT-NeoX): the MLP reads x too
         if self.shared_norm:  # Phi, GPT-J: one norm for both sublayers
             h = n1
@@ -418,6 +424,8 @@ class TransformerBlock(nn.Module):
         else:
             m = self.mlp(self.ln2(h))
         m = self.drop(self.post_ln2(m) if self.post_norms else m)
+        if self.residual_scale is not None:
+            m = m * self.residual_scale
         x = x + a + m if self.parallel else h + m  # (B, N, dim)
         if logits is not None:
             return x, logits
@@ -523,7 +531,10 @@ class TransformerEncoder(nn.Module):
         head_bias: the head's bias alone (default ``bias``; GPT-NeoX has biases
             everywhere but there).
         rotary_interleaved: rotate feature pairs ``(2i, 2i + 1)`` (GPT-J, Cohere).
-        logit_scale: multiplies the head's outputs (Cohere: 0.0625).
+        logit_scale: multiplies the head's outputs (Cohere: 0.0625; Granite: one over its
+            ``logits_scaling``).
+        residual_scale: multiplies each sublayer's output before the residual add
+            (Granite's ``residual_multiplier``).
         attend: the attention function (default ``torchfn.kernels.attention``).
         remat: recompute each block's activations in the backward (``torchfn.remat``):
             ``True`` keeps only the blocks' inputs, a policy from
@@ -591,6 +602,7 @@ class TransformerEncoder(nn.Module):
         head_bias: bool | None = None,
         rotary_interleaved: bool = False,
         logit_scale: float | None = None,
+        residual_scale: float | None = None,
         attend: AttendFn | None = None,
         remat: bool | Callable[..., bool] = False,
         tie_embeddings: bool = False,
@@ -675,7 +687,8 @@ class TransformerEncoder(nn.Module):
                              expert_hidden=expert_hidden, latent_attention=latent_attention,
                              attn_sinks=attn_sinks, out_bias=out_bias,
                              parallel=parallel_residual,
-                             rotary_interleaved=rotary_interleaved, attend=attend)
+                             rotary_interleaved=rotary_interleaved,
+                             residual_scale=residual_scale, attend=attend)
             for layer_window, rope, sparse in zip(layer_windows, ropes, self._sparse)
         )
         self.ln = make_norm(norm, dim, bias, norm_eps)
