@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 
 from torchfn.models._dequantize import dequantize_fp8
+from torchfn.models._fit import check_fit, param_shapes
 from torchfn.models._llama import GLOBAL_NAMES, _ropes, partial_rotary
 from torchfn.models._rotary_scaling import yarn_mscale
 from torchfn.models._transformer import TransformerEncoder
@@ -286,15 +287,9 @@ def deepseek_from_hf(config: Mapping[str, Any], state_dict: Mapping[str, Tensor]
 def _check(module: TransformerEncoder, params: Mapping[str, Tensor],
            state: Mapping[str, Tensor]) -> None:
     """Every param and state tensor of ``module``, no other, each of its shape."""
-    want = {n: tuple(p.shape) for n, p in module.named_parameters()}
-    want_state = {n: tuple(b.shape) for n, b in module.named_buffers() if n.endswith("router_bias")}
-    for what, got, need in (("params", params, want), ("state", state, want_state)):
-        missing, extra = sorted(set(need) - set(got)), sorted(set(got) - set(need))
-        wrong = [(n, tuple(got[n].shape), need[n]) for n in need if n in got
-                 and tuple(got[n].shape) != need[n]]
-        if missing or extra or wrong:
-            raise ValueError(f"state_dict does not fit the config ({what}): missing "
-                             f"{missing[:5]}, unused {extra[:5]}, (name, got, want) {wrong[:3]}")
+    check_fit(param_shapes(module), params, "state_dict (params)")
+    check_fit({n: tuple(b.shape) for n, b in module.named_buffers()
+               if n.endswith("router_bias")}, state, "state_dict (state)")
 
 
 def deepseek_to_hf(config: Mapping[str, Any], params: Mapping[str, Tensor],

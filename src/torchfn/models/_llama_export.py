@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from torchfn.models._fit import check_params_for
 from torchfn.models._llama import _MOE, _NAMES, GLOBAL_NAMES, _config, layer_names
 from torchfn.models._transformer import TransformerEncoder
 
@@ -61,16 +62,7 @@ def llama_to_hf(config: Mapping[str, Any], params: Mapping[str, Tensor]) -> dict
         True
     """
     kwargs = _config(config)
-    if not isinstance(params, Mapping):
-        raise TypeError(f"params must be a dict of tensors, got {type(params).__name__}")
-    with torch.device("meta"):
-        want = {n: tuple(p.shape) for n, p in TransformerEncoder(**kwargs).named_parameters()}
-    got = {n: tuple(t.shape) for n, t in params.items()}
-    if got != want:
-        missing, unknown = sorted(set(want) - set(got)), sorted(set(got) - set(want))
-        wrong = [(n, got[n], want[n]) for n in want if n in got and got[n] != want[n]]
-        raise ValueError(f"params do not fit the config: missing {missing[:5]}, unknown "
-                         f"{unknown[:5]}, (name, got, want) {wrong[:3]}")
+    check_params_for(TransformerEncoder, kwargs, params)
     kind = config.get("model_type", "llama")
     router, _, stacked, _ = _MOE.get(kind, (None, None, {}, {}))
     hf_name = {ours: hf for hf, ours in layer_names(kind).items()}

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from torchfn.models._fit import check_fit, check_params_for, param_shapes
 from torchfn.models._llama import _ropes, partial_rotary
 from torchfn.models._transformer import TransformerEncoder
 
@@ -119,13 +120,7 @@ def neox_from_hf(config: Mapping[str, Any], state_dict: Mapping[str, Tensor] | N
     if unknown:
         raise ValueError(f"state_dict has tensors a GPT-NeoX does not: {unknown[:5]}"
                          + (f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""))
-    want = {n: tuple(p.shape) for n, p in module.named_parameters()}
-    missing, extra = sorted(set(want) - set(params)), sorted(set(params) - set(want))
-    wrong = [(n, tuple(params[n].shape), want[n]) for n in want
-             if n in params and tuple(params[n].shape) != want[n]]
-    if missing or extra or wrong:
-        raise ValueError(f"state_dict does not fit the config: missing {missing[:5]}, unused "
-                         f"{extra[:5]}, (name, got, want) {wrong[:3]}")
+    check_fit(param_shapes(module), params, "state_dict")
     return module, params
 
 
@@ -145,15 +140,7 @@ def neox_to_hf(config: Mapping[str, Any], params: Mapping[str, Tensor]) -> dict[
         torch.Size([48, 16])
     """
     kwargs = _config(config)
-    if not isinstance(params, Mapping):
-        raise TypeError(f"params must be a dict of tensors, got {type(params).__name__}")
-    with torch.device("meta"):
-        want = {n: tuple(p.shape) for n, p in TransformerEncoder(**kwargs).named_parameters()}
-    got = {n: tuple(t.shape) for n, t in params.items()}
-    if got != want:
-        raise ValueError(f"params do not fit the config: missing "
-                         f"{sorted(set(want) - set(got))[:5]}, unknown "
-                         f"{sorted(set(got) - set(want))[:5]}")
+    check_params_for(TransformerEncoder, kwargs, params)
     hf_global = {ours: hf for hf, ours in _GLOBAL.items()}
     hf_name = {ours: hf for hf, ours in _NAMES.items()}
     out: dict[str, Tensor] = {}

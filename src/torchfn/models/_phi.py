@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from torchfn.models._fit import check_fit, check_params_for, param_shapes
 from torchfn.models._llama import _ropes, partial_rotary
 from torchfn.models._transformer import TransformerEncoder
 
@@ -116,13 +117,7 @@ def phi_from_hf(config: Mapping[str, Any], state_dict: Mapping[str, Tensor] | No
     for name, parts in qkv.items():
         if len(parts) == 3:  # else reported missing below
             params[name] = torch.cat([parts[p] for p in "qkv"])
-    want = {n: tuple(p.shape) for n, p in module.named_parameters()}
-    missing, extra = sorted(set(want) - set(params)), sorted(set(params) - set(want))
-    wrong = [(n, tuple(params[n].shape), want[n]) for n in want
-             if n in params and tuple(params[n].shape) != want[n]]
-    if missing or extra or wrong:
-        raise ValueError(f"state_dict does not fit the config: missing {missing[:5]}, unused "
-                         f"{extra[:5]}, (name, got, want) {wrong[:3]}")
+    check_fit(param_shapes(module), params, "state_dict")
     return module, params
 
 
@@ -142,15 +137,7 @@ def phi_to_hf(config: Mapping[str, Any], params: Mapping[str, Tensor]) -> dict[s
         torch.Size([16])
     """
     kwargs = _config(config)
-    if not isinstance(params, Mapping):
-        raise TypeError(f"params must be a dict of tensors, got {type(params).__name__}")
-    with torch.device("meta"):
-        want = {n: tuple(p.shape) for n, p in TransformerEncoder(**kwargs).named_parameters()}
-    got = {n: tuple(t.shape) for n, t in params.items()}
-    if got != want:
-        raise ValueError(f"params do not fit the config: missing "
-                         f"{sorted(set(want) - set(got))[:5]}, unknown "
-                         f"{sorted(set(got) - set(want))[:5]}")
+    check_params_for(TransformerEncoder, kwargs, params)
     hd = kwargs["dim"] // kwargs["heads"]
     sizes = [kwargs["heads"] * hd, kwargs["kv_heads"] * hd, kwargs["kv_heads"] * hd]
     hf_global = {ours: hf for hf, ours in _GLOBAL.items()}
