@@ -400,3 +400,18 @@ def test_gpt_oss_experts_equal_their_formula_on_every_path(how, monkeypatch):
         want.append(acc)
     torch.testing.assert_close(model.apply(params, x), torch.stack(want).reshape(x.shape),
                                rtol=0, atol=1e-12)
+
+
+def test_a_wider_router_computes_the_logits_in_its_dtype_with_its_bias():
+    """A float32 router (and its logit bias) on bfloat16 tokens, as transformers keeps
+    DeepSeek-V3's and gpt-oss's routers: the logits are the float32 ones of the float32
+    tokens, bias included."""
+    moe = MoE(8, 12, 4, 2, logit_bias=True)
+    model = torchfn.Model(moe)
+    params = model.init(random.key(5))
+    x = random.normal(random.key(6), (5, 8)).to(torch.bfloat16)
+    low = {n: t if n.startswith("router") else t.to(torch.bfloat16) for n, t in params.items()}
+    logits = model.apply(low, x, return_router_logits=True)[1]
+    want = x.float() @ params["router.weight"].T + params["router.bias"]
+    assert logits.dtype == torch.float32
+    torch.testing.assert_close(logits, want, rtol=0, atol=0)

@@ -176,10 +176,10 @@ class MoE(nn.Module):
         ``x`` ``(T, dim)``; the weights in ``x``'s dtype, the scores in float32 or wider.
         A router weight wider than ``x`` (a bf16 model's float32 router, as DeepSeek-V3
         keeps it) computes the logits in its dtype."""
-        w = self.router.weight
+        w, b = self.router.weight, self.router.bias
+        work = torch.promote_types(x.dtype, w.dtype)
         logits = self.router(x) if w.dtype == x.dtype else nn.functional.linear(
-            x.to(torch.promote_types(x.dtype, w.dtype)), w.to(torch.promote_types(
-                x.dtype, w.dtype)))  # (T, E)
+            x.to(work), w.to(work), None if b is None else b.to(work))  # (T, E)
         weights, chosen = self.select(logits)
         return logits, weights.to(x.dtype), chosen
 
