@@ -157,6 +157,8 @@ def test_bad_latent_attention_options_are_named():
         TransformerEncoder(**base, latent_attention={"rope_dim": 4})
     with pytest.raises(ValueError, match=r"sets the heads' shapes itself; got \{'kv_heads': 1"):
         TransformerEncoder(**base, latent_attention=DIMS, kv_heads=1)
+    with pytest.raises(ValueError, match=r"got \{'attn_sinks': True\} too"):
+        TransformerEncoder(**base, latent_attention=DIMS, attn_sinks=True)
     with pytest.raises(ValueError, match="latent_attention needs rotary positions"):
         TransformerEncoder(**dict(base, position_embedding="learned"), latent_attention=DIMS)
     with pytest.raises(ValueError, match="rope_dim must be even, got 5"):

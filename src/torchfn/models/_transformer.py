@@ -275,7 +275,8 @@ def token_positions(n: int, device: torch.device, start: int = 0,
 
 
 def _latent(dim: int, heads: int, options: dict, *, rotary: bool, kv_heads, head_dim,
-            qk_norm, rotary_dim, qkv_bias, **kwargs) -> LatentAttention:
+            qk_norm, rotary_dim, qkv_bias, sinks, out_bias, rotary_interleaved,
+            **kwargs) -> LatentAttention:
     """A block's :class:`LatentAttention` from ``latent_attention`` (its ``kv_rank``,
     ``rope_dim``, ``nope_dim``, ``v_dim``, ``q_rank``, ``latent_eps``, ``absorb``); the options of
     :class:`MultiHeadAttention`'s heads that it has no use for must be unset."""
@@ -286,7 +287,9 @@ def _latent(dim: int, heads: int, options: dict, *, rotary: bool, kv_heads, head
         raise ValueError("latent_attention needs rotary positions (position_embedding="
                          "'rotary')")
     unset = {"kv_heads": kv_heads, "head_dim": head_dim, "qk_norm": qk_norm or None,
-             "rotary_dim": rotary_dim, "qkv_bias": qkv_bias or None}
+             "rotary_dim": rotary_dim, "qkv_bias": qkv_bias or None,
+             "attn_sinks": sinks or None, "out_bias": out_bias or None,
+             "rotary_interleaved": rotary_interleaved or None}
     clash = {k: v for k, v in unset.items() if v is not None}
     if clash:
         raise ValueError(f"latent_attention sets the heads' shapes itself; got {clash} too")
@@ -367,7 +370,8 @@ class TransformerBlock(nn.Module):
                 attn_dropout=attn_dropout, rotary=rotary, rotary_base=rotary_base,
                 rotary_scaling=rotary_scaling, scale=attn_scale, attend=attend,
                 kv_heads=kv_heads, head_dim=head_dim, qk_norm=qk_norm, rotary_dim=rotary_dim,
-                qkv_bias=qkv_bias)
+                qkv_bias=qkv_bias, sinks=attn_sinks, out_bias=out_bias,
+                rotary_interleaved=rotary_interleaved)
         else:
             self.attn = MultiHeadAttention(
                 dim, heads, causal=causal, window=window, softcap=softcap,
@@ -521,8 +525,9 @@ class TransformerEncoder(nn.Module):
             (:class:`LatentAttention`): a dict of its ``kv_rank``, ``rope_dim``,
             ``nope_dim``, ``v_dim``, ``q_rank``, ``latent_eps``; needs
             ``position_embedding="rotary"`` and leaves ``kv_heads``, ``head_dim``,
-            ``qk_norm``, ``rotary_dim`` and ``qkv_bias`` unset. The cache then holds each
-            token's latent and rotary key.
+            ``qk_norm``, ``rotary_dim``, ``qkv_bias``, ``attn_sinks``, ``out_bias`` and
+            ``rotary_interleaved`` unset. The cache then holds each token's latent and
+            rotary key.
         attn_sinks: a learned attention sink per head in every block (gpt-oss).
         out_bias: the attention output projection's bias alone (default ``bias``).
         parallel_residual: each block adds attention and MLP of its input side by side
