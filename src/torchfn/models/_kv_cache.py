@@ -127,8 +127,7 @@ class StaticKVCache(NamedTuple):
         if not layers:
             raise ValueError(f"module has no MultiHeadAttention or LatentAttention layer to "
                              f"cache: {type(module).__name__}")
-        shapes = [m.cache_shapes(batch_size, capacity) if isinstance(m, LatentAttention)
-                  else ((batch_size, m.kv_heads, capacity, m.head_dim),) * 2 for m in layers]
+        shapes = [m.cache_shapes(batch_size, capacity) for m in layers]  # (keys, values)
         return StaticKVCache(
             tuple(torch.zeros(k, dtype=dtype, device=device) for k, _ in shapes),
             tuple(torch.zeros(v, dtype=dtype, device=device) for _, v in shapes),

@@ -171,6 +171,11 @@ class MultiHeadAttention(nn.Module):
             self.q_norm = make_norm(kind, heads * hd if every else hd, eps=norm_eps)
             self.k_norm = make_norm(kind, kv_heads * hd if every else hd, eps=norm_eps)
 
+    def cache_shapes(self, batch_size: int, capacity: int) -> tuple[tuple, tuple]:
+        """The shapes of this layer's cached keys and values, ``(B, Hkv, capacity, D)``
+        each, for :meth:`StaticKVCache.allocate`."""
+        return ((batch_size, self.kv_heads, capacity, self.head_dim),) * 2
+
     def reset_parameters(self) -> None:
         """The sinks start at 0 (the projections are their own modules)."""
         if self.sinks is not None:
