@@ -112,8 +112,8 @@ class StaticKVCache(NamedTuple):
         holding ``MultiHeadAttention`` or ``LatentAttention`` layers, or the
         ``torchfn.Model`` of one); a ``LatentAttention``'s holds its latents and rotary
         keys."""
+        from torchfn.models._attention import MultiHeadAttention
         from torchfn.models._mla import LatentAttention
-        from torchfn.models._transformer import MultiHeadAttention
 
         module = getattr(module, "_eval_skeleton", module)  # a torchfn.Model's module
         if not isinstance(module, nn.Module):

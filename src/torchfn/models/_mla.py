@@ -8,6 +8,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
+from torchfn.models._attention import _extra, _fused_attention, _write_static, token_positions
 from torchfn.models._kv_cache import KVCache, StaticKVCache, check_cache
 from torchfn.models._mlp import _check_dims
 from torchfn.models._rotary import RotaryTable, apply_rotary, rotary_table
@@ -91,8 +92,6 @@ class LatentAttention(nn.Module):
         if absorb not in (None, True, False):
             raise ValueError(f"absorb must be None, True or False, got {absorb!r}")
         self.absorb = absorb
-        from torchfn.models._transformer import _fused_attention
-
         self.heads, self.causal, self.window, self.softcap = heads, causal, window, softcap
         self.kv_rank, self.rope_dim, self.nope_dim, self.v_dim = kv_rank, rope_dim, nope_dim, v_dim
         self.q_rank, self.attn_dropout = q_rank, attn_dropout
@@ -126,8 +125,6 @@ class LatentAttention(nn.Module):
     def forward(self, x: Tensor, key_padding_mask: Tensor | None = None,
                 segment_ids: Tensor | None = None, positions: Tensor | None = None,
                 cache: KVCache | None = None) -> Tensor | tuple[Tensor, KVCache]:
-        from torchfn.models._transformer import _extra, _write_static, token_positions
-
         b, n, _ = x.shape
         h, dn, dr = self.heads, self.nope_dim, self.rope_dim
         if cache is not None:

@@ -1,0 +1,277 @@
+"""Multi-head self-attention with rotary positions, grouped-query heads and KV caches,
+over ``torchfn.kernels.attention``; and the pieces other attention layers share."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor, nn
+
+from torchfn.core._eager import plain
+from torchfn.models._kv_cache import KVCache, StaticKVCache, check_cache
+from torchfn.models._mlp import _check_dims
+from torchfn.models._norm import make_norm
+from torchfn.models._rotary import RotaryTable, apply_rotary, rotary_table
+from torchfn.models._rotary_scaling import rotary_frequencies
+
+__all__ = ["MultiHeadAttention", "token_positions"]
+
+AttendFn = Callable[..., Tensor]
+
+
+def _fused_attention(q: Tensor, k: Tensor, v: Tensor, *, key_padding_mask, causal,
+                     **extra) -> Tensor:
+    """The default attention: ``torchfn.kernels.attention`` (fused on GPU, blockwise on
+    CPU; composes with grad / vmap / jvp). Imported lazily: kernels import triton only
+    when it runs on CUDA. ``extra``: ``window`` / ``segment_ids`` where set."""
+    from torchfn.kernels import attention
+
+    return attention(q, k, v, key_padding_mask=key_padding_mask, causal=causal, **extra)
+
+
+def _extra(window, segment_ids, softcap=None, dropout: float = 0.0, scale=None,
+           sinks=None) -> dict:
+    """The attention keywords beyond the basic two, only where set (so a custom ``attend``
+    without them keeps working when they are not used). ``dropout`` > 0: with the next
+    key of the running ``Model.apply``."""
+    extra = {}
+    if dropout > 0:
+        from torchfn.core._dropout import next_key
+
+        extra["dropout"], extra["key"] = dropout, next_key("attention dropout")
+    if window is not None:
+        extra["window"] = window
+    if segment_ids is not None:
+        extra["segment_ids"] = segment_ids
+    if softcap is not None:
+        extra["softcap"] = softcap
+    if scale is not None:
+        extra["scale"] = scale
+    if sinks is not None:
+        extra["sinks"] = sinks
+    return extra
+
+
+class MultiHeadAttention(nn.Module):
+    """Self-attention ``(B, N, dim) -> (B, N, dim)`` with ``heads`` heads.
+
+    ``attend(q, k, v, key_padding_mask=..., causal=...)`` on ``(B, H, N, D)`` tensors
+    computes ``softmax(q k^T / sqrt(D)) v``; the default is
+    ``torchfn.kernels.attention``. Pass another (e.g. a wrapper around
+    ``F.scaled_dot_product_attention``) to compare. ``window`` (sliding-window attention),
+    ``softcap`` (logit soft-capping) and the forward's ``segment_ids`` (packed documents)
+    are passed on as keywords only when set; so is ``attn_dropout`` (attention dropout, in
+    train mode only), with a key drawn from ``Model.apply``'s ``key``.
+
+    ``kv_heads`` < ``heads`` shares each key/value head among ``heads // kv_heads`` query
+    heads (grouped-query attention; 1 is multi-query): fewer projection weights and a
+    smaller ``KVCache``. ``rotary=True`` applies :func:`rotary_embedding` (with
+    ``rotary_base``) to queries and keys at the forward's ``positions`` (default
+    ``cache.length + arange(N)``, restarting at each document with ``segment_ids``),
+    its frequencies stretched by ``rotary_scaling`` (:func:`rotary_frequencies`), to the
+    first ``rotary_dim`` features of each head (default all; Phi-4-mini: 3/4 of them).
+    ``bias=False`` drops the projections' biases; ``qkv_bias`` (default ``bias``) sets the
+    q/k/v projection's alone (Qwen2: ``bias=False, qkv_bias=True``). ``head_dim`` sets
+    the heads' width apart from ``dim // heads`` (Qwen3-0.6B: 16 heads of 128 in a width
+    of 1024); the output projection maps ``heads * head_dim`` back to ``dim``.
+    ``qk_norm=True`` puts an RMSNorm over each head's queries and keys (one weight of
+    ``head_dim`` for all heads, epsilon ``norm_eps``) before the rotary embedding, as
+    Qwen3 does (``qk_norm="rms+1"``: Gemma 3's, scaling by ``1 + weight``;
+    ``qk_norm_scope="all"``: one norm over all heads' queries and one over all keys, as
+    OLMo 2's). ``scale`` replaces the scores' ``1 / sqrt(head_dim)`` (Gemma 2 and 3:
+    ``query_pre_attn_scalar ** -0.5``). ``sinks=True`` learns one attention sink logit per
+    head (``sinks`` ``(H,)``, gpt-oss: see ``torchfn.kernels.attention``), and
+    ``out_bias`` sets the output projection's bias apart from ``bias``.
+    ``rotary_interleaved=True`` pairs features ``(2i, 2i + 1)`` for the rotation (GPT-J,
+    Cohere) instead of Hugging Face Llama's halves.
+
+    ``forward(x, key_padding_mask, segment_ids, positions, cache)``: ``positions`` may
+    also be the layer's :meth:`rotary_table` of them, made once for several layers. With a
+    :class:`KVCache` (``KVCache()`` to start), the queries attend over the cached keys too
+    and it returns ``(out, cache)`` with this call's keys and values appended; that needs
+    ``causal=True``, and ``key_padding_mask`` then covers cached and new keys, ``(B, L + N)``.
+
+    Example::
+
+        >>> from torchfn import random
+        >>> import torch
+        >>> import torchfn
+        >>> from torchfn.models import MultiHeadAttention
+        >>> model = torchfn.Model(MultiHeadAttention(dim=32, heads=4, causal=True))
+        >>> params = model.init(torchfn.random.key(0))
+        >>> x = random.normal(random.key(1), (2, 16, 32))  # (B, N, dim)
+        >>> model.apply(params, x).shape                                 # (B, N, dim)
+        torch.Size([2, 16, 32])
+    """
+
+    def __init__(self, dim: int, heads: int, *, causal: bool = False,
+                 window: int | tuple[int | None, int | None] | None = None,
+                 softcap: float | None = None, attn_dropout: float = 0.0,
+                 kv_heads: int | None = None, rotary: bool = False,
+                 rotary_base: float = 10000.0, rotary_scaling: dict | None = None,
+                 rotary_dim: int | None = None,
+                 bias: bool = True, qkv_bias: bool | None = None,
+                 head_dim: int | None = None, qk_norm: bool | str = False,
+                 qk_norm_scope: str = "head",
+                 norm_eps: float | None = None, scale: float | None = None,
+                 sinks: bool = False, out_bias: bool | None = None,
+                 rotary_interleaved: bool = False,
+                 attend: AttendFn | None = None) -> None:
+        super().__init__()
+        _check_dims(dim=dim, heads=heads)
+        self.rotary_interleaved = rotary_interleaved
+        if head_dim is None and dim % heads:
+            raise ValueError(f"dim must be divisible by heads, got dim={dim}, heads={heads} "
+                             "(or give head_dim)")
+        hd = dim // heads if head_dim is None else head_dim
+        _check_dims(head_dim=hd)
+        kv_heads = heads if kv_heads is None else kv_heads
+        _check_dims(kv_heads=kv_heads)
+        if heads % kv_heads:
+            raise ValueError(f"kv_heads must divide heads = {heads}, got kv_heads={kv_heads}")
+        if not 0.0 <= attn_dropout < 1.0:
+            raise ValueError(f"attn_dropout must be in [0, 1), got {attn_dropout}")
+        rot = hd if rotary_dim is None else rotary_dim
+        if rotary and (isinstance(rot, bool) or not isinstance(rot, int) or rot % 2
+                       or not 2 <= rot <= hd):
+            raise ValueError(f"rotary needs an even head dim, got {hd}" if rotary_dim is None
+                             else f"rotary_dim must be an even int in 2..head_dim = {hd}, "
+                                  f"got {rotary_dim!r}")
+        if not isinstance(rotary_base, (int, float)) or not rotary_base > 0:
+            raise ValueError(f"rotary_base must be a number > 0, got {rotary_base!r}")
+        if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
+                                  or not scale > 0):
+            raise ValueError(f"scale must be a number > 0 or None, got {scale!r}")
+        self.heads, self.causal, self.window, self.softcap = heads, causal, window, softcap
+        self.scale = None if scale is None else float(scale)
+        self.kv_heads, self.rotary, self.rotary_base = kv_heads, rotary, float(rotary_base)
+        self.rotary_scaling, self.rotary_dim = rotary_scaling, rot
+        if rotary:  # a bad scaling dict fails here, not at the first forward
+            rotary_frequencies(rot, self.rotary_base, rotary_scaling)
+        self.attn_dropout = attn_dropout
+        self.attend = attend or _fused_attention
+        self.head_dim = hd
+        qkv_bias = bias if qkv_bias is None else qkv_bias
+        self.qkv = nn.Linear(dim, (heads + 2 * kv_heads) * hd, bias=qkv_bias)  # [q | k | v]
+        self.out = nn.Linear(heads * hd, dim, bias=bias if out_bias is None else out_bias)
+        if sinks:  # gpt-oss: a logit per head that every query may attend instead of a key
+            self.sinks = nn.Parameter(torch.zeros(heads))
+        else:
+            self.sinks = None
+        self.qk_norm = bool(qk_norm)
+        if qk_norm_scope not in ("head", "all"):
+            raise ValueError(f"qk_norm_scope must be 'head' or 'all', got {qk_norm_scope!r}")
+        self.qk_norm_scope = qk_norm_scope
+        if qk_norm:
+            kind = "rms" if qk_norm is True else qk_norm
+            every = qk_norm_scope == "all"  # OLMo 2: over all heads' features at once
+            self.q_norm = make_norm(kind, heads * hd if every else hd, eps=norm_eps)
+            self.k_norm = make_norm(kind, kv_heads * hd if every else hd, eps=norm_eps)
+
+    def cache_shapes(self, batch_size: int, capacity: int) -> tuple[tuple, tuple]:
+        """The shapes of this layer's cached keys and values, ``(B, Hkv, capacity, D)``
+        each, for :meth:`StaticKVCache.allocate`."""
+        return ((batch_size, self.kv_heads, capacity, self.head_dim),) * 2
+
+    def reset_parameters(self) -> None:
+        """The sinks start at 0 (the projections are their own modules)."""
+        if self.sinks is not None:
+            nn.init.zeros_(self.sinks)
+
+    def rotary_table(self, positions: Tensor, dtype: torch.dtype) -> RotaryTable:
+        """The cos / sin table of ``positions`` ``(N,)`` or ``(B, N)`` for this layer's
+        rotary settings: pass it as the forward's ``positions`` to reuse it across
+        layers that share them (as :class:`TransformerEncoder` does)."""
+        return rotary_table(positions, self.rotary_dim, base=self.rotary_base,
+                            scaling=self.rotary_scaling, dtype=dtype, device=positions.device)
+
+    def forward(self, x: Tensor, key_padding_mask: Tensor | None = None,
+                segment_ids: Tensor | None = None, positions: Tensor | None = None,
+                cache: KVCache | None = None) -> Tensor | tuple[Tensor, KVCache]:
+        b, n, dim = x.shape
+        hd, hq = self.head_dim, self.heads * self.head_dim
+        if cache is not None:
+            cache = check_cache(cache, 1, "MultiHeadAttention")
+            if not self.causal:
+                raise ValueError("MultiHeadAttention: cache needs causal=True (decoding); "
+                                 "got causal=False")
+            if segment_ids is not None:
+                raise ValueError("MultiHeadAttention: cache does not take segment_ids "
+                                 "(decode one document per row)")
+        q, k, v = self.qkv(x).split([hq, self.kv_heads * hd, self.kv_heads * hd], dim=-1)
+        if self.qk_norm and self.qk_norm_scope == "all":
+            q, k = self.q_norm(q), self.k_norm(k)  # (B, N, H D), (B, N, Hkv D)
+        q = q.reshape(b, n, self.heads, hd).transpose(1, 2)  # (B, H, N, D)
+        k = k.reshape(b, n, self.kv_heads, hd).transpose(1, 2)  # (B, Hkv, N, D)
+        v = v.reshape(b, n, self.kv_heads, hd).transpose(1, 2)  # (B, Hkv, N, D)
+        if self.qk_norm and self.qk_norm_scope == "head":
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.rotary:
+            if positions is None:
+                start = 0 if cache is None else cache.length
+                positions = token_positions(n, x.device, start, segment_ids)
+            table = positions if isinstance(positions, RotaryTable) else \
+                self.rotary_table(positions, x.dtype)  # one table for q and k
+            q = apply_rotary(q, table, self.rotary_interleaved)
+            k = apply_rotary(k, table, self.rotary_interleaved)
+        drop = self.attn_dropout if self.training else 0.0
+        if isinstance(cache, StaticKVCache):
+            k, v, cache, mask = _write_static(cache, k, v, self.window)
+            o = self.attend(q, k, v, key_padding_mask=key_padding_mask, causal=False,
+                            mask=mask, **_extra(None, None, self.softcap, drop, self.scale,
+                                                self.sinks))
+        else:
+            if cache is not None:
+                if cache.keys:
+                    k = torch.cat((cache.keys[0], k), dim=2)  # (B, Hkv, L + N, D)
+                    v = torch.cat((cache.values[0], v), dim=2)
+                cache = KVCache((k,), (v,))
+            o = self.attend(q, k, v, key_padding_mask=key_padding_mask, causal=self.causal,
+                            **_extra(self.window, segment_ids, self.softcap, drop, self.scale,
+                                     self.sinks))
+        out = self.out(o.transpose(1, 2).reshape(b, n, hq))  # (B, N, dim)
+        return out if cache is None else (out, cache)
+
+
+def _write_static(cache: StaticKVCache, k: Tensor, v: Tensor, window) -> tuple:
+    """Write this call's keys and values ``(B, Hkv, N, D)`` at positions ``cache.length``
+    on (into copies), and the mask ``(1, 1, N, capacity)`` of the slots each query sees:
+    written, at or before its own position, and inside the window.
+
+    Position ``p`` goes to slot ``p % capacity``: a sliding-window layer whose capacity
+    holds its window and this call's tokens wraps around (a ring buffer, O(window)
+    memory however long the generation); any other layer must not wrap."""
+    n, cap = k.shape[2], cache.capacity
+    left = window if isinstance(window, int) else (None if window is None else window[0])
+    if plain(cache.length) and int(cache.length) + n > cap and (left is None
+                                                               or cap < left + n):
+        raise ValueError(
+            f"StaticKVCache: {int(cache.length)} tokens cached and {n} more exceed its "
+            f"capacity {cap}" + ("" if left is None else
+                                 f" (a window of {left} keys wraps around from capacity "
+                                 f"{left + n} for {n} tokens a call)"))
+    at = cache.length + torch.arange(n, device=k.device)  # (N,) positions written
+    slots = at % cap
+    keys = cache.keys[0].index_copy(2, slots, k.to(cache.keys[0].dtype))  # (B, Hkv, cap, D)
+    values = cache.values[0].index_copy(2, slots, v.to(cache.values[0].dtype))
+    end = cache.length + n
+    slot = torch.arange(cap, device=k.device)  # (cap,)
+    held = end - 1 - (end - 1 - slot) % cap  # the position in each slot; < 0: never written
+    mask = (held[None, :] >= 0) & (held[None, :] <= at[:, None])  # (N, cap): causal
+    if left is not None:
+        mask = mask & (held[None, :] >= at[:, None] - left)
+    new = StaticKVCache((keys,), (values,), end)
+    return keys, values, new, mask[None, None]
+
+
+def token_positions(n: int, device: torch.device, start: int = 0,
+                    segment_ids: Tensor | None = None) -> Tensor:
+    """``start + arange(n)`` ``(N,)``; with ``segment_ids`` ``(B, N)``, restarting at 0 at
+    each document's first token ``(B, N)``."""
+    positions = start + torch.arange(n, device=device)  # (N,); start may be a tensor
+    if segment_ids is not None:  # minus the index of the document's first token
+        from torchfn.kernels._reference import segment_ranges
+
+        positions = positions - segment_ranges(segment_ids, segment_ids)[0]  # (B, N)
+    return positions
