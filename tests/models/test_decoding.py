@@ -257,7 +257,8 @@ def test_cache_and_generate_errors_are_named():
         MultiHeadAttention(12, 4, rotary=True)
     with pytest.raises(ValueError, match="position_embedding must be"):
         TransformerEncoder(dim=16, heads=2, depth=1, vocab_size=V, position_embedding="alibi")
-    with pytest.raises(ValueError, match="norm must be 'layer', 'rms' or 'rms\\+1', got 'batch'"):
+    with pytest.raises(ValueError, match="norm must be 'layer', 'rms', 'rms\\+1' or "
+                                         "'rms_plain', got 'batch'"):
         TransformerEncoder(dim=16, heads=2, depth=1, vocab_size=V, norm="batch")
     with pytest.raises(ValueError, match="mlp must be 'gelu', 'gelu_tanh', 'swiglu' or 'geglu', "
                                          "got 'relu'"):

@@ -415,3 +415,38 @@ def test_a_wider_router_computes_the_logits_in_its_dtype_with_its_bias():
     want = x.float() @ params["router.weight"].T + params["router.bias"]
     assert logits.dtype == torch.float32
     torch.testing.assert_close(logits, want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("how", ["sparse", "dense", "capacity"])
+@pytest.mark.parametrize("expert_bias", [False, True])
+def test_weights_on_the_input_equal_their_formula_on_every_path(how, expert_bias, monkeypatch):
+    """``weights_on="input"`` (Llama 4): ``sum_e f_e(w_e x)`` over the chosen experts, with
+    sigmoid scores, un-renormalised, plus the shared expert; on the sparse path, the dense
+    one (``vmap`` / compile: the unchosen experts, whose biased output at 0 is not 0, must
+    add nothing) and with ample capacity. Weighting the output instead fails it."""
+    moe = MoE(8, 12, 4, 2, scoring="sigmoid", normalize=False, weights_on="input",
+              expert_bias=expert_bias, shared_hidden=None if expert_bias else 6,
+              capacity_factor=4.0 if how == "capacity" else None)
+    model = torchfn.Model(moe)
+    params = {n: p.double() for n, p in model.init(random.key(7)).items()}
+    x = random.normal(random.key(8), (3, 5, 8), torch.float64)
+    if how == "dense":
+        monkeypatch.setattr(_moe, "_batched_transform_active", lambda: True)
+    b = (lambda n, e: params[n][e]) if expert_bias else (lambda n, e: 0.0)
+    want = []
+    for t in x.reshape(-1, 8):
+        top, chosen = (params["router.weight"] @ t).sigmoid().topk(2)
+        acc = torch.zeros_like(t)
+        for w, e in zip(top, chosen):
+            u = w * t  # the weight scales what the expert reads
+            h = torch.nn.functional.silu(params["gate"][e] @ u + b("gate_bias", e)) * (
+                params["up"][e] @ u + b("up_bias", e))
+            acc = acc + params["down"][e] @ h + b("down_bias", e)
+        if not expert_bias:
+            acc = acc + params["shared.down.weight"] @ (torch.nn.functional.silu(
+                params["shared.gate.weight"] @ t) * (params["shared.up.weight"] @ t))
+        want.append(acc)
+    torch.testing.assert_close(model.apply(params, x), torch.stack(want).reshape(x.shape),
+                               rtol=0, atol=1e-12)
+    with pytest.raises(ValueError, match="weights_on must be 'output' or 'input', got 'in'"):
+        MoE(8, 12, 4, weights_on="in")

@@ -13,6 +13,7 @@ from torchfn.models._generate import generate, sample_logits
 from torchfn.models._graph import GraphAttention, GraphConv
 from torchfn.models._kv_cache import KVCache, StaticKVCache
 from torchfn.models._llama import llama_from_hf
+from torchfn.models._llama4 import llama4_from_hf, llama4_to_hf
 from torchfn.models._llama_export import llama_to_hf
 from torchfn.models._lora import (
     LoRAConv1d,
@@ -78,6 +79,8 @@ __all__ = [
     "save_pretrained",
     "llama_from_hf",
     "llama_to_hf",
+    "llama4_from_hf",
+    "llama4_to_hf",
     "llama_from_pretrained",
     "llama_save_pretrained",
     "deepseek_from_hf",

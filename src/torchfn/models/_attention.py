@@ -84,7 +84,22 @@ class MultiHeadAttention(nn.Module):
     head (``sinks`` ``(H,)``, gpt-oss: see ``torchfn.kernels.attention``), and
     ``out_bias`` sets the output projection's bias apart from ``bias``.
     ``rotary_interleaved=True`` pairs features ``(2i, 2i + 1)`` for the rotation (GPT-J,
-    Cohere) instead of Hugging Face Llama's halves.
+    Cohere) instead of Hugging Face Llama's halves. ``qk_norm="rms_plain"``: an RMSNorm
+    without a weight (Llama 4's; it commutes with the rotation, which keeps each head's
+    norm).
+
+    ``chunk=C``: chunked attention (Llama 4): positions are cut into chunks of ``C``
+    (``0..C-1``, ``C..2C-1``, ...) and a query sees only the keys of its own chunk
+    (causally with ``causal=True``). It is passed to the kernels as ``segment_ids``, so a
+    query block visits only its chunk's key blocks: O(N * C), not O(N^2). It follows the
+    forward's ``positions`` (with left padding, the real tokens' positions, as
+    transformers does) and combines with ``segment_ids`` (a chunk never spans two
+    documents) and both caches: a :class:`StaticKVCache` of capacity ``C - 1`` plus a
+    call's tokens suffices (a ring buffer, as for a window).
+    ``temperature=(floor_scale, attn_scale)``: the queries at position ``p`` are scaled by
+    ``1 + attn_scale * log(1 + floor((p + 1) / floor_scale))`` (Llama 4's attention
+    temperature tuning on its NoPE layers; Nakanishi 2025, "Scalable-Softmax"), so the
+    scores sharpen as the context grows.
 
     ``forward(x, key_padding_mask, segment_ids, positions, cache)``: ``positions`` may
     also be the layer's :meth:`rotary_table` of them, made once for several layers. With a
@@ -116,11 +131,22 @@ class MultiHeadAttention(nn.Module):
                  qk_norm_scope: str = "head",
                  norm_eps: float | None = None, scale: float | None = None,
                  sinks: bool = False, out_bias: bool | None = None,
-                 rotary_interleaved: bool = False,
+                 rotary_interleaved: bool = False, chunk: int | None = None,
+                 temperature: tuple[float, float] | None = None,
                  attend: AttendFn | None = None) -> None:
         super().__init__()
         _check_dims(dim=dim, heads=heads)
         self.rotary_interleaved = rotary_interleaved
+        if chunk is not None:
+            _check_dims(chunk=chunk)
+        if temperature is not None and (
+                not isinstance(temperature, (tuple, list)) or len(temperature) != 2
+                or any(isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0
+                       for t in temperature)):
+            raise ValueError(f"temperature must be a pair (floor_scale, attn_scale) of numbers "
+                             f"> 0, or None; got {temperature!r}")
+        self.chunk = chunk
+        self.temperature = None if temperature is None else tuple(map(float, temperature))
         if head_dim is None and dim % heads:
             raise ValueError(f"dim must be divisible by heads, got dim={dim}, heads={heads} "
                              "(or give head_dim)")
@@ -165,9 +191,18 @@ class MultiHeadAttention(nn.Module):
         self.qk_norm_scope = qk_norm_scope
         if qk_norm:
             kind = "rms" if qk_norm is True else qk_norm
+            if kind not in ("rms", "rms+1", "rms_plain"):
+                raise ValueError(f"qk_norm must be a bool, 'rms', 'rms+1' or 'rms_plain', got "
+                                 f"{qk_norm!r}")
             every = qk_norm_scope == "all"  # OLMo 2: over all heads' features at once
             self.q_norm = make_norm(kind, heads * hd if every else hd, eps=norm_eps)
             self.k_norm = make_norm(kind, kv_heads * hd if every else hd, eps=norm_eps)
+
+    @property
+    def needs_positions(self) -> bool:
+        """Whether the forward needs the tokens' positions themselves (``chunk``,
+        ``temperature``), not just a rotary table of them."""
+        return self.chunk is not None or self.temperature is not None
 
     def cache_shapes(self, batch_size: int, capacity: int) -> tuple[tuple, tuple]:
         """The shapes of this layer's cached keys and values, ``(B, Hkv, capacity, D)``
@@ -207,26 +242,36 @@ class MultiHeadAttention(nn.Module):
         v = v.reshape(b, n, self.kv_heads, hd).transpose(1, 2)  # (B, Hkv, N, D)
         if self.qk_norm and self.qk_norm_scope == "head":
             q, k = self.q_norm(q), self.k_norm(k)
+        if (self.rotary or self.needs_positions) and positions is None:
+            start = 0 if cache is None else cache.length
+            positions = token_positions(n, x.device, start, segment_ids)
+        if self.needs_positions and isinstance(positions, RotaryTable):
+            raise ValueError("MultiHeadAttention: chunk and temperature need the tokens' "
+                             "positions, not a rotary table")
         if self.rotary:
-            if positions is None:
-                start = 0 if cache is None else cache.length
-                positions = token_positions(n, x.device, start, segment_ids)
             table = positions if isinstance(positions, RotaryTable) else \
                 self.rotary_table(positions, x.dtype)  # one table for q and k
             q = apply_rotary(q, table, self.rotary_interleaved)
             k = apply_rotary(k, table, self.rotary_interleaved)
+        if self.temperature is not None:
+            q = _temperature(q, positions, *self.temperature)
         drop = self.attn_dropout if self.training else 0.0
         if isinstance(cache, StaticKVCache):
-            k, v, cache, mask = _write_static(cache, k, v, self.window)
+            k, v, cache, mask = _write_static(cache, k, v, self.window, self.chunk, positions)
             o = self.attend(q, k, v, key_padding_mask=key_padding_mask, causal=False,
                             mask=mask, **_extra(None, None, self.softcap, drop, self.scale,
                                                 self.sinks))
         else:
+            past = 0
             if cache is not None:
                 if cache.keys:
+                    past = cache.keys[0].shape[2]
                     k = torch.cat((cache.keys[0], k), dim=2)  # (B, Hkv, L + N, D)
                     v = torch.cat((cache.values[0], v), dim=2)
                 cache = KVCache((k,), (v,))
+            if self.chunk is not None:
+                segment_ids = _chunk_ids(positions, b, self.chunk, segment_ids,
+                                         None if cache is None else past)
             o = self.attend(q, k, v, key_padding_mask=key_padding_mask, causal=self.causal,
                             **_extra(self.window, segment_ids, self.softcap, drop, self.scale,
                                      self.sinks))
@@ -234,16 +279,57 @@ class MultiHeadAttention(nn.Module):
         return out if cache is None else (out, cache)
 
 
-def _write_static(cache: StaticKVCache, k: Tensor, v: Tensor, window) -> tuple:
+def _temperature(q: Tensor, positions: Tensor, floor_scale: float, attn_scale: float
+                 ) -> Tensor:
+    """Queries ``(B, H, N, D)`` at ``positions`` ``(N,)`` or ``(B, N)`` times
+    ``1 + attn_scale * log1p(floor((p + 1) / floor_scale))``, computed in float32 as
+    transformers' Llama 4 does."""
+    p = positions.to(torch.float32)
+    t = torch.log1p(torch.floor((p + 1.0) / floor_scale)) * attn_scale + 1.0
+    t = t[:, None, :, None] if t.dim() == 2 else t[:, None]  # (B, 1, N, 1) or (N, 1)
+    return (q * t).to(q.dtype)
+
+
+def _chunk_ids(positions: Tensor, b: int, chunk: int, segment_ids: Tensor | None,
+               past: int | None) -> Tensor | tuple[Tensor, Tensor]:
+    """``segment_ids`` for chunked attention. Without a cache (``past`` None): one id per
+    run of tokens in one chunk (and one document), ``(B, N)``, ascending. With a
+    :class:`KVCache` of ``past`` keys: ``(q_ids (B, N), kv_ids (B, past + N))``, each
+    key's position counted back from the first query's."""
+    pos = positions.expand(b, -1) if positions.dim() == 1 else positions  # (B, N)
+    ids = torch.div(pos, chunk, rounding_mode="floor")
+    if past is not None:  # key j's position: its slot minus the row's padding
+        slots = torch.arange(past + pos.shape[1], device=pos.device)  # (L + N,)
+        return ids, torch.div(slots - _padding(slots[past:], pos), chunk,
+                              rounding_mode="floor")  # (B, N), (B, L + N)
+    new = ids[:, 1:] != ids[:, :-1]  # (B, N - 1): a chunk (or a document) starts
+    if segment_ids is not None:
+        new = new | (segment_ids[:, 1:] != segment_ids[:, :-1])
+    return torch.cat((torch.zeros_like(ids[:, :1]), new.long().cumsum(1)), 1)
+
+
+def _padding(slots: Tensor, positions: Tensor) -> Tensor:
+    """Each row's left padding ``(B, 1)``: its queries' largest ``slot - position`` (a real
+    token's; generate's pads sit at position 0, before their slot)."""
+    return (slots - positions).amax(-1, keepdim=True)
+
+
+def _write_static(cache: StaticKVCache, k: Tensor, v: Tensor, window, chunk: int | None = None,
+                  positions: Tensor | None = None) -> tuple:
     """Write this call's keys and values ``(B, Hkv, N, D)`` at positions ``cache.length``
     on (into copies), and the mask ``(1, 1, N, capacity)`` of the slots each query sees:
-    written, at or before its own position, and inside the window.
+    written, at or before its own position, and inside the window; with ``chunk``,
+    ``(B, 1, N, capacity)``, and only the slots of the query's chunk, counted in
+    ``positions`` ``(N,)`` or ``(B, N)`` (each row's real tokens under left padding).
 
-    Position ``p`` goes to slot ``p % capacity``: a sliding-window layer whose capacity
-    holds its window and this call's tokens wraps around (a ring buffer, O(window)
-    memory however long the generation); any other layer must not wrap."""
+    Position ``p`` goes to slot ``p % capacity``: a sliding-window (or chunked) layer
+    whose capacity holds its window (``chunk - 1``) and this call's tokens wraps around (a
+    ring buffer, O(window) memory however long the generation); any other layer must
+    not wrap."""
     n, cap = k.shape[2], cache.capacity
     left = window if isinstance(window, int) else (None if window is None else window[0])
+    if chunk is not None:  # a query's chunk lies within the chunk - 1 keys before it
+        left = chunk - 1 if left is None else min(left, chunk - 1)
     if plain(cache.length) and int(cache.length) + n > cap and (left is None
                                                                or cap < left + n):
         raise ValueError(
@@ -261,8 +347,16 @@ def _write_static(cache: StaticKVCache, k: Tensor, v: Tensor, window) -> tuple:
     mask = (held[None, :] >= 0) & (held[None, :] <= at[:, None])  # (N, cap): causal
     if left is not None:
         mask = mask & (held[None, :] >= at[:, None] - left)
+    mask = mask[None, None]  # (1, 1, N, cap)
+    if chunk is not None:
+        pos = at if positions is None else positions  # (N,) or (B, N)
+        pos = pos.expand(k.shape[0], -1) if pos.dim() == 1 else pos  # (B, N)
+        q_ids = torch.div(pos, chunk, rounding_mode="floor")  # (B, N)
+        kv_ids = torch.div(held[None, :] - _padding(at, pos), chunk,
+                           rounding_mode="floor")  # (B, cap)
+        mask = mask & (q_ids[:, None, :, None] == kv_ids[:, None, None, :])  # (B, 1, N, cap)
     new = StaticKVCache((keys,), (values,), end)
-    return keys, values, new, mask[None, None]
+    return keys, values, new, mask
 
 
 def token_positions(n: int, device: torch.device, start: int = 0,

@@ -56,6 +56,10 @@ class MoE(nn.Module):
     router's logits, ``router.bias``); its softmax over the top-k logits is the default
     routing (renormalised top-k probabilities are the same numbers).
 
+    ``weights_on="input"``: the routing weight scales each expert's input instead of its
+    output, ``sum_e f_e(w_e x)`` for ``sum_e w_e f_e(x)`` (Llama 4, with
+    ``scoring="sigmoid", normalize=False`` and one expert a token).
+
     ``shared_hidden``: also one shared expert of that width that every token goes
     through, added to the routed experts' output (DeepSeekMoE, Qwen-MoE); with
     ``shared_gate=True`` it is scaled by ``sigmoid(w . x)`` per token (Qwen2-MoE).
@@ -92,8 +96,12 @@ class MoE(nn.Module):
                  topk_groups: int | None = None, group_score: str = "top2",
                  routed_scale: float = 1.0, router_bias: bool = False,
                  logit_bias: bool = False, expert_bias: bool = False,
-                 swiglu_limit: float = 7.0, swiglu_alpha: float = 1.702) -> None:
+                 swiglu_limit: float = 7.0, swiglu_alpha: float = 1.702,
+                 weights_on: str = "output") -> None:
         super().__init__()
+        if weights_on not in ("output", "input"):
+            raise ValueError(f"weights_on must be 'output' or 'input', got {weights_on!r}")
+        self.weights_on = weights_on
         _check_dims(dim=dim, hidden=hidden, experts=experts, top_k=top_k)
         if shared_hidden is not None:
             _check_dims(shared_hidden=shared_hidden)
@@ -254,6 +262,10 @@ class MoE(nn.Module):
         """Every expert on every token, weighted by the routing (zero where unchosen)."""
         mix = torch.zeros(x.shape[0], self.experts, dtype=weights.dtype, device=x.device)
         mix = mix.scatter(-1, chosen, weights)  # (T, E)
+        if self.weights_on == "input":  # each expert on its weighted copy of the tokens
+            y = self._expert(mix.t()[..., None] * x)  # (E, T, dim)
+            picked = torch.zeros_like(mix).scatter(-1, chosen, 1.0)  # (T, E): 0 where unchosen
+            return torch.einsum("te,etd->td", picked, y)
         y = self._expert(x)  # (E, T, dim)
         return torch.einsum("te,etd->td", mix, y)
 
@@ -268,10 +280,13 @@ class MoE(nn.Module):
         pos = ((onehot.cumsum(0) - 1) * onehot).sum(-1)  # (k T,) place in its expert's queue
         keep = pos < cap
         slot = torch.where(keep, expert * cap + pos, e * cap)  # dropped: a spare row
-        buf = x.new_zeros(e * cap + 1, self.dim).index_add(0, slot, x[token])  # (E C + 1, dim)
+        w = (weights.t().reshape(-1) * keep).unsqueeze(-1)  # (k T, 1)
+        into = x[token] * w if self.weights_on == "input" else x[token]  # (k T, dim)
+        buf = x.new_zeros(e * cap + 1, self.dim).index_add(0, slot, into)  # (E C + 1, dim)
         y = self._expert(buf[:-1].view(e, cap, self.dim))  # (E, C, dim)
         y = torch.cat((y.reshape(e * cap, self.dim), y.new_zeros(1, self.dim)))
-        w = (weights.t().reshape(-1) * keep).unsqueeze(-1)  # (k T, 1)
+        if self.weights_on == "input":
+            w = keep.unsqueeze(-1).to(y.dtype)  # weighted already; dropped: 0
         return x.new_zeros(x.shape).index_add(0, token, y[slot] * w)  # (T, dim)
 
     def _sparse(self, x: Tensor, weights: Tensor, chosen: Tensor) -> Tensor:
@@ -280,16 +295,20 @@ class MoE(nn.Module):
         order = flat.argsort(stable=True)
         token = order // self.top_k  # (T k,) the token of each sorted assignment
         counts = torch.bincount(flat, minlength=self.experts).tolist()
-        groups = x[token].split(counts)  # E tensors (count_e, dim)
+        w = weights.reshape(-1)[order, None]  # (T k, 1)
+        into = x[token] * w if self.weights_on == "input" else x[token]
+        groups = into.split(counts)  # E tensors (count_e, dim)
         outs = [self._expert(g, e) for e, g in enumerate(groups) if counts[e]]
-        y = torch.cat(outs) * weights.reshape(-1)[order, None]  # (T k, dim)
+        y = torch.cat(outs)  # (T k, dim)
+        y = y if self.weights_on == "input" else y * w
         return x.new_zeros(x.shape).index_add(0, token, y)  # (T, dim)
 
     def extra_repr(self) -> str:
         return (f"dim={self.dim}, hidden={self.hidden}, experts={self.experts}, "
                 f"top_k={self.top_k}, mlp={self.mlp!r}, normalize={self.normalize}, "
                 f"shared_hidden={self.shared_hidden}, shared_gate={self.shared_gate}, "
-                f"capacity_factor={self.capacity_factor}, scoring={self.scoring!r}")
+                f"capacity_factor={self.capacity_factor}, scoring={self.scoring!r}, "
+                f"weights_on={self.weights_on!r}")
 
     def expert_load(self, logits: Tensor, bias: Tensor | None = None) -> Tensor:
         """How many tokens each expert gets ``(E,)`` from router ``logits`` ``(..., E)``

@@ -38,8 +38,9 @@ class UnitOffsetRMSNorm(nn.Module):
 
 def make_norm(norm: str, dim: int, bias: bool = True, eps: float | None = None) -> nn.Module:
     """``"layer"``: ``nn.LayerNorm`` (its bias only if ``bias``); ``"rms"``: ``nn.RMSNorm``;
-    ``"rms+1"``: :class:`UnitOffsetRMSNorm` (Gemma's). ``eps`` None: each one's default
-    (1e-5; the dtype's machine epsilon; 1e-6)."""
+    ``"rms+1"``: :class:`UnitOffsetRMSNorm` (Gemma's); ``"rms_plain"``: RMSNorm without a
+    weight (Llama 4's q/k norm). ``eps`` None: each one's default (1e-5; the dtype's
+    machine epsilon; 1e-6; the dtype's machine epsilon)."""
     if eps is not None and (isinstance(eps, bool) or not isinstance(eps, (int, float))
                             or not eps > 0):
         raise ValueError(f"norm_eps must be a number > 0 or None, got {eps!r}")
@@ -49,4 +50,6 @@ def make_norm(norm: str, dim: int, bias: bool = True, eps: float | None = None) 
         return nn.RMSNorm(dim, eps=eps)
     if norm == "rms+1":
         return UnitOffsetRMSNorm(dim, eps=1e-6 if eps is None else eps)
-    raise ValueError(f"norm must be 'layer', 'rms' or 'rms+1', got {norm!r}")
+    if norm == "rms_plain":
+        return nn.RMSNorm(dim, eps=eps, elementwise_affine=False)
+    raise ValueError(f"norm must be 'layer', 'rms', 'rms+1' or 'rms_plain', got {norm!r}")

@@ -18,6 +18,8 @@ from torchfn.models._rotary import RotaryTable
 
 __all__ = ["TransformerEncoder", "TransformerBlock", "MultiHeadAttention"]
 
+_ATTN_OPTIONS = {"chunk", "temperature", "qk_norm", "softcap", "scale"}  # per-block overrides
+
 
 def _latent(dim: int, heads: int, options: dict, *, rotary: bool, kv_heads, head_dim,
             qk_norm, rotary_dim, qkv_bias, sinks, out_bias, rotary_interleaved,
@@ -82,7 +84,7 @@ class TransformerBlock(nn.Module):
                  rotary_dim: int | None = None,
                  norm: str = "layer", mlp: str = "gelu",
                  bias: bool = True, qkv_bias: bool | None = None,
-                 head_dim: int | None = None, qk_norm: bool = False,
+                 head_dim: int | None = None, qk_norm: bool | str = False,
                  attn_scale: float | None = None, post_norms: bool = False,
                  pre_norms: bool = True, qk_norm_scope: str = "head",
                  experts: int | None = None, top_k: int = 2,
@@ -90,6 +92,7 @@ class TransformerBlock(nn.Module):
                  latent_attention: dict | None = None, attn_sinks: bool = False,
                  out_bias: bool | None = None, parallel: bool | str = False,
                  rotary_interleaved: bool = False, residual_scale: float | None = None,
+                 attn_options: dict | None = None,
                  attend: AttendFn | None = None) -> None:
         super().__init__()
         if residual_scale is not None and (isinstance(residual_scale, bool) or not isinstance(
@@ -109,7 +112,14 @@ class TransformerBlock(nn.Module):
             raise ValueError("TransformerBlock: pre_norms=False needs post_norms=True (a "
                              "block without norms)")
         self.ln1 = make_norm(norm, dim, bias, norm_eps) if pre_norms else nn.Identity()
+        if attn_options is not None and (not isinstance(attn_options, dict) or not set(
+                attn_options) <= _ATTN_OPTIONS):
+            raise ValueError(f"attn_options must be a dict of {sorted(_ATTN_OPTIONS)}, got "
+                             f"{attn_options!r}")
         if latent_attention is not None:
+            if attn_options:
+                raise ValueError(f"attn_options are MultiHeadAttention's, not latent "
+                                 f"attention's; got {attn_options!r}")
             self.attn: nn.Module = _latent(
                 dim, heads, latent_attention, causal=causal, window=window, softcap=softcap,
                 attn_dropout=attn_dropout, rotary=rotary, rotary_base=rotary_base,
@@ -118,15 +128,17 @@ class TransformerBlock(nn.Module):
                 qkv_bias=qkv_bias, sinks=attn_sinks, out_bias=out_bias,
                 rotary_interleaved=rotary_interleaved)
         else:
-            self.attn = MultiHeadAttention(
-                dim, heads, causal=causal, window=window, softcap=softcap,
+            options = dict(
+                causal=causal, window=window, softcap=softcap,
                 attn_dropout=attn_dropout, kv_heads=kv_heads, rotary=rotary,
                 rotary_base=rotary_base, rotary_scaling=rotary_scaling, rotary_dim=rotary_dim,
-                bias=bias, qkv_bias=qkv_bias, head_dim=head_dim,
-                qk_norm=(norm if norm != "layer" else "rms") if qk_norm else False,
+                bias=bias, qkv_bias=qkv_bias, head_dim=head_dim, qk_norm=qk_norm,
                 qk_norm_scope=qk_norm_scope, norm_eps=norm_eps, scale=attn_scale,
                 sinks=attn_sinks, out_bias=out_bias, rotary_interleaved=rotary_interleaved,
-                attend=attend)
+                attend=attend) | (attn_options or {})
+            if options["qk_norm"] is True:  # of the blocks' kind
+                options["qk_norm"] = norm if norm != "layer" else "rms"
+            self.attn = MultiHeadAttention(dim, heads, **options)
         self.ln2 = nn.Identity() if self.shared_norm or not pre_norms else \
             make_norm(norm, dim, bias, norm_eps)  # "shared": the MLP reads ln1's output
         hidden = mlp_ratio * dim if mlp_hidden is None else mlp_hidden
@@ -221,6 +233,11 @@ class TransformerEncoder(nn.Module):
             ``shared_gate``, ``capacity_factor``, DeepSeek-V3's routing, gpt-oss's
             experts (``mlp="swiglu_clamp"`` here sets the experts' MLP alone).
         expert_hidden: the experts' width (default ``mlp_hidden``).
+        layer_attention: per block, a dict of :class:`MultiHeadAttention` keywords that
+            override the encoder's in that block (None: none): ``chunk``, ``temperature``,
+            ``qk_norm``, ``softcap``, ``scale``. Llama 4 chunks three layers of four and
+            tunes the temperature of the fourth: ``[{"chunk": 8192, "qk_norm":
+            "rms_plain"}] * 3 + [{"temperature": (8192, 0.1)}]``, repeated.
         layer_experts: which blocks have the mixture (the others a dense MLP of
             ``mlp_hidden``), e.g. Qwen-MoE's ``mlp_only_layers`` or DeepSeek's dense first
             layers; the router logits come from those blocks only.
@@ -247,7 +264,8 @@ class TransformerEncoder(nn.Module):
         layer_windows: a window per block instead (None: full attention), e.g. Gemma 2's
             alternation ``[(4095, None), None] * (depth // 2)``; not with ``window``.
         head_dim, qk_norm: the heads' width (default ``dim // heads``) and an RMSNorm on
-            each head's queries and keys, as :class:`MultiHeadAttention`'s.
+            each head's queries and keys, as :class:`MultiHeadAttention`'s (``True``: of
+            the blocks' ``norm`` kind; or a kind, e.g. ``"rms_plain"``, without a weight).
         rotary_dim: rotate only each head's first ``rotary_dim`` features (partial
             rotary, as GPT-NeoX and Phi-4-mini); default all.
         layer_rotary: a ``(rotary_base, rotary_scaling)`` per block (None: the encoder's;
@@ -331,7 +349,7 @@ class TransformerEncoder(nn.Module):
         bias: bool = True,
         qkv_bias: bool | None = None,
         head_dim: int | None = None,
-        qk_norm: bool = False,
+        qk_norm: bool | str = False,
         layer_windows: Sequence[int | tuple[int | None, int | None] | None] | None = None,
         layer_rotary: Sequence[tuple[float, dict | None] | None] | None = None,
         attn_scale: float | None = None,
@@ -345,6 +363,7 @@ class TransformerEncoder(nn.Module):
         moe_options: dict | None = None,
         expert_hidden: int | None = None,
         layer_experts: Sequence[bool] | None = None,
+        layer_attention: Sequence[dict | None] | None = None,
         latent_attention: dict | None = None,
         attn_sinks: bool = False,
         out_bias: bool | None = None,
@@ -419,6 +438,11 @@ class TransformerEncoder(nn.Module):
                              f"True, with experts; got layer_experts={layer_experts!r}, "
                              f"experts={experts!r}")
         self._sparse = [bool(x) for x in layer_experts]
+        if layer_attention is None:
+            layer_attention = [None] * depth
+        elif isinstance(layer_attention, (str, tuple, dict)) or len(layer_attention) != depth:
+            raise ValueError(f"layer_attention must be a list of depth = {depth} dicts (or "
+                             f"None), got {layer_attention!r}")
         self.blocks = nn.ModuleList(
             TransformerBlock(dim, heads, mlp_ratio=mlp_ratio, mlp_hidden=mlp_hidden,
                              norm_eps=norm_eps, dropout=dropout, causal=causal,
@@ -438,8 +462,10 @@ class TransformerEncoder(nn.Module):
                              attn_sinks=attn_sinks, out_bias=out_bias,
                              parallel=parallel_residual,
                              rotary_interleaved=rotary_interleaved,
-                             residual_scale=residual_scale, attend=attend)
-            for layer_window, rope, sparse in zip(layer_windows, ropes, self._sparse)
+                             residual_scale=residual_scale, attend=attend,
+                             attn_options=None if options is None else dict(options))
+            for layer_window, rope, sparse, options in zip(layer_windows, ropes, self._sparse,
+                                                           layer_attention)
         )
         self.ln = make_norm(norm, dim, bias, norm_eps)
         if tie_embeddings and (vocab_size is None or out_dim not in (None, vocab_size)):
@@ -497,7 +523,9 @@ class TransformerEncoder(nn.Module):
         new_keys, new_values, router_logits = [], [], []
         for i, block in enumerate(self.blocks):
             block_positions = None
-            if rotary and block.attn.rotary:  # (a NoPE block has no rotary)
+            if getattr(block.attn, "needs_positions", False):  # chunks, temperature
+                block_positions = positions
+            elif rotary and block.attn.rotary:  # (a NoPE block has no rotary)
                 first = self._rope_first[i]
                 if first not in tables:
                     tables[first] = self.blocks[first].attn.rotary_table(positions, h.dtype)
