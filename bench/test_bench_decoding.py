@@ -13,11 +13,16 @@ rotary position embeddings. CPU, float32.
   indexed per call. torchfn builds its table from float64 angles on every call.
 * ``test_generate_deepseek_vs_transformers``: DeepSeek-V3's latent attention and
   mixture, decoding with its latent cache, absorbed and expanded, against transformers.
+* ``test_llama4_prefill_vs_transformers``: a Llama 4 (chunks of 512 on three layers of
+  four) on one 4096-token sequence, forward and forward+backward, against transformers
+  (SDPA given its chunked causal mask as a dense (N, N) bool tensor).
 * ``test_lm_step``: one gradient of the next-token loss, (B, N) = (8, 256), learned
   positions against rotary: what rotary costs in training.
 
 Run: ``pytest bench/test_bench_decoding.py --benchmark-only --benchmark-columns=min,median``.
 """
+
+import contextlib
 
 import pytest
 import torch
@@ -30,6 +35,7 @@ from torchfn.models import (
     TransformerEncoder,
     deepseek_from_pretrained,
     generate,
+    llama4_from_hf,
     llama_from_hf,
     rotary_embedding,
 )
@@ -200,3 +206,50 @@ def test_generate_deepseek_vs_transformers(benchmark, how, prompt_len, tmp_path)
     with torch.no_grad():
         out = benchmark.pedantic(run, rounds=3, iterations=1, warmup_rounds=1)
     assert out.shape == (4, prompt_len + 64)
+
+
+def hf_llama4(seed=0, moe=True):
+    """A float32 transformers Llama 4 text model (dim 256, 8 heads of 32, 2 kv heads, 4
+    blocks; chunks of 512 on the three rotary ones, the fourth NoPE with temperature
+    tuning; blocks 2 and 4 a mixture of 4 experts of 256 and a shared one, 1 chosen; the
+    dense blocks SwiGLU 688; vocab 1000; ``moe=False``: every block dense) and the same
+    weights through ``llama4_from_hf``."""
+    transformers = pytest.importorskip("transformers", reason="the peer of this bench")
+    config = transformers.Llama4TextConfig(
+        hidden_size=256, num_attention_heads=8, num_key_value_heads=2, head_dim=32,
+        num_hidden_layers=4, intermediate_size=256, intermediate_size_mlp=688,
+        num_local_experts=4, interleave_moe_layer_step=2, attention_chunk_size=512,
+        vocab_size=V, max_position_embeddings=8192, moe_layers=None if moe else [])
+    torch.manual_seed(seed)
+    hf = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    module, params = llama4_from_hf(config.to_dict(), hf.state_dict())
+    return hf.eval(), torchfn.Model(module), params
+
+
+@pytest.mark.parametrize("blocks", ["moe", "dense"])
+@pytest.mark.parametrize("mode", ["forward", "forward+backward"])
+@pytest.mark.parametrize("how", ["torchfn", "transformers"])
+def test_llama4_prefill_vs_transformers(benchmark, how, mode, blocks):
+    """One sequence of 4096 tokens through a Llama 4: the logits (``forward``), or the
+    gradient of the next-token loss in every parameter (``forward+backward``).
+    ``dense``: no mixture (transformers runs every expert on every token), so what is
+    left is the attention."""
+    hf, model, params = hf_llama4(moe=blocks == "moe")
+    tokens = random.randint(random.key(2), (1, 4096), 0, V)
+    benchmark.group = f"llama4 N=4096 chunk=512 {blocks} {mode}"
+    if how == "torchfn":
+        def loss(p):
+            return F.cross_entropy(model.apply(p, tokens[:, :-1])[0], tokens[0, 1:])
+        run = (lambda: model.apply(params, tokens)) if mode == "forward" else \
+            (lambda: torch.func.grad(loss)(params))
+    else:
+        weights = [p for p in hf.parameters()]
+
+        def run():
+            if mode == "forward":
+                return hf(tokens).logits
+            out = hf(tokens[:, :-1]).logits[0]
+            return torch.autograd.grad(F.cross_entropy(out, tokens[0, 1:]), weights)
+    with torch.no_grad() if mode == "forward" else contextlib.nullcontext():
+        out = benchmark.pedantic(run, rounds=3, iterations=1, warmup_rounds=1)
+    assert out is not None
