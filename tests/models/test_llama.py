@@ -205,6 +205,9 @@ def test_bad_checkpoints_and_configs_are_named():
         llama_from_hf(dict(CONFIG, intermediate_size=48), sd)
     with pytest.raises(ValueError, match=r"config\['hidden_act'\] = 'gelu' is not supported"):
         llama_from_hf(dict(CONFIG, hidden_act="gelu"))
+    with pytest.raises(ValueError, match=r"config\['clip_qkv'\] = 8.0 is not supported here "
+                                         r"\(needs None\)"):
+        llama_from_hf(dict(CONFIG, model_type="olmoe", clip_qkv=8.0))
     with pytest.raises(ValueError, match=r"config\['model_type'\] = 'gpt2' is not supported"):
         llama_from_hf(dict(CONFIG, model_type="gpt2"))
     with pytest.raises(ValueError, match=r"config\['hidden_activation'\] = 'silu' is not "):

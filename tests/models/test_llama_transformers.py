@@ -80,6 +80,9 @@ CASES = {
                                                      short_factor=[1.0, 1.5],
                                                      long_factor=[2.0, 5.0]))),
     "olmo2": ("olmo2", dict(pad_token_id=0, eos_token_id=1)),
+    # pre-norm blocks, q/k norms over all heads, a mixture (softmax top-k, not renormalised)
+    "olmoe": ("olmoe", dict(num_experts=4, num_experts_per_tok=2, pad_token_id=0,
+                            eos_token_id=1)),
     # one bias-free LayerNorm for both parallel sublayers, interleaved rotary pairs,
     # scaled and tied logits; Cohere2: rotary and a window on the sliding layers only
     "cohere": ("cohere", dict(logit_scale=0.5, pad_token_id=0)),
@@ -146,7 +149,7 @@ def test_a_transformers_checkpoint_gives_the_same_logits(case, tmp_path):
 
 
 @pytest.mark.parametrize("case", ["llama", "mistral-window", "qwen2-moe", "qwen3-wide-heads",
-                                  "gemma2", "gemma3", "olmo2", "gpt-oss", "smollm3",
+                                  "gemma2", "gemma3", "olmo2", "olmoe", "gpt-oss", "smollm3",
                                   "cohere2"])
 def test_greedy_generation_from_left_padded_prompts_equals_transformers(case, tmp_path):
     """Rows of different prompt lengths, padded on the left: ``generate`` with
@@ -181,7 +184,7 @@ def test_llama_to_hf_gives_back_the_checkpoint(case, tmp_path):
     for name in sd:
         assert torch.equal(back[name], sd[name]), name
     if case not in ("llama-tied", "mixtral", "qwen2-moe", "qwen3-wide-heads", "gemma3", "phi3",
-                    "olmo2", "qwen3-moe-every-other", "gpt-oss", "cohere2"):
+                    "olmo2", "olmoe", "qwen3-moe-every-other", "gpt-oss", "cohere2"):
         return  # the loading below once per kind of name mapping
     moved = {n: t + 0.01 * torch.randn(t.shape, dtype=t.dtype,
                                        generator=torch.Generator().manual_seed(3))

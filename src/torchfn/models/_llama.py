@@ -1,5 +1,5 @@
 """A Hugging Face Llama-family checkpoint (Llama, Mistral, Mixtral, Qwen2, Qwen2-MoE, Qwen3,
-Qwen3-MoE, Phi-3, OLMo 2, gpt-oss, SmolLM3, Cohere, Cohere2, Granite, Gemma, Gemma 2,
+Qwen3-MoE, Phi-3, OLMo 2, OLMoE, gpt-oss, SmolLM3, Cohere, Cohere2, Granite, Gemma, Gemma 2,
 Gemma 3) as a ``TransformerEncoder`` and its params."""
 
 from __future__ import annotations
@@ -42,11 +42,11 @@ _MOE = {  # model_type -> (router, one expert's matrices, their stacked names, s
                    **{f"mlp.shared_expert.{p}_proj.weight": f"mlp.shared.{p}.weight"
                       for p in ("gate", "up", "down")}}),
 }
-_MOE["qwen3_moe"] = _MOE["qwen2_moe"][:3] + ({},)  # no shared expert
+_MOE["qwen3_moe"] = _MOE["olmoe"] = _MOE["qwen2_moe"][:3] + ({},)  # no shared expert
 _IGNORED = re.compile(r".*rotary_emb\.inv_freq$")  # a buffer older checkpoints carry
 _GEMMA = ("gemma", "gemma2", "gemma3_text")
 _TYPES = ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "phi3",
-          "olmo2", "gpt_oss", "smollm3", "cohere", "cohere2", "granite", *_GEMMA)
+          "olmo2", "olmoe", "gpt_oss", "smollm3", "cohere", "cohere2", "granite", *_GEMMA)
 _GPT_OSS = {  # gpt-oss's tensors that Llama lacks -> ours (its experts come fused: below)
     "self_attn.sinks": "attn.sinks",
     "self_attn.o_proj.bias": "attn.out.bias",
@@ -245,7 +245,7 @@ def _moe(config: Mapping[str, Any], kind: str) -> dict[str, Any]:
     if kind == "mixtral":
         return dict(experts=config.get("num_local_experts", 8),
                     top_k=config.get("num_experts_per_tok", 2))
-    if kind not in ("qwen2_moe", "qwen3_moe"):
+    if kind not in ("qwen2_moe", "qwen3_moe", "olmoe"):
         return {}
     step, dense = config.get("decoder_sparse_step") or 1, config.get("mlp_only_layers") or []
     sparse = [i not in dense and (i + 1) % step == 0 for i in range(config["num_hidden_layers"])]
@@ -282,6 +282,7 @@ def _config(config: Mapping[str, Any]) -> dict[str, Any]:
     checks = {
         "attention_bias": (config.get("attention_bias", False), kind == "gpt_oss"),
         "mlp_bias": (config.get("mlp_bias", False), False),
+        "clip_qkv": (config.get("clip_qkv"), None),  # OLMo's clamp of q, k and v
     }
     if kind not in _GEMMA:
         checks["hidden_act"] = (config.get("hidden_act", "silu"), "silu")
@@ -306,6 +307,8 @@ def _config(config: Mapping[str, Any]) -> dict[str, Any]:
         # OLMo 2: norms only on the sublayers' outputs, q/k norms over all heads
         dict(pre_norms=False, post_norms=True, qk_norm=True, qk_norm_scope="all")
         if kind == "olmo2" else {}) | (
+        # OLMoE: Llama's pre-norm blocks, OLMo 2's q/k norms, Qwen3-MoE's mixture
+        dict(qk_norm=True, qk_norm_scope="all") if kind == "olmoe" else {}) | (
         dict(attn_sinks=True, out_bias=True) if kind == "gpt_oss" else {}) | (
         _cohere(config) if kind.startswith("cohere") else {}) | (
         # Granite: the embeddings, scores, sublayer outputs and logits each scaled
@@ -345,6 +348,8 @@ def llama_from_hf(config: Mapping[str, Any], state_dict: Mapping[str, Tensor] | 
     marks 0 (``layer_rotary`` False there: NoPE).
     OLMo 2 (``"olmo2"``) normalises the sublayers' outputs only (``pre_norms=False,
     post_norms=True``) and its queries and keys over all heads (``qk_norm_scope="all"``).
+    OLMoE (``"olmoe"``) has Llama's pre-norm blocks with OLMo 2's q/k norms, and a
+    mixture as Qwen3-MoE's (``num_experts``, softmax top-k, ``norm_topk_prob``).
     gpt-oss (``"gpt_oss"``) has biases on q, k, v and the output, a learned attention sink
     per head (``attn_sinks``), windows on alternate layers, YaRN, and a mixture whose
     router has a bias and whose experts are clamped SwiGLUs with biases (:class:`MoE`'s

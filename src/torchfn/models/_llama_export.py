@@ -22,6 +22,7 @@ _EXPERT = {  # model_type -> one expert's matrix name, from its index and kind
     "mixtral": "block_sparse_moe.experts.{j}.{w}.weight",
     "qwen2_moe": "mlp.experts.{j}.{w}_proj.weight",
     "qwen3_moe": "mlp.experts.{j}.{w}_proj.weight",
+    "olmoe": "mlp.experts.{j}.{w}_proj.weight",
 }
 
 
