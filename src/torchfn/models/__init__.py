@@ -4,6 +4,7 @@ from torchfn.models._aggregate import GINConv, SAGEConv, aggregate_neighbours
 from torchfn.models._beam_search import beam_search
 from torchfn.models._cnn import BasicBlock, ConvNet, ResNet
 from torchfn.models._deepseek import deepseek_from_hf, deepseek_to_hf
+from torchfn.models._delta_net import GatedDeltaNet
 from torchfn.models._denoiser import MLPDenoiser, fourier_features, timestep_embedding
 from torchfn.models._dequantize import dequantize_fp8, dequantize_mxfp4
 from torchfn.models._energy import MLPEnergy
@@ -66,6 +67,7 @@ __all__ = [
     "TransformerBlock",
     "MultiHeadAttention",
     "LatentAttention",
+    "GatedDeltaNet",
     # rotary positions, KV-cache decoding and token sampling (_rotary, _kv_cache, _generate)
     "rotary_embedding",
     "rotary_frequencies",

@@ -20,8 +20,10 @@ class KVCache(NamedTuple):
     ``cache.length``.
 
     Attributes:
-        keys: per layer ``(B, Hkv, L, D)``: the keys after rotary embedding, if any.
-        values: per layer ``(B, Hkv, L, D)``.
+        keys: per layer ``(B, Hkv, L, D)``: the keys after rotary embedding, if any; for
+            a recurrent layer (:class:`GatedDeltaNet`) its convolution's window
+            ``(B, C, K - 1)`` instead.
+        values: per layer ``(B, Hkv, L, D)``; a recurrent layer's state ``(B, H, Dk, Dv)``.
 
     Example::
 
@@ -45,8 +47,9 @@ class KVCache(NamedTuple):
 
     @property
     def length(self) -> int:
-        """The number of cached tokens ``L`` (0 for the empty cache)."""
-        return int(self.keys[0].shape[-2]) if self.keys else 0
+        """The number of cached tokens ``L``: an attention layer's keys' (0 for the empty
+        cache, or one of recurrent layers only, whose state does not count tokens)."""
+        return next((int(k.shape[-2]) for k in self.keys if k.dim() == 4), 0)
 
     def layer(self, i: int) -> KVCache:
         """Layer ``i``'s entry as a one-layer cache (empty if this cache is empty)."""
@@ -109,10 +112,12 @@ class StaticKVCache(NamedTuple):
                  dtype: torch.dtype = torch.float32,
                  device: torch.device | str | None = None) -> StaticKVCache:
         """An empty cache for every attention layer of ``module`` (an ``nn.Module``
-        holding ``MultiHeadAttention`` or ``LatentAttention`` layers, or the
-        ``torchfn.Model`` of one); a ``LatentAttention``'s holds its latents and rotary
-        keys."""
+        holding ``MultiHeadAttention``, ``LatentAttention`` or ``GatedDeltaNet`` layers,
+        or the ``torchfn.Model`` of one); a ``LatentAttention``'s holds its latents and
+        rotary keys, a ``GatedDeltaNet``'s its convolution window and state (zeros: the
+        start), whatever the capacity."""
         from torchfn.models._attention import MultiHeadAttention
+        from torchfn.models._delta_net import GatedDeltaNet
         from torchfn.models._mla import LatentAttention
 
         module = getattr(module, "_eval_skeleton", module)  # a torchfn.Model's module
@@ -123,10 +128,10 @@ class StaticKVCache(NamedTuple):
             if isinstance(n, bool) or not isinstance(n, int) or n < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {n!r}")
         layers = [m for m in module.modules()
-                  if isinstance(m, (MultiHeadAttention, LatentAttention))]
+                  if isinstance(m, (MultiHeadAttention, LatentAttention, GatedDeltaNet))]
         if not layers:
-            raise ValueError(f"module has no MultiHeadAttention or LatentAttention layer to "
-                             f"cache: {type(module).__name__}")
+            raise ValueError(f"module has no MultiHeadAttention, LatentAttention or "
+                             f"GatedDeltaNet layer to cache: {type(module).__name__}")
         shapes = [m.cache_shapes(batch_size, capacity) for m in layers]  # (keys, values)
         return StaticKVCache(
             tuple(torch.zeros(k, dtype=dtype, device=device) for k, _ in shapes),
@@ -149,10 +154,15 @@ def check_cache(cache: object, layers: int, who: str) -> KVCache | StaticKVCache
     if n not in (0, layers) or len(cache.values) != n:
         raise ValueError(f"{who}: cache must hold 0 or {layers} layers of keys and values, "
                          f"got {n} keys and {len(cache.values)} values")
+    length = cache.length
     for i, (k, v) in enumerate(zip(cache.keys, cache.values)):
-        if not isinstance(k, Tensor) or not isinstance(v, Tensor) or k.dim() != 4 \
-                or v.shape[:3] != k.shape[:3] or k.shape[2] != cache.keys[0].shape[2]:
+        recurrent = isinstance(k, Tensor) and isinstance(v, Tensor) and k.dim() == 3 \
+            and v.dim() == 4 and k.shape[0] == v.shape[0]  # a GatedDeltaNet's window, state
+        if not recurrent and (not isinstance(k, Tensor) or not isinstance(v, Tensor)
+                              or k.dim() != 4 or v.shape[:3] != k.shape[:3]
+                              or k.shape[2] != length):
             raise ValueError(f"{who}: cache layer {i} must hold keys and values (B, Hkv, L, D) "
-                             f"with one L for all layers, got "
+                             f"with one L for all layers (or a recurrent layer's window "
+                             f"(B, C, K - 1) and state (B, H, Dk, Dv)), got "
                              f"{getattr(k, 'shape', k)} and {getattr(v, 'shape', v)}")
     return cache

@@ -1,0 +1,146 @@
+"""The gated delta rule (Gated DeltaNet; Yang, Kautz and Hatamizadeh 2024): linear attention
+whose state is corrected toward each new value instead of only added to, in the chunked
+form (the WY representation) that turns most of its work into matmuls.
+
+Per value head, with a state ``S`` ``(Dk, Dv)`` and for each token ``t``::
+
+    S = exp(g_t) S                                  # decay (g_t <= 0)
+    S = S + beta_t k_t (v_t - S^T k_t)^T             # the delta rule: write the error
+    o_t = S^T (scale q_t)
+
+Written in plain torch ops, so ``grad``, ``vmap``, ``jvp`` and ``torch.compile`` compose
+with it as they do with any torch code.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+__all__ = ["gated_delta_rule"]
+
+
+def _check(q: Tensor, k: Tensor, v: Tensor, log_decay: Tensor, beta: Tensor,
+           state: Tensor | None, chunk: int) -> None:
+    for name, t, dims in (("q", q, 4), ("k", k, 4), ("v", v, 4), ("log_decay", log_decay, 3),
+                          ("beta", beta, 3)):
+        if not isinstance(t, Tensor) or t.dim() != dims or not t.is_floating_point():
+            raise ValueError(f"gated_delta_rule: {name} must be a float tensor of {dims} dims, "
+                             f"got {getattr(t, 'shape', type(t).__name__)}")
+    b, hk, n, dk = k.shape
+    hv = v.shape[1]
+    if q.shape != k.shape:
+        raise ValueError(f"gated_delta_rule: q must have k's shape (B, Hk, N, Dk) = "
+                         f"{tuple(k.shape)}, got {tuple(q.shape)}")
+    if v.shape[0] != b or v.shape[2] != n or hv % hk:
+        raise ValueError(f"gated_delta_rule: v must be (B, Hv, N, Dv) with B = {b}, N = {n} "
+                         f"and Hk = {hk} dividing Hv, got {tuple(v.shape)}")
+    for name, t in (("log_decay", log_decay), ("beta", beta)):
+        if t.shape != (b, hv, n):
+            raise ValueError(f"gated_delta_rule: {name} must be (B, Hv, N) = {(b, hv, n)}, "
+                             f"got {tuple(t.shape)}")
+    if state is not None and (not isinstance(state, Tensor)
+                              or state.shape != (b, hv, dk, v.shape[-1])):
+        raise ValueError(f"gated_delta_rule: state must be (B, Hv, Dk, Dv) = "
+                         f"{(b, hv, dk, v.shape[-1])} or None, got "
+                         f"{getattr(state, 'shape', state)}")
+    devices = {t.device for t in (q, k, v, log_decay, beta)}
+    if len(devices) > 1:
+        raise ValueError(f"gated_delta_rule: every input must be on one device, got {devices}")
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+        raise ValueError(f"gated_delta_rule: chunk must be an int >= 1, got {chunk!r}")
+
+
+def gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, log_decay: Tensor, beta: Tensor, *,
+                     state: Tensor | None = None, scale: float | None = None, chunk: int = 64,
+                     return_state: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+    """Causal linear attention by the gated delta rule, a chunk of tokens at a time.
+
+    Within a chunk of ``L`` tokens the updates are solved together: a unit lower
+    triangular system (``I + tril(beta k k^T * decays, -1)``, the WY form) gives each
+    token's correction at once, and the state passes from chunk to chunk. The work is
+    O(N L (Dk + Dv)) in matmuls plus N / L sequential steps, where the token recurrence
+    is N steps of outer products. Computed in float32 (float64 inputs: float64), returned
+    in ``v``'s dtype.
+
+    Args:
+        q, k: ``(B, Hk, N, Dk)`` queries and keys (Gated DeltaNet L2-normalises both).
+        v: ``(B, Hv, N, Dv)`` values; ``Hk`` divides ``Hv``: value head ``h`` reads query
+            and key head ``h // (Hv // Hk)``.
+        log_decay: ``(B, Hv, N)``, each token's ``g_t <= 0``: the state is multiplied by
+            ``exp(g_t)`` before its update (Mamba-2's gate; 0 is DeltaNet without decay).
+        beta: ``(B, Hv, N)``, the update's strength in [0, 1] (a learning rate: 1 writes
+            ``v_t`` for ``k_t`` exactly).
+        state: ``(B, Hv, Dk, Dv)``, the state before the first token (default 0): pass the
+            state a previous call returned to continue a sequence.
+        scale: the queries' scale, default ``Dk ** -0.5``.
+        chunk: tokens per chunk (64, as FlashLinearAttention); a sequence shorter than it
+            is one chunk. The result does not depend on it, up to rounding.
+        return_state: also return the state after the last token.
+
+    Returns:
+        ``o`` ``(B, Hv, N, Dv)``, and with ``return_state`` the final state
+        ``(B, Hv, Dk, Dv)`` in float32 (float64 for float64 inputs).
+
+    Example::
+
+        >>> import torch
+        >>> from torchfn import random
+        >>> from torchfn.kernels import gated_delta_rule
+        >>> kq, kk, kv, kg, kb = random.split(random.key(0), 5)
+        >>> q = random.normal(kq, (1, 2, 5, 8))                     # (B, Hk, N, Dk)
+        >>> k = torch.nn.functional.normalize(random.normal(kk, (1, 2, 5, 8)), dim=-1)
+        >>> v = random.normal(kv, (1, 2, 5, 4))                     # (B, Hv, N, Dv)
+        >>> g, beta = -random.uniform(kg, (1, 2, 5)), random.uniform(kb, (1, 2, 5))  # (B, Hv, N)
+        >>> o, s = gated_delta_rule(q, k, v, g, beta, return_state=True)
+        >>> o.shape, s.shape                              # (B, Hv, N, Dv), (B, Hv, Dk, Dv)
+        (torch.Size([1, 2, 5, 4]), torch.Size([1, 2, 8, 4]))
+        >>> o2, _ = gated_delta_rule(q[:, :, 3:], k[:, :, 3:], v[:, :, 3:], g[..., 3:],
+        ...                          beta[..., 3:], state=gated_delta_rule(
+        ...                              q[:, :, :3], k[:, :, :3], v[:, :, :3], g[..., :3],
+        ...                              beta[..., :3], return_state=True)[1],
+        ...                          return_state=True)
+        >>> torch.allclose(o2, o[:, :, 3:], atol=1e-5)  # continued from the state
+        True
+    """
+    _check(q, k, v, log_decay, beta, state, chunk)
+    b, hk, n, dk = k.shape
+    hv, dv = v.shape[1], v.shape[-1]
+    dtype = v.dtype
+    work = torch.promote_types(dtype, torch.float32)
+    if hv != hk:  # each query/key head serves Hv / Hk value heads
+        q, k = q.repeat_interleave(hv // hk, 1), k.repeat_interleave(hv // hk, 1)
+    scale = dk ** -0.5 if scale is None else float(scale)
+    q, k, v = (q.to(work) * scale, k.to(work), v.to(work))  # (B, H, N, D)
+    g, beta = log_decay.to(work), beta.to(work)  # (B, H, N)
+    size = min(chunk, n) if n else 1
+    pad = -n % size  # padded tokens: no decay (g = 0), no update (beta = 0), zero output
+    if pad:
+        q, k, v = (torch.nn.functional.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
+        g, beta = (torch.nn.functional.pad(x, (0, pad)) for x in (g, beta))
+    c = (n + pad) // size
+    q, k, v = (x.unflatten(2, (c, size)) for x in (q, k, v))  # (B, H, C, L, D)
+    g, beta = g.unflatten(2, (c, size)), beta.unflatten(2, (c, size))  # (B, H, C, L)
+    cum = g.cumsum(-1)  # (B, H, C, L): log decay from the chunk's start through token i
+    later = torch.ones(size, size, dtype=torch.bool, device=q.device).triu(1)  # j > i
+    between = (cum[..., :, None] - cum[..., None, :]).masked_fill(later, float("-inf")).exp()
+    kb, vb = k * beta[..., None], v * beta[..., None]  # (B, H, C, L, D)
+    # the WY system: token i's correction depends on the corrections of tokens j < i
+    system = (kb @ k.transpose(-1, -2)) * between  # (B, H, C, L, L); diagonal unused
+    u = torch.linalg.solve_triangular(system, vb, upper=False, unitriangular=True)
+    w = torch.linalg.solve_triangular(system, kb * cum.exp()[..., None], upper=False,
+                                      unitriangular=True)  # what the old state predicts
+    scores = (q @ k.transpose(-1, -2)) * between  # (B, H, C, L, L), causal, decayed
+    q_in = q * cum.exp()[..., None]  # reading the state at the chunk's start
+    k_out = k * (cum[..., -1:] - cum).exp()[..., None]  # decayed to the chunk's end
+    carry = cum[..., -1].exp()[..., None, None]  # (B, H, C, 1, 1)
+    s = torch.zeros(b, hv, dk, dv, dtype=work, device=v.device) if state is None else \
+        state.to(work)
+    outs = []
+    for i in range(c):  # the chunks in order: (B, H, Dk, Dv) state between them
+        new = u[:, :, i] - w[:, :, i] @ s  # (B, H, L, Dv): the corrections
+        outs.append(q_in[:, :, i] @ s + scores[:, :, i] @ new)
+        s = s * carry[:, :, i] + k_out[:, :, i].transpose(-1, -2) @ new
+    o = torch.cat(outs, 2)[:, :, :n] if outs else v.new_zeros(b, hv, 0, dv)
+    o = o.to(dtype)
+    return (o, s) if return_state else o

@@ -1,0 +1,117 @@
+"""``kernels.gated_delta_rule``: the chunked form equals the token-by-token recurrence in
+float64 (any chunk size, grouped value heads, an initial state, the final state); a
+sequence split in two with the state passed on equals the whole; ``vmap(grad)``, ``jvp``
+and ``gradcheck`` (reverse and forward mode) hold."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from torch.func import grad, jvp, vmap
+
+from torchfn.kernels import gated_delta_rule
+
+
+def inputs(b, hk, hv, n, dk, dv, seed, dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, hk, n, dk, generator=g, dtype=dtype)
+    k = torch.nn.functional.normalize(torch.randn(b, hk, n, dk, generator=g, dtype=dtype), dim=-1)
+    v = torch.randn(b, hv, n, dv, generator=g, dtype=dtype)
+    log_decay = -torch.rand(b, hv, n, generator=g, dtype=dtype)
+    beta = torch.rand(b, hv, n, generator=g, dtype=dtype)
+    state = torch.randn(b, hv, dk, dv, generator=g, dtype=dtype)
+    return q, k, v, log_decay, beta, state
+
+
+def recurrence(q, k, v, log_decay, beta, state):
+    """The rule written token by token: decay, write the error, read."""
+    rep = v.shape[1] // k.shape[1]
+    q = q.repeat_interleave(rep, 1) * q.shape[-1] ** -0.5
+    k = k.repeat_interleave(rep, 1)
+    s, outs = state.clone(), []
+    for t in range(q.shape[2]):
+        s = s * log_decay[:, :, t, None, None].exp()
+        error = v[:, :, t] - torch.einsum("bhkv,bhk->bhv", s, k[:, :, t])
+        s = s + torch.einsum("bhk,bhv->bhkv", k[:, :, t], beta[:, :, t, None] * error)
+        outs.append(torch.einsum("bhkv,bhk->bhv", s, q[:, :, t]))
+    return torch.stack(outs, 2), s
+
+
+@given(n=st.integers(1, 70), chunk=st.sampled_from([1, 3, 8, 16, 64]),
+       heads=st.sampled_from([(1, 1), (2, 2), (1, 3), (2, 4)]), dk=st.integers(1, 9),
+       dv=st.integers(1, 7), with_state=st.booleans(), seed=st.integers(0, 2**16))
+def test_chunks_equal_the_token_recurrence(n, chunk, heads, dk, dv, with_state, seed):
+    q, k, v, g, beta, state = inputs(2, *heads, n, dk, dv, seed)
+    state = state if with_state else torch.zeros_like(state)
+    o, s = gated_delta_rule(q, k, v, g, beta, state=state if with_state else None,
+                            chunk=chunk, return_state=True)
+    want_o, want_s = recurrence(q, k, v, g, beta, state)
+    torch.testing.assert_close(o, want_o, rtol=0, atol=1e-10)
+    torch.testing.assert_close(s, want_s, rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize("cut", [1, 17, 40])
+def test_a_split_sequence_continued_from_its_state_equals_the_whole(cut):
+    q, k, v, g, beta, _ = inputs(2, 2, 4, 41, 8, 6, seed=1)
+    whole, end = gated_delta_rule(q, k, v, g, beta, chunk=16, return_state=True)
+    first, mid = gated_delta_rule(q[:, :, :cut], k[:, :, :cut], v[:, :, :cut], g[..., :cut],
+                                  beta[..., :cut], chunk=16, return_state=True)
+    rest, last = gated_delta_rule(q[:, :, cut:], k[:, :, cut:], v[:, :, cut:], g[..., cut:],
+                                  beta[..., cut:], state=mid, chunk=16, return_state=True)
+    torch.testing.assert_close(torch.cat((first, rest), 2), whole, rtol=0, atol=1e-12)
+    torch.testing.assert_close(last, end, rtol=0, atol=1e-12)
+
+
+def test_float32_is_as_close_as_rounding_and_keeps_the_dtype():
+    q, k, v, g, beta, state = inputs(1, 2, 2, 50, 16, 16, seed=2)
+    want, _ = recurrence(q, k, v, g, beta, torch.zeros_like(state))
+    low = gated_delta_rule(*(x.float() for x in (q, k, v, g, beta)))
+    assert low.dtype == torch.float32
+    torch.testing.assert_close(low.double(), want, rtol=0, atol=1e-5)
+    half = gated_delta_rule(*(x.bfloat16() for x in (q, k, v, g, beta)))
+    assert half.dtype == torch.bfloat16
+
+
+def test_per_sample_gradients_and_forward_mode_equal_their_references():
+    args = inputs(3, 1, 2, 20, 4, 3, seed=3)[:5]
+
+    def loss(*a):
+        return gated_delta_rule(*(x.unsqueeze(0) for x in a), chunk=8).square().sum()
+
+    batched = vmap(grad(loss, argnums=(0, 1, 2, 3, 4)))(*args)
+    for i in range(3):
+        one = grad(loss, argnums=(0, 1, 2, 3, 4))(*(x[i] for x in args))
+        for a, b in zip(batched, one):
+            torch.testing.assert_close(a[i], b, rtol=0, atol=1e-12)
+    tangents = inputs(3, 1, 2, 20, 4, 3, seed=4)[:5]
+    _, tangent = jvp(lambda *a: gated_delta_rule(*a, chunk=8), args, tangents)
+    eps = 1e-6
+    plus = gated_delta_rule(*(x + eps * t for x, t in zip(args, tangents)), chunk=8)
+    minus = gated_delta_rule(*(x - eps * t for x, t in zip(args, tangents)), chunk=8)
+    torch.testing.assert_close(tangent, (plus - minus) / (2 * eps), rtol=0, atol=1e-7)
+
+
+def test_gradcheck_in_both_modes():
+    args = [x.requires_grad_() for x in inputs(1, 1, 2, 7, 3, 2, seed=5)]
+    assert torch.autograd.gradcheck(
+        lambda *a: gated_delta_rule(*a[:5], state=a[5], chunk=3, return_state=True), args,
+        check_forward_ad=True)
+
+
+def test_bad_input_is_named():
+    q, k, v, g, beta, state = inputs(1, 2, 4, 5, 3, 2, seed=6)
+    with pytest.raises(ValueError, match=r"q must have k's shape \(B, Hk, N, Dk\) = "
+                                         r"\(1, 2, 5, 3\), got \(1, 2, 4, 3\)"):
+        gated_delta_rule(q[:, :, :4], k, v, g, beta)
+    with pytest.raises(ValueError, match="Hk = 2 dividing Hv, got \\(1, 3, 5, 2\\)"):
+        gated_delta_rule(q, k, v[:, :3], g[:, :3], beta[:, :3])
+    with pytest.raises(ValueError, match=r"beta must be \(B, Hv, N\) = \(1, 4, 5\)"):
+        gated_delta_rule(q, k, v, g, beta[..., :4])
+    with pytest.raises(ValueError, match=r"state must be \(B, Hv, Dk, Dv\) = \(1, 4, 3, 2\)"):
+        gated_delta_rule(q, k, v, g, beta, state=state[:, :2])
+    with pytest.raises(ValueError, match="log_decay must be a float tensor of 3 dims"):
+        gated_delta_rule(q, k, v, g[0], beta)
+    with pytest.raises(ValueError, match="chunk must be an int >= 1, got 0"):
+        gated_delta_rule(q, k, v, g, beta, chunk=0)
