@@ -40,6 +40,7 @@ from torchfn.models._pretrained import (
     llama_save_pretrained,
     save_pretrained,
 )
+from torchfn.models._qwen3_next import qwen3_next_from_hf, qwen3_next_to_hf
 from torchfn.models._rnn import GRU, LSTM
 from torchfn.models._rotary import rotary_embedding
 from torchfn.models._rotary_scaling import rotary_frequencies
@@ -82,6 +83,8 @@ __all__ = [
     "llama_from_hf",
     "llama_to_hf",
     "llama4_from_hf",
+    "qwen3_next_from_hf",
+    "qwen3_next_to_hf",
     "llama4_to_hf",
     "llama_from_pretrained",
     "llama_save_pretrained",

@@ -96,6 +96,8 @@ class MultiHeadAttention(nn.Module):
     transformers does) and combines with ``segment_ids`` (a chunk never spans two
     documents) and both caches: a :class:`StaticKVCache` of capacity ``C - 1`` plus a
     call's tokens suffices (a ring buffer, as for a window).
+    ``output_gate=True``: the heads' outputs are multiplied by ``sigmoid(x W_gate)`` before
+    the output projection (gated attention, Qiu et al. 2025; Qwen3-Next, Qwen3.5).
     ``temperature=(floor_scale, attn_scale)``: the queries at position ``p`` are scaled by
     ``1 + attn_scale * log(1 + floor((p + 1) / floor_scale))`` (Llama 4's attention
     temperature tuning on its NoPE layers; Nakanishi 2025, "Scalable-Softmax"), so the
@@ -132,7 +134,7 @@ class MultiHeadAttention(nn.Module):
                  norm_eps: float | None = None, scale: float | None = None,
                  sinks: bool = False, out_bias: bool | None = None,
                  rotary_interleaved: bool = False, chunk: int | None = None,
-                 temperature: tuple[float, float] | None = None,
+                 temperature: tuple[float, float] | None = None, output_gate: bool = False,
                  attend: AttendFn | None = None) -> None:
         super().__init__()
         _check_dims(dim=dim, heads=heads)
@@ -181,6 +183,8 @@ class MultiHeadAttention(nn.Module):
         qkv_bias = bias if qkv_bias is None else qkv_bias
         self.qkv = nn.Linear(dim, (heads + 2 * kv_heads) * hd, bias=qkv_bias)  # [q | k | v]
         self.out = nn.Linear(heads * hd, dim, bias=bias if out_bias is None else out_bias)
+        # Qwen3-Next / Qwen3.5's gated attention: o * sigmoid(x W_gate), per head and feature
+        self.gate = nn.Linear(dim, heads * hd, bias=qkv_bias) if output_gate else None
         if sinks:  # gpt-oss: a logit per head that every query may attend instead of a key
             self.sinks = nn.Parameter(torch.zeros(heads))
         else:
@@ -275,7 +279,10 @@ class MultiHeadAttention(nn.Module):
             o = self.attend(q, k, v, key_padding_mask=key_padding_mask, causal=self.causal,
                             **_extra(self.window, segment_ids, self.softcap, drop, self.scale,
                                      self.sinks))
-        out = self.out(o.transpose(1, 2).reshape(b, n, hq))  # (B, N, dim)
+        o = o.transpose(1, 2).reshape(b, n, hq)  # (B, N, H D)
+        if self.gate is not None:
+            o = o * torch.sigmoid(self.gate(x))
+        out = self.out(o)  # (B, N, dim)
         return out if cache is None else (out, cache)
 
 

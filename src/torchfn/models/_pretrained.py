@@ -21,13 +21,16 @@ from torchfn.models._llama4 import llama4_from_hf, llama4_to_hf
 from torchfn.models._llama_export import llama_to_hf
 from torchfn.models._neox import neox_from_hf, neox_to_hf
 from torchfn.models._phi import phi_from_hf, phi_to_hf
+from torchfn.models._qwen3_next import _TYPES as _QWEN3_NEXT_TYPES
+from torchfn.models._qwen3_next import qwen3_next_from_hf, qwen3_next_to_hf
 from torchfn.models._transformer import TransformerEncoder
 
 __all__ = ["from_pretrained", "save_pretrained", "llama_from_pretrained",
            "llama_save_pretrained", "deepseek_from_pretrained", "deepseek_save_pretrained"]
 
 _OTHERS = {"gpt_neox": (neox_from_hf, neox_to_hf), "phi": (phi_from_hf, phi_to_hf),
-           "llama4_text": (llama4_from_hf, llama4_to_hf), "llama4": (llama4_from_hf, llama4_to_hf)}
+           "llama4_text": (llama4_from_hf, llama4_to_hf), "llama4": (llama4_from_hf, llama4_to_hf),
+           **{t: (qwen3_next_from_hf, qwen3_next_to_hf) for t in _QWEN3_NEXT_TYPES}}
 _WEIGHTS, _INDEX, _CONFIG = "model.safetensors", "model.safetensors.index.json", "config.json"
 
 
@@ -158,8 +161,9 @@ def from_pretrained(folder: str | os.PathLike, *, dtype: torch.dtype | None = No
                                dict[str, Any]]:
     """Any model folder torchfn reads, whatever its family, as ``(module, params, state,
     config)``: DeepSeek-V2 / V3 and GLM-4.5 through :func:`deepseek_from_pretrained`,
-    GPT-NeoX (Pythia), Phi-2 and Llama 4 through :func:`neox_from_hf` /
-    :func:`phi_from_hf` / :func:`llama4_from_hf`, the
+    GPT-NeoX (Pythia), Phi-2, Llama 4, Qwen3-Next and Qwen3.5 through
+    :func:`neox_from_hf` / :func:`phi_from_hf` / :func:`llama4_from_hf` /
+    :func:`qwen3_next_from_hf`, the
     others (Llama, Mistral, Mixtral, Qwen, Phi-3, OLMo 2, gpt-oss, SmolLM3, Gemma)
     through :func:`llama_from_pretrained`, with their ``state`` (persistent buffers,
     ``{}`` for most) from the module. Arguments as theirs.

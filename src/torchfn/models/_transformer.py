@@ -8,6 +8,7 @@ import torch
 from torch import Tensor, nn
 
 from torchfn.models._attention import AttendFn, MultiHeadAttention, token_positions
+from torchfn.models._delta_net import GatedDeltaNet
 from torchfn.models._kv_cache import KVCache, StaticKVCache, check_cache
 from torchfn.models._mla import LatentAttention
 from torchfn.models._mlp import SwiGLU, _check_dims
@@ -92,8 +93,8 @@ class TransformerBlock(nn.Module):
                  latent_attention: dict | None = None, attn_sinks: bool = False,
                  out_bias: bool | None = None, parallel: bool | str = False,
                  rotary_interleaved: bool = False, residual_scale: float | None = None,
-                 attn_options: dict | None = None,
-                 attend: AttendFn | None = None) -> None:
+                 attn_options: dict | None = None, linear_attention: dict | None = None,
+                 attn_gate: bool = False, attend: AttendFn | None = None) -> None:
         super().__init__()
         if residual_scale is not None and (isinstance(residual_scale, bool) or not isinstance(
                 residual_scale, (int, float))):
@@ -116,7 +117,17 @@ class TransformerBlock(nn.Module):
                 attn_options) <= _ATTN_OPTIONS):
             raise ValueError(f"attn_options must be a dict of {sorted(_ATTN_OPTIONS)}, got "
                              f"{attn_options!r}")
-        if latent_attention is not None:
+        if linear_attention is not None:
+            if not isinstance(linear_attention, dict) or "heads" not in linear_attention:
+                raise ValueError(f"linear_attention must be a dict of GatedDeltaNet's keywords "
+                                 f"(heads, key_heads, key_dim, value_dim, conv_kernel), got "
+                                 f"{linear_attention!r}")
+            if latent_attention is not None:
+                raise ValueError("TransformerBlock: give linear_attention or latent_attention, "
+                                 "not both")
+            self.attn = GatedDeltaNet(dim, **({} if norm_eps is None else {"norm_eps": norm_eps})
+                                      | linear_attention)
+        elif latent_attention is not None:
             if attn_options:
                 raise ValueError(f"attn_options are MultiHeadAttention's, not latent "
                                  f"attention's; got {attn_options!r}")
@@ -135,7 +146,7 @@ class TransformerBlock(nn.Module):
                 bias=bias, qkv_bias=qkv_bias, head_dim=head_dim, qk_norm=qk_norm,
                 qk_norm_scope=qk_norm_scope, norm_eps=norm_eps, scale=attn_scale,
                 sinks=attn_sinks, out_bias=out_bias, rotary_interleaved=rotary_interleaved,
-                attend=attend) | (attn_options or {})
+                output_gate=attn_gate, attend=attend) | (attn_options or {})
             if options["qk_norm"] is True:  # of the blocks' kind
                 options["qk_norm"] = norm if norm != "layer" else "rms"
             self.attn = MultiHeadAttention(dim, heads, **options)
@@ -238,6 +249,15 @@ class TransformerEncoder(nn.Module):
             ``qk_norm``, ``softcap``, ``scale``. Llama 4 chunks three layers of four and
             tunes the temperature of the fourth: ``[{"chunk": 8192, "qk_norm":
             "rms_plain"}] * 3 + [{"temperature": (8192, 0.1)}]``, repeated.
+        linear_attention, layer_linear: :class:`GatedDeltaNet` (linear attention with a
+            fixed-size state) as the token mixer, a dict of its keywords (``heads``,
+            ``key_heads``, ``key_dim``, ``value_dim``, ``conv_kernel``), in the blocks
+            ``layer_linear`` marks (default every block); the others keep attention
+            (Qwen3-Next and Qwen3.5: three of four linear). The caches then hold those
+            blocks' convolution windows and states.
+        attn_gate: gate the attention's output by ``sigmoid(x W_gate)`` before its
+            projection (Qwen3-Next, Qwen3.5; :class:`MultiHeadAttention`'s
+            ``output_gate``).
         layer_experts: which blocks have the mixture (the others a dense MLP of
             ``mlp_hidden``), e.g. Qwen-MoE's ``mlp_only_layers`` or DeepSeek's dense first
             layers; the router logits come from those blocks only.
@@ -365,6 +385,9 @@ class TransformerEncoder(nn.Module):
         layer_experts: Sequence[bool] | None = None,
         layer_attention: Sequence[dict | None] | None = None,
         latent_attention: dict | None = None,
+        linear_attention: dict | None = None,
+        layer_linear: Sequence[bool] | None = None,
+        attn_gate: bool = False,
         attn_sinks: bool = False,
         out_bias: bool | None = None,
         parallel_residual: bool | str = False,
@@ -443,6 +466,13 @@ class TransformerEncoder(nn.Module):
         elif isinstance(layer_attention, (str, tuple, dict)) or len(layer_attention) != depth:
             raise ValueError(f"layer_attention must be a list of depth = {depth} dicts (or "
                              f"None), got {layer_attention!r}")
+        if layer_linear is None:
+            layer_linear = [linear_attention is not None] * depth
+        elif linear_attention is None or isinstance(layer_linear, (str, tuple)) \
+                or len(layer_linear) != depth:
+            raise ValueError(f"layer_linear must be a list of depth = {depth} bools, with "
+                             f"linear_attention; got layer_linear={layer_linear!r}, "
+                             f"linear_attention={linear_attention!r}")
         self.blocks = nn.ModuleList(
             TransformerBlock(dim, heads, mlp_ratio=mlp_ratio, mlp_hidden=mlp_hidden,
                              norm_eps=norm_eps, dropout=dropout, causal=causal,
@@ -463,9 +493,11 @@ class TransformerEncoder(nn.Module):
                              parallel=parallel_residual,
                              rotary_interleaved=rotary_interleaved,
                              residual_scale=residual_scale, attend=attend,
-                             attn_options=None if options is None else dict(options))
-            for layer_window, rope, sparse, options in zip(layer_windows, ropes, self._sparse,
-                                                           layer_attention)
+                             attn_options=None if options is None else dict(options),
+                             linear_attention=linear_attention if linear else None,
+                             attn_gate=attn_gate)
+            for layer_window, rope, sparse, options, linear in zip(
+                layer_windows, ropes, self._sparse, layer_attention, layer_linear)
         )
         self.ln = make_norm(norm, dim, bias, norm_eps)
         if tie_embeddings and (vocab_size is None or out_dim not in (None, vocab_size)):
@@ -525,10 +557,10 @@ class TransformerEncoder(nn.Module):
             block_positions = None
             if getattr(block.attn, "needs_positions", False):  # chunks, temperature
                 block_positions = positions
-            elif rotary and block.attn.rotary:  # (a NoPE block has no rotary)
+            elif rotary and getattr(block.attn, "rotary", False):  # (NoPE, GatedDeltaNet: none)
                 first = self._rope_first[i]
                 if first not in tables:
-                    tables[first] = self.blocks[first].attn.rotary_table(positions, h.dtype)
+                    tables[first] = block.attn.rotary_table(positions, h.dtype)  # = first's
                 block_positions = tables[first]
             if cache is not None:
                 h, layer = block(h, key_padding_mask, None, block_positions, cache.layer(i))

@@ -1,0 +1,130 @@
+"""``qwen3_next_from_hf`` / ``qwen3_next_to_hf`` against ``transformers``' Qwen3-Next and
+Qwen3.5 (text, dense and MoE): small random models saved with ``save_pretrained``,
+compared on logits, both caches, greedy generation (left-padded too) and the round
+trip. Three Gated DeltaNet layers, then one gated-attention layer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _cached import logits_through_cache
+from safetensors.torch import load_file
+
+import torchfn
+from torchfn.models import (
+    StaticKVCache,
+    from_pretrained,
+    generate,
+    qwen3_next_from_hf,
+    qwen3_next_to_hf,
+    save_pretrained,
+)
+
+transformers = pytest.importorskip(
+    "transformers", reason="transformers (a dev dependency) is the peer these tests compare "
+    "against")
+
+BASE = dict(vocab_size=50, hidden_size=32, intermediate_size=48, num_hidden_layers=4,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+            linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=8,
+            linear_value_head_dim=6, pad_token_id=0)
+MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=12,
+           shared_expert_intermediate_size=20)
+CASES = {
+    # fused per-key-head projections, a dense MLP in layer 1, biases on the attention
+    "qwen3-next": ("qwen3_next", dict(MOE, mlp_only_layers=[1], attention_bias=True)),
+    "qwen3.5": ("qwen3_5_text", {}),
+    "qwen3.5-moe": ("qwen3_5_moe_text", MOE),
+}
+ATOL = 5e-5  # transformers runs the delta rule in float32, even in a float64 model
+
+
+def hf_checkpoint(kind, extra, tmp_path, seed=0):
+    config = transformers.AutoConfig.for_model(kind, **dict(BASE, **extra))
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(
+        config, dtype=torch.float64, experts_implementation="eager")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    model.eval()
+    model.save_pretrained(tmp_path)
+    return model, config.to_dict(), load_file(tmp_path / "model.safetensors")
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_transformers_checkpoint_gives_the_same_logits_caches_and_tokens(case, tmp_path):
+    hf, config, sd = hf_checkpoint(*CASES[case], tmp_path)
+    module, params = qwen3_next_from_hf(config, sd)
+    model = torchfn.Model(module)
+    tokens = torch.randint(1, 50, (2, 20), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = hf(tokens).logits
+        greedy = hf.generate(tokens[:, :6], attention_mask=torch.ones_like(tokens[:, :6]),
+                             max_new_tokens=10, do_sample=False, eos_token_id=None)
+    torch.testing.assert_close(model.apply(params, tokens), want, rtol=0, atol=ATOL)
+    torch.testing.assert_close(logits_through_cache(model, params, tokens, 7), want, rtol=0,
+                               atol=ATOL)
+    assert torch.equal(generate(model, params, tokens[:, :6], 10), greedy)
+    static = StaticKVCache.allocate(module, 2, 16, dtype=torch.float64)
+    assert torch.equal(generate(model, params, tokens[:, :6], 10, cache=static), greedy)
+
+
+def test_greedy_generation_from_left_padded_prompts_equals_transformers(tmp_path):
+    """Rows of 8, 5 and 2 real tokens padded on the left, against transformers on each row
+    alone: the padding leaves the linear layers' states at 0."""
+    hf, config, sd = hf_checkpoint(*CASES["qwen3-next"], tmp_path)
+    module, params = qwen3_next_from_hf(config, sd)
+    model = torchfn.Model(module)
+    prompt = torch.randint(1, 50, (3, 8), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones(3, 8, dtype=torch.bool)
+    mask[1, :3] = mask[2, :6] = False
+    got = generate(model, params, prompt.masked_fill(~mask, 0), 8, prompt_mask=mask)
+    for row in range(3):
+        with torch.no_grad():
+            want = hf.generate(prompt[row:row + 1, mask[row]], max_new_tokens=8,
+                               do_sample=False, eos_token_id=None)
+        assert torch.equal(got[row:row + 1, -8:], want[:, -8:])
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_qwen3_next_to_hf_gives_back_the_checkpoint_and_loads_in_transformers(case, tmp_path):
+    hf, config, sd = hf_checkpoint(*CASES[case], tmp_path)
+    module, params = qwen3_next_from_hf(config, sd)
+    back = qwen3_next_to_hf(config, params)
+    assert set(back) == set(sd) and all(torch.equal(back[n], sd[n]) for n in sd)
+    _, from_folder, state, _ = from_pretrained(tmp_path)
+    assert state == {} and all(torch.equal(from_folder[n], params[n]) for n in params)
+    moved = {n: t + 0.01 * torch.randn(t.shape, dtype=t.dtype,
+                                       generator=torch.Generator().manual_seed(3))
+             for n, t in params.items()}
+    out = tmp_path / "trained"
+    out.mkdir()
+    save_pretrained(out, config, moved)
+    again = transformers.AutoModelForCausalLM.from_pretrained(
+        out, dtype=torch.float64, experts_implementation="eager").eval()
+    tokens = torch.randint(0, 50, (2, 9), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        want = again(tokens).logits
+    torch.testing.assert_close(torchfn.Model(module).apply(moved, tokens), want, rtol=0,
+                               atol=ATOL)
+
+
+def test_qwen3_next_errors_are_named():
+    config = dict(BASE, model_type="qwen3_5_text")
+    with pytest.raises(ValueError, match=r"model_type'\] must be one of \('qwen3_next', "
+                                         r"'qwen3_5_text', 'qwen3_5_moe_text'\), got 'qwen3_5' "
+                                         r"\(pass its text_config\)"):
+        qwen3_next_from_hf(dict(config, model_type="qwen3_5"))
+    with pytest.raises(ValueError, match=r"lacks \['linear_num_value_heads'\]"):
+        qwen3_next_from_hf({k: v for k, v in config.items() if k != "linear_num_value_heads"})
+    with pytest.raises(ValueError, match="layer_types'\\] must list 'linear_attention' or "):
+        qwen3_next_from_hf(dict(config, layer_types=["sliding_attention"] * 4))
+    module, _ = qwen3_next_from_hf(config)
+    params = torchfn.Model(module).init(torchfn.random.key(0))
+    sd = qwen3_next_to_hf(config, params)
+    with pytest.raises(ValueError, match=r"has tensors a qwen3_5_text does not: \['model.x'\]"):
+        qwen3_next_from_hf(config, {**sd, "model.x": torch.zeros(1)})
+    sd.pop("model.layers.0.linear_attn.A_log")
+    with pytest.raises(ValueError, match=r"missing \['blocks.0.attn.A_log'\]"):
+        qwen3_next_from_hf(config, sd)
