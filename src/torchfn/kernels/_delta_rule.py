@@ -113,6 +113,14 @@ def gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, log_decay: Tensor, beta: T
     scale = dk ** -0.5 if scale is None else float(scale)
     q, k, v = (q.to(work) * scale, k.to(work), v.to(work))  # (B, H, N, D)
     g, beta = log_decay.to(work), beta.to(work)  # (B, H, N)
+    s = torch.zeros(b, hv, dk, dv, dtype=work, device=v.device) if state is None else \
+        state.to(work)
+    if n == 1:  # a decoding step: the rule itself, no triangular system to solve
+        s = s * g[..., None].exp()  # (B, H, Dk, Dv)
+        error = v - k @ s  # (B, H, 1, Dv)
+        s = s + k.transpose(-1, -2) @ (beta[..., None] * error)
+        o = (q @ s).to(dtype)  # (B, H, 1, Dv)
+        return (o, s) if return_state else o
     size = min(chunk, n) if n else 1
     pad = -n % size  # padded tokens: no decay (g = 0), no update (beta = 0), zero output
     if pad:
@@ -127,15 +135,13 @@ def gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, log_decay: Tensor, beta: T
     kb, vb = k * beta[..., None], v * beta[..., None]  # (B, H, C, L, D)
     # the WY system: token i's correction depends on the corrections of tokens j < i
     system = (kb @ k.transpose(-1, -2)) * between  # (B, H, C, L, L); diagonal unused
-    u = torch.linalg.solve_triangular(system, vb, upper=False, unitriangular=True)
-    w = torch.linalg.solve_triangular(system, kb * cum.exp()[..., None], upper=False,
-                                      unitriangular=True)  # what the old state predicts
+    u, w = torch.linalg.solve_triangular(  # u: the new values' corrections; w: what the
+        system, torch.cat((vb, kb * cum.exp()[..., None]), -1),  # old state predicts
+        upper=False, unitriangular=True).split([dv, dk], -1)
     scores = (q @ k.transpose(-1, -2)) * between  # (B, H, C, L, L), causal, decayed
     q_in = q * cum.exp()[..., None]  # reading the state at the chunk's start
     k_out = k * (cum[..., -1:] - cum).exp()[..., None]  # decayed to the chunk's end
     carry = cum[..., -1].exp()[..., None, None]  # (B, H, C, 1, 1)
-    s = torch.zeros(b, hv, dk, dv, dtype=work, device=v.device) if state is None else \
-        state.to(work)
     outs = []
     for i in range(c):  # the chunks in order: (B, H, Dk, Dv) state between them
         new = u[:, :, i] - w[:, :, i] @ s  # (B, H, L, Dv): the corrections
