@@ -103,3 +103,24 @@ def test_bad_input_is_named():
         model.apply(params, x, segment_ids=torch.zeros(1, 3, dtype=torch.long))
     with pytest.raises(ValueError, match="cache must hold 0 or 1 layers"):
         model.apply(params, x, cache=KVCache((x, x), (x, x)))
+
+
+@pytest.mark.slow  # its cold compile takes ~40 s; the static cache's eager path is tested above
+def test_compiled_static_decoding_of_a_hybrid_stack_equals_eager():
+    """Three Gated DeltaNet blocks and one gated attention (Qwen3.5's pattern) decode with
+    a static cache under ``torch.compile(fullgraph=True)`` to the eager tokens."""
+    from torchfn.models import TransformerEncoder, generate
+
+    net = TransformerEncoder(
+        dim=32, heads=4, kv_heads=2, head_dim=8, depth=4, vocab_size=40, out_dim=40,
+        causal=True, position_embedding="rotary", norm="rms+1", mlp="swiglu", bias=False,
+        qk_norm=True, attn_gate=True, rotary_dim=4, layer_linear=[True, True, True, False],
+        linear_attention=dict(heads=4, key_heads=2, key_dim=8, value_dim=6))
+    model = torchfn.Model(net)
+    params = model.init(random.key(0))
+    prompt = random.randint(random.key(1), (2, 9), 0, 40)
+    want = generate(model, params, prompt, 12, cache=StaticKVCache.allocate(net, 2, 21))
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True)
+    got = generate(compiled, params, prompt, 12, cache=StaticKVCache.allocate(net, 2, 21))
+    assert torch.equal(got, want)
