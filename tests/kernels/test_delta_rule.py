@@ -64,6 +64,27 @@ def test_a_split_sequence_continued_from_its_state_equals_the_whole(cut):
     torch.testing.assert_close(last, end, rtol=0, atol=1e-12)
 
 
+@given(lengths=st.lists(st.integers(1, 20), min_size=1, max_size=5),
+       chunk=st.sampled_from([1, 4, 8, 64]), seed=st.integers(0, 2**16))
+def test_packed_documents_equal_each_document_alone(lengths, chunk, seed):
+    """``segment_ids``: each document from a zero state (the first from ``state``), the
+    returned state the last document's; boundaries anywhere in a chunk."""
+    n = sum(lengths)
+    q, k, v, g, beta, state = inputs(1, 2, 4, n, 5, 3, seed)
+    ids = torch.repeat_interleave(torch.arange(len(lengths)) * 3, torch.tensor(lengths))[None]
+    o, s = gated_delta_rule(q, k, v, g, beta, state=state, chunk=chunk, segment_ids=ids,
+                            return_state=True)
+    start = 0
+    for i, length in enumerate(lengths):
+        part = slice(start, start + length)
+        want_o, want_s = recurrence(q[:, :, part], k[:, :, part], v[:, :, part],
+                                    g[..., part], beta[..., part],
+                                    state if i == 0 else torch.zeros_like(state))
+        torch.testing.assert_close(o[:, :, part], want_o, rtol=0, atol=1e-10)
+        start += length
+    torch.testing.assert_close(s, want_s, rtol=0, atol=1e-10)
+
+
 def test_float32_is_as_close_as_rounding_and_keeps_the_dtype():
     q, k, v, g, beta, state = inputs(1, 2, 2, 50, 16, 16, seed=2)
     want, _ = recurrence(q, k, v, g, beta, torch.zeros_like(state))
@@ -115,3 +136,6 @@ def test_bad_input_is_named():
         gated_delta_rule(q, k, v, g[0], beta)
     with pytest.raises(ValueError, match="chunk must be an int >= 1, got 0"):
         gated_delta_rule(q, k, v, g, beta, chunk=0)
+    with pytest.raises(ValueError, match=r"segment_ids must be an integer tensor \(B, N\) = "
+                                         r"\(1, 5\), got torch.Size\(\[1, 4\]\)"):
+        gated_delta_rule(q, k, v, g, beta, segment_ids=torch.zeros(1, 4, dtype=torch.long))

@@ -1,7 +1,7 @@
 """``models.GatedDeltaNet``: transformers' Qwen3.5 linear-attention layer with the same
 weights gives the same output; both caches (prefill, then a token a call) equal the
-whole sequence; left padding leaves each row as it is alone; ``vmap(grad)`` equals the
-loop."""
+whole sequence; left padding leaves each row as it is alone, and packed documents each
+document; ``vmap(grad)`` equals the loop."""
 
 from __future__ import annotations
 
@@ -78,6 +78,37 @@ def test_left_padding_leaves_each_row_as_alone():
     torch.testing.assert_close(got[1:, 5:], alone, rtol=0, atol=1e-12)
 
 
+def test_packed_documents_equal_each_document_alone():
+    """``segment_ids``: documents of 5, 2, 1, 19 and 3 tokens (shorter than the
+    convolution too), in the layer and in a hybrid encoder (whose attention restarts
+    positions at each document)."""
+    from torchfn.models import TransformerEncoder
+
+    lengths = [5, 2, 1, 19, 3]
+    ids = torch.repeat_interleave(torch.arange(5), torch.tensor(lengths))[None]
+    runs = ids % 2  # 0 1 0 1 0: for the layer, a document is a run of one id
+    net = TransformerEncoder(
+        dim=32, heads=4, kv_heads=2, head_dim=8, depth=2, vocab_size=40, out_dim=40,
+        causal=True, position_embedding="rotary", norm="rms+1", mlp="swiglu", bias=False,
+        qk_norm=True, attn_gate=True, layer_linear=[True, False],
+        linear_attention=dict(heads=4, key_heads=2, key_dim=8, value_dim=6))
+    encoder = torchfn.Model(net)
+    eparams = {n: p.double() for n, p in encoder.init(random.key(5)).items()}
+    _, model, params = layer(seed=3)
+    x = random.normal(random.key(6), (1, 30, 32), torch.float64)
+    tokens = random.randint(random.key(7), (1, 30), 0, 40)
+    got = model.apply(params, x, segment_ids=runs)
+    got_tokens = encoder.apply(eparams, tokens, segment_ids=ids)
+    start = 0
+    for length in lengths:
+        part = slice(start, start + length)
+        torch.testing.assert_close(got[:, part], model.apply(params, x[:, part]), rtol=0,
+                                   atol=1e-12)
+        torch.testing.assert_close(got_tokens[:, part], encoder.apply(eparams, tokens[:, part]),
+                                   rtol=0, atol=1e-12)
+        start += length
+
+
 def test_per_sample_gradients_equal_the_loop():
     _, model, params = layer(seed=2)
     x = random.normal(random.key(4), (3, 9, 32), torch.float64)
@@ -99,8 +130,10 @@ def test_bad_input_is_named():
         GatedDeltaNet(32, 4, conv_kernel=0)
     _, model, params = layer()
     x = torch.zeros(1, 3, 32, dtype=torch.float64)
-    with pytest.raises(ValueError, match="segment_ids \\(packed documents\\) is not supported"):
-        model.apply(params, x, segment_ids=torch.zeros(1, 3, dtype=torch.long))
+    with pytest.raises(ValueError, match="cache does not take segment_ids"):
+        model.apply(params, x, segment_ids=torch.zeros(1, 3, dtype=torch.long), cache=KVCache())
+    with pytest.raises(ValueError, match=r"segment_ids must be \(B, N\) = \(1, 3\)"):
+        model.apply(params, x, segment_ids=torch.zeros(1, 2, dtype=torch.long))
     with pytest.raises(ValueError, match="cache must hold 0 or 1 layers"):
         model.apply(params, x, cache=KVCache((x, x), (x, x)))
 

@@ -53,6 +53,7 @@ def _check(q: Tensor, k: Tensor, v: Tensor, log_decay: Tensor, beta: Tensor,
 
 def gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, log_decay: Tensor, beta: Tensor, *,
                      state: Tensor | None = None, scale: float | None = None, chunk: int = 64,
+                     segment_ids: Tensor | None = None,
                      return_state: bool = False) -> Tensor | tuple[Tensor, Tensor]:
     """Causal linear attention by the gated delta rule, a chunk of tokens at a time.
 
@@ -76,6 +77,10 @@ def gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, log_decay: Tensor, beta: T
         scale: the queries' scale, default ``Dk ** -0.5``.
         chunk: tokens per chunk (64, as FlashLinearAttention); a sequence shorter than it
             is one chunk. The result does not depend on it, up to rounding.
+        segment_ids: ``(B, N)`` integers, packed documents: where the id changes a new
+            document starts from a zero state, as if each ran alone (the chunks keep
+            their size; the masks are multiplicative, so exact and differentiable).
+            ``state`` is then the first document's, the returned state the last one's.
         return_state: also return the state after the last token.
 
     Returns:
@@ -104,6 +109,12 @@ def gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, log_decay: Tensor, beta: T
         True
     """
     _check(q, k, v, log_decay, beta, state, chunk)
+    if segment_ids is not None and (not isinstance(segment_ids, Tensor)
+                                    or segment_ids.shape != (k.shape[0], k.shape[2])
+                                    or segment_ids.is_floating_point()):
+        raise ValueError(f"gated_delta_rule: segment_ids must be an integer tensor (B, N) = "
+                         f"{(k.shape[0], k.shape[2])}, got "
+                         f"{getattr(segment_ids, 'shape', segment_ids)}")
     b, hk, n, dk = k.shape
     hv, dv = v.shape[1], v.shape[-1]
     dtype = v.dtype
@@ -116,6 +127,7 @@ def gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, log_decay: Tensor, beta: T
     s = torch.zeros(b, hv, dk, dv, dtype=work, device=v.device) if state is None else \
         state.to(work)
     if n == 1:  # a decoding step: the rule itself, no triangular system to solve
+        # (one token is one document: the state is its own)
         s = s * g[..., None].exp()  # (B, H, Dk, Dv)
         error = v - k @ s  # (B, H, 1, Dv)
         s = s + k.transpose(-1, -2) @ (beta[..., None] * error)
@@ -127,21 +139,41 @@ def gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, log_decay: Tensor, beta: T
         q, k, v = (torch.nn.functional.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
         g, beta = (torch.nn.functional.pad(x, (0, pad)) for x in (g, beta))
     c = (n + pad) // size
+    runs = None
+    if segment_ids is not None:  # each run of equal ids a document; padding joins the last
+        new = (segment_ids[:, 1:] != segment_ids[:, :-1]).long()
+        runs = torch.cat((torch.zeros_like(segment_ids[:, :1]), new.cumsum(1)), 1)  # (B, N)
+        if pad:
+            runs = torch.cat((runs, runs[:, -1:].expand(-1, pad)), 1)
+        runs = runs.unflatten(1, (c, size))[:, None]  # (B, 1, C, L)
     q, k, v = (x.unflatten(2, (c, size)) for x in (q, k, v))  # (B, H, C, L, D)
     g, beta = g.unflatten(2, (c, size)), beta.unflatten(2, (c, size))  # (B, H, C, L)
     cum = g.cumsum(-1)  # (B, H, C, L): log decay from the chunk's start through token i
     later = torch.ones(size, size, dtype=torch.bool, device=q.device).triu(1)  # j > i
     between = (cum[..., :, None] - cum[..., None, :]).masked_fill(later, float("-inf")).exp()
+    reads = writes = None
+    if runs is not None:  # no pair across documents; only the documents the state
+        # comes from reads it, and only the chunk's last document writes it
+        between = between * (runs[..., :, None] == runs[..., None, :])
+        before = torch.cat((runs[..., :1, 0], runs[..., :-1, -1]), -1)  # (B, 1, C): the state's
+        reads = (runs == before[..., None]).to(work)  # (B, 1, C, L)
+        writes = (runs == runs[..., -1:]).to(work)
     kb, vb = k * beta[..., None], v * beta[..., None]  # (B, H, C, L, D)
     # the WY system: token i's correction depends on the corrections of tokens j < i
     system = (kb @ k.transpose(-1, -2)) * between  # (B, H, C, L, L); diagonal unused
+    decay_in = cum.exp() if reads is None else cum.exp() * reads  # (B, H, C, L)
+    decay_out = (cum[..., -1:] - cum).exp()
+    carry = cum[..., -1].exp()  # (B, H, C)
+    if runs is not None:
+        decay_out = decay_out * writes
+        carry = carry * (before == runs[..., -1])  # a new document: the old state dropped
     u, w = torch.linalg.solve_triangular(  # u: the new values' corrections; w: what the
-        system, torch.cat((vb, kb * cum.exp()[..., None]), -1),  # old state predicts
+        system, torch.cat((vb, kb * decay_in[..., None]), -1),  # old state predicts
         upper=False, unitriangular=True).split([dv, dk], -1)
     scores = (q @ k.transpose(-1, -2)) * between  # (B, H, C, L, L), causal, decayed
-    q_in = q * cum.exp()[..., None]  # reading the state at the chunk's start
-    k_out = k * (cum[..., -1:] - cum).exp()[..., None]  # decayed to the chunk's end
-    carry = cum[..., -1].exp()[..., None, None]  # (B, H, C, 1, 1)
+    q_in = q * decay_in[..., None]  # reading the state at the chunk's start
+    k_out = k * decay_out[..., None]  # decayed to the chunk's end
+    carry = carry[..., None, None]  # (B, H, C, 1, 1)
     outs = []
     for i in range(c):  # the chunks in order: (B, H, Dk, Dv) state between them
         new = u[:, :, i] - w[:, :, i] @ s  # (B, H, L, Dv): the corrections

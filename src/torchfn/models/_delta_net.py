@@ -57,7 +57,9 @@ class GatedDeltaNet(nn.Module):
     the state ``(B, heads, key_dim, value_dim)`` as its "values": fixed sizes, so a
     static cache needs no capacity for it. ``key_padding_mask`` zeroes padded tokens'
     inputs (left padding: the state stays 0 through them). Causal by construction;
-    ``segment_ids`` (packed documents) is not supported.
+    ``segment_ids`` ``(B, N)`` packs documents (a new one wherever the id changes): each
+    starts from a zero state and its convolution reads nothing of the one before, as if
+    it ran alone.
 
     Example::
 
@@ -115,6 +117,22 @@ class GatedDeltaNet(nn.Module):
             dt = self.dt_bias.exp()
             self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # softplus^-1(dt)
 
+    def _taps(self, full: Tensor, n: int, segment_ids: Tensor | None) -> Tensor:
+        """The causal depthwise convolution of ``full`` ``(B, C, K - 1 + N)`` as a sum over
+        its taps ``(B, C, N)``; with ``segment_ids`` a tap reaching into an earlier
+        document reads 0."""
+        w = self.conv.weight[:, 0]  # (C, K)
+        h = 0
+        for j in range(self.conv_kernel):
+            tap = w[:, j, None] * full[:, :, j:j + n]  # reads d = K - 1 - j tokens back
+            d = self.conv_kernel - 1 - j
+            if segment_ids is not None and d:
+                same = segment_ids[:, d:] == segment_ids[:, :-d]  # (B, N - d)
+                same = torch.cat((same.new_ones(same.shape[0], min(d, n)), same), 1)[:, :n]
+                tap = tap * same[:, None].to(tap.dtype)  # (the first d read the window)
+            h = h + tap
+        return h
+
     def cache_shapes(self, batch_size: int, capacity: int) -> tuple[tuple, tuple]:
         """This layer's cache entry: the convolution's window ``(B, C, K - 1)`` and the
         state ``(B, heads, key_dim, value_dim)``, whatever the capacity."""
@@ -125,10 +143,17 @@ class GatedDeltaNet(nn.Module):
                 segment_ids: Tensor | None = None, positions: Tensor | None = None,
                 cache: KVCache | StaticKVCache | None = None) -> Tensor | tuple:
         b, n, dim = x.shape
-        if segment_ids is not None:
-            raise ValueError("GatedDeltaNet: segment_ids (packed documents) is not supported")
         if cache is not None:
             cache = check_cache(cache, 1, "GatedDeltaNet")
+            if segment_ids is not None:
+                raise ValueError("GatedDeltaNet: cache does not take segment_ids (decode one "
+                                 "document per row)")
+        if segment_ids is not None and tuple(segment_ids.shape) != (b, n):
+            raise ValueError(f"GatedDeltaNet: segment_ids must be (B, N) = {(b, n)}, got "
+                             f"{tuple(segment_ids.shape)}")
+        if segment_ids is not None:  # a document per run of equal ids (as the rule counts)
+            new = (segment_ids[:, 1:] != segment_ids[:, :-1]).long()
+            segment_ids = torch.cat((torch.zeros_like(new[:, :1]), new.cumsum(1)), 1)
         static = isinstance(cache, StaticKVCache)
         if key_padding_mask is not None:  # (B, N), or over the cache's keys too: this call's
             if static:
@@ -142,9 +167,8 @@ class GatedDeltaNet(nn.Module):
         if window is None:
             window = mixed.new_zeros(b, self.channels, self.conv_kernel - 1)
         full = torch.cat((window.to(mixed.dtype), mixed), 2)  # (B, C, K - 1 + N)
-        if n <= 8:  # a few tokens (decoding): the taps as sums, cheaper than a conv call
-            w = self.conv.weight[:, 0]  # (C, K)
-            h = sum(w[:, j, None] * full[:, :, j:j + n] for j in range(self.conv_kernel))
+        if n <= 8 or segment_ids is not None:  # the taps as sums: cheaper than a conv call
+            h = self._taps(full, n, segment_ids)  # for a few tokens, and maskable
         else:
             h = nn.functional.conv1d(full, self.conv.weight, groups=self.channels)
         h = nn.functional.silu(h)  # (B, C, N): the causal depthwise convolution
@@ -157,7 +181,8 @@ class GatedDeltaNet(nn.Module):
         work = torch.promote_types(x.dtype, torch.float32)
         g = -self.A_log.to(work).exp() * nn.functional.softplus(
             self.dt(x).to(work) + self.dt_bias)  # (B, N, Hv): log decays <= 0
-        o, state = _delta_rule(q, k, v.to(work), g.transpose(1, 2), beta, state, self.chunk)
+        o, state = _delta_rule(q, k, v.to(work), g.transpose(1, 2), beta, state, self.chunk,
+                               segment_ids)
         o = o.to(x.dtype).transpose(1, 2)  # (B, N, Hv, Dv)
         z = self.gate(x).unflatten(-1, (self.heads, self.value_dim))
         out = self.out(self.norm(o, z).flatten(2))  # (B, N, dim)
@@ -170,8 +195,9 @@ class GatedDeltaNet(nn.Module):
         return out, KVCache((window,), (state,))
 
 
-def _delta_rule(q, k, v, g, beta, state, chunk):
+def _delta_rule(q, k, v, g, beta, state, chunk, segment_ids):
     """:func:`torchfn.kernels.gated_delta_rule` with the final state (imported lazily)."""
     from torchfn.kernels import gated_delta_rule
 
-    return gated_delta_rule(q, k, v, g, beta, state=state, chunk=chunk, return_state=True)
+    return gated_delta_rule(q, k, v, g, beta, state=state, chunk=chunk,
+                            segment_ids=segment_ids, return_state=True)
