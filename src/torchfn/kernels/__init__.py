@@ -3,13 +3,15 @@
 ``attention`` dispatches to Triton kernels on CUDA and to the PyTorch path on CPU
 (SDPA's fused CPU kernels where their semantics fit, else blockwise torch ops), both
 behind custom ops with vmap rules and derivatives; ``reference_attention`` is the
-materialised float64 oracle. ``gated_delta_rule`` is Gated DeltaNet's linear attention,
+materialised float64 oracle. ``gated_delta_rule`` (Gated DeltaNet) and
+``gated_linear_attention`` (Mamba-2's SSD) are linear attention with a decaying state,
 chunked.
 Importing this package needs only torch: triton is imported lazily.
 """
 
-from ._delta_rule import gated_delta_rule
 from ._dispatch import AttentionBackendError, attention
+from ._linear_attention import gated_delta_rule, gated_linear_attention
 from ._reference import reference_attention
 
-__all__ = ["AttentionBackendError", "attention", "gated_delta_rule", "reference_attention"]
+__all__ = ["AttentionBackendError", "attention", "gated_delta_rule", "gated_linear_attention",
+           "reference_attention"]

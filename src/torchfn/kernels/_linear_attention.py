@@ -1,15 +1,18 @@
-"""The gated delta rule (Gated DeltaNet; Yang, Kautz and Hatamizadeh 2024): linear attention
-whose state is corrected toward each new value instead of only added to, in the chunked
-form (the WY representation) that turns most of its work into matmuls.
+"""Linear attention with a decaying state, chunked: the gated delta rule (Gated DeltaNet;
+Yang, Kautz and Hatamizadeh 2024), whose state is corrected toward each new value, and
+gated linear attention (Mamba-2's SSD, with scalar decays), whose state is only added to.
 
 Per value head, with a state ``S`` ``(Dk, Dv)`` and for each token ``t``::
 
     S = exp(g_t) S                                  # decay (g_t <= 0)
     S = S + beta_t k_t (v_t - S^T k_t)^T             # the delta rule: write the error
+    S = S + k_t v_t^T                                # (or, without it: write the value)
     o_t = S^T (scale q_t)
 
-Written in plain torch ops, so ``grad``, ``vmap``, ``jvp`` and ``torch.compile`` compose
-with it as they do with any torch code.
+A chunk of ``L`` tokens is computed at once (for the delta rule through a unit lower
+triangular system, the WY representation) and the state passes from chunk to chunk, so
+most of the work is matmuls. Written in plain torch ops, so ``grad``, ``vmap``, ``jvp``
+and ``torch.compile`` compose with it as they do with any torch code.
 """
 
 from __future__ import annotations
@@ -17,38 +20,45 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["gated_delta_rule"]
+__all__ = ["gated_delta_rule", "gated_linear_attention"]
 
 
-def _check(q: Tensor, k: Tensor, v: Tensor, log_decay: Tensor, beta: Tensor,
-           state: Tensor | None, chunk: int) -> None:
-    for name, t, dims in (("q", q, 4), ("k", k, 4), ("v", v, 4), ("log_decay", log_decay, 3),
-                          ("beta", beta, 3)):
+def _check(q: Tensor, k: Tensor, v: Tensor, log_decay: Tensor, beta: Tensor | None,
+           state: Tensor | None, chunk: int, segment_ids: Tensor | None,
+           who: str = "gated_delta_rule") -> None:
+    checked = (("q", q, 4), ("k", k, 4), ("v", v, 4), ("log_decay", log_decay, 3)) + (
+        (("beta", beta, 3),) if who == "gated_delta_rule" else ())
+    for name, t, dims in checked:
         if not isinstance(t, Tensor) or t.dim() != dims or not t.is_floating_point():
-            raise ValueError(f"gated_delta_rule: {name} must be a float tensor of {dims} dims, "
+            raise ValueError(f"{who}: {name} must be a float tensor of {dims} dims, "
                              f"got {getattr(t, 'shape', type(t).__name__)}")
     b, hk, n, dk = k.shape
     hv = v.shape[1]
     if q.shape != k.shape:
-        raise ValueError(f"gated_delta_rule: q must have k's shape (B, Hk, N, Dk) = "
+        raise ValueError(f"{who}: q must have k's shape (B, Hk, N, Dk) = "
                          f"{tuple(k.shape)}, got {tuple(q.shape)}")
     if v.shape[0] != b or v.shape[2] != n or hv % hk:
-        raise ValueError(f"gated_delta_rule: v must be (B, Hv, N, Dv) with B = {b}, N = {n} "
+        raise ValueError(f"{who}: v must be (B, Hv, N, Dv) with B = {b}, N = {n} "
                          f"and Hk = {hk} dividing Hv, got {tuple(v.shape)}")
     for name, t in (("log_decay", log_decay), ("beta", beta)):
-        if t.shape != (b, hv, n):
-            raise ValueError(f"gated_delta_rule: {name} must be (B, Hv, N) = {(b, hv, n)}, "
+        if t is not None and t.shape != (b, hv, n):
+            raise ValueError(f"{who}: {name} must be (B, Hv, N) = {(b, hv, n)}, "
                              f"got {tuple(t.shape)}")
     if state is not None and (not isinstance(state, Tensor)
                               or state.shape != (b, hv, dk, v.shape[-1])):
-        raise ValueError(f"gated_delta_rule: state must be (B, Hv, Dk, Dv) = "
+        raise ValueError(f"{who}: state must be (B, Hv, Dk, Dv) = "
                          f"{(b, hv, dk, v.shape[-1])} or None, got "
                          f"{getattr(state, 'shape', state)}")
-    devices = {t.device for t in (q, k, v, log_decay, beta)}
+    devices = {t.device for t in (q, k, v, log_decay, beta) if t is not None}
     if len(devices) > 1:
-        raise ValueError(f"gated_delta_rule: every input must be on one device, got {devices}")
+        raise ValueError(f"{who}: every input must be on one device, got {devices}")
     if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
-        raise ValueError(f"gated_delta_rule: chunk must be an int >= 1, got {chunk!r}")
+        raise ValueError(f"{who}: chunk must be an int >= 1, got {chunk!r}")
+    if segment_ids is not None and (not isinstance(segment_ids, Tensor)
+                                    or segment_ids.shape != (b, n)
+                                    or segment_ids.is_floating_point()):
+        raise ValueError(f"{who}: segment_ids must be an integer tensor (B, N) = "
+                         f"{(b, n)}, got {getattr(segment_ids, 'shape', segment_ids)}")
 
 
 def gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, log_decay: Tensor, beta: Tensor, *,
@@ -108,13 +118,46 @@ def gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, log_decay: Tensor, beta: T
         >>> torch.allclose(o2, o[:, :, 3:], atol=1e-5)  # continued from the state
         True
     """
-    _check(q, k, v, log_decay, beta, state, chunk)
-    if segment_ids is not None and (not isinstance(segment_ids, Tensor)
-                                    or segment_ids.shape != (k.shape[0], k.shape[2])
-                                    or segment_ids.is_floating_point()):
-        raise ValueError(f"gated_delta_rule: segment_ids must be an integer tensor (B, N) = "
-                         f"{(k.shape[0], k.shape[2])}, got "
-                         f"{getattr(segment_ids, 'shape', segment_ids)}")
+    _check(q, k, v, log_decay, beta, state, chunk, segment_ids)
+    return _chunked(q, k, v, log_decay, beta, state, scale, chunk, segment_ids, return_state)
+
+
+def gated_linear_attention(q: Tensor, k: Tensor, v: Tensor, log_decay: Tensor, *,
+                           state: Tensor | None = None, scale: float | None = None,
+                           chunk: int = 64, segment_ids: Tensor | None = None,
+                           return_state: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+    """Causal linear attention whose state decays by a scalar per token and head, a chunk
+    of tokens at a time: ``o_i = sum_{j <= i} exp(g_{j+1} + ... + g_i) (q_i . k_j) v_j``
+    (plus the decayed initial state). This is Mamba-2's SSD (``q = C``, ``k = B``,
+    ``v = dt x``, ``g = dt A``, ``scale=1``), RetNet with a constant decay, and linear
+    attention with ``g = 0``. Arguments, shapes and dtypes as :func:`gated_delta_rule`'s,
+    without ``beta``.
+
+    Example::
+
+        >>> import torch
+        >>> from torchfn import random
+        >>> from torchfn.kernels import gated_linear_attention
+        >>> kq, kk, kv, kg = random.split(random.key(0), 4)
+        >>> q = random.normal(kq, (1, 1, 6, 4))                     # (B, G, N, S)
+        >>> k = random.normal(kk, (1, 1, 6, 4))
+        >>> v = random.normal(kv, (1, 2, 6, 3))                     # (B, H, N, P)
+        >>> g = -random.uniform(kg, (1, 2, 6))                      # (B, H, N)
+        >>> o = gated_linear_attention(q, k, v, g, scale=1.0)       # (B, H, N, P)
+        >>> want = sum((q[0, 0, 2] @ k[0, 0, t]) * g[0, 0, t + 1:3].sum().exp() * v[0, 0, t]
+        ...            for t in range(3))                           # token 2, head 0
+        >>> o.shape, bool(torch.allclose(o[0, 0, 2], want, atol=1e-5))
+        (torch.Size([1, 2, 6, 3]), True)
+    """
+    _check(q, k, v, log_decay, None, state, chunk, segment_ids, "gated_linear_attention")
+    return _chunked(q, k, v, log_decay, None, state, scale, chunk, segment_ids, return_state)
+
+
+def _chunked(q: Tensor, k: Tensor, v: Tensor, log_decay: Tensor, beta: Tensor | None,
+             state: Tensor | None, scale: float | None, chunk: int,
+             segment_ids: Tensor | None, return_state: bool) -> Tensor | tuple[Tensor, Tensor]:
+    """Both rules, chunked: the delta rule with ``beta``, plain writes without."""
+    delta = beta is not None
     b, hk, n, dk = k.shape
     hv, dv = v.shape[1], v.shape[-1]
     dtype = v.dtype
@@ -123,14 +166,15 @@ def gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, log_decay: Tensor, beta: T
         q, k = q.repeat_interleave(hv // hk, 1), k.repeat_interleave(hv // hk, 1)
     scale = dk ** -0.5 if scale is None else float(scale)
     q, k, v = (q.to(work) * scale, k.to(work), v.to(work))  # (B, H, N, D)
-    g, beta = log_decay.to(work), beta.to(work)  # (B, H, N)
+    g = log_decay.to(work)  # (B, H, N)
+    beta = beta.to(work) if delta else torch.ones_like(g)
     s = torch.zeros(b, hv, dk, dv, dtype=work, device=v.device) if state is None else \
         state.to(work)
     if n == 1:  # a decoding step: the rule itself, no triangular system to solve
         # (one token is one document: the state is its own)
         s = s * g[..., None].exp()  # (B, H, Dk, Dv)
-        error = v - k @ s  # (B, H, 1, Dv)
-        s = s + k.transpose(-1, -2) @ (beta[..., None] * error)
+        write = beta[..., None] * (v - k @ s) if delta else v  # (B, H, 1, Dv)
+        s = s + k.transpose(-1, -2) @ write
         o = (q @ s).to(dtype)  # (B, H, 1, Dv)
         return (o, s) if return_state else o
     size = min(chunk, n) if n else 1
@@ -158,25 +202,26 @@ def gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, log_decay: Tensor, beta: T
         before = torch.cat((runs[..., :1, 0], runs[..., :-1, -1]), -1)  # (B, 1, C): the state's
         reads = (runs == before[..., None]).to(work)  # (B, 1, C, L)
         writes = (runs == runs[..., -1:]).to(work)
-    kb, vb = k * beta[..., None], v * beta[..., None]  # (B, H, C, L, D)
-    # the WY system: token i's correction depends on the corrections of tokens j < i
-    system = (kb @ k.transpose(-1, -2)) * between  # (B, H, C, L, L); diagonal unused
     decay_in = cum.exp() if reads is None else cum.exp() * reads  # (B, H, C, L)
     decay_out = (cum[..., -1:] - cum).exp()
     carry = cum[..., -1].exp()  # (B, H, C)
     if runs is not None:
         decay_out = decay_out * writes
         carry = carry * (before == runs[..., -1])  # a new document: the old state dropped
-    u, w = torch.linalg.solve_triangular(  # u: the new values' corrections; w: what the
-        system, torch.cat((vb, kb * decay_in[..., None]), -1),  # old state predicts
-        upper=False, unitriangular=True).split([dv, dk], -1)
+    u, w = v, None  # what each token writes, less what the old state predicts (w s)
+    if delta:  # the WY system: token i's correction depends on those of tokens j < i
+        kb, vb = k * beta[..., None], v * beta[..., None]  # (B, H, C, L, D)
+        system = (kb @ k.transpose(-1, -2)) * between  # (B, H, C, L, L); diagonal unused
+        u, w = torch.linalg.solve_triangular(
+            system, torch.cat((vb, kb * decay_in[..., None]), -1), upper=False,
+            unitriangular=True).split([dv, dk], -1)
     scores = (q @ k.transpose(-1, -2)) * between  # (B, H, C, L, L), causal, decayed
     q_in = q * decay_in[..., None]  # reading the state at the chunk's start
     k_out = k * decay_out[..., None]  # decayed to the chunk's end
     carry = carry[..., None, None]  # (B, H, C, 1, 1)
     outs = []
     for i in range(c):  # the chunks in order: (B, H, Dk, Dv) state between them
-        new = u[:, :, i] - w[:, :, i] @ s  # (B, H, L, Dv): the corrections
+        new = u[:, :, i] if w is None else u[:, :, i] - w[:, :, i] @ s  # (B, H, L, Dv)
         outs.append(q_in[:, :, i] @ s + scores[:, :, i] @ new)
         s = s * carry[:, :, i] + k_out[:, :, i].transpose(-1, -2) @ new
     o = torch.cat(outs, 2)[:, :, :n] if outs else v.new_zeros(b, hv, 0, dv)

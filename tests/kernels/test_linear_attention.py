@@ -1,7 +1,8 @@
-"""``kernels.gated_delta_rule``: the chunked form equals the token-by-token recurrence in
-float64 (any chunk size, grouped value heads, an initial state, the final state); a
-sequence split in two with the state passed on equals the whole; ``vmap(grad)``, ``jvp``
-and ``gradcheck`` (reverse and forward mode) hold."""
+"""``kernels.gated_delta_rule`` and ``kernels.gated_linear_attention``: the chunked forms
+equal the token-by-token recurrences in float64 (any chunk size, grouped value heads, an
+initial state, the final state, packed documents); a sequence split in two with the
+state passed on equals the whole; ``vmap(grad)``, ``jvp`` and ``gradcheck`` (reverse and
+forward mode) hold."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from torch.func import grad, jvp, vmap
 
-from torchfn.kernels import gated_delta_rule
+from torchfn.kernels import gated_delta_rule, gated_linear_attention
 
 
 def inputs(b, hk, hv, n, dk, dv, seed, dtype=torch.float64):
@@ -26,15 +27,20 @@ def inputs(b, hk, hv, n, dk, dv, seed, dtype=torch.float64):
 
 
 def recurrence(q, k, v, log_decay, beta, state):
-    """The rule written token by token: decay, write the error, read."""
+    """The rule written token by token: decay, write the error (the value itself where
+    ``beta`` is None: gated linear attention), read."""
     rep = v.shape[1] // k.shape[1]
     q = q.repeat_interleave(rep, 1) * q.shape[-1] ** -0.5
     k = k.repeat_interleave(rep, 1)
     s, outs = state.clone(), []
     for t in range(q.shape[2]):
         s = s * log_decay[:, :, t, None, None].exp()
-        error = v[:, :, t] - torch.einsum("bhkv,bhk->bhv", s, k[:, :, t])
-        s = s + torch.einsum("bhk,bhv->bhkv", k[:, :, t], beta[:, :, t, None] * error)
+        if beta is None:
+            write = v[:, :, t]
+        else:
+            write = beta[:, :, t, None] * (v[:, :, t] - torch.einsum("bhkv,bhk->bhv", s,
+                                                                     k[:, :, t]))
+        s = s + torch.einsum("bhk,bhv->bhkv", k[:, :, t], write)
         outs.append(torch.einsum("bhkv,bhk->bhv", s, q[:, :, t]))
     return torch.stack(outs, 2), s
 
@@ -50,6 +56,33 @@ def test_chunks_equal_the_token_recurrence(n, chunk, heads, dk, dv, with_state, 
     want_o, want_s = recurrence(q, k, v, g, beta, state)
     torch.testing.assert_close(o, want_o, rtol=0, atol=1e-10)
     torch.testing.assert_close(s, want_s, rtol=0, atol=1e-10)
+
+
+@given(n=st.integers(1, 70), chunk=st.sampled_from([1, 3, 8, 64]),
+       heads=st.sampled_from([(1, 1), (1, 3), (2, 4)]), with_state=st.booleans(),
+       packed=st.booleans(), seed=st.integers(0, 2**16))
+def test_gated_linear_attention_equals_its_recurrence(n, chunk, heads, with_state, packed,
+                                                      seed):
+    """Mamba-2's SSD without the delta rule's correction; keys not normalised, the scale
+    as Mamba's (1); packed: two documents, the second from a zero state."""
+    q, k, v, g, _, state = inputs(2, *heads, n, 5, 3, seed)
+    k = k * 3.0
+    state = state if with_state else torch.zeros_like(state)
+    cut = n // 2
+    ids = (torch.arange(n) >= cut).long().expand(2, n) if packed and cut else None
+    o, s = gated_linear_attention(q, k, v, g, state=state, scale=1.0, chunk=chunk,
+                                  segment_ids=ids, return_state=True)
+    scaled = q * q.shape[-1] ** 0.5  # the recurrence scales by Dk ** -0.5
+    if ids is None:
+        want_o, want_s = recurrence(scaled, k, v, g, None, state)
+    else:
+        first, _ = recurrence(scaled[:, :, :cut], k[:, :, :cut], v[:, :, :cut], g[..., :cut],
+                              None, state)
+        rest, want_s = recurrence(scaled[:, :, cut:], k[:, :, cut:], v[:, :, cut:],
+                                  g[..., cut:], None, torch.zeros_like(state))
+        want_o = torch.cat((first, rest), 2)
+    torch.testing.assert_close(o, want_o, rtol=0, atol=1e-9)
+    torch.testing.assert_close(s, want_s, rtol=0, atol=1e-9)
 
 
 @pytest.mark.parametrize("cut", [1, 17, 40])
@@ -119,6 +152,10 @@ def test_gradcheck_in_both_modes():
     assert torch.autograd.gradcheck(
         lambda *a: gated_delta_rule(*a[:5], state=a[5], chunk=3, return_state=True), args,
         check_forward_ad=True)
+    ids = torch.tensor([[0, 0, 0, 1, 1, 1, 1]])
+    assert torch.autograd.gradcheck(
+        lambda *a: gated_linear_attention(*a[:4], state=a[5], chunk=3, segment_ids=ids,
+                                          return_state=True), args, check_forward_ad=True)
 
 
 def test_bad_input_is_named():
@@ -136,6 +173,9 @@ def test_bad_input_is_named():
         gated_delta_rule(q, k, v, g[0], beta)
     with pytest.raises(ValueError, match="chunk must be an int >= 1, got 0"):
         gated_delta_rule(q, k, v, g, beta, chunk=0)
+    with pytest.raises(ValueError, match=r"gated_linear_attention: log_decay must be \(B, Hv, "
+                                         r"N\) = \(1, 4, 5\)"):
+        gated_linear_attention(q, k, v, g[:, :2])
     with pytest.raises(ValueError, match=r"segment_ids must be an integer tensor \(B, N\) = "
                                          r"\(1, 5\), got torch.Size\(\[1, 4\]\)"):
         gated_delta_rule(q, k, v, g, beta, segment_ids=torch.zeros(1, 4, dtype=torch.long))
