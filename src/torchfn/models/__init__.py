@@ -26,6 +26,7 @@ from torchfn.models._lora import (
     split_lora,
     with_lora,
 )
+from torchfn.models._mamba2 import Mamba2
 from torchfn.models._mla import LatentAttention
 from torchfn.models._mlp import MLP, SwiGLU
 from torchfn.models._moe import MoE, moe_bias_update
@@ -69,6 +70,7 @@ __all__ = [
     "MultiHeadAttention",
     "LatentAttention",
     "GatedDeltaNet",
+    "Mamba2",
     # rotary positions, KV-cache decoding and token sampling (_rotary, _kv_cache, _generate)
     "rotary_embedding",
     "rotary_frequencies",

@@ -8,6 +8,7 @@ import math
 import torch
 from torch import Tensor, nn
 
+from torchfn.models._causal_conv import causal_conv
 from torchfn.models._kv_cache import KVCache, StaticKVCache, check_cache
 from torchfn.models._mlp import _check_dims
 
@@ -117,22 +118,6 @@ class GatedDeltaNet(nn.Module):
             dt = self.dt_bias.exp()
             self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # softplus^-1(dt)
 
-    def _taps(self, full: Tensor, n: int, segment_ids: Tensor | None) -> Tensor:
-        """The causal depthwise convolution of ``full`` ``(B, C, K - 1 + N)`` as a sum over
-        its taps ``(B, C, N)``; with ``segment_ids`` a tap reaching into an earlier
-        document reads 0."""
-        w = self.conv.weight[:, 0]  # (C, K)
-        h = 0
-        for j in range(self.conv_kernel):
-            tap = w[:, j, None] * full[:, :, j:j + n]  # reads d = K - 1 - j tokens back
-            d = self.conv_kernel - 1 - j
-            if segment_ids is not None and d:
-                same = segment_ids[:, d:] == segment_ids[:, :-d]  # (B, N - d)
-                same = torch.cat((same.new_ones(same.shape[0], min(d, n)), same), 1)[:, :n]
-                tap = tap * same[:, None].to(tap.dtype)  # (the first d read the window)
-            h = h + tap
-        return h
-
     def cache_shapes(self, batch_size: int, capacity: int) -> tuple[tuple, tuple]:
         """This layer's cache entry: the convolution's window ``(B, C, K - 1)`` and the
         state ``(B, heads, key_dim, value_dim)``, whatever the capacity."""
@@ -163,15 +148,9 @@ class GatedDeltaNet(nn.Module):
         window = state = None
         if cache is not None and cache.keys:
             window, state = cache.keys[0], cache.values[0]
-        mixed = self.qkv(x).transpose(1, 2)  # (B, C, N)
-        if window is None:
-            window = mixed.new_zeros(b, self.channels, self.conv_kernel - 1)
-        full = torch.cat((window.to(mixed.dtype), mixed), 2)  # (B, C, K - 1 + N)
-        if n <= 8 or segment_ids is not None:  # the taps as sums: cheaper than a conv call
-            h = self._taps(full, n, segment_ids)  # for a few tokens, and maskable
-        else:
-            h = nn.functional.conv1d(full, self.conv.weight, groups=self.channels)
-        h = nn.functional.silu(h)  # (B, C, N): the causal depthwise convolution
+        h, window = causal_conv(self.qkv(x).transpose(1, 2), self.conv.weight, None, window,
+                                segment_ids)
+        h = nn.functional.silu(h)  # (B, C, N)
         hk, hv = self.key_heads * self.key_dim, self.heads * self.value_dim
         q, k, v = h.transpose(1, 2).split([hk, hk, hv], -1)  # (B, N, ...)
         q = _l2_normalize(q.unflatten(-1, (self.key_heads, self.key_dim)).transpose(1, 2))
@@ -188,7 +167,6 @@ class GatedDeltaNet(nn.Module):
         out = self.out(self.norm(o, z).flatten(2))  # (B, N, dim)
         if cache is None:
             return out
-        window = full[:, :, full.shape[2] - (self.conv_kernel - 1):]  # the last K - 1 inputs
         if static:
             return out, StaticKVCache((window.to(cache.keys[0].dtype),),
                                       (state.to(cache.values[0].dtype),), cache.length + n)

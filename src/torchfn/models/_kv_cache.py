@@ -114,10 +114,11 @@ class StaticKVCache(NamedTuple):
         """An empty cache for every attention layer of ``module`` (an ``nn.Module``
         holding ``MultiHeadAttention``, ``LatentAttention`` or ``GatedDeltaNet`` layers,
         or the ``torchfn.Model`` of one); a ``LatentAttention``'s holds its latents and
-        rotary keys, a ``GatedDeltaNet``'s its convolution window and state (zeros: the
-        start), whatever the capacity."""
+        rotary keys, a ``GatedDeltaNet``'s or ``Mamba2``'s its convolution window and state
+        (zeros: the start), whatever the capacity."""
         from torchfn.models._attention import MultiHeadAttention
         from torchfn.models._delta_net import GatedDeltaNet
+        from torchfn.models._mamba2 import Mamba2
         from torchfn.models._mla import LatentAttention
 
         module = getattr(module, "_eval_skeleton", module)  # a torchfn.Model's module
@@ -128,10 +129,10 @@ class StaticKVCache(NamedTuple):
             if isinstance(n, bool) or not isinstance(n, int) or n < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {n!r}")
         layers = [m for m in module.modules()
-                  if isinstance(m, (MultiHeadAttention, LatentAttention, GatedDeltaNet))]
+                  if isinstance(m, (MultiHeadAttention, LatentAttention, GatedDeltaNet, Mamba2))]
         if not layers:
-            raise ValueError(f"module has no MultiHeadAttention, LatentAttention or "
-                             f"GatedDeltaNet layer to cache: {type(module).__name__}")
+            raise ValueError(f"module has no MultiHeadAttention, LatentAttention, "
+                             f"GatedDeltaNet or Mamba2 layer to cache: {type(module).__name__}")
         shapes = [m.cache_shapes(batch_size, capacity) for m in layers]  # (keys, values)
         return StaticKVCache(
             tuple(torch.zeros(k, dtype=dtype, device=device) for k, _ in shapes),

@@ -10,6 +10,7 @@ from torch import Tensor, nn
 from torchfn.models._attention import AttendFn, MultiHeadAttention, token_positions
 from torchfn.models._delta_net import GatedDeltaNet
 from torchfn.models._kv_cache import KVCache, StaticKVCache, check_cache
+from torchfn.models._mamba2 import Mamba2
 from torchfn.models._mla import LatentAttention
 from torchfn.models._mlp import SwiGLU, _check_dims
 from torchfn.models._moe import MoE
@@ -118,15 +119,18 @@ class TransformerBlock(nn.Module):
             raise ValueError(f"attn_options must be a dict of {sorted(_ATTN_OPTIONS)}, got "
                              f"{attn_options!r}")
         if linear_attention is not None:
-            if not isinstance(linear_attention, dict) or "heads" not in linear_attention:
+            options = dict(linear_attention) if isinstance(linear_attention, dict) else {}
+            kind = options.pop("kind", "gated_deltanet")
+            if "heads" not in options or kind not in ("gated_deltanet", "mamba2"):
                 raise ValueError(f"linear_attention must be a dict of GatedDeltaNet's keywords "
-                                 f"(heads, key_heads, key_dim, value_dim, conv_kernel), got "
-                                 f"{linear_attention!r}")
+                                 f"(heads, key_heads, key_dim, value_dim, conv_kernel) or, with "
+                                 f"kind='mamba2', Mamba2's; got {linear_attention!r}")
             if latent_attention is not None:
                 raise ValueError("TransformerBlock: give linear_attention or latent_attention, "
                                  "not both")
-            self.attn = GatedDeltaNet(dim, **({} if norm_eps is None else {"norm_eps": norm_eps})
-                                      | linear_attention)
+            mixer = Mamba2 if kind == "mamba2" else GatedDeltaNet
+            self.attn = mixer(dim, **({} if norm_eps is None else {"norm_eps": norm_eps})
+                              | options)
         elif latent_attention is not None:
             if attn_options:
                 raise ValueError(f"attn_options are MultiHeadAttention's, not latent "
@@ -251,7 +255,8 @@ class TransformerEncoder(nn.Module):
             "rms_plain"}] * 3 + [{"temperature": (8192, 0.1)}]``, repeated.
         linear_attention, layer_linear: :class:`GatedDeltaNet` (linear attention with a
             fixed-size state) as the token mixer, a dict of its keywords (``heads``,
-            ``key_heads``, ``key_dim``, ``value_dim``, ``conv_kernel``), in the blocks
+            ``key_heads``, ``key_dim``, ``value_dim``, ``conv_kernel``), or with
+            ``"kind": "mamba2"`` a :class:`Mamba2` and its keywords, in the blocks
             ``layer_linear`` marks (default every block); the others keep attention
             (Qwen3-Next and Qwen3.5: three of four linear). The caches then hold those
             blocks' convolution windows and states.
