@@ -27,6 +27,7 @@ from torchfn.models._lora import (
     with_lora,
 )
 from torchfn.models._mamba2 import Mamba2
+from torchfn.models._mamba_hybrid import mamba_hybrid_from_hf, mamba_hybrid_to_hf
 from torchfn.models._mla import LatentAttention
 from torchfn.models._mlp import MLP, SwiGLU
 from torchfn.models._moe import MoE, moe_bias_update
@@ -87,6 +88,8 @@ __all__ = [
     "llama4_from_hf",
     "qwen3_next_from_hf",
     "qwen3_next_to_hf",
+    "mamba_hybrid_from_hf",
+    "mamba_hybrid_to_hf",
     "llama4_to_hf",
     "llama_from_pretrained",
     "llama_save_pretrained",

@@ -4,6 +4,7 @@ an index) read into a ``TransformerEncoder`` and its params, and written back.""
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -19,6 +20,8 @@ from torchfn.models._deepseek import deepseek_from_hf, deepseek_to_hf
 from torchfn.models._llama import llama_from_hf
 from torchfn.models._llama4 import llama4_from_hf, llama4_to_hf
 from torchfn.models._llama_export import llama_to_hf
+from torchfn.models._mamba_hybrid import _TYPES as _MAMBA_HYBRID_TYPES
+from torchfn.models._mamba_hybrid import mamba_hybrid_from_hf, mamba_hybrid_to_hf
 from torchfn.models._neox import neox_from_hf, neox_to_hf
 from torchfn.models._phi import phi_from_hf, phi_to_hf
 from torchfn.models._qwen3_next import _TYPES as _QWEN3_NEXT_TYPES
@@ -30,7 +33,8 @@ __all__ = ["from_pretrained", "save_pretrained", "llama_from_pretrained",
 
 _OTHERS = {"gpt_neox": (neox_from_hf, neox_to_hf), "phi": (phi_from_hf, phi_to_hf),
            "llama4_text": (llama4_from_hf, llama4_to_hf), "llama4": (llama4_from_hf, llama4_to_hf),
-           **{t: (qwen3_next_from_hf, qwen3_next_to_hf) for t in _QWEN3_NEXT_TYPES}}
+           **{t: (qwen3_next_from_hf, qwen3_next_to_hf) for t in _QWEN3_NEXT_TYPES},
+           **{t: (mamba_hybrid_from_hf, mamba_hybrid_to_hf) for t in _MAMBA_HYBRID_TYPES}}
 _WEIGHTS, _INDEX, _CONFIG = "model.safetensors", "model.safetensors.index.json", "config.json"
 
 
@@ -161,9 +165,9 @@ def from_pretrained(folder: str | os.PathLike, *, dtype: torch.dtype | None = No
                                dict[str, Any]]:
     """Any model folder torchfn reads, whatever its family, as ``(module, params, state,
     config)``: DeepSeek-V2 / V3 and GLM-4.5 through :func:`deepseek_from_pretrained`,
-    GPT-NeoX (Pythia), Phi-2, Llama 4, Qwen3-Next and Qwen3.5 through
-    :func:`neox_from_hf` / :func:`phi_from_hf` / :func:`llama4_from_hf` /
-    :func:`qwen3_next_from_hf`, the
+    GPT-NeoX (Pythia), Phi-2, Llama 4, Qwen3-Next and Qwen3.5, Bamba and Granite 4.0-H
+    through :func:`neox_from_hf` / :func:`phi_from_hf` / :func:`llama4_from_hf` /
+    :func:`qwen3_next_from_hf` / :func:`mamba_hybrid_from_hf`, the
     others (Llama, Mistral, Mixtral, Qwen, Phi-3, OLMo 2, gpt-oss, SmolLM3, Gemma)
     through :func:`llama_from_pretrained`, with their ``state`` (persistent buffers,
     ``{}`` for most) from the module. Arguments as theirs.
@@ -243,7 +247,7 @@ def _read(folder: Any, dtype: torch.dtype | None, device: str | torch.device,
     if not os.path.isfile(path):
         raise FileNotFoundError(f"folder: {folder!r} has no {_CONFIG}")
     with open(path) as f:
-        config = json.load(f)
+        config = json.load(f, object_hook=_from_json)
     if os.path.isfile(os.path.join(folder, _WEIGHTS)):
         files = [_WEIGHTS]
     elif os.path.isfile(os.path.join(folder, _INDEX)):
@@ -269,11 +273,28 @@ def _write(folder: Any, config: Mapping[str, Any], named: Mapping[str, Tensor]) 
         raise FileExistsError(f"folder: {folder!r} holds a sharded checkpoint ({_INDEX}); "
                               "save to another folder")
     tensors = {n: t.detach().contiguous().cpu() for n, t in named.items()}
-    text = json.dumps(dict(config), indent=2, sort_keys=True)
+    text = json.dumps(_to_json(dict(config)), indent=2, sort_keys=True)
     atomic_write(os.path.join(folder, _WEIGHTS),
                  lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
     atomic_write(os.path.join(folder, _CONFIG), lambda tmp: _write_text(tmp, text))
     _fsync_dir(folder)
+
+
+def _from_json(obj: dict) -> Any:
+    """transformers writes a float JSON has no literal for (inf, nan) as
+    ``{"__float__": "Infinity"}`` (Mamba-2's ``time_step_limit``): back to the float."""
+    return float(obj["__float__"]) if set(obj) == {"__float__"} else obj
+
+
+def _to_json(value: Any) -> Any:
+    """``value`` with its non-finite floats as transformers writes them."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return {"__float__": str(value).replace("inf", "Infinity").replace("nan", "NaN")}
+    if isinstance(value, Mapping):
+        return {k: _to_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_to_json(v) for v in value]
+    return value
 
 
 def _folder(folder: Any, name: str) -> str:

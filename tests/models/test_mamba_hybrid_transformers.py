@@ -1,0 +1,135 @@
+"""``mamba_hybrid_from_hf`` / ``mamba_hybrid_to_hf`` against ``transformers``' Bamba and
+Granite 4.0-H (``granitemoehybrid``): small random models saved with ``save_pretrained``,
+compared on logits, both caches, greedy generation (left-padded too) and the round trip.
+Mamba-2 blocks with one attention block among them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _cached import logits_through_cache
+from safetensors.torch import load_file
+
+import torchfn
+from torchfn.models import (
+    StaticKVCache,
+    from_pretrained,
+    generate,
+    mamba_hybrid_from_hf,
+    mamba_hybrid_to_hf,
+    save_pretrained,
+)
+
+transformers = pytest.importorskip(
+    "transformers", reason="transformers (a dev dependency) is the peer these tests compare "
+    "against")
+
+BASE = dict(vocab_size=50, hidden_size=32, intermediate_size=48, num_hidden_layers=4,
+            num_attention_heads=4, num_key_value_heads=2, mamba_n_heads=4, mamba_d_head=16,
+            mamba_d_state=8, mamba_n_groups=2, pad_token_id=0)
+CASES = {
+    # a mixture beside the shared MLP, NoPE attention, Granite's four multipliers
+    "granite-4.0-h": ("granitemoehybrid", dict(
+        num_local_experts=4, num_experts_per_tok=2, shared_intermediate_size=40,
+        layer_types=["mamba", "mamba", "attention", "mamba"], embedding_multiplier=2.0,
+        attention_multiplier=0.3, residual_multiplier=0.5, logits_scaling=3.0,
+        time_step_limit=(0.0, 0.05))),  # a step-size limit that bites
+    # the shared MLP alone, rotary attention in layer 1
+    "granite-dense-rope": ("granitemoehybrid", dict(
+        num_local_experts=0, shared_intermediate_size=40, position_embedding_type="rope",
+        layer_types=["mamba", "attention", "mamba", "mamba"])),
+    # rotary on half of each head
+    "bamba": ("bamba", dict(attn_layer_indices=[2])),
+}
+ATOL = 5e-6  # transformers runs the scan in float32, even in a float64 model
+
+
+def hf_checkpoint(kind, extra, tmp_path, seed=0):
+    config = transformers.AutoConfig.for_model(kind, **dict(BASE, **extra))
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(
+        config, dtype=torch.float64, experts_implementation="eager")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    model.eval()
+    model.save_pretrained(tmp_path)
+    return model, config.to_dict(), load_file(tmp_path / "model.safetensors")
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_transformers_checkpoint_gives_the_same_logits_caches_and_tokens(case, tmp_path):
+    hf, config, sd = hf_checkpoint(*CASES[case], tmp_path)
+    module, params = mamba_hybrid_from_hf(config, sd)
+    model = torchfn.Model(module)
+    tokens = torch.randint(1, 50, (2, 20), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = hf(tokens).logits
+        greedy = hf.generate(tokens[:, :6], attention_mask=torch.ones_like(tokens[:, :6]),
+                             max_new_tokens=10, do_sample=False, eos_token_id=None)
+    torch.testing.assert_close(model.apply(params, tokens), want, rtol=0, atol=ATOL)
+    torch.testing.assert_close(logits_through_cache(model, params, tokens, 7), want, rtol=0,
+                               atol=ATOL)
+    assert torch.equal(generate(model, params, tokens[:, :6], 10), greedy)
+    static = StaticKVCache.allocate(module, 2, 16, dtype=torch.float64)
+    assert torch.equal(generate(model, params, tokens[:, :6], 10, cache=static), greedy)
+
+
+def test_greedy_generation_from_left_padded_prompts_equals_transformers(tmp_path):
+    """Rows of 8, 5 and 2 real tokens padded on the left, against transformers on each row
+    alone: the padding stays out of the Mamba-2 layers' windows and states."""
+    hf, config, sd = hf_checkpoint(*CASES["bamba"], tmp_path)
+    module, params = mamba_hybrid_from_hf(config, sd)
+    model = torchfn.Model(module)
+    prompt = torch.randint(1, 50, (3, 8), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones(3, 8, dtype=torch.bool)
+    mask[1, :3] = mask[2, :6] = False
+    got = generate(model, params, prompt.masked_fill(~mask, 0), 8, prompt_mask=mask)
+    for row in range(3):
+        with torch.no_grad():
+            want = hf.generate(prompt[row:row + 1, mask[row]], max_new_tokens=8,
+                               do_sample=False, eos_token_id=None)
+        assert torch.equal(got[row:row + 1, -8:], want[:, -8:])
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_mamba_hybrid_to_hf_gives_back_the_checkpoint_and_loads_in_transformers(case, tmp_path):
+    hf, config, sd = hf_checkpoint(*CASES[case], tmp_path)
+    module, params = mamba_hybrid_from_hf(config, sd)
+    back = mamba_hybrid_to_hf(config, params)
+    assert set(back) == set(sd) and all(torch.equal(back[n], sd[n]) for n in sd)
+    _, from_folder, state, _ = from_pretrained(tmp_path)
+    assert state == {} and all(torch.equal(from_folder[n], params[n]) for n in params)
+    moved = {n: t + 0.01 * torch.randn(t.shape, dtype=t.dtype,
+                                       generator=torch.Generator().manual_seed(3))
+             for n, t in params.items()}
+    out = tmp_path / "trained"
+    out.mkdir()
+    save_pretrained(out, config, moved)
+    again = transformers.AutoModelForCausalLM.from_pretrained(
+        out, dtype=torch.float64, experts_implementation="eager").eval()
+    tokens = torch.randint(0, 50, (2, 9), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        want = again(tokens).logits
+    torch.testing.assert_close(torchfn.Model(module).apply(moved, tokens), want, rtol=0,
+                               atol=ATOL)
+
+
+def test_mamba_hybrid_errors_are_named():
+    config = dict(BASE, model_type="bamba", attn_layer_indices=[1])
+    with pytest.raises(ValueError, match=r"model_type'\] must be one of \('bamba', "
+                                         r"'granitemoehybrid'\), got 'mamba2'"):
+        mamba_hybrid_from_hf(dict(config, model_type="mamba2"))
+    with pytest.raises(ValueError, match="mamba_n_heads \\* mamba_d_head = 64 must be "
+                                         "mamba_expand \\* hidden_size = 96"):
+        mamba_hybrid_from_hf(dict(config, mamba_expand=3))
+    with pytest.raises(ValueError, match="layer_types'\\] must list 'mamba' or 'attention'"):
+        mamba_hybrid_from_hf(dict(BASE, model_type="granitemoehybrid", layer_types=["x"] * 4))
+    module, _ = mamba_hybrid_from_hf(config)
+    params = torchfn.Model(module).init(torchfn.random.key(0))
+    sd = mamba_hybrid_to_hf(config, params)
+    with pytest.raises(ValueError, match=r"has tensors a bamba does not: \['model.x'\]"):
+        mamba_hybrid_from_hf(config, {**sd, "model.x": torch.zeros(1)})
+    sd.pop("model.layers.0.mamba.D")
+    with pytest.raises(ValueError, match=r"missing \['blocks.0.attn.D'\]"):
+        mamba_hybrid_from_hf(config, sd)
