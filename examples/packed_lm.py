@@ -31,6 +31,7 @@ the progression, and of the progressions continued without a single error.
     python examples/packed_lm.py --steps 300 --seed 0 [--optimizer muon] [--remat dots]
         [--positions rotary] [--kv-heads 1] [--draft-dim 32] [--dim 256 --depth 4]
         [--experts 4 [--routing deepseek]] [--latent-attention]
+        [--mixer gated_deltanet | mamba2]
 
 ``--experts 4`` makes every block's MLP a mixture of 4 experts, each token routed to
 2 (``models.MoE``, Mixtral's routing), trained with Switch's load-balancing loss
@@ -43,6 +44,12 @@ step toward balanced loads, ``--bias-rate`` a step, with no load-balancing loss
 (``--aux-weight`` defaults to 0 there). ``--latent-attention`` gives every block
 DeepSeek's multi-head latent attention (``models.LatentAttention``: keys and values from
 one small latent per token, which is all the KV cache holds; rotary positions).
+
+``--mixer gated_deltanet`` (or ``mamba2``) makes every block but the last a linear-attention
+block with a fixed-size state (``models.GatedDeltaNet``, Qwen3-Next's; ``models.Mamba2``):
+a hybrid stack, the last block attention. The packed documents stay apart there too: each
+starts from a zero state (``segment_ids`` reset the state inside the chunked scan), and
+decoding carries each block's state in the cache instead of its keys.
 
 ``--draft-dim 32`` also trains a one-block model of width 32 on the same batches and
 decodes with it as the draft (``models.speculative_generate``): the output equals the
@@ -113,6 +120,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="--routing deepseek: the selection bias's step per training step")
     p.add_argument("--latent-attention", action="store_true",
                    help="DeepSeek's multi-head latent attention in every block")
+    p.add_argument("--mixer", choices=["attention", "gated_deltanet", "mamba2"],
+                   default="attention", help="the token mixer of every block but the last")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-every", type=int, default=50)
     return p.parse_args(argv)
@@ -186,6 +195,14 @@ def main(argv: list[str] | None = None) -> dict:
     aux_weight = args.aux_weight if args.aux_weight is not None else 0.0 if deepseek else 0.02
     if args.latent_attention and args.positions != "rotary":
         raise ValueError("--latent-attention needs --positions rotary")
+    if args.mixer != "attention" and (args.latent_attention or args.draft_dim):
+        raise ValueError("--mixer takes neither --latent-attention nor --draft-dim (a "
+                         "recurrent state cannot drop a draft's rejected tokens)")
+    linear = None  # the linear-attention blocks' settings: heads of dim / 4
+    if args.mixer == "gated_deltanet":
+        linear = dict(heads=4, key_dim=args.dim // 4, value_dim=args.dim // 4, chunk=32)
+    elif args.mixer == "mamba2":
+        linear = dict(kind="mamba2", heads=4, head_dim=args.dim // 2, state_dim=16, chunk=32)
     init_key, data_key = random.split(random.key(args.seed))
     net = TransformerEncoder(
         dim=args.dim, heads=4, depth=args.depth, vocab_size=VOCAB, out_dim=VOCAB,
@@ -194,7 +211,9 @@ def main(argv: list[str] | None = None) -> dict:
         position_embedding=args.positions, experts=args.experts or None,
         moe_options=dict(scoring="sigmoid", router_bias=True) if deepseek else None,
         latent_attention=dict(kv_rank=args.dim // 2, rope_dim=8, nope_dim=args.dim // 4,
-                              v_dim=args.dim // 4) if args.latent_attention else None)
+                              v_dim=args.dim // 4) if args.latent_attention else None,
+        linear_attention=linear,
+        layer_linear=[i < args.depth - 1 for i in range(args.depth)] if linear else None)
     model = torchfn.Model(net)
     params, state = model.init(init_key), model.init_state()  # state: the routers' biases
     run = functools.partial(model.apply, state=state) if state else model

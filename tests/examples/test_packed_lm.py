@@ -1,6 +1,6 @@
 """examples/packed_lm.py: packing is lossless, and the packed LM learns each document."""
 
-
+import pytest
 import torch
 
 from torchfn import random
@@ -105,3 +105,15 @@ def test_deepseek_style_lm_with_latent_attention_and_loss_free_balancing(example
         assert any(b != 0 for b in bias) and max(abs(b) for b in bias) <= rate * steps + 1e-6
     for shares in result["expert_shares"]:
         assert len(shares) == 4 and min(shares) > 0.05 and abs(sum(shares) - 1) < 1e-6
+
+
+@pytest.mark.parametrize("mixer", ["gated_deltanet", "mamba2"])
+def test_hybrid_lm_with_linear_attention_learns_each_document(example, mixer):
+    """--mixer: a linear-attention block (Gated DeltaNet or Mamba-2) then attention. The
+    packed documents reset its state, and greedy continuation from left-padded prompts
+    goes through its cached state."""
+    result = example("packed_lm").main(["--steps", "80", "--rows", "4", "--seed", "1",
+                                        "--mixer", mixer])
+    assert result["loss_last"] < result["loss_first"] / 3
+    assert result["test_accuracy"] > 0.9
+    assert result["continuation_accuracy"] > 0.9

@@ -93,3 +93,8 @@ def test_errors_are_named():
     with pytest.raises(ValueError, match="runs eagerly"):
         torch.vmap(lambda k: speculative_generate(big, pb, small, ps, prompt, 3, key=k))(
             random.split(random.key(0), 2))
+    hybrid, ph = lm(2, 2, position_embedding="rotary", layer_linear=[True, False],
+                    linear_attention=dict(heads=2, key_dim=4, value_dim=4))
+    with pytest.raises(ValueError, match="recurrent layers .* cannot drop the draft's "
+                                         "rejected tokens"):
+        speculative_generate(hybrid, ph, small, ps, prompt, 3)

@@ -34,6 +34,10 @@ class _Stream:
         positions = (before.sum(1, keepdim=True) + ok.long().cumsum(1) - 1).clamp(min=0)
         logits, self.cache = self.model(self.params, tokens, cache=self.cache,
                                         key_padding_mask=mask, positions=positions)
+        if any(k.dim() != 4 for k in self.cache.keys):
+            raise ValueError("speculative_generate: the model has recurrent layers "
+                             "(GatedDeltaNet, Mamba2), whose state cannot drop the draft's "
+                             "rejected tokens once it has read them; decode it with generate")
         self.valid = mask.clone()
         return logits
 
