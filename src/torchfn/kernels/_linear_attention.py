@@ -156,32 +156,37 @@ def gated_linear_attention(q: Tensor, k: Tensor, v: Tensor, log_decay: Tensor, *
 def _chunked(q: Tensor, k: Tensor, v: Tensor, log_decay: Tensor, beta: Tensor | None,
              state: Tensor | None, scale: float | None, chunk: int,
              segment_ids: Tensor | None, return_state: bool) -> Tensor | tuple[Tensor, Tensor]:
-    """Both rules, chunked: the delta rule with ``beta``, plain writes without."""
+    """Both rules, chunked: the delta rule with ``beta``, plain writes without. The value
+    heads are grouped by the query/key head they read, ``(B, Hk, r, ...)``, so what
+    depends on queries and keys alone (``q k^T``, ``k k^T``) is computed once a group."""
     delta = beta is not None
     b, hk, n, dk = k.shape
     hv, dv = v.shape[1], v.shape[-1]
+    r = hv // hk  # value heads per query/key head
     dtype = v.dtype
     work = torch.promote_types(dtype, torch.float32)
-    if hv != hk:  # each query/key head serves Hv / Hk value heads
-        q, k = q.repeat_interleave(hv // hk, 1), k.repeat_interleave(hv // hk, 1)
     scale = dk ** -0.5 if scale is None else float(scale)
-    q, k, v = (q.to(work) * scale, k.to(work), v.to(work))  # (B, H, N, D)
-    g = log_decay.to(work)  # (B, H, N)
-    beta = beta.to(work) if delta else torch.ones_like(g)
-    s = torch.zeros(b, hv, dk, dv, dtype=work, device=v.device) if state is None else \
-        state.to(work)
+    q = q.to(work)[:, :, None]  # (B, Hk, 1, N, Dk)
+    q = q if scale == 1.0 else q * scale
+    k = k.to(work)[:, :, None]
+    v = v.to(work).unflatten(1, (hk, r))  # (B, Hk, r, N, Dv)
+    g = log_decay.to(work).unflatten(1, (hk, r))  # (B, Hk, r, N)
+    beta = beta.to(work).unflatten(1, (hk, r)) if delta else None
+    s = torch.zeros(b, hk, r, dk, dv, dtype=work, device=v.device) if state is None else \
+        state.to(work).unflatten(1, (hk, r))  # (B, Hk, r, Dk, Dv)
     if n == 1:  # a decoding step: the rule itself, no triangular system to solve
         # (one token is one document: the state is its own)
-        s = s * g[..., None].exp()  # (B, H, Dk, Dv)
-        write = beta[..., None] * (v - k @ s) if delta else v  # (B, H, 1, Dv)
+        s = s * g[..., None].exp()
+        write = beta[..., None] * (v - k @ s) if delta else v  # (B, Hk, r, 1, Dv)
         s = s + k.transpose(-1, -2) @ write
-        o = (q @ s).to(dtype)  # (B, H, 1, Dv)
-        return (o, s) if return_state else o
+        o = (q @ s).flatten(1, 2).to(dtype)  # (B, Hv, 1, Dv)
+        return (o, s.flatten(1, 2)) if return_state else o
     size = min(chunk, n) if n else 1
     pad = -n % size  # padded tokens: no decay (g = 0), no update (beta = 0), zero output
     if pad:
         q, k, v = (torch.nn.functional.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
-        g, beta = (torch.nn.functional.pad(x, (0, pad)) for x in (g, beta))
+        g = torch.nn.functional.pad(g, (0, pad))
+        beta = torch.nn.functional.pad(beta, (0, pad)) if delta else None
     c = (n + pad) // size
     runs = None
     if segment_ids is not None:  # each run of equal ids a document; padding joins the last
@@ -189,41 +194,46 @@ def _chunked(q: Tensor, k: Tensor, v: Tensor, log_decay: Tensor, beta: Tensor | 
         runs = torch.cat((torch.zeros_like(segment_ids[:, :1]), new.cumsum(1)), 1)  # (B, N)
         if pad:
             runs = torch.cat((runs, runs[:, -1:].expand(-1, pad)), 1)
-        runs = runs.unflatten(1, (c, size))[:, None]  # (B, 1, C, L)
-    q, k, v = (x.unflatten(2, (c, size)) for x in (q, k, v))  # (B, H, C, L, D)
-    g, beta = g.unflatten(2, (c, size)), beta.unflatten(2, (c, size))  # (B, H, C, L)
-    cum = g.cumsum(-1)  # (B, H, C, L): log decay from the chunk's start through token i
+        runs = runs.unflatten(1, (c, size))[:, None, None]  # (B, 1, 1, C, L)
+    q, k, v = (x.unflatten(3, (c, size)) for x in (q, k, v))  # (B, Hk, 1 or r, C, L, D)
+    g = g.unflatten(3, (c, size))  # (B, Hk, r, C, L)
+    cum = g.cumsum(-1)  # log decay from the chunk's start through token i
     later = torch.ones(size, size, dtype=torch.bool, device=q.device).triu(1)  # j > i
     between = (cum[..., :, None] - cum[..., None, :]).masked_fill(later, float("-inf")).exp()
     reads = writes = None
     if runs is not None:  # no pair across documents; only the documents the state
         # comes from reads it, and only the chunk's last document writes it
         between = between * (runs[..., :, None] == runs[..., None, :])
-        before = torch.cat((runs[..., :1, 0], runs[..., :-1, -1]), -1)  # (B, 1, C): the state's
-        reads = (runs == before[..., None]).to(work)  # (B, 1, C, L)
+        before = torch.cat((runs[..., :1, 0], runs[..., :-1, -1]), -1)  # (B, 1, 1, C)
+        reads = (runs == before[..., None]).to(work)  # (B, 1, 1, C, L)
         writes = (runs == runs[..., -1:]).to(work)
-    decay_in = cum.exp() if reads is None else cum.exp() * reads  # (B, H, C, L)
+    decay_in = cum.exp() if reads is None else cum.exp() * reads  # (B, Hk, r, C, L)
     decay_out = (cum[..., -1:] - cum).exp()
-    carry = cum[..., -1].exp()  # (B, H, C)
+    carry = cum[..., -1].exp()  # (B, Hk, r, C)
     if runs is not None:
         decay_out = decay_out * writes
         carry = carry * (before == runs[..., -1])  # a new document: the old state dropped
+    kt = k.transpose(-1, -2)  # (B, Hk, 1, C, Dk, L)
     u, w = v, None  # what each token writes, less what the old state predicts (w s)
     if delta:  # the WY system: token i's correction depends on those of tokens j < i
-        kb, vb = k * beta[..., None], v * beta[..., None]  # (B, H, C, L, D)
-        system = (kb @ k.transpose(-1, -2)) * between  # (B, H, C, L, L); diagonal unused
+        beta = beta.unflatten(3, (c, size))[..., None]  # (B, Hk, r, C, L, 1)
+        system = (k @ kt) * between * beta  # row i: beta_i k_i . k_j; diagonal unused
         u, w = torch.linalg.solve_triangular(
-            system, torch.cat((vb, kb * decay_in[..., None]), -1), upper=False,
-            unitriangular=True).split([dv, dk], -1)
-    scores = (q @ k.transpose(-1, -2)) * between  # (B, H, C, L, L), causal, decayed
+            system, torch.cat((v * beta, k * (beta * decay_in[..., None])), -1),
+            upper=False, unitriangular=True).split([dv, dk], -1)
+    scores = (q @ kt) * between  # (B, Hk, r, C, L, L): causal, decayed
     q_in = q * decay_in[..., None]  # reading the state at the chunk's start
     k_out = k * decay_out[..., None]  # decayed to the chunk's end
-    carry = carry[..., None, None]  # (B, H, C, 1, 1)
+    carry = carry[..., None, None]  # (B, Hk, r, C, 1, 1)
+    # one view per chunk, taken at once: indexing chunk i in the loop would make the
+    # backward write each chunk's gradient into a zeroed copy of the whole tensor
+    u, q_in, scores, k_out, carry = (x.unbind(3) for x in (u, q_in, scores, k_out, carry))
+    w = (None,) * c if w is None else w.unbind(3)
     outs = []
-    for i in range(c):  # the chunks in order: (B, H, Dk, Dv) state between them
-        new = u[:, :, i] if w is None else u[:, :, i] - w[:, :, i] @ s  # (B, H, L, Dv)
-        outs.append(q_in[:, :, i] @ s + scores[:, :, i] @ new)
-        s = s * carry[:, :, i] + k_out[:, :, i].transpose(-1, -2) @ new
-    o = torch.cat(outs, 2)[:, :, :n] if outs else v.new_zeros(b, hv, 0, dv)
-    o = o.to(dtype)
-    return (o, s) if return_state else o
+    for i in range(c):  # the chunks in order: (B, Hk, r, Dk, Dv) state between them
+        new = u[i] if w[i] is None else u[i] - w[i] @ s  # (B, Hk, r, L, Dv)
+        outs.append(q_in[i] @ s + scores[i] @ new)
+        s = s * carry[i] + k_out[i].transpose(-1, -2) @ new
+    o = torch.cat(outs, 3)[:, :, :, :n] if outs else v.new_zeros(b, hk, r, 0, dv)
+    o = o.flatten(1, 2).to(dtype)  # (B, Hv, N, Dv)
+    return (o, s.flatten(1, 2)) if return_state else o

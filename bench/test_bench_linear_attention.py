@@ -1,0 +1,187 @@
+"""Bench: linear attention on the CPU, float32: the gated delta rule (Gated DeltaNet) and a
+Qwen3.5 model; Mamba-2's mixer and a Granite 4.0-H model.
+
+* ``test_delta_rule``: ``kernels.gated_delta_rule`` against transformers' own PyTorch
+  implementations of it (what transformers runs without flash-linear-attention, i.e. on
+  every CPU): the chunked one (the same WY algorithm) and the token-by-token recurrence.
+  B=1, 8 value heads (4 query/key heads), N=4096, Dk = Dv = 128; forward, and forward
+  plus the gradient in every input.
+* ``test_generate_qwen3_5_vs_transformers``: greedy decoding of one small Qwen3.5 (three
+  Gated DeltaNet layers, one gated attention), 4 prompts of 256 tokens, 64 new tokens,
+  against transformers' ``generate``.
+* ``test_mamba2``: ``models.Mamba2`` against transformers' ``Mamba2Mixer`` (its PyTorch
+  path, which runs without the mamba-ssm kernels, i.e. on every CPU), the same weights:
+  B=1, N=4096, dim 512, 16 heads of 64, state 128, one group; forward, and forward plus
+  the gradient in every parameter.
+* ``test_generate_granite_hybrid_vs_transformers``: greedy decoding of one small Granite
+  4.0-H (three Mamba-2 blocks, one attention; a mixture of 4 experts and a shared MLP),
+  4 prompts of 256 tokens, 64 new tokens, against transformers' ``generate``.
+
+Run: ``pytest bench/test_bench_linear_attention.py --benchmark-only
+--benchmark-columns=min,median``.
+"""
+
+import contextlib
+
+import pytest
+import torch
+
+import torchfn
+from torchfn import random
+from torchfn.kernels import gated_delta_rule
+from torchfn.models import Mamba2, from_pretrained, generate, qwen3_next_from_hf
+
+B, HK, HV, N, D = 1, 4, 8, 4096, 128
+
+
+def _inputs(requires_grad):
+    keys = random.split(random.key(0), 5)
+    q = random.normal(keys[0], (B, HK, N, D))
+    k = torch.nn.functional.normalize(random.normal(keys[1], (B, HK, N, D)), dim=-1)
+    v = random.normal(keys[2], (B, HV, N, D))
+    g = -random.uniform(keys[3], (B, HV, N)) * 0.1
+    beta = random.uniform(keys[4], (B, HV, N))
+    return [x.requires_grad_(requires_grad) for x in (q, k, v, g, beta)]
+
+
+def _transformers(name):
+    modeling = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next",
+                                   reason="the peer of this bench")
+    fn = getattr(modeling, name)
+
+    def run(q, k, v, g, beta):  # its layout: (B, N, H, D)
+        out, _ = fn(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), g.transpose(1, 2),
+                    beta.transpose(1, 2))
+        return out.transpose(1, 2)
+    return run
+
+
+IMPLS = {
+    "torchfn": lambda *a: gated_delta_rule(*a),
+    "transformers chunked": "torch_chunk_gated_delta_rule",
+    "transformers recurrent": "torch_recurrent_gated_delta_rule",
+}
+
+
+@pytest.mark.parametrize("mode", ["forward", "forward+backward"])
+@pytest.mark.parametrize("impl", list(IMPLS))
+def test_delta_rule(benchmark, impl, mode):
+    if impl == "transformers recurrent" and mode == "forward+backward":
+        pytest.skip("4096 sequential steps through autograd: minutes; the forward shows it")
+    benchmark.group = f"gated delta rule N={N} D={D} {mode}"
+    fn = IMPLS[impl] if callable(IMPLS[impl]) else _transformers(IMPLS[impl])
+    args = _inputs(mode != "forward")
+    want = gated_delta_rule(*[x.detach().double() for x in args]).float()
+    if mode == "forward":
+        with torch.no_grad():
+            out = benchmark.pedantic(fn, args=args, rounds=3, warmup_rounds=1)
+        assert torch.allclose(out, want, atol=1e-3)
+        return
+    do = random.normal(random.key(9), want.shape)
+    grads = benchmark.pedantic(lambda: torch.autograd.grad(fn(*args), args, do), rounds=3,
+                               warmup_rounds=1)
+    assert all(torch.isfinite(x).all() for x in grads)
+
+
+def hf_qwen3_5(seed=0):
+    """A float32 transformers Qwen3.5 (dim 256, 4 blocks: three Gated DeltaNet of 8 value
+    heads and 4 query/key heads of 64, then gated attention of 8 heads of 32 with 2 kv
+    heads; SwiGLU 688; vocab 1000) and the same weights through ``qwen3_next_from_hf``."""
+    transformers = pytest.importorskip("transformers", reason="the peer of this bench")
+    config = transformers.AutoConfig.for_model(
+        "qwen3_5_text", hidden_size=256, num_hidden_layers=4, num_attention_heads=8,
+        num_key_value_heads=2, head_dim=32, intermediate_size=688, vocab_size=1000,
+        linear_num_value_heads=8, linear_num_key_heads=4, linear_key_head_dim=64,
+        linear_value_head_dim=64)
+    torch.manual_seed(seed)
+    hf = transformers.AutoModelForCausalLM.from_config(config).eval()
+    module, params = qwen3_next_from_hf(config.to_dict(), hf.state_dict())
+    return hf, torchfn.Model(module), params
+
+
+@pytest.mark.parametrize("how", ["torchfn", "transformers"])
+def test_generate_qwen3_5_vs_transformers(benchmark, how):
+    hf, model, params = hf_qwen3_5()
+    prompt = random.randint(random.key(1), (4, 256), 1, 1000)
+    if how == "torchfn":
+        run = lambda: generate(model, params, prompt, 64)  # noqa: E731
+    else:
+        run = lambda: hf.generate(prompt, attention_mask=torch.ones_like(prompt),  # noqa: E731
+                                  max_new_tokens=64, min_new_tokens=64, do_sample=False,
+                                  pad_token_id=0, eos_token_id=None)
+    with torch.no_grad():
+        out = benchmark.pedantic(run, rounds=3, iterations=1, warmup_rounds=1)
+    assert out.shape == (4, 320)
+
+
+MAMBA_NAMES = {"in_proj.weight": "in_proj.weight", "conv1d.weight": "conv.weight",
+               "conv1d.bias": "conv.bias", "dt_bias": "dt_bias", "A_log": "A_log", "D": "D",
+               "norm.weight": "norm.weight", "out_proj.weight": "out.weight"}
+
+
+@pytest.mark.parametrize("mode", ["forward", "forward+backward"])
+@pytest.mark.parametrize("how", ["torchfn", "transformers"])
+def test_mamba2(benchmark, how, mode):
+    transformers = pytest.importorskip("transformers", reason="the peer of this bench")
+    from transformers.models.mamba2 import modeling_mamba2
+
+    benchmark.group = f"mamba2 mixer N=4096 dim=512 {mode}"
+    config = transformers.Mamba2Config(hidden_size=512, num_heads=16, head_dim=64,
+                                       state_size=128, n_groups=1, expand=2, chunk_size=64,
+                                       num_hidden_layers=1)
+    torch.manual_seed(0)
+    hf = modeling_mamba2.Mamba2Mixer(config, 0)
+    params = {MAMBA_NAMES[n]: t.detach() for n, t in hf.state_dict().items()}
+    model = torchfn.Model(Mamba2(512, 16, head_dim=64, state_dim=128))
+    x = random.normal(random.key(0), (1, 4096, 512))
+    want = model.apply(params, x)
+    if how == "torchfn":
+        if mode == "forward":
+            run = lambda: model.apply(params, x)  # noqa: E731
+        else:
+            run = lambda: torch.func.grad(  # noqa: E731
+                lambda p: model.apply(p, x).square().mean())(params)
+    else:
+        weights = list(hf.parameters())
+        if mode == "forward":
+            run = lambda: hf(x)  # noqa: E731
+        else:
+            run = lambda: torch.autograd.grad(hf(x).square().mean(), weights)  # noqa: E731
+    with torch.no_grad() if mode == "forward" else contextlib.nullcontext():
+        out = benchmark.pedantic(run, rounds=3, warmup_rounds=1)
+    if mode == "forward":
+        assert torch.allclose(out, want, atol=1e-4)
+
+
+def hf_granite_hybrid(tmp_path, seed=0):
+    """A float32 transformers Granite 4.0-H (dim 256, 4 blocks: Mamba-2 of 8 heads of 64,
+    state 64, except block 3, attention of 8 heads with 2 kv heads; each with a mixture of
+    4 experts of 128, 2 chosen, and a shared SwiGLU of 256; vocab 1000) and the same
+    weights, saved by transformers and read back through ``from_pretrained``."""
+    transformers = pytest.importorskip("transformers", reason="the peer of this bench")
+    config = transformers.AutoConfig.for_model(
+        "granitemoehybrid", hidden_size=256, num_hidden_layers=4, num_attention_heads=8,
+        num_key_value_heads=2, intermediate_size=128, shared_intermediate_size=256,
+        num_local_experts=4, num_experts_per_tok=2, vocab_size=1000, mamba_n_heads=8,
+        mamba_d_head=64, mamba_d_state=64, mamba_n_groups=1,
+        layer_types=["mamba", "mamba", "attention", "mamba"])
+    torch.manual_seed(seed)
+    hf = transformers.AutoModelForCausalLM.from_config(config).eval()
+    hf.save_pretrained(tmp_path)  # the checkpoint's names, not the loaded model's
+    module, params, _, _ = from_pretrained(tmp_path)
+    return hf, torchfn.Model(module), params
+
+
+@pytest.mark.parametrize("how", ["torchfn", "transformers"])
+def test_generate_granite_hybrid_vs_transformers(benchmark, how, tmp_path):
+    hf, model, params = hf_granite_hybrid(tmp_path)
+    prompt = random.randint(random.key(1), (4, 256), 1, 1000)
+    if how == "torchfn":
+        run = lambda: generate(model, params, prompt, 64)  # noqa: E731
+    else:
+        run = lambda: hf.generate(prompt, attention_mask=torch.ones_like(prompt),  # noqa: E731
+                                  max_new_tokens=64, min_new_tokens=64, do_sample=False,
+                                  pad_token_id=0, eos_token_id=None)
+    with torch.no_grad():
+        out = benchmark.pedantic(run, rounds=3, iterations=1, warmup_rounds=1)
+    assert out.shape == (4, 320)
