@@ -1,7 +1,7 @@
-"""``mamba_hybrid_from_hf`` / ``mamba_hybrid_to_hf`` against ``transformers``' Bamba and
-Granite 4.0-H (``granitemoehybrid``): small random models saved with ``save_pretrained``,
-compared on logits, both caches, greedy generation (left-padded too) and the round trip.
-Mamba-2 blocks with one attention block among them."""
+"""``mamba_hybrid_from_hf`` / ``mamba_hybrid_to_hf`` against ``transformers``' Mamba-2,
+Bamba and Granite 4.0-H (``granitemoehybrid``): small random models saved with
+``save_pretrained``, compared on logits, both caches, greedy generation (left-padded too)
+and the round trip. Mamba-2 blocks, alone or with one attention block among them."""
 
 from __future__ import annotations
 
@@ -40,6 +40,9 @@ CASES = {
         layer_types=["mamba", "attention", "mamba", "mamba"])),
     # rotary on half of each head
     "bamba": ("bamba", dict(attn_layer_indices=[2])),
+    # blocks of a norm and the mixer alone; tied embeddings
+    "mamba2": ("mamba2", dict(num_heads=4, head_dim=16, state_size=8, n_groups=2,
+                              tie_word_embeddings=True, time_step_limit=(0.0, 0.1))),
 }
 ATOL = 5e-6  # transformers runs the scan in float32, even in a float64 model
 
@@ -64,9 +67,12 @@ def test_a_transformers_checkpoint_gives_the_same_logits_caches_and_tokens(case,
     model = torchfn.Model(module)
     tokens = torch.randint(1, 50, (2, 20), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        want = hf(tokens).logits
+        want = hf(tokens).logits.double()  # Mamba-2 returns float32 logits
+        # transformers' Mamba-2 decode step ignores time_step_limit (its cached tokens
+        # differ from its own forward's): its uncached greedy tokens are the reference
         greedy = hf.generate(tokens[:, :6], attention_mask=torch.ones_like(tokens[:, :6]),
-                             max_new_tokens=10, do_sample=False, eos_token_id=None)
+                             max_new_tokens=10, do_sample=False, eos_token_id=None,
+                             use_cache=case != "mamba2")
     torch.testing.assert_close(model.apply(params, tokens), want, rtol=0, atol=ATOL)
     torch.testing.assert_close(logits_through_cache(model, params, tokens, 7), want, rtol=0,
                                atol=ATOL)
@@ -110,15 +116,17 @@ def test_mamba_hybrid_to_hf_gives_back_the_checkpoint_and_loads_in_transformers(
         out, dtype=torch.float64, experts_implementation="eager").eval()
     tokens = torch.randint(0, 50, (2, 9), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
-        want = again(tokens).logits
+        want = again(tokens).logits.double()
     torch.testing.assert_close(torchfn.Model(module).apply(moved, tokens), want, rtol=0,
                                atol=ATOL)
 
 
 def test_mamba_hybrid_errors_are_named():
     config = dict(BASE, model_type="bamba", attn_layer_indices=[1])
-    with pytest.raises(ValueError, match=r"model_type'\] must be one of \('bamba', "
-                                         r"'granitemoehybrid'\), got 'mamba2'"):
+    with pytest.raises(ValueError, match=r"model_type'\] must be one of \('mamba2', 'bamba', "
+                                         r"'granitemoehybrid'\), got 'mamba'"):
+        mamba_hybrid_from_hf(dict(config, model_type="mamba"))
+    with pytest.raises(ValueError, match=r"lacks \['num_heads'\]: not a mamba2 config"):
         mamba_hybrid_from_hf(dict(config, model_type="mamba2"))
     with pytest.raises(ValueError, match="mamba_n_heads \\* mamba_d_head = 64 must be "
                                          "mamba_expand \\* hidden_size = 96"):

@@ -1,6 +1,6 @@
-"""A Hugging Face Bamba or Granite 4.0-H (``granitemoehybrid``) checkpoint as a
-``TransformerEncoder`` and its params, and back: Mamba-2 blocks with a few attention
-blocks among them."""
+"""A Hugging Face Mamba-2, Bamba or Granite 4.0-H (``granitemoehybrid``) checkpoint as a
+``TransformerEncoder`` and its params, and back: Mamba-2 blocks, alone or with a few
+attention blocks among them."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from torchfn.models._transformer import TransformerEncoder
 
 __all__ = ["mamba_hybrid_from_hf", "mamba_hybrid_to_hf"]
 
-_TYPES = ("bamba", "granitemoehybrid")
+_TYPES = ("mamba2", "bamba", "granitemoehybrid")
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 _MAMBA = {f"mamba.{hf}.{kind}": f"attn.{ours}.{kind}" for hf, ours in (
     ("in_proj", "in_proj"), ("conv1d", "conv"), ("out_proj", "out")) for kind in ("weight", "bias")}
@@ -32,9 +32,30 @@ _FAMILY = {  # model_type -> (final norm, second norm, the layer's MLP names)
     "granitemoehybrid": ("model.norm.weight", "post_attention_layernorm.weight", {
         "block_sparse_moe.router.layer.weight": "mlp.router.weight",
         "block_sparse_moe.output_linear.weight": "mlp.down"}),
+    "mamba2": ("model.norm_f.weight", None, {}),  # names as _mamba2_names makes them
 }
 _FUSED = ("shared_mlp.input_linear.weight", "shared_mlp.output_linear.weight",
           "block_sparse_moe.input_linear.weight")  # Granite's [gate | up] rows, and its MLPs
+_MAMBA2 = [  # Mamba-2's own names <-> the hybrids' (its blocks: a norm and the mixer)
+    (r"backbone\.embeddings\.weight", "model.embed_tokens.weight"),
+    (r"backbone\.norm_f\.weight", "model.norm_f.weight"),
+    (r"backbone\.layers\.(\d+)\.norm\.weight", r"model.layers.\1.input_layernorm.weight"),
+    (r"backbone\.layers\.(\d+)\.mixer\.(.+)", r"model.layers.\1.mamba.\2"),
+]
+_MAMBA2_BACK = [
+    (r"model\.embed_tokens\.weight", "backbone.embeddings.weight"),
+    (r"model\.norm_f\.weight", "backbone.norm_f.weight"),
+    (r"model\.layers\.(\d+)\.input_layernorm\.weight", r"backbone.layers.\1.norm.weight"),
+    (r"model\.layers\.(\d+)\.mamba\.(.+)", r"backbone.layers.\1.mixer.\2"),
+]
+
+
+def _renamed(name: str, table: list[tuple[str, str]]) -> str:
+    """``name`` through the first pattern of ``table`` it matches (else as it is)."""
+    for pattern, repl in table:
+        if re.fullmatch(pattern, name):
+            return re.sub(pattern, repl, name)
+    return name
 
 
 def _check_kind(config: Any) -> str:
@@ -61,9 +82,36 @@ def _layer_types(config: Mapping[str, Any], kind: str) -> list[bool]:
     return [names[t] for t in types]
 
 
+def _mamba2_config(config: Mapping[str, Any]) -> dict[str, Any]:
+    """``TransformerEncoder``'s keywords for a Mamba-2 config: blocks of a norm and the
+    mixer alone (``mlp="none"``), no position embedding."""
+    missing = [k for k in ("hidden_size", "num_heads", "num_hidden_layers", "vocab_size")
+               if k not in config]
+    if missing:
+        raise ValueError(f"config lacks {missing}: not a mamba2 config")
+    dim, heads, head_dim = config["hidden_size"], config["num_heads"], config.get("head_dim", 64)
+    if heads * head_dim != int(config.get("expand", 2) * dim):
+        raise ValueError(f"config: num_heads * head_dim = {heads * head_dim} must be expand * "
+                         f"hidden_size = {int(config.get('expand', 2) * dim)}")
+    limit = config.get("time_step_limit") or (0.0, float("inf"))
+    return dict(
+        dim=dim, heads=heads, depth=config["num_hidden_layers"], vocab_size=config["vocab_size"],
+        out_dim=config["vocab_size"], causal=True, position_embedding="none", norm="rms",
+        mlp="none", bias=False, norm_eps=float(config.get("layer_norm_epsilon", 1e-5)),
+        tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+        linear_attention=dict(
+            kind="mamba2", heads=heads, head_dim=head_dim,
+            state_dim=config.get("state_size", 128), groups=config.get("n_groups", 1),
+            conv_kernel=config.get("conv_kernel", 4), bias=bool(config.get("use_bias")),
+            conv_bias=bool(config.get("use_conv_bias", True)),
+            dt_limit=(float(limit[0]), float(limit[1]))))
+
+
 def _config(config: Mapping[str, Any]) -> dict[str, Any]:
-    """``TransformerEncoder``'s keywords for a Bamba / Granite 4.0-H config."""
+    """``TransformerEncoder``'s keywords for a Mamba-2 / Bamba / Granite 4.0-H config."""
     kind = _check_kind(config)
+    if kind == "mamba2":
+        return _mamba2_config(config)
     missing = [k for k in ("hidden_size", "num_attention_heads", "num_hidden_layers",
                            "intermediate_size", "vocab_size", "mamba_n_heads", "mamba_d_head")
                if k not in config]
@@ -122,8 +170,11 @@ def _config(config: Mapping[str, Any]) -> dict[str, Any]:
 
 def mamba_hybrid_from_hf(config: Mapping[str, Any], state_dict: Mapping[str, Tensor] | None = None,
                          **overrides: Any) -> tuple[TransformerEncoder, dict[str, Tensor] | None]:
-    """The ``TransformerEncoder`` of a Hugging Face Bamba (``"bamba"``) or Granite 4.0-H
-    (``"granitemoehybrid"``) ``config``, and the params of its ``state_dict``.
+    """The ``TransformerEncoder`` of a Hugging Face Mamba-2 (``"mamba2"``), Bamba
+    (``"bamba"``) or Granite 4.0-H (``"granitemoehybrid"``) ``config``, and the params of
+    its ``state_dict``.
+
+    Mamba-2's blocks are a norm and the :class:`Mamba2` mixer alone (``mlp="none"``).
 
     Most blocks mix tokens with :class:`Mamba2` (``linear_attention=dict(kind="mamba2",
     ...)``), the others (Bamba's ``attn_layer_indices``, Granite's ``layer_types``) with
@@ -168,12 +219,15 @@ def mamba_hybrid_from_hf(config: Mapping[str, Any], state_dict: Mapping[str, Ten
         raise TypeError(f"state_dict must be a dict of tensors, got {type(state_dict).__name__}")
     kind = config["model_type"]
     final, second, mlp = _FAMILY[kind]
-    names = _MAMBA | _ATTN | mlp | {"input_layernorm.weight": "ln1.weight", second: "ln2.weight"}
+    names = _MAMBA | _ATTN | mlp | {"input_layernorm.weight": "ln1.weight"} | (
+        {second: "ln2.weight"} if second else {})
     glob = {"model.embed_tokens.weight": "embed.weight", final: "ln.weight",
             "lm_head.weight": "head.weight"}
     params: dict[str, Tensor] = {}
     unknown = []
     for name, tensor in state_dict.items():
+        if kind == "mamba2":  # its names as the hybrids'
+            name = _renamed(name, _MAMBA2)
         layer = _LAYER.fullmatch(name)
         at, rest = (f"blocks.{layer[1]}.", layer[2]) if layer else ("", "")
         if name in glob:
@@ -235,12 +289,14 @@ def mamba_hybrid_to_hf(config: Mapping[str, Any], params: Mapping[str, Tensor]
     check_params_for(TransformerEncoder, kwargs, params)
     kind = config["model_type"]
     final, second, mlp = _FAMILY[kind]
-    common = mlp | {"input_layernorm.weight": "ln1.weight", second: "ln2.weight"}
+    common = mlp | {"input_layernorm.weight": "ln1.weight"} | (
+        {second: "ln2.weight"} if second else {})
     inverse = {mamba: {ours: hf for hf, ours in ((_MAMBA if mamba else _ATTN) | common).items()}
                for mamba in (False, True)}  # ours -> HF for each kind of layer
     glob = {"embed.weight": "model.embed_tokens.weight", "ln.weight": final,
             "head.weight": "lm_head.weight"}
-    hd, kv = kwargs["head_dim"], kwargs["kv_heads"] * kwargs["head_dim"]
+    hd = kwargs.get("head_dim") or kwargs["dim"] // kwargs["heads"]
+    kv = (kwargs.get("kv_heads") or kwargs["heads"]) * hd
     moe = "experts" in kwargs
     out: dict[str, Tensor] = {}
     for name, t in params.items():
@@ -265,5 +321,8 @@ def mamba_hybrid_to_hf(config: Mapping[str, Any], params: Mapping[str, Tensor]
         elif kind == "granitemoehybrid" and rest in ("mlp.shared.down.weight", "mlp.down.weight"):
             out[at + "shared_mlp.output_linear.weight"] = t
         else:
-            out[at + inverse[kwargs["layer_linear"][int(i)]][rest]] = t
+            linear = kwargs.get("layer_linear") or [True] * kwargs["depth"]
+            out[at + inverse[linear[int(i)]][rest]] = t
+    if kind == "mamba2":  # back to its own names
+        out = {_renamed(n, _MAMBA2_BACK): t for n, t in out.items()}
     return out

@@ -165,8 +165,8 @@ def from_pretrained(folder: str | os.PathLike, *, dtype: torch.dtype | None = No
                                dict[str, Any]]:
     """Any model folder torchfn reads, whatever its family, as ``(module, params, state,
     config)``: DeepSeek-V2 / V3 and GLM-4.5 through :func:`deepseek_from_pretrained`,
-    GPT-NeoX (Pythia), Phi-2, Llama 4, Qwen3-Next and Qwen3.5, Bamba and Granite 4.0-H
-    through :func:`neox_from_hf` / :func:`phi_from_hf` / :func:`llama4_from_hf` /
+    GPT-NeoX (Pythia), Phi-2, Llama 4, Qwen3-Next and Qwen3.5, Mamba-2, Bamba and Granite
+    4.0-H through :func:`neox_from_hf` / :func:`phi_from_hf` / :func:`llama4_from_hf` /
     :func:`qwen3_next_from_hf` / :func:`mamba_hybrid_from_hf`, the
     others (Llama, Mistral, Mixtral, Qwen, Phi-3, OLMo 2, gpt-oss, SmolLM3, Gemma)
     through :func:`llama_from_pretrained`, with their ``state`` (persistent buffers,

@@ -107,9 +107,12 @@ class TransformerBlock(nn.Module):
             raise ValueError("TransformerBlock: parallel=True takes the pre-norm block only "
                              "(post_norms=False, pre_norms=True)")
         self.parallel, self.shared_norm = bool(parallel), parallel == "shared"
-        if mlp not in ("gelu", "gelu_tanh", "swiglu", "geglu"):
-            raise ValueError(f"mlp must be 'gelu', 'gelu_tanh', 'swiglu' or 'geglu', got "
-                             f"{mlp!r}")
+        if mlp not in ("gelu", "gelu_tanh", "swiglu", "geglu", "none"):
+            raise ValueError(f"mlp must be 'gelu', 'gelu_tanh', 'swiglu', 'geglu' or 'none', "
+                             f"got {mlp!r}")
+        if mlp == "none" and (parallel or experts is not None):
+            raise ValueError("TransformerBlock: mlp='none' (a mixer alone) takes neither "
+                             "parallel nor experts")
         if not (pre_norms or post_norms):
             raise ValueError("TransformerBlock: pre_norms=False needs post_norms=True (a "
                              "block without norms)")
@@ -154,7 +157,7 @@ class TransformerBlock(nn.Module):
             if options["qk_norm"] is True:  # of the blocks' kind
                 options["qk_norm"] = norm if norm != "layer" else "rms"
             self.attn = MultiHeadAttention(dim, heads, **options)
-        self.ln2 = nn.Identity() if self.shared_norm or not pre_norms else \
+        self.ln2 = nn.Identity() if self.shared_norm or not pre_norms or mlp == "none" else \
             make_norm(norm, dim, bias, norm_eps)  # "shared": the MLP reads ln1's output
         hidden = mlp_ratio * dim if mlp_hidden is None else mlp_hidden
         _check_dims(mlp_hidden=hidden)
@@ -165,6 +168,8 @@ class TransformerBlock(nn.Module):
                                       mlp=options.pop("mlp", mlp), **options)
         elif moe_options:
             raise ValueError(f"moe_options need experts, got moe_options={moe_options}")
+        elif mlp == "none":  # the mixer alone (Mamba's blocks)
+            self.mlp = None
         elif mlp in ("swiglu", "geglu"):
             self.mlp = SwiGLU(dim, hidden, bias=bias,
                               activation="silu" if mlp == "swiglu" else "gelu_tanh")
@@ -175,7 +180,8 @@ class TransformerBlock(nn.Module):
         self.post_norms = post_norms
         if post_norms:  # Gemma 2's sandwich: a norm on each sublayer's output too
             self.post_ln1 = make_norm(norm, dim, bias, norm_eps)
-            self.post_ln2 = make_norm(norm, dim, bias, norm_eps)
+            if mlp != "none":
+                self.post_ln2 = make_norm(norm, dim, bias, norm_eps)
         self.drop = nn.Dropout(dropout)
 
     def forward(self, x: Tensor, key_padding_mask: Tensor | None = None,
@@ -192,6 +198,8 @@ class TransformerBlock(nn.Module):
         h = x if self.parallel else x + a  # parallel (GPT-J, GPT-NeoX): the MLP reads x too
         if self.shared_norm:  # Phi, GPT-J: one norm for both sublayers
             h = n1
+        if self.mlp is None:  # a mixer alone
+            return h if cache is None else (h, cache)
         logits = None
         if return_router_logits:
             if not self.moe:
@@ -268,8 +276,9 @@ class TransformerEncoder(nn.Module):
             layers; the router logits come from those blocks only.
         norm, mlp, bias: ``"layer"``, ``"rms"`` (RMSNorm) or ``"rms+1"`` (Gemma's,
             scaling by ``1 + weight``) for the blocks' and the final norm; ``"gelu"``,
-            ``"swiglu"`` (:class:`SwiGLU`, ``mlp_ratio * dim`` hidden units) or
-            ``"geglu"`` (its tanh-GELU gate, as Gemma) for the MLPs;
+            ``"swiglu"`` (:class:`SwiGLU`, ``mlp_ratio * dim`` hidden units),
+            ``"geglu"`` (its tanh-GELU gate, as Gemma) for the MLPs, or ``"none"``: no MLP,
+            each block its token mixer alone (Mamba's);
             ``bias=False`` drops the projections', the MLPs', the LayerNorms' and the
             head's biases. A Llama-style model is
             ``position_embedding="rotary", norm="rms", mlp="swiglu", bias=False``.
