@@ -1,5 +1,5 @@
 """``beam_search`` against greedy decoding (one beam) and against enumerating every
-continuation (enough beams to be exact)."""
+continuation (enough beams to be exact), also through a recurrent (Gated DeltaNet) block."""
 
 from __future__ import annotations
 
@@ -36,11 +36,16 @@ def test_one_beam_is_greedy_decoding():
     torch.testing.assert_close(score, log_prob(model, params, best, 5))
 
 
+HYBRID = dict(layer_linear=[True, False], linear_attention=dict(heads=2, key_dim=4, value_dim=4))
+
+
+@pytest.mark.parametrize("mixer", ["attention", "gated_deltanet"])
 @pytest.mark.parametrize("steps", [2, 3])
-def test_enough_beams_find_the_most_likely_continuations(steps):
+def test_enough_beams_find_the_most_likely_continuations(steps, mixer):
     """With V^(steps-1) beams no prefix is ever dropped: the K returned beams are the K
-    most likely of all V^steps continuations, with their exact log-probabilities."""
-    model, params = lm(3)
+    most likely of all V^steps continuations, with their exact log-probabilities. With a
+    Gated DeltaNet block its state is reordered with the beams, as the keys are."""
+    model, params = lm(3, **(HYBRID if mixer != "attention" else {}))
     prompt = torch.tensor([[1, 3], [2, 0]])
     k = V ** (steps - 1)
     seqs, scores = beam_search(model, params, prompt, steps, beams=k, return_all=True)
