@@ -8,16 +8,15 @@ from __future__ import annotations
 import pytest
 import torch
 from _cached import logits_through_cache
-from safetensors.torch import load_file
+from _hf_checks import assert_left_padded_generation_matches, assert_round_trip_and_reload
+from _hf_checks import hf_checkpoint as _hf_checkpoint
 
 import torchfn
 from torchfn.models import (
     StaticKVCache,
-    from_pretrained,
     generate,
     llama4_from_hf,
     llama4_to_hf,
-    save_pretrained,
 )
 
 transformers = pytest.importorskip(
@@ -40,17 +39,9 @@ CASES = {
 ATOL = 1e-5  # transformers rotates in float32, even a float64 model
 
 
-def hf_checkpoint(extra, tmp_path, seed=0):
-    config = transformers.AutoConfig.for_model("llama4_text", **dict(BASE, **extra))
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float64,
-                                                          attn_implementation="eager")
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0.0, 0.2)
-    model.eval()
-    model.save_pretrained(tmp_path)
-    return model, config.to_dict(), load_file(tmp_path / "model.safetensors")
+def hf_checkpoint(extra, tmp_path):
+    return _hf_checkpoint("llama4_text", dict(BASE, **extra), tmp_path,
+                          init=lambda p: p.normal_(0.0, 0.2), attn_implementation="eager")
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -72,43 +63,18 @@ def test_a_transformers_checkpoint_gives_the_same_logits_caches_and_tokens(case,
 
 
 def test_greedy_generation_from_left_padded_prompts_equals_transformers(tmp_path):
-    """Rows of 8, 5 and 2 real tokens padded on the left, against transformers on each row
-    alone: the chunks count each row's own tokens."""
+    """The chunks count each row's own tokens."""
     hf, config, sd = hf_checkpoint(CASES["scout"], tmp_path)
-    model = torchfn.Model(llama4_from_hf(config, sd)[0])
-    params = llama4_from_hf(config, sd)[1]
-    prompt = torch.randint(3, 50, (3, 8), generator=torch.Generator().manual_seed(2))
-    mask = torch.ones(3, 8, dtype=torch.bool)
-    mask[1, :3] = mask[2, :6] = False
-    got = generate(model, params, prompt.masked_fill(~mask, 0), 10, prompt_mask=mask)
-    for row in range(3):
-        with torch.no_grad():
-            want = hf.generate(prompt[row:row + 1, mask[row]], max_new_tokens=10,
-                               do_sample=False, eos_token_id=None)
-        assert torch.equal(got[row:row + 1, -10:], want[:, -10:])
+    module, params = llama4_from_hf(config, sd)
+    assert_left_padded_generation_matches(hf, torchfn.Model(module), params, steps=10)
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_llama4_to_hf_gives_back_the_checkpoint_and_loads_in_transformers(case, tmp_path):
     hf, config, sd = hf_checkpoint(CASES[case], tmp_path)
     module, params = llama4_from_hf(config, sd)
-    back = llama4_to_hf(config, params)
-    assert set(back) == set(sd) and all(torch.equal(back[n], sd[n]) for n in sd)
-    _, from_folder, state, _ = from_pretrained(tmp_path)
-    assert state == {} and all(torch.equal(from_folder[n], params[n]) for n in params)
-    moved = {n: t + 0.01 * torch.randn(t.shape, dtype=t.dtype,
-                                       generator=torch.Generator().manual_seed(3))
-             for n, t in params.items()}
-    out = tmp_path / "trained"
-    out.mkdir()
-    save_pretrained(out, config, moved)
-    again = transformers.AutoModelForCausalLM.from_pretrained(
-        out, dtype=torch.float64, attn_implementation="eager").eval()
-    tokens = torch.randint(0, 50, (2, 9), generator=torch.Generator().manual_seed(4))
-    with torch.no_grad():
-        want = again(tokens).logits
-    torch.testing.assert_close(torchfn.Model(module).apply(moved, tokens), want, rtol=0,
-                               atol=ATOL)
+    assert_round_trip_and_reload(module, params, llama4_to_hf(config, params), sd, tmp_path,
+                                 config, ATOL, attn_implementation="eager")
 
 
 def test_a_multimodal_checkpoint_loads_its_text_model(tmp_path):

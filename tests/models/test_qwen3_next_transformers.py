@@ -8,16 +8,15 @@ from __future__ import annotations
 import pytest
 import torch
 from _cached import logits_through_cache
-from safetensors.torch import load_file
+from _hf_checks import assert_left_padded_generation_matches, assert_round_trip_and_reload
+from _hf_checks import hf_checkpoint as _hf_checkpoint
 
 import torchfn
 from torchfn.models import (
     StaticKVCache,
-    from_pretrained,
     generate,
     qwen3_next_from_hf,
     qwen3_next_to_hf,
-    save_pretrained,
 )
 
 transformers = pytest.importorskip(
@@ -39,17 +38,8 @@ CASES = {
 ATOL = 5e-5  # transformers runs the delta rule in float32, even in a float64 model
 
 
-def hf_checkpoint(kind, extra, tmp_path, seed=0):
-    config = transformers.AutoConfig.for_model(kind, **dict(BASE, **extra))
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(
-        config, dtype=torch.float64, experts_implementation="eager")
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.1 * torch.randn_like(p))
-    model.eval()
-    model.save_pretrained(tmp_path)
-    return model, config.to_dict(), load_file(tmp_path / "model.safetensors")
+def hf_checkpoint(kind, extra, tmp_path):
+    return _hf_checkpoint(kind, dict(BASE, **extra), tmp_path, experts_implementation="eager")
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -71,43 +61,18 @@ def test_a_transformers_checkpoint_gives_the_same_logits_caches_and_tokens(case,
 
 
 def test_greedy_generation_from_left_padded_prompts_equals_transformers(tmp_path):
-    """Rows of 8, 5 and 2 real tokens padded on the left, against transformers on each row
-    alone: the padding leaves the linear layers' states at 0."""
+    """The padding leaves the linear layers' states at 0."""
     hf, config, sd = hf_checkpoint(*CASES["qwen3-next"], tmp_path)
     module, params = qwen3_next_from_hf(config, sd)
-    model = torchfn.Model(module)
-    prompt = torch.randint(1, 50, (3, 8), generator=torch.Generator().manual_seed(2))
-    mask = torch.ones(3, 8, dtype=torch.bool)
-    mask[1, :3] = mask[2, :6] = False
-    got = generate(model, params, prompt.masked_fill(~mask, 0), 8, prompt_mask=mask)
-    for row in range(3):
-        with torch.no_grad():
-            want = hf.generate(prompt[row:row + 1, mask[row]], max_new_tokens=8,
-                               do_sample=False, eos_token_id=None)
-        assert torch.equal(got[row:row + 1, -8:], want[:, -8:])
+    assert_left_padded_generation_matches(hf, torchfn.Model(module), params)
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_qwen3_next_to_hf_gives_back_the_checkpoint_and_loads_in_transformers(case, tmp_path):
     hf, config, sd = hf_checkpoint(*CASES[case], tmp_path)
     module, params = qwen3_next_from_hf(config, sd)
-    back = qwen3_next_to_hf(config, params)
-    assert set(back) == set(sd) and all(torch.equal(back[n], sd[n]) for n in sd)
-    _, from_folder, state, _ = from_pretrained(tmp_path)
-    assert state == {} and all(torch.equal(from_folder[n], params[n]) for n in params)
-    moved = {n: t + 0.01 * torch.randn(t.shape, dtype=t.dtype,
-                                       generator=torch.Generator().manual_seed(3))
-             for n, t in params.items()}
-    out = tmp_path / "trained"
-    out.mkdir()
-    save_pretrained(out, config, moved)
-    again = transformers.AutoModelForCausalLM.from_pretrained(
-        out, dtype=torch.float64, experts_implementation="eager").eval()
-    tokens = torch.randint(0, 50, (2, 9), generator=torch.Generator().manual_seed(4))
-    with torch.no_grad():
-        want = again(tokens).logits
-    torch.testing.assert_close(torchfn.Model(module).apply(moved, tokens), want, rtol=0,
-                               atol=ATOL)
+    assert_round_trip_and_reload(module, params, qwen3_next_to_hf(config, params), sd, tmp_path,
+                                 config, ATOL, experts_implementation="eager")
 
 
 def test_qwen3_next_errors_are_named():

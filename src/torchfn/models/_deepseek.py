@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from torchfn.models._dequantize import dequantize_fp8
-from torchfn.models._fit import check_fit, param_shapes
+from torchfn.models._fit import check_fit, check_known, check_state_dict, param_shapes
 from torchfn.models._llama import GLOBAL_NAMES, _ropes, partial_rotary
 from torchfn.models._rotary_scaling import yarn_mscale
 from torchfn.models._transformer import TransformerEncoder
@@ -227,11 +227,10 @@ def deepseek_from_hf(config: Mapping[str, Any], state_dict: Mapping[str, Tensor]
     """
     kwargs = _config(config)
     kwargs.update(overrides)
+    check_state_dict(state_dict)
     module = TransformerEncoder(**kwargs)
     if state_dict is None:
         return module, None, None
-    if not isinstance(state_dict, Mapping):
-        raise TypeError(f"state_dict must be a dict of tensors, got {type(state_dict).__name__}")
     if any(name.endswith("_scale_inv") for name in state_dict):
         state_dict = dequantize_fp8(state_dict, config)
     depth, kind = kwargs["depth"], config["model_type"]
@@ -269,9 +268,7 @@ def deepseek_from_hf(config: Mapping[str, Any], state_dict: Mapping[str, Tensor]
                 stacks.setdefault(f"{at}mlp.{expert[2]}", {})[int(expert[1])] = tensor
             else:
                 unknown.append(name)
-    if unknown:
-        raise ValueError(f"state_dict has tensors a {kind} does not: {unknown[:5]}"
-                         + (f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""))
+    check_known(unknown, kind)
     for name, pieces in stacks.items():
         if sorted(pieces) != list(range(kwargs["experts"])):
             raise ValueError(f"state_dict holds experts {sorted(pieces)[:8]} for {name}, "

@@ -8,9 +8,9 @@ import math
 import torch
 from torch import Tensor, nn
 
-from torchfn.models._causal_conv import causal_conv
-from torchfn.models._kv_cache import KVCache, StaticKVCache, check_cache
+from torchfn.models._kv_cache import KVCache, StaticKVCache
 from torchfn.models._mlp import _check_dims
+from torchfn.models._recurrent import causal_conv, recurrent_cache, recurrent_inputs
 
 __all__ = ["GatedDeltaNet"]
 
@@ -127,29 +127,10 @@ class GatedDeltaNet(nn.Module):
     def forward(self, x: Tensor, key_padding_mask: Tensor | None = None,
                 segment_ids: Tensor | None = None, positions: Tensor | None = None,
                 cache: KVCache | StaticKVCache | None = None) -> Tensor | tuple:
-        b, n, dim = x.shape
-        if cache is not None:
-            cache = check_cache(cache, 1, "GatedDeltaNet")
-            if segment_ids is not None:
-                raise ValueError("GatedDeltaNet: cache does not take segment_ids (decode one "
-                                 "document per row)")
-        if segment_ids is not None and tuple(segment_ids.shape) != (b, n):
-            raise ValueError(f"GatedDeltaNet: segment_ids must be (B, N) = {(b, n)}, got "
-                             f"{tuple(segment_ids.shape)}")
-        if segment_ids is not None:  # a document per run of equal ids (as the rule counts)
-            new = (segment_ids[:, 1:] != segment_ids[:, :-1]).long()
-            segment_ids = torch.cat((torch.zeros_like(new[:, :1]), new.cumsum(1)), 1)
-        static = isinstance(cache, StaticKVCache)
-        if key_padding_mask is not None:  # (B, N), or over the cache's keys too: this call's
-            if static:
-                at = (cache.length + torch.arange(n, device=x.device)) % cache.capacity
-                key_padding_mask = key_padding_mask.index_select(1, at)
-            x = x * key_padding_mask[:, -n:, None].to(x.dtype)
-        window = state = None
-        if cache is not None and cache.keys:
-            window, state = cache.keys[0], cache.values[0]
+        x, _, runs, cache, window, state = recurrent_inputs(
+            "GatedDeltaNet", x, key_padding_mask, segment_ids, cache)  # x: padding zeroed
         h, window = causal_conv(self.qkv(x).transpose(1, 2), self.conv.weight, None, window,
-                                segment_ids)
+                                runs)
         h = nn.functional.silu(h)  # (B, C, N)
         hk, hv = self.key_heads * self.key_dim, self.heads * self.value_dim
         q, k, v = h.transpose(1, 2).split([hk, hk, hv], -1)  # (B, N, ...)
@@ -161,16 +142,11 @@ class GatedDeltaNet(nn.Module):
         g = -self.A_log.to(work).exp() * nn.functional.softplus(
             self.dt(x).to(work) + self.dt_bias)  # (B, N, Hv): log decays <= 0
         o, state = _delta_rule(q, k, v.to(work), g.transpose(1, 2), beta, state, self.chunk,
-                               segment_ids)
+                               runs)
         o = o.to(x.dtype).transpose(1, 2)  # (B, N, Hv, Dv)
         z = self.gate(x).unflatten(-1, (self.heads, self.value_dim))
         out = self.out(self.norm(o, z).flatten(2))  # (B, N, dim)
-        if cache is None:
-            return out
-        if static:
-            return out, StaticKVCache((window.to(cache.keys[0].dtype),),
-                                      (state.to(cache.values[0].dtype),), cache.length + n)
-        return out, KVCache((window,), (state,))
+        return out if cache is None else (out, recurrent_cache(cache, window, state, x.shape[1]))
 
 
 def _delta_rule(q, k, v, g, beta, state, chunk, segment_ids):

@@ -1,5 +1,6 @@
-"""The checks every checkpoint loader and exporter makes: the tensors a module has, no
-others, each of its shape; with errors that name what is missing, unused or misshapen."""
+"""The checks every checkpoint loader and exporter makes: a state dict that is one, the
+tensors a module has, no others, each of its shape; with errors that name what is
+missing, unused or misshapen. And the q, k and v projections joined into ``qkv``."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-__all__ = ["check_fit", "check_params_for"]
+__all__ = ["check_fit", "check_known", "check_params_for", "check_state_dict", "join_qkv"]
 
 
 def check_fit(want: Mapping[str, tuple], got: Mapping[str, Tensor], what: str) -> None:
@@ -37,3 +38,28 @@ def check_params_for(build: Any, kwargs: Mapping[str, Any], params: Any) -> None
     with torch.device("meta"):
         want = param_shapes(build(**kwargs))
     check_fit(want, params, "params")
+
+
+def check_state_dict(state_dict: Any) -> None:
+    """``state_dict`` is None or a mapping, or a TypeError."""
+    if state_dict is not None and not isinstance(state_dict, Mapping):
+        raise TypeError(f"state_dict must be a dict of tensors, got {type(state_dict).__name__}")
+
+
+def check_known(unknown: list[str], family: str) -> None:
+    """No checkpoint tensor went unread, or a ValueError naming the first five."""
+    if unknown:
+        raise ValueError(f"state_dict has tensors a {family} does not: {unknown[:5]}"
+                         + (f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""))
+
+
+def join_qkv(params: dict[str, Tensor]) -> None:
+    """Each block's ``attn.{q,k,v}_proj.{weight,bias}`` in ``params`` (as a loader reads
+    them) replaced by their rows stacked, ``attn.qkv.*`` ``[q | k | v]``; a trio with a
+    piece missing is left as it is, for :func:`check_fit` to report."""
+    blocks = {n.rsplit("attn.", 1)[0] for n in params if ".attn.q_proj." in n}
+    for at in blocks:
+        for kind in ("weight", "bias"):
+            names = [f"{at}attn.{p}_proj.{kind}" for p in "qkv"]
+            if all(n in params for n in names):
+                params[f"{at}attn.qkv.{kind}"] = torch.cat([params.pop(n) for n in names])

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from torchfn.models._fit import check_known, check_state_dict
 from torchfn.models._transformer import TransformerEncoder
 
 __all__ = ["llama_from_hf"]
@@ -397,11 +398,10 @@ def llama_from_hf(config: Mapping[str, Any], state_dict: Mapping[str, Tensor] | 
     """
     kwargs = _config(config)
     kwargs.update(overrides)
+    check_state_dict(state_dict)
     module = TransformerEncoder(**kwargs)
     if state_dict is None:
         return module, None
-    if not isinstance(state_dict, Mapping):
-        raise TypeError(f"state_dict must be a dict of tensors, got {type(state_dict).__name__}")
     if any(name.endswith("_blocks") for name in state_dict):  # gpt-oss's MXFP4 experts
         from torchfn.models._dequantize import dequantize_mxfp4
 
@@ -439,10 +439,7 @@ def llama_from_hf(config: Mapping[str, Any], state_dict: Mapping[str, Tensor] | 
             parts.setdefault(at + stacked[expert[2]], {})[int(expert[1])] = tensor
         elif not _IGNORED.fullmatch(name):
             unknown.append(name)
-    if unknown:
-        raise ValueError(f"state_dict has tensors a {kind.capitalize()} does not: "
-                         f"{unknown[:5]}"
-                         + (f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""))
+    check_known(unknown, kind.capitalize())
     for name, pieces in parts.items():
         if name.endswith("gpt_oss"):
             if len(pieces) == len(_GPT_OSS_EXPERTS):  # else missing, reported below

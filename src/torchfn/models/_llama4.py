@@ -10,7 +10,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from torchfn.models._fit import check_fit, check_params_for, param_shapes
+from torchfn.models._fit import (
+    check_fit,
+    check_known,
+    check_params_for,
+    check_state_dict,
+    param_shapes,
+)
 from torchfn.models._llama import GLOBAL_NAMES, _ropes
 from torchfn.models._transformer import TransformerEncoder
 
@@ -176,11 +182,10 @@ def llama4_from_hf(config: Mapping[str, Any], state_dict: Mapping[str, Tensor] |
     """
     kwargs = _config(config)
     kwargs.update(overrides)
+    check_state_dict(state_dict)
     module = TransformerEncoder(**kwargs)
     if state_dict is None:
         return module, None
-    if not isinstance(state_dict, Mapping):
-        raise TypeError(f"state_dict must be a dict of tensors, got {type(state_dict).__name__}")
     params: dict[str, Tensor] = {}
     qkv: dict[str, dict[str, Tensor]] = {}
     unknown = []
@@ -206,9 +211,7 @@ def llama4_from_hf(config: Mapping[str, Any], state_dict: Mapping[str, Tensor] |
             params[at + "mlp.down"] = tensor.transpose(1, 2)
         else:
             unknown.append(name)
-    if unknown:
-        raise ValueError(f"state_dict has tensors a Llama 4 does not: {unknown[:5]}"
-                         + (f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""))
+    check_known(unknown, "Llama 4")
     for name, parts in qkv.items():
         if len(parts) == 3:  # else reported missing below
             params[name] = torch.cat([parts[p] for p in "qkv"])  # rows [q | k | v]

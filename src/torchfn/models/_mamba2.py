@@ -8,9 +8,9 @@ import math
 import torch
 from torch import Tensor, nn
 
-from torchfn.models._causal_conv import causal_conv
-from torchfn.models._kv_cache import KVCache, StaticKVCache, check_cache
+from torchfn.models._kv_cache import KVCache, StaticKVCache
 from torchfn.models._mlp import _check_dims
+from torchfn.models._recurrent import causal_conv, recurrent_cache, recurrent_inputs
 
 __all__ = ["Mamba2"]
 
@@ -117,34 +117,13 @@ class Mamba2(nn.Module):
     def forward(self, x: Tensor, key_padding_mask: Tensor | None = None,
                 segment_ids: Tensor | None = None, positions: Tensor | None = None,
                 cache: KVCache | StaticKVCache | None = None) -> Tensor | tuple:
-        b, n, dim = x.shape
-        if cache is not None:
-            cache = check_cache(cache, 1, "Mamba2")
-            if segment_ids is not None:
-                raise ValueError("Mamba2: cache does not take segment_ids (decode one document "
-                                 "per row)")
-        if segment_ids is not None:
-            if tuple(segment_ids.shape) != (b, n):
-                raise ValueError(f"Mamba2: segment_ids must be (B, N) = {(b, n)}, got "
-                                 f"{tuple(segment_ids.shape)}")
-            new = (segment_ids[:, 1:] != segment_ids[:, :-1]).long()  # a document per run
-            segment_ids = torch.cat((torch.zeros_like(new[:, :1]), new.cumsum(1)), 1)
-        static = isinstance(cache, StaticKVCache)
-        keep = None
-        if key_padding_mask is not None:  # (B, N), or over the cache's keys too: this call's
-            if static:
-                at = (cache.length + torch.arange(n, device=x.device)) % cache.capacity
-                key_padding_mask = key_padding_mask.index_select(1, at)
-            keep = key_padding_mask[:, -n:, None].to(x.dtype)  # (B, N, 1)
-            x = x * keep
-        window = state = None
-        if cache is not None and cache.keys:
-            window, state = cache.keys[0], cache.values[0]
+        x, keep, runs, cache, window, state = recurrent_inputs(
+            "Mamba2", x, key_padding_mask, segment_ids, cache)  # x: padding zeroed
         z, xbc, dt = self.in_proj(x).split([self.inner, self.channels, self.heads], -1)
         if keep is not None:  # a biased projection of 0 is not 0: padding must stay out of
             xbc = xbc * keep  # the convolution's window (transformers lets it in)
         xbc, window = causal_conv(xbc.transpose(1, 2), self.conv.weight, self.conv.bias,
-                                  window, segment_ids)
+                                  window, runs)
         xbc = nn.functional.silu(xbc).transpose(1, 2)  # (B, N, C)
         if keep is not None:  # and out of the state
             xbc = xbc * keep
@@ -157,17 +136,11 @@ class Mamba2(nn.Module):
         k = bs.to(work).unflatten(-1, (self.groups, self.state_dim)).transpose(1, 2)
         dt = dt.transpose(1, 2)  # (B, H, N)
         a = -self.A_log.to(work).exp()  # (H,)
-        y, state = _scan(q, k, xs * dt[..., None], dt * a[:, None], state, self.chunk,
-                         segment_ids)
+        y, state = _scan(q, k, xs * dt[..., None], dt * a[:, None], state, self.chunk, runs)
         y = y + self.D.to(work)[:, None, None] * xs  # (B, H, N, P)
         y = y.transpose(1, 2).flatten(2)  # (B, N, inner)
         out = self.out(self.norm(y, z).to(x.dtype))  # (B, N, dim)
-        if cache is None:
-            return out
-        if static:
-            return out, StaticKVCache((window.to(cache.keys[0].dtype),),
-                                      (state.to(cache.values[0].dtype),), cache.length + n)
-        return out, KVCache((window,), (state,))
+        return out if cache is None else (out, recurrent_cache(cache, window, state, x.shape[1]))
 
     def extra_repr(self) -> str:
         return (f"dim={self.dim}, heads={self.heads}, head_dim={self.head_dim}, "

@@ -11,7 +11,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from torchfn.models._fit import check_fit, check_params_for, param_shapes
+from torchfn.models._fit import (
+    check_fit,
+    check_known,
+    check_params_for,
+    check_state_dict,
+    join_qkv,
+    param_shapes,
+)
 from torchfn.models._llama import _ropes, partial_rotary
 from torchfn.models._transformer import TransformerEncoder
 
@@ -212,11 +219,10 @@ def mamba_hybrid_from_hf(config: Mapping[str, Any], state_dict: Mapping[str, Ten
     """
     kwargs = _config(config)
     kwargs.update(overrides)
+    check_state_dict(state_dict)
     module = TransformerEncoder(**kwargs)
     if state_dict is None:
         return module, None
-    if not isinstance(state_dict, Mapping):
-        raise TypeError(f"state_dict must be a dict of tensors, got {type(state_dict).__name__}")
     kind = config["model_type"]
     final, second, mlp = _FAMILY[kind]
     names = _MAMBA | _ATTN | mlp | {"input_layernorm.weight": "ln1.weight"} | (
@@ -239,17 +245,8 @@ def mamba_hybrid_from_hf(config: Mapping[str, Any], state_dict: Mapping[str, Ten
             params.update({at + n: t for n, t in _unfuse(rest, tensor, "experts" in kwargs)})
         else:
             unknown.append(name)
-    if unknown:
-        raise ValueError(f"state_dict has tensors a {kind} does not: {unknown[:5]}"
-                         + (f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""))
-    for at in {n.rsplit("attn.", 1)[0] for n in params if ".attn.q_proj." in n}:
-        for part in ("weight", "bias"):  # the attention's rows [q | k | v]
-            pieces = [params.pop(f"{at}attn.{p}_proj.{part}", None) for p in "qkv"]
-            if all(p is not None for p in pieces):
-                params[f"{at}attn.qkv.{part}"] = torch.cat(pieces)
-            else:  # put back what there is, for the report
-                params.update({f"{at}attn.{p}_proj.{part}": t for p, t in zip("qkv", pieces)
-                               if t is not None})
+    check_known(unknown, kind)
+    join_qkv(params)
     check_fit(param_shapes(module), params, "state_dict")
     return module, params
 

@@ -10,7 +10,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from torchfn.models._fit import check_fit, check_params_for, param_shapes
+from torchfn.models._fit import (
+    check_fit,
+    check_known,
+    check_params_for,
+    check_state_dict,
+    param_shapes,
+)
 from torchfn.models._llama import _ropes, partial_rotary
 from torchfn.models._transformer import TransformerEncoder
 
@@ -98,11 +104,10 @@ def neox_from_hf(config: Mapping[str, Any], state_dict: Mapping[str, Tensor] | N
     """
     kwargs = _config(config)
     kwargs.update(overrides)
+    check_state_dict(state_dict)
     module = TransformerEncoder(**kwargs)
     if state_dict is None:
         return module, None
-    if not isinstance(state_dict, Mapping):
-        raise TypeError(f"state_dict must be a dict of tensors, got {type(state_dict).__name__}")
     params: dict[str, Tensor] = {}
     unknown = []
     for name, tensor in state_dict.items():
@@ -117,9 +122,7 @@ def neox_from_hf(config: Mapping[str, Any], state_dict: Mapping[str, Tensor] | N
             params[f"blocks.{layer[1]}.{ours}"] = tensor
         elif not _IGNORED.fullmatch(name):
             unknown.append(name)
-    if unknown:
-        raise ValueError(f"state_dict has tensors a GPT-NeoX does not: {unknown[:5]}"
-                         + (f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""))
+    check_known(unknown, "GPT-NeoX")
     check_fit(param_shapes(module), params, "state_dict")
     return module, params
 

@@ -10,7 +10,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from torchfn.models._fit import check_fit, check_params_for, param_shapes
+from torchfn.models._fit import (
+    check_fit,
+    check_known,
+    check_params_for,
+    check_state_dict,
+    param_shapes,
+)
 from torchfn.models._llama import _ropes, partial_rotary
 from torchfn.models._transformer import TransformerEncoder
 
@@ -91,11 +97,10 @@ def phi_from_hf(config: Mapping[str, Any], state_dict: Mapping[str, Tensor] | No
     """
     kwargs = _config(config)
     kwargs.update(overrides)
+    check_state_dict(state_dict)
     module = TransformerEncoder(**kwargs)
     if state_dict is None:
         return module, None
-    if not isinstance(state_dict, Mapping):
-        raise TypeError(f"state_dict must be a dict of tensors, got {type(state_dict).__name__}")
     params: dict[str, Tensor] = {}
     qkv: dict[str, dict[str, Tensor]] = {}
     unknown = []
@@ -111,9 +116,7 @@ def phi_from_hf(config: Mapping[str, Any], state_dict: Mapping[str, Tensor] | No
             qkv.setdefault(f"blocks.{layer[1]}.{_QKV[rest]}", {})[rest[10]] = tensor
         elif not name.endswith("rotary_emb.inv_freq"):
             unknown.append(name)
-    if unknown:
-        raise ValueError(f"state_dict has tensors a Phi does not: {unknown[:5]}"
-                         + (f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""))
+    check_known(unknown, "Phi")
     for name, parts in qkv.items():
         if len(parts) == 3:  # else reported missing below
             params[name] = torch.cat([parts[p] for p in "qkv"])

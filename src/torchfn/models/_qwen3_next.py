@@ -10,7 +10,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from torchfn.models._fit import check_fit, check_params_for, param_shapes
+from torchfn.models._fit import (
+    check_fit,
+    check_known,
+    check_params_for,
+    check_state_dict,
+    join_qkv,
+    param_shapes,
+)
 from torchfn.models._llama import GLOBAL_NAMES, _ropes, partial_rotary
 from torchfn.models._transformer import TransformerEncoder
 
@@ -198,11 +205,10 @@ def qwen3_next_from_hf(config: Mapping[str, Any], state_dict: Mapping[str, Tenso
     """
     kwargs = _config(config)
     kwargs.update(overrides)
+    check_state_dict(state_dict)
     module = TransformerEncoder(**kwargs)
     if state_dict is None:
         return module, None
-    if not isinstance(state_dict, Mapping):
-        raise TypeError(f"state_dict must be a dict of tensors, got {type(state_dict).__name__}")
     params: dict[str, Tensor] = {}
     experts: dict[str, dict[int, Tensor]] = {}
     grouped: dict[str, dict[str, Tensor]] = {}
@@ -228,10 +234,7 @@ def qwen3_next_from_hf(config: Mapping[str, Any], state_dict: Mapping[str, Tenso
             experts.setdefault(f"{at}mlp.{expert[2]}", {})[int(expert[1])] = tensor
         else:
             unknown.append(name)
-    if unknown:
-        raise ValueError(f"state_dict has tensors a {config['model_type']} does not: "
-                         f"{unknown[:5]}" + (f" and {len(unknown) - 5} more"
-                                             if len(unknown) > 5 else ""))
+    check_known(unknown, config["model_type"])
     for at, pair in grouped.items():
         params.update({at + n: t for n, t in _ungroup(
             config, pair.get("linear_attn.in_proj_qkvz.weight"),
@@ -239,14 +242,7 @@ def qwen3_next_from_hf(config: Mapping[str, Any], state_dict: Mapping[str, Tenso
     for name, rows in experts.items():
         if sorted(rows) == list(range(kwargs.get("experts") or 0)):  # else reported below
             params[name] = torch.stack([rows[j] for j in range(len(rows))])  # (E, ...)
-    for at in {n.rsplit("attn.", 1)[0] for n in params if ".attn.q_proj." in n}:
-        for kind in ("weight", "bias"):  # the attention's rows [q | k | v]
-            parts = [params.pop(f"{at}attn.{p}_proj.{kind}", None) for p in "qkv"]
-            if all(p is not None for p in parts):
-                params[f"{at}attn.qkv.{kind}"] = torch.cat(parts)
-            else:  # put back what there is, for the report
-                params.update({f"{at}attn.{p}_proj.{kind}": t for p, t in zip("qkv", parts)
-                               if t is not None})
+    join_qkv(params)
     check_fit(param_shapes(module), params, "state_dict")
     return module, params
 

@@ -1,0 +1,68 @@
+"""Checks the checkpoint-loader tests share: the round trip back to a Hugging Face
+checkpoint, and a folder saved here that ``transformers`` loads with the same logits."""
+
+import torch
+
+import torchfn
+from torchfn.models import from_pretrained, save_pretrained
+
+
+def assert_round_trip_and_reload(module, params, back, sd, folder, config, atol, **load):
+    """``back`` (the exporter's output for ``params``) is the checkpoint ``sd`` bit for
+    bit; ``from_pretrained(folder)`` reads ``params``; and ``params`` moved a little (as
+    training would), written by ``save_pretrained``, load in ``transformers``
+    (``AutoModelForCausalLM.from_pretrained(..., **load)``, float64) with the logits they
+    give here."""
+    import transformers
+
+    assert set(back) == set(sd) and all(torch.equal(back[n], sd[n]) for n in sd)
+    _, from_folder, state, _ = from_pretrained(folder)
+    assert state == {} and all(torch.equal(from_folder[n], params[n]) for n in params)
+    moved = {n: t + 0.01 * torch.randn(t.shape, dtype=t.dtype,
+                                       generator=torch.Generator().manual_seed(3))
+             for n, t in params.items()}
+    out = folder / "trained"
+    out.mkdir()
+    save_pretrained(out, config, moved)
+    again = transformers.AutoModelForCausalLM.from_pretrained(
+        out, dtype=torch.float64, **load).eval()
+    tokens = torch.randint(0, 50, (2, 9), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        want = again(tokens).logits.double()  # (Mamba-2 returns float32 logits)
+    torch.testing.assert_close(torchfn.Model(module).apply(moved, tokens), want, rtol=0,
+                               atol=atol)
+
+
+def hf_checkpoint(kind, config, folder, seed=0, init=None, **build):
+    """A float64 transformers model of ``model_type`` ``kind`` and ``config`` with random
+    weights (norms included: each moved by 0.1 N(0, 1), or ``init(p)`` in place), saved
+    with ``save_pretrained`` to ``folder``; returns it, its config dict and the state
+    dict as the checkpoint on disk holds it."""
+    import transformers
+    from safetensors.torch import load_file
+
+    config = transformers.AutoConfig.for_model(kind, **config)
+    torch.manual_seed(seed)  # transformers' own init draws from the global generator
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float64, **build)
+    with torch.no_grad():
+        for p in model.parameters():
+            init(p) if init is not None else p.add_(0.1 * torch.randn_like(p))
+    model.eval()
+    model.save_pretrained(folder)
+    return model, config.to_dict(), load_file(folder / "model.safetensors")
+
+
+def assert_left_padded_generation_matches(hf, model, params, steps=8):
+    """Rows of 8, 5 and 2 real tokens padded on the left: ``generate`` with
+    ``prompt_mask`` equals transformers' greedy ``generate`` on each row alone."""
+    from torchfn.models import generate
+
+    prompt = torch.randint(3, 50, (3, 8), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones(3, 8, dtype=torch.bool)
+    mask[1, :3] = mask[2, :6] = False
+    got = generate(model, params, prompt.masked_fill(~mask, 0), steps, prompt_mask=mask)
+    for row in range(3):
+        with torch.no_grad():
+            want = hf.generate(prompt[row:row + 1, mask[row]], max_new_tokens=steps,
+                               do_sample=False, eos_token_id=None)
+        assert torch.equal(got[row:row + 1, -steps:], want[:, -steps:])
