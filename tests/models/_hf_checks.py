@@ -66,3 +66,26 @@ def assert_left_padded_generation_matches(hf, model, params, steps=8):
             want = hf.generate(prompt[row:row + 1, mask[row]], max_new_tokens=steps,
                                do_sample=False, eos_token_id=None)
         assert torch.equal(got[row:row + 1, -steps:], want[:, -steps:])
+
+
+def assert_same_logits_caches_and_tokens(hf, module, params, atol, steps=10, use_cache=True):
+    """Logits of 20 tokens (whole, and through the growing cache from a prefill of 7),
+    and ``steps`` greedy tokens after a prompt of 6 from both caches, equal to
+    transformers' (its generation without its cache where ``use_cache=False``)."""
+    from _cached import logits_through_cache
+
+    from torchfn.models import StaticKVCache, generate
+
+    model = torchfn.Model(module)
+    tokens = torch.randint(3, 50, (2, 20), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = hf(tokens).logits.double()  # (Mamba-2 returns float32 logits)
+        greedy = hf.generate(tokens[:, :6], attention_mask=torch.ones_like(tokens[:, :6]),
+                             max_new_tokens=steps, do_sample=False, eos_token_id=None,
+                             use_cache=use_cache)
+    torch.testing.assert_close(model.apply(params, tokens), want, rtol=0, atol=atol)
+    torch.testing.assert_close(logits_through_cache(model, params, tokens, 7), want, rtol=0,
+                               atol=atol)
+    assert torch.equal(generate(model, params, tokens[:, :6], steps), greedy)
+    static = StaticKVCache.allocate(module, 2, 6 + steps, dtype=torch.float64)
+    assert torch.equal(generate(model, params, tokens[:, :6], steps, cache=static), greedy)

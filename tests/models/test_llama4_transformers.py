@@ -7,14 +7,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _cached import logits_through_cache
-from _hf_checks import assert_left_padded_generation_matches, assert_round_trip_and_reload
+from _hf_checks import (
+    assert_left_padded_generation_matches,
+    assert_round_trip_and_reload,
+    assert_same_logits_caches_and_tokens,
+)
 from _hf_checks import hf_checkpoint as _hf_checkpoint
 
 import torchfn
 from torchfn.models import (
-    StaticKVCache,
-    generate,
     llama4_from_hf,
     llama4_to_hf,
 )
@@ -48,18 +49,7 @@ def hf_checkpoint(extra, tmp_path):
 def test_a_transformers_checkpoint_gives_the_same_logits_caches_and_tokens(case, tmp_path):
     hf, config, sd = hf_checkpoint(CASES[case], tmp_path)
     module, params = llama4_from_hf(config, sd)
-    model = torchfn.Model(module)
-    tokens = torch.randint(3, 50, (2, 20), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        want = hf(tokens).logits
-        greedy = hf.generate(tokens[:, :6], attention_mask=torch.ones_like(tokens[:, :6]),
-                             max_new_tokens=12, do_sample=False, eos_token_id=None)
-    torch.testing.assert_close(model.apply(params, tokens), want, rtol=0, atol=ATOL)
-    torch.testing.assert_close(logits_through_cache(model, params, tokens, 7), want, rtol=0,
-                               atol=ATOL)
-    assert torch.equal(generate(model, params, tokens[:, :6], 12), greedy)
-    static = StaticKVCache.allocate(module, 2, 18, dtype=torch.float64)
-    assert torch.equal(generate(model, params, tokens[:, :6], 12, cache=static), greedy)
+    assert_same_logits_caches_and_tokens(hf, module, params, ATOL, steps=12)
 
 
 def test_greedy_generation_from_left_padded_prompts_equals_transformers(tmp_path):

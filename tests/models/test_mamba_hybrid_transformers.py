@@ -7,14 +7,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _cached import logits_through_cache
-from _hf_checks import assert_left_padded_generation_matches, assert_round_trip_and_reload
+from _hf_checks import (
+    assert_left_padded_generation_matches,
+    assert_round_trip_and_reload,
+    assert_same_logits_caches_and_tokens,
+)
 from _hf_checks import hf_checkpoint as _hf_checkpoint
 
 import torchfn
 from torchfn.models import (
-    StaticKVCache,
-    generate,
     mamba_hybrid_from_hf,
     mamba_hybrid_to_hf,
 )
@@ -52,23 +53,11 @@ def hf_checkpoint(kind, extra, tmp_path):
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_a_transformers_checkpoint_gives_the_same_logits_caches_and_tokens(case, tmp_path):
+    """transformers' Mamba-2 decode step ignores time_step_limit (its cached tokens part
+    from its own forward's): there its uncached greedy tokens are the reference."""
     hf, config, sd = hf_checkpoint(*CASES[case], tmp_path)
     module, params = mamba_hybrid_from_hf(config, sd)
-    model = torchfn.Model(module)
-    tokens = torch.randint(1, 50, (2, 20), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        want = hf(tokens).logits.double()  # Mamba-2 returns float32 logits
-        # transformers' Mamba-2 decode step ignores time_step_limit (its cached tokens
-        # differ from its own forward's): its uncached greedy tokens are the reference
-        greedy = hf.generate(tokens[:, :6], attention_mask=torch.ones_like(tokens[:, :6]),
-                             max_new_tokens=10, do_sample=False, eos_token_id=None,
-                             use_cache=case != "mamba2")
-    torch.testing.assert_close(model.apply(params, tokens), want, rtol=0, atol=ATOL)
-    torch.testing.assert_close(logits_through_cache(model, params, tokens, 7), want, rtol=0,
-                               atol=ATOL)
-    assert torch.equal(generate(model, params, tokens[:, :6], 10), greedy)
-    static = StaticKVCache.allocate(module, 2, 16, dtype=torch.float64)
-    assert torch.equal(generate(model, params, tokens[:, :6], 10, cache=static), greedy)
+    assert_same_logits_caches_and_tokens(hf, module, params, ATOL, use_cache=case != "mamba2")
 
 
 def test_greedy_generation_from_left_padded_prompts_equals_transformers(tmp_path):
