@@ -16,6 +16,7 @@ from _hf_checks import hf_checkpoint as _hf_checkpoint
 
 import torchfn
 from torchfn.models import (
+    from_pretrained,
     qwen3_next_from_hf,
     qwen3_next_to_hf,
 )
@@ -65,12 +66,39 @@ def test_qwen3_next_to_hf_gives_back_the_checkpoint_and_loads_in_transformers(ca
                                  config, ATOL, experts_implementation="eager")
 
 
+def test_a_multimodal_qwen3_5_folder_loads_its_text_model(tmp_path):
+    """The Hub's Qwen3.5 is a vision-language model (``model_type="qwen3_5"``): its folder
+    loads as the text model (``text_config``, ``model.language_model.*``, the vision
+    tower skipped) with the logits transformers' model gives for text alone; exporting to
+    it is refused (its checkpoint needs the vision tower)."""
+    vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2,
+                  out_hidden_size=32, patch_size=4, temporal_patch_size=1, spatial_merge_size=1)
+    config = transformers.AutoConfig.for_model("qwen3_5", text_config=BASE,
+                                               vision_config=vision)
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForImageTextToText.from_config(config, dtype=torch.float64)
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    hf.eval().save_pretrained(tmp_path)
+    module, params, _, read = from_pretrained(tmp_path)
+    tokens = torch.randint(3, 50, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = hf(input_ids=tokens).logits
+    torch.testing.assert_close(torchfn.Model(module).apply(params, tokens), want, rtol=0,
+                               atol=ATOL)
+    with pytest.raises(ValueError, match="needs the vision tower; pass config"):
+        qwen3_next_to_hf(read, params)
+
+
 def test_qwen3_next_errors_are_named():
     config = dict(BASE, model_type="qwen3_5_text")
     with pytest.raises(ValueError, match=r"model_type'\] must be one of \('qwen3_next', "
-                                         r"'qwen3_5_text', 'qwen3_5_moe_text'\), got 'qwen3_5' "
-                                         r"\(pass its text_config\)"):
-        qwen3_next_from_hf(dict(config, model_type="qwen3_5"))
+                                         r"'qwen3_5_text', 'qwen3_5_moe_text', 'qwen3_5', "
+                                         r"'qwen3_5_moe'\), got 'qwen3_vl'"):
+        qwen3_next_from_hf(dict(config, model_type="qwen3_vl"))
+    with pytest.raises(ValueError, match=r"text_config'\] must be a dict"):
+        qwen3_next_from_hf({"model_type": "qwen3_5"})
     with pytest.raises(ValueError, match=r"lacks \['linear_num_value_heads'\]"):
         qwen3_next_from_hf({k: v for k, v in config.items() if k != "linear_num_value_heads"})
     with pytest.raises(ValueError, match="layer_types'\\] must list 'linear_attention' or "):

@@ -24,6 +24,7 @@ from torchfn.models._mamba_hybrid import _TYPES as _MAMBA_HYBRID_TYPES
 from torchfn.models._mamba_hybrid import mamba_hybrid_from_hf, mamba_hybrid_to_hf
 from torchfn.models._neox import neox_from_hf, neox_to_hf
 from torchfn.models._phi import phi_from_hf, phi_to_hf
+from torchfn.models._qwen3_next import _MULTIMODAL as _QWEN3_5_MULTIMODAL
 from torchfn.models._qwen3_next import _TYPES as _QWEN3_NEXT_TYPES
 from torchfn.models._qwen3_next import qwen3_next_from_hf, qwen3_next_to_hf
 from torchfn.models._transformer import TransformerEncoder
@@ -33,7 +34,8 @@ __all__ = ["from_pretrained", "save_pretrained", "llama_from_pretrained",
 
 _OTHERS = {"gpt_neox": (neox_from_hf, neox_to_hf), "phi": (phi_from_hf, phi_to_hf),
            "llama4_text": (llama4_from_hf, llama4_to_hf), "llama4": (llama4_from_hf, llama4_to_hf),
-           **{t: (qwen3_next_from_hf, qwen3_next_to_hf) for t in _QWEN3_NEXT_TYPES},
+           **{t: (qwen3_next_from_hf, qwen3_next_to_hf)
+              for t in _QWEN3_NEXT_TYPES + _QWEN3_5_MULTIMODAL},
            **{t: (mamba_hybrid_from_hf, mamba_hybrid_to_hf) for t in _MAMBA_HYBRID_TYPES}}
 _WEIGHTS, _INDEX, _CONFIG = "model.safetensors", "model.safetensors.index.json", "config.json"
 

@@ -24,6 +24,8 @@ from torchfn.models._transformer import TransformerEncoder
 __all__ = ["qwen3_next_from_hf", "qwen3_next_to_hf"]
 
 _TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
+_MULTIMODAL = ("qwen3_5", "qwen3_5_moe")  # a text_config, and the text model's tensors
+_LANGUAGE, _VISION = "model.language_model.", "model.visual."  # under these names
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 _EXPERT = re.compile(r"mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight")
 _COMMON = {  # a layer's HF names -> ours, but the fused and stacked ones
@@ -61,20 +63,31 @@ _HF_NAMES = {linear: {ours: hf for hf, ours in (_COMMON | (_LINEAR_ATTN if linea
 _HF_GLOBAL = {ours: hf for hf, ours in GLOBAL_NAMES.items()}
 
 
-def _check_kind(config: Any) -> str:
+def _text(config: Any) -> Mapping[str, Any]:
+    """The text model's config: ``config`` itself, or a multimodal Qwen3.5's
+    ``text_config`` (with the outer ``tie_word_embeddings``, which transformers follows)."""
     if not isinstance(config, Mapping):
         raise TypeError(f"config must be a dict (a config.json), got {type(config).__name__}")
     kind = config.get("model_type")
+    if kind in _MULTIMODAL:
+        text = config.get("text_config")
+        if not isinstance(text, Mapping):
+            raise ValueError(f"config['text_config'] must be a dict (the text model's "
+                             f"config), got {text!r}")
+        text = dict(text, model_type=text.get("model_type", f"{kind}_text"))
+        if "tie_word_embeddings" in config:
+            text["tie_word_embeddings"] = config["tie_word_embeddings"]
+        config, kind = text, text["model_type"]
     if kind not in _TYPES:
-        raise ValueError(f"config['model_type'] must be one of {_TYPES}, got {kind!r}"
-                         + (" (pass its text_config)" if kind in ("qwen3_5", "qwen3_5_moe")
-                            else ""))
-    return kind
+        raise ValueError(f"config['model_type'] must be one of {_TYPES + _MULTIMODAL}, got "
+                         f"{kind!r}")
+    return config
 
 
 def _config(config: Mapping[str, Any]) -> dict[str, Any]:
-    """``TransformerEncoder``'s keywords for a Qwen3-Next / Qwen3.5 text config."""
-    kind = _check_kind(config)
+    """``TransformerEncoder``'s keywords for a Qwen3-Next / Qwen3.5 (text) config."""
+    config = _text(config)
+    kind = config["model_type"]
     missing = [k for k in ("hidden_size", "num_attention_heads", "num_hidden_layers",
                            "intermediate_size", "vocab_size", "linear_num_value_heads",
                            "linear_num_key_heads", "linear_key_head_dim",
@@ -164,7 +177,10 @@ def qwen3_next_from_hf(config: Mapping[str, Any], state_dict: Mapping[str, Tenso
                        **overrides: Any) -> tuple[TransformerEncoder, dict[str, Tensor] | None]:
     """The ``TransformerEncoder`` of a Hugging Face Qwen3-Next (``"qwen3_next"``) or
     Qwen3.5 text (``"qwen3_5_text"``, ``"qwen3_5_moe_text"``) ``config``, and the params of
-    its ``state_dict`` under the encoder's names.
+    its ``state_dict`` under the encoder's names. A multimodal Qwen3.5 checkpoint
+    (``"qwen3_5"``, ``"qwen3_5_moe"``, as the Hub has them) gives its text model: the
+    ``text_config`` is read, ``model.language_model.*`` are the text model's tensors, and
+    the vision tower's (``model.visual.*``) are skipped.
 
     Three layers of four (``layer_types``) mix tokens with :class:`GatedDeltaNet` (linear
     attention with a fixed-size state: ``linear_attention``, ``layer_linear``); the
@@ -178,8 +194,7 @@ def qwen3_next_from_hf(config: Mapping[str, Any], state_dict: Mapping[str, Tenso
     caches, greedy generation and the round trip.
 
     Args:
-        config: the checkpoint's ``config.json`` as a dict (a multimodal Qwen3.5's
-            ``text_config``).
+        config: the checkpoint's ``config.json`` as a dict.
         state_dict: its tensors under Hugging Face's names, or None for the module alone.
         overrides: other ``TransformerEncoder`` arguments (``attend``, ``remat``, ...).
 
@@ -214,7 +229,13 @@ def qwen3_next_from_hf(config: Mapping[str, Any], state_dict: Mapping[str, Tenso
     grouped: dict[str, dict[str, Tensor]] = {}
     unknown = []
     heads, hd = kwargs["heads"], kwargs["head_dim"]
+    multimodal = config.get("model_type") in _MULTIMODAL
     for name, tensor in state_dict.items():
+        if multimodal:
+            if name.startswith(_VISION):
+                continue  # the vision tower and its merger: not the text model's
+            name = "model." + name.removeprefix(_LANGUAGE) if name.startswith(_LANGUAGE) \
+                else name
         layer = _LAYER.fullmatch(name)
         at, rest = (f"blocks.{layer[1]}.", layer[2]) if layer else ("", "")
         expert = layer and _EXPERT.fullmatch(rest)
@@ -234,10 +255,10 @@ def qwen3_next_from_hf(config: Mapping[str, Any], state_dict: Mapping[str, Tenso
             experts.setdefault(f"{at}mlp.{expert[2]}", {})[int(expert[1])] = tensor
         else:
             unknown.append(name)
-    check_known(unknown, config["model_type"])
+    check_known(unknown, _text(config)["model_type"])
     for at, pair in grouped.items():
         params.update({at + n: t for n, t in _ungroup(
-            config, pair.get("linear_attn.in_proj_qkvz.weight"),
+            _text(config), pair.get("linear_attn.in_proj_qkvz.weight"),
             pair.get("linear_attn.in_proj_ba.weight")).items()})
     for name, rows in experts.items():
         if sorted(rows) == list(range(kwargs.get("experts") or 0)):  # else reported below
@@ -268,6 +289,11 @@ def qwen3_next_to_hf(config: Mapping[str, Any], params: Mapping[str, Tensor]
         >>> qwen3_next_to_hf(config, params)["model.layers.0.linear_attn.in_proj_qkvz.weight"].shape
         torch.Size([48, 16])
     """
+    if isinstance(config, Mapping) and config.get("model_type") in _MULTIMODAL:
+        raise ValueError(f"qwen3_next_to_hf: config is a multimodal Qwen3.5's (model_type "
+                         f"{config['model_type']!r}), whose checkpoint needs the vision tower; "
+                         f"pass config['text_config'] with model_type "
+                         f"'{config['model_type']}_text'")
     kwargs = _config(config)
     check_params_for(TransformerEncoder, kwargs, params)
     heads, hd, kv = kwargs["heads"], kwargs["head_dim"], kwargs["kv_heads"] * kwargs["head_dim"]
