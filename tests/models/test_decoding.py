@@ -260,8 +260,8 @@ def test_cache_and_generate_errors_are_named():
     with pytest.raises(ValueError, match="norm must be 'layer', 'rms', 'rms\\+1' or "
                                          "'rms_plain', got 'batch'"):
         TransformerEncoder(dim=16, heads=2, depth=1, vocab_size=V, norm="batch")
-    with pytest.raises(ValueError, match="mlp must be 'gelu', 'gelu_tanh', 'swiglu', 'geglu' or "
-                                         "'none', got 'relu'"):
+    with pytest.raises(ValueError, match="mlp must be 'gelu', 'gelu_tanh', 'relu2', 'swiglu', "
+                                         "'geglu' or 'none', got 'relu'"):
         TransformerEncoder(dim=16, heads=2, depth=1, vocab_size=V, mlp="relu")
     with pytest.raises(ValueError, match=r"layer_windows must be a list of depth = 2 "):
         TransformerEncoder(dim=16, heads=2, depth=2, vocab_size=V, layer_windows=[None])
@@ -296,10 +296,16 @@ def test_cache_and_generate_errors_are_named():
                            qk_norm_scope="row")
     with pytest.raises(ValueError, match="pre_norms=False needs post_norms=True"):
         TransformerEncoder(dim=16, heads=2, depth=1, vocab_size=V, pre_norms=False)
-    with pytest.raises(ValueError, match="mlp must be 'gelu', 'gelu_tanh', 'swiglu', 'geglu'"):
+    with pytest.raises(ValueError, match="mlp must be 'gelu', 'gelu_tanh', 'relu2', 'swiglu'"):
         TransformerEncoder(dim=16, heads=2, depth=1, vocab_size=V, mlp="reglu")
     with pytest.raises(ValueError, match="mlp='none' \\(a mixer alone\\) takes neither"):
         TransformerEncoder(dim=16, heads=2, depth=1, vocab_size=V, mlp="none", experts=2)
+    with pytest.raises(ValueError, match="layer_parts must be a list of depth = 2 of 'both', "):
+        TransformerEncoder(dim=16, heads=2, depth=2, vocab_size=V, layer_parts=["mlp", "x"])
+    mlps = torchfn.Model(TransformerEncoder(dim=16, heads=2, depth=1, vocab_size=V, causal=True,
+                                            layer_parts=["mlp"]))
+    with pytest.raises(ValueError, match="cache needs a block with a token mixer"):
+        mlps.apply(mlps.init(random.key(0)), tokens, cache=KVCache())
 
 
 @pytest.mark.parametrize("variant", ["rotary, multi-query", "qwen3-style", "gemma-style"])

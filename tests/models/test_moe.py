@@ -341,8 +341,8 @@ def test_bad_input_is_named():
         MoE(8, 16, 4, shared_gate=True)
     with pytest.raises(ValueError, match="moe_options need experts"):
         TransformerEncoder(8, 2, 1, moe_options={"shared_hidden": 4})
-    with pytest.raises(ValueError, match="mlp must be 'swiglu', 'gelu' or 'swiglu_clamp', got "
-                                         "'relu'"):
+    with pytest.raises(ValueError, match="mlp must be 'swiglu', 'gelu', 'relu2' or 'swiglu_clamp', "
+                                         "got 'relu'"):
         MoE(8, 16, 4, mlp="relu")
     for bad in (0, -1.0, True):
         with pytest.raises(ValueError, match="capacity_factor must be a number > 0 or None"):

@@ -6,7 +6,15 @@ from collections.abc import Callable, Sequence
 
 from torch import Tensor, nn
 
-__all__ = ["MLP", "SwiGLU"]
+__all__ = ["MLP", "SquaredReLU", "SwiGLU"]
+
+
+class SquaredReLU(nn.Module):
+    """``relu(x) ** 2`` (Primer, So et al. 2021; Nemotron-H's MLPs)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return nn.functional.relu(x).square()
+
 
 _ACTIVATIONS: dict[str, Callable[[], nn.Module]] = {
     "relu": nn.ReLU,
@@ -15,12 +23,14 @@ _ACTIVATIONS: dict[str, Callable[[], nn.Module]] = {
     "tanh": nn.Tanh,
     "elu": nn.ELU,
     "leaky_relu": nn.LeakyReLU,
+    "relu2": SquaredReLU,
 }
 
 
 def make_activation(activation: str | Callable[[], nn.Module]) -> nn.Module:
     """An activation module from a name (``"relu"``, ``"gelu"``, ``"silu"``, ``"tanh"``,
-    ``"elu"``, ``"leaky_relu"``) or a zero-argument module factory (``nn.Softplus``)."""
+    ``"elu"``, ``"leaky_relu"``, ``"relu2"``: squared ReLU) or a zero-argument module
+    factory (``nn.Softplus``)."""
     if isinstance(activation, str):
         if activation not in _ACTIVATIONS:
             raise ValueError(

@@ -7,7 +7,7 @@ import math
 import torch
 from torch import Tensor, nn
 
-from torchfn.models._mlp import SwiGLU, _check_dims
+from torchfn.models._mlp import SquaredReLU, SwiGLU, _check_dims
 
 __all__ = ["MoE", "moe_bias_update"]
 
@@ -47,7 +47,8 @@ class MoE(nn.Module):
     Transformer, GShard). Its buffers have fixed shapes ``(E, C, dim)``: the same code,
     ``capacity_factor * top_k / experts`` of the dense work, runs in eager mode, under
     ``vmap`` (per-sample gradients at sparse cost) and under ``torch.compile``.
-    The experts are SwiGLU (``mlp="swiglu"``, as Mixtral) or GELU MLPs, without biases;
+    The experts are SwiGLU (``mlp="swiglu"``, as Mixtral), GELU or squared-ReLU
+    (``"relu2"``, not gated: Nemotron-H) MLPs, without biases;
     their weights are stacked: ``gate`` / ``up`` ``(E, hidden, dim)``, ``down``
     ``(E, dim, hidden)``. gpt-oss's experts: ``mlp="swiglu_clamp"`` (the gate clamped
     above and the up projection both ways at ``swiglu_limit``, then ``(up + 1) * g *
@@ -109,8 +110,9 @@ class MoE(nn.Module):
             raise ValueError("shared_gate needs shared_hidden (a shared expert to gate)")
         if top_k > experts:
             raise ValueError(f"top_k must be <= experts = {experts}, got top_k={top_k}")
-        if mlp not in ("swiglu", "gelu", "swiglu_clamp"):
-            raise ValueError(f"mlp must be 'swiglu', 'gelu' or 'swiglu_clamp', got {mlp!r}")
+        if mlp not in ("swiglu", "gelu", "relu2", "swiglu_clamp"):
+            raise ValueError(f"mlp must be 'swiglu', 'gelu', 'relu2' or 'swiglu_clamp', got "
+                             f"{mlp!r}")
         for name, value in (("swiglu_limit", swiglu_limit), ("swiglu_alpha", swiglu_alpha)):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise ValueError(f"{name} must be a number > 0, got {value!r}")
@@ -149,19 +151,20 @@ class MoE(nn.Module):
         self.mlp, self.normalize = mlp, normalize
         self.router = nn.Linear(dim, experts, bias=logit_bias)
         self.up = nn.Parameter(torch.empty(experts, hidden, dim))
-        if mlp != "gelu":
+        if mlp not in ("gelu", "relu2"):  # the gated ones
             self.gate = nn.Parameter(torch.empty(experts, hidden, dim))
         self.down = nn.Parameter(torch.empty(experts, dim, hidden))
         self.expert_bias = expert_bias
         if expert_bias:  # gpt-oss: each expert's projections have biases
             self.up_bias = nn.Parameter(torch.empty(experts, hidden))
-            if mlp != "gelu":
+            if mlp not in ("gelu", "relu2"):
                 self.gate_bias = nn.Parameter(torch.empty(experts, hidden))
             self.down_bias = nn.Parameter(torch.empty(experts, dim))
         self.shared_hidden, self.shared_gate = shared_hidden, shared_gate
         if shared_hidden is not None:  # one expert every token goes through
             self.shared = SwiGLU(dim, shared_hidden, bias=False) if mlp == "swiglu" else \
-                nn.Sequential(nn.Linear(dim, shared_hidden, bias=False), nn.GELU(),
+                nn.Sequential(nn.Linear(dim, shared_hidden, bias=False),
+                              SquaredReLU() if mlp == "relu2" else nn.GELU(),
                               nn.Linear(shared_hidden, dim, bias=False))
             if shared_gate:
                 self.gate_shared = nn.Linear(dim, 1, bias=False)
@@ -229,7 +232,7 @@ class MoE(nn.Module):
             h = h + pick(self.up_bias, True)
             g = g + pick(self.gate_bias, True)
         if gate is None:
-            h = nn.functional.gelu(h)
+            h = nn.functional.relu(h).square() if self.mlp == "relu2" else nn.functional.gelu(h)
         elif self.mlp == "swiglu_clamp":  # gpt-oss: clamped, (up + 1) * g sigmoid(alpha g)
             g, h = g.clamp(max=self.swiglu_limit), h.clamp(-self.swiglu_limit, self.swiglu_limit)
             h = (h + 1) * g * torch.sigmoid(self.swiglu_alpha * g)

@@ -12,7 +12,7 @@ from torchfn.models._delta_net import GatedDeltaNet
 from torchfn.models._kv_cache import KVCache, StaticKVCache, check_cache
 from torchfn.models._mamba2 import Mamba2
 from torchfn.models._mla import LatentAttention
-from torchfn.models._mlp import SwiGLU, _check_dims
+from torchfn.models._mlp import SquaredReLU, SwiGLU, _check_dims
 from torchfn.models._moe import MoE
 from torchfn.models._norm import make_norm
 from torchfn.models._remat_block import call_remat, remat_policy
@@ -95,7 +95,8 @@ class TransformerBlock(nn.Module):
                  out_bias: bool | None = None, parallel: bool | str = False,
                  rotary_interleaved: bool = False, residual_scale: float | None = None,
                  attn_options: dict | None = None, linear_attention: dict | None = None,
-                 attn_gate: bool = False, attend: AttendFn | None = None) -> None:
+                 attn_gate: bool = False, mixer: bool = True,
+                 attend: AttendFn | None = None) -> None:
         super().__init__()
         if residual_scale is not None and (isinstance(residual_scale, bool) or not isinstance(
                 residual_scale, (int, float))):
@@ -107,21 +108,25 @@ class TransformerBlock(nn.Module):
             raise ValueError("TransformerBlock: parallel=True takes the pre-norm block only "
                              "(post_norms=False, pre_norms=True)")
         self.parallel, self.shared_norm = bool(parallel), parallel == "shared"
-        if mlp not in ("gelu", "gelu_tanh", "swiglu", "geglu", "none"):
-            raise ValueError(f"mlp must be 'gelu', 'gelu_tanh', 'swiglu', 'geglu' or 'none', "
-                             f"got {mlp!r}")
-        if mlp == "none" and (parallel or experts is not None):
+        if mlp not in ("gelu", "gelu_tanh", "relu2", "swiglu", "geglu", "none"):
+            raise ValueError(f"mlp must be 'gelu', 'gelu_tanh', 'relu2', 'swiglu', 'geglu' or "
+                             f"'none', got {mlp!r}")
+        if mlp == "none" and (parallel or experts is not None or not mixer):
             raise ValueError("TransformerBlock: mlp='none' (a mixer alone) takes neither "
-                             "parallel nor experts")
+                             "parallel, experts nor mixer=False")
+        if not mixer and parallel:
+            raise ValueError("TransformerBlock: mixer=False (an MLP alone) is not parallel")
         if not (pre_norms or post_norms):
             raise ValueError("TransformerBlock: pre_norms=False needs post_norms=True (a "
                              "block without norms)")
-        self.ln1 = make_norm(norm, dim, bias, norm_eps) if pre_norms else nn.Identity()
+        self.ln1 = make_norm(norm, dim, bias, norm_eps) if pre_norms and mixer else nn.Identity()
         if attn_options is not None and (not isinstance(attn_options, dict) or not set(
                 attn_options) <= _ATTN_OPTIONS):
             raise ValueError(f"attn_options must be a dict of {sorted(_ATTN_OPTIONS)}, got "
                              f"{attn_options!r}")
-        if linear_attention is not None:
+        if not mixer:  # an MLP alone (Nemotron-H's MLP and mixture blocks)
+            self.attn = None
+        elif linear_attention is not None:
             options = dict(linear_attention) if isinstance(linear_attention, dict) else {}
             kind = options.pop("kind", "gated_deltanet")
             if "heads" not in options or kind not in ("gated_deltanet", "mamba2"):
@@ -173,13 +178,14 @@ class TransformerBlock(nn.Module):
         elif mlp in ("swiglu", "geglu"):
             self.mlp = SwiGLU(dim, hidden, bias=bias,
                               activation="silu" if mlp == "swiglu" else "gelu_tanh")
-        else:  # GELU, exact or tanh-approximated (GPT-2's and Phi's "gelu_new")
-            self.mlp = nn.Sequential(nn.Linear(dim, hidden, bias=bias),
-                                     nn.GELU("tanh" if mlp == "gelu_tanh" else "none"),
+        else:  # GELU, exact or tanh-approximated (GPT-2's and Phi's "gelu_new"), or ReLU^2
+            act = SquaredReLU() if mlp == "relu2" else nn.GELU(
+                "tanh" if mlp == "gelu_tanh" else "none")
+            self.mlp = nn.Sequential(nn.Linear(dim, hidden, bias=bias), act,
                                      nn.Linear(hidden, dim, bias=bias))
         self.post_norms = post_norms
         if post_norms:  # Gemma 2's sandwich: a norm on each sublayer's output too
-            self.post_ln1 = make_norm(norm, dim, bias, norm_eps)
+            self.post_ln1 = make_norm(norm, dim, bias, norm_eps) if mixer else nn.Identity()
             if mlp != "none":
                 self.post_ln2 = make_norm(norm, dim, bias, norm_eps)
         self.drop = nn.Dropout(dropout)
@@ -188,16 +194,18 @@ class TransformerBlock(nn.Module):
                 segment_ids: Tensor | None = None, positions: Tensor | None = None,
                 cache: KVCache | None = None,
                 return_router_logits: bool = False) -> Tensor | tuple:
-        n1 = self.ln1(x)
-        a = self.attn(n1, key_padding_mask, segment_ids, positions, cache)
-        if cache is not None:
-            a, cache = a
-        a = self.drop(self.post_ln1(a) if self.post_norms else a)
-        if self.residual_scale is not None:  # Granite: each sublayer's output scaled
-            a = a * self.residual_scale
-        h = x if self.parallel else x + a  # parallel (GPT-J, GPT-NeoX): the MLP reads x too
-        if self.shared_norm:  # Phi, GPT-J: one norm for both sublayers
-            h = n1
+        a, h = 0, x  # without a mixer: the MLP alone
+        if self.attn is not None:
+            n1 = self.ln1(x)
+            a = self.attn(n1, key_padding_mask, segment_ids, positions, cache)
+            if cache is not None:
+                a, cache = a
+            a = self.drop(self.post_ln1(a) if self.post_norms else a)
+            if self.residual_scale is not None:  # Granite: each sublayer's output scaled
+                a = a * self.residual_scale
+            h = x if self.parallel else x + a  # parallel (GPT-J, GPT-NeoX): the MLP reads x too
+            if self.shared_norm:  # Phi, GPT-J: one norm for both sublayers
+                h = n1
         if self.mlp is None:  # a mixer alone
             return h if cache is None else (h, cache)
         logits = None
@@ -261,6 +269,9 @@ class TransformerEncoder(nn.Module):
             ``qk_norm``, ``softcap``, ``scale``. Llama 4 chunks three layers of four and
             tunes the temperature of the fourth: ``[{"chunk": 8192, "qk_norm":
             "rms_plain"}] * 3 + [{"temperature": (8192, 0.1)}]``, repeated.
+        layer_parts: per block, ``"both"`` (default: a token mixer, then an MLP),
+            ``"mixer"`` (the mixer alone) or ``"mlp"`` (the MLP, or the mixture, alone),
+            as Nemotron-H's blocks; the caches hold an entry per block with a mixer.
         linear_attention, layer_linear: :class:`GatedDeltaNet` (linear attention with a
             fixed-size state) as the token mixer, a dict of its keywords (``heads``,
             ``key_heads``, ``key_dim``, ``value_dim``, ``conv_kernel``), or with
@@ -277,8 +288,9 @@ class TransformerEncoder(nn.Module):
         norm, mlp, bias: ``"layer"``, ``"rms"`` (RMSNorm) or ``"rms+1"`` (Gemma's,
             scaling by ``1 + weight``) for the blocks' and the final norm; ``"gelu"``,
             ``"swiglu"`` (:class:`SwiGLU`, ``mlp_ratio * dim`` hidden units),
-            ``"geglu"`` (its tanh-GELU gate, as Gemma) for the MLPs, or ``"none"``: no MLP,
-            each block its token mixer alone (Mamba's);
+            ``"geglu"`` (its tanh-GELU gate, as Gemma), ``"relu2"`` (squared ReLU, not
+            gated: Nemotron-H) for the MLPs, or ``"none"``: no MLP, each block its token
+            mixer alone (Mamba's);
             ``bias=False`` drops the projections', the MLPs', the LayerNorms' and the
             head's biases. A Llama-style model is
             ``position_embedding="rotary", norm="rms", mlp="swiglu", bias=False``.
@@ -401,6 +413,7 @@ class TransformerEncoder(nn.Module):
         latent_attention: dict | None = None,
         linear_attention: dict | None = None,
         layer_linear: Sequence[bool] | None = None,
+        layer_parts: Sequence[str] | None = None,
         attn_gate: bool = False,
         attn_sinks: bool = False,
         out_bias: bool | None = None,
@@ -487,6 +500,12 @@ class TransformerEncoder(nn.Module):
             raise ValueError(f"layer_linear must be a list of depth = {depth} bools, with "
                              f"linear_attention; got layer_linear={layer_linear!r}, "
                              f"linear_attention={linear_attention!r}")
+        if layer_parts is None:
+            layer_parts = ["both"] * depth
+        elif isinstance(layer_parts, (str, tuple)) or len(layer_parts) != depth \
+                or not set(layer_parts) <= {"both", "mixer", "mlp"}:
+            raise ValueError(f"layer_parts must be a list of depth = {depth} of 'both', 'mixer' "
+                             f"or 'mlp', got {layer_parts!r}")
         self.blocks = nn.ModuleList(
             TransformerBlock(dim, heads, mlp_ratio=mlp_ratio, mlp_hidden=mlp_hidden,
                              norm_eps=norm_eps, dropout=dropout, causal=causal,
@@ -496,7 +515,8 @@ class TransformerEncoder(nn.Module):
                              rotary_base=rope[0] if rope else rotary_base,
                              rotary_scaling=rope[1] if rope else None,
                              rotary_dim=rotary_dim,
-                             norm=norm, mlp=mlp, bias=bias, qkv_bias=qkv_bias,
+                             norm=norm, mlp="none" if part == "mixer" else mlp, bias=bias,
+                             qkv_bias=qkv_bias, mixer=part != "mlp",
                              head_dim=head_dim, qk_norm=qk_norm, attn_scale=attn_scale,
                              post_norms=post_norms, pre_norms=pre_norms,
                              qk_norm_scope=qk_norm_scope,
@@ -510,9 +530,12 @@ class TransformerEncoder(nn.Module):
                              attn_options=None if options is None else dict(options),
                              linear_attention=linear_attention if linear else None,
                              attn_gate=attn_gate)
-            for layer_window, rope, sparse, options, linear in zip(
-                layer_windows, ropes, self._sparse, layer_attention, layer_linear)
+            for layer_window, rope, sparse, options, linear, part in zip(
+                layer_windows, ropes, self._sparse, layer_attention, layer_linear, layer_parts)
         )
+        # a cache entry for each block with a token mixer, in order
+        self._slot = {i: j for j, i in enumerate(
+            i for i, block in enumerate(self.blocks) if block.attn is not None)}
         self.ln = make_norm(norm, dim, bias, norm_eps)
         if tie_embeddings and (vocab_size is None or out_dim not in (None, vocab_size)):
             raise ValueError(f"tie_embeddings needs token input and out_dim = vocab_size (or "
@@ -539,7 +562,9 @@ class TransformerEncoder(nn.Module):
         start: int | Tensor = 0
         static = isinstance(cache, StaticKVCache)
         if cache is not None:
-            cache = check_cache(cache, len(self.blocks), "TransformerEncoder")
+            if not self._slot:
+                raise ValueError("TransformerEncoder: cache needs a block with a token mixer")
+            cache = check_cache(cache, len(self._slot), "TransformerEncoder")
             start = cache.length  # a tensor for a StaticKVCache
             if segment_ids is not None:
                 raise ValueError("TransformerEncoder: cache does not take segment_ids "
@@ -576,8 +601,12 @@ class TransformerEncoder(nn.Module):
                 if first not in tables:
                     tables[first] = block.attn.rotary_table(positions, h.dtype)  # = first's
                 block_positions = tables[first]
+            if cache is not None and block.attn is None:  # an MLP alone: nothing cached
+                h = block(h)
+                continue
             if cache is not None:
-                h, layer = block(h, key_padding_mask, None, block_positions, cache.layer(i))
+                h, layer = block(h, key_padding_mask, None, block_positions,
+                                 cache.layer(self._slot[i]))
                 # layer: this block's keys and values, cached and new
                 new_keys += layer.keys
                 new_values += layer.values
