@@ -1,36 +1,42 @@
 """Checks the checkpoint-loader tests share: the round trip back to a Hugging Face
 checkpoint, and a folder saved here that ``transformers`` loads with the same logits."""
 
+import functools
+
 import torch
 
 import torchfn
 from torchfn.models import from_pretrained, save_pretrained
 
 
-def assert_round_trip_and_reload(module, params, back, sd, folder, config, atol, **load):
-    """``back`` (the exporter's output for ``params``) is the checkpoint ``sd`` bit for
-    bit; ``from_pretrained(folder)`` reads ``params``; and ``params`` moved a little (as
-    training would), written by ``save_pretrained``, load in ``transformers``
-    (``AutoModelForCausalLM.from_pretrained(..., **load)``, float64) with the logits they
-    give here."""
+def assert_round_trip_and_reload(module, params, back, sd, folder, config, atol, state=None,
+                                 **load):
+    """``back`` (the exporter's output for ``params`` and ``state``) is the checkpoint
+    ``sd`` bit for bit; ``from_pretrained(folder)`` reads ``params`` and ``state``; and
+    ``params`` moved a little (as training would), written by ``save_pretrained``, load in
+    ``transformers`` (``AutoModelForCausalLM.from_pretrained(..., **load)``, float64) with
+    the logits they give here."""
     import transformers
 
+    state = state or {}
     assert set(back) == set(sd) and all(torch.equal(back[n], sd[n]) for n in sd)
-    _, from_folder, state, _ = from_pretrained(folder)
-    assert state == {} and all(torch.equal(from_folder[n], params[n]) for n in params)
+    _, from_folder, read_state, _ = from_pretrained(folder)
+    assert all(torch.equal(from_folder[n], params[n]) for n in params)
+    assert set(read_state) == set(state) and all(torch.equal(read_state[n], state[n])
+                                                 for n in state)
     moved = {n: t + 0.01 * torch.randn(t.shape, dtype=t.dtype,
                                        generator=torch.Generator().manual_seed(3))
              for n, t in params.items()}
     out = folder / "trained"
     out.mkdir()
-    save_pretrained(out, config, moved)
+    save_pretrained(out, config, moved, state)
     again = transformers.AutoModelForCausalLM.from_pretrained(
         out, dtype=torch.float64, **load).eval()
     tokens = torch.randint(0, 50, (2, 9), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         want = again(tokens).logits.double()  # (Mamba-2 returns float32 logits)
-    torch.testing.assert_close(torchfn.Model(module).apply(moved, tokens), want, rtol=0,
-                               atol=atol)
+    torch.testing.assert_close(torchfn.Model(module).apply(moved, tokens, state=state or None),
+                               want, rtol=0, atol=atol)
 
 
 def hf_checkpoint(kind, config, folder, seed=0, init=None, **build):
@@ -68,22 +74,24 @@ def assert_left_padded_generation_matches(hf, model, params, steps=8):
         assert torch.equal(got[row:row + 1, -steps:], want[:, -steps:])
 
 
-def assert_same_logits_caches_and_tokens(hf, module, params, atol, steps=10, use_cache=True):
+def assert_same_logits_caches_and_tokens(hf, module, params, atol, steps=10, use_cache=True,
+                                         state=None):
     """Logits of 20 tokens (whole, and through the growing cache from a prefill of 7),
     and ``steps`` greedy tokens after a prompt of 6 from both caches, equal to
-    transformers' (its generation without its cache where ``use_cache=False``)."""
+    transformers' (its generation without its cache where ``use_cache=False``); the
+    model's ``state`` bound where it has one."""
     from _cached import logits_through_cache
 
     from torchfn.models import StaticKVCache, generate
 
-    model = torchfn.Model(module)
+    model = functools.partial(torchfn.Model(module).apply, state=state or None)
     tokens = torch.randint(3, 50, (2, 20), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         want = hf(tokens).logits.double()  # (Mamba-2 returns float32 logits)
         greedy = hf.generate(tokens[:, :6], attention_mask=torch.ones_like(tokens[:, :6]),
                              max_new_tokens=steps, do_sample=False, eos_token_id=None,
                              use_cache=use_cache)
-    torch.testing.assert_close(model.apply(params, tokens), want, rtol=0, atol=atol)
+    torch.testing.assert_close(model(params, tokens), want, rtol=0, atol=atol)
     torch.testing.assert_close(logits_through_cache(model, params, tokens, 7), want, rtol=0,
                                atol=atol)
     assert torch.equal(generate(model, params, tokens[:, :6], steps), greedy)

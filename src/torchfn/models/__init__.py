@@ -31,6 +31,7 @@ from torchfn.models._mamba_hybrid import mamba_hybrid_from_hf, mamba_hybrid_to_h
 from torchfn.models._mla import LatentAttention
 from torchfn.models._mlp import MLP, SwiGLU
 from torchfn.models._moe import MoE, moe_bias_update
+from torchfn.models._nemotron_h import nemotron_h_from_hf, nemotron_h_to_hf
 from torchfn.models._neox import neox_from_hf, neox_to_hf
 from torchfn.models._nerf import NeRF
 from torchfn.models._phi import phi_from_hf, phi_to_hf
@@ -90,6 +91,8 @@ __all__ = [
     "qwen3_next_to_hf",
     "mamba_hybrid_from_hf",
     "mamba_hybrid_to_hf",
+    "nemotron_h_from_hf",
+    "nemotron_h_to_hf",
     "llama4_to_hf",
     "llama_from_pretrained",
     "llama_save_pretrained",

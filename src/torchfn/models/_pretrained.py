@@ -22,6 +22,7 @@ from torchfn.models._llama4 import llama4_from_hf, llama4_to_hf
 from torchfn.models._llama_export import llama_to_hf
 from torchfn.models._mamba_hybrid import _TYPES as _MAMBA_HYBRID_TYPES
 from torchfn.models._mamba_hybrid import mamba_hybrid_from_hf, mamba_hybrid_to_hf
+from torchfn.models._nemotron_h import nemotron_h_from_hf, nemotron_h_to_hf
 from torchfn.models._neox import neox_from_hf, neox_to_hf
 from torchfn.models._phi import phi_from_hf, phi_to_hf
 from torchfn.models._qwen3_next import _MULTIMODAL as _QWEN3_5_MULTIMODAL
@@ -37,6 +38,7 @@ _OTHERS = {"gpt_neox": (neox_from_hf, neox_to_hf), "phi": (phi_from_hf, phi_to_h
            **{t: (qwen3_next_from_hf, qwen3_next_to_hf)
               for t in _QWEN3_NEXT_TYPES + _QWEN3_5_MULTIMODAL},
            **{t: (mamba_hybrid_from_hf, mamba_hybrid_to_hf) for t in _MAMBA_HYBRID_TYPES}}
+_STATEFUL = {"nemotron_h": (nemotron_h_from_hf, nemotron_h_to_hf)}  # router state too
 _WEIGHTS, _INDEX, _CONFIG = "model.safetensors", "model.safetensors.index.json", "config.json"
 
 
@@ -167,6 +169,7 @@ def from_pretrained(folder: str | os.PathLike, *, dtype: torch.dtype | None = No
                                dict[str, Any]]:
     """Any model folder torchfn reads, whatever its family, as ``(module, params, state,
     config)``: DeepSeek-V2 / V3 and GLM-4.5 through :func:`deepseek_from_pretrained`,
+    Nemotron-H through :func:`nemotron_h_from_hf` (``state``: its routers' biases),
     GPT-NeoX (Pythia), Phi-2, Llama 4, Qwen3-Next and Qwen3.5, Mamba-2, Bamba and Granite
     4.0-H through :func:`neox_from_hf` / :func:`phi_from_hf` / :func:`llama4_from_hf` /
     :func:`qwen3_next_from_hf` / :func:`mamba_hybrid_from_hf`, the
@@ -192,6 +195,8 @@ def from_pretrained(folder: str | os.PathLike, *, dtype: torch.dtype | None = No
     config, tensors = _read(folder, None, device)
     if config.get("model_type") in _DEEPSEEK_TYPES:
         module, params, state = deepseek_from_hf(config, tensors, **overrides)
+    elif config.get("model_type") in _STATEFUL:
+        module, params, state = _STATEFUL[config["model_type"]][0](config, tensors, **overrides)
     elif config.get("model_type") in _OTHERS:
         module, params = _OTHERS[config["model_type"]][0](config, tensors, **overrides)
         state = {}
@@ -227,6 +232,8 @@ def save_pretrained(folder: str | os.PathLike, config: Mapping[str, Any],
     """
     if config.get("model_type") in _DEEPSEEK_TYPES:
         deepseek_save_pretrained(folder, config, params, state)
+    elif config.get("model_type") in _STATEFUL:
+        _write(folder, config, _STATEFUL[config["model_type"]][1](config, params, state))
     elif config.get("model_type") in _OTHERS:
         _write(folder, config, _OTHERS[config["model_type"]][1](config, params))
     else:
