@@ -1,32 +1,20 @@
 """``models.GatedDeltaNet``: transformers' Qwen3.5 linear-attention layer with the same
-weights gives the same output; both caches (prefill, then a token a call) equal the
-whole sequence; left padding leaves each row as it is alone, and packed documents each
-document; ``vmap(grad)`` equals the loop."""
+weights gives the same output; packed documents through a hybrid encoder; a compiled
+hybrid decode. (Caches, padding, packing and ``vmap(grad)``: test_recurrent_layers.py.)"""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from _cached import logits_through_cache
 
 import torchfn
 from torchfn import random
-from torchfn.models import GatedDeltaNet, KVCache, StaticKVCache
+from torchfn.models import GatedDeltaNet, StaticKVCache
 
 HF_NAMES = {"in_proj_qkv.weight": "qkv.weight", "in_proj_z.weight": "gate.weight",
             "in_proj_b.weight": "beta.weight", "in_proj_a.weight": "dt.weight",
             "conv1d.weight": "conv.weight", "dt_bias": "dt_bias", "A_log": "A_log",
             "norm.weight": "norm.weight", "out_proj.weight": "out.weight"}
-
-
-def layer(seed=0, **kw):
-    options = dict(key_heads=2, key_dim=8, value_dim=6) | kw
-    net = GatedDeltaNet(32, 4, **options)
-    model = torchfn.Model(net)
-    params = {n: p.double() for n, p in model.init(random.key(seed)).items()}
-    params["norm.weight"] = params["norm.weight"] + 0.1 * random.normal(random.key(seed + 9),
-                                                                         (6,), torch.float64)
-    return net, model, params
 
 
 def test_equals_transformers_qwen3_5_layer():
@@ -51,38 +39,13 @@ def test_equals_transformers_qwen3_5_layer():
     torch.testing.assert_close(model.apply(params, x), want, rtol=0, atol=2e-5)
 
 
-def test_caches_equal_the_whole_sequence():
-    net, model, params = layer()
-    x = random.normal(random.key(2), (2, 30, 32), torch.float64)
-    want = model.apply(params, x)
-    for cache in (KVCache(), StaticKVCache.allocate(net, 2, 1, dtype=torch.float64)):
-        torch.testing.assert_close(logits_through_cache(model.apply, params, x, 11, cache),
-                                   want, rtol=0, atol=1e-12)
-
-
-def test_left_padding_leaves_each_row_as_alone():
-    net, model, params = layer(seed=1)
-    x = random.normal(random.key(3), (2, 12, 32), torch.float64)
-    mask = torch.ones(2, 12, dtype=torch.bool)
-    mask[1, :5] = False
-    got = model.apply(params, x, key_padding_mask=mask)
-    alone = model.apply(params, x[1:, 5:])
-    torch.testing.assert_close(got[1:, 5:], alone, rtol=0, atol=1e-12)
-    static = StaticKVCache.allocate(net, 2, 16, dtype=torch.float64)
-    slots = torch.cat((mask, torch.ones(2, 4, dtype=torch.bool)), 1)  # (B, capacity)
-    got, _ = model.apply(params, x, key_padding_mask=slots, cache=static)
-    torch.testing.assert_close(got[1:, 5:], alone, rtol=0, atol=1e-12)
-
-
-def test_packed_documents_equal_each_document_alone():
-    """``segment_ids``: documents of 5, 2, 1, 19 and 3 tokens (shorter than the
-    convolution too), in the layer and in a hybrid encoder (whose attention restarts
-    positions at each document)."""
+def test_packed_documents_in_a_hybrid_encoder_equal_each_document_alone():
+    """``segment_ids`` through Gated DeltaNet and attention blocks (whose positions restart
+    at each document): documents of 5, 2, 1, 19 and 3 tokens."""
     from torchfn.models import TransformerEncoder
 
     lengths = [5, 2, 1, 19, 3]
     ids = torch.repeat_interleave(torch.arange(5), torch.tensor(lengths))[None]
-    runs = ids % 2  # 0 1 0 1 0: for the layer, a document is a run of one id
     net = TransformerEncoder(
         dim=32, heads=4, kv_heads=2, head_dim=8, depth=2, vocab_size=40, out_dim=40,
         causal=True, position_embedding="rotary", norm="rms+1", mlp="swiglu", bias=False,
@@ -90,33 +53,14 @@ def test_packed_documents_equal_each_document_alone():
         linear_attention=dict(heads=4, key_heads=2, key_dim=8, value_dim=6))
     encoder = torchfn.Model(net)
     eparams = {n: p.double() for n, p in encoder.init(random.key(5)).items()}
-    _, model, params = layer(seed=3)
-    x = random.normal(random.key(6), (1, 30, 32), torch.float64)
     tokens = random.randint(random.key(7), (1, 30), 0, 40)
-    got = model.apply(params, x, segment_ids=runs)
-    got_tokens = encoder.apply(eparams, tokens, segment_ids=ids)
+    got = encoder.apply(eparams, tokens, segment_ids=ids)
     start = 0
     for length in lengths:
         part = slice(start, start + length)
-        torch.testing.assert_close(got[:, part], model.apply(params, x[:, part]), rtol=0,
-                                   atol=1e-12)
-        torch.testing.assert_close(got_tokens[:, part], encoder.apply(eparams, tokens[:, part]),
+        torch.testing.assert_close(got[:, part], encoder.apply(eparams, tokens[:, part]),
                                    rtol=0, atol=1e-12)
         start += length
-
-
-def test_per_sample_gradients_equal_the_loop():
-    _, model, params = layer(seed=2)
-    x = random.normal(random.key(4), (3, 9, 32), torch.float64)
-
-    def loss(p, one):
-        return model.apply(p, one[None]).square().mean()
-
-    batched = torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0))(params, x)
-    for i in range(3):
-        one = torch.func.grad(loss)(params, x[i])
-        for name in params:
-            torch.testing.assert_close(batched[name][i], one[name], rtol=0, atol=1e-12)
 
 
 def test_bad_input_is_named():
@@ -124,14 +68,6 @@ def test_bad_input_is_named():
         GatedDeltaNet(32, 4, key_heads=3)
     with pytest.raises(ValueError, match="conv_kernel must be"):
         GatedDeltaNet(32, 4, conv_kernel=0)
-    _, model, params = layer()
-    x = torch.zeros(1, 3, 32, dtype=torch.float64)
-    with pytest.raises(ValueError, match="cache does not take segment_ids"):
-        model.apply(params, x, segment_ids=torch.zeros(1, 3, dtype=torch.long), cache=KVCache())
-    with pytest.raises(ValueError, match=r"segment_ids must be \(B, N\) = \(1, 3\)"):
-        model.apply(params, x, segment_ids=torch.zeros(1, 2, dtype=torch.long))
-    with pytest.raises(ValueError, match="cache must hold 0 or 1 layers"):
-        model.apply(params, x, cache=KVCache((x, x), (x, x)))
 
 
 @pytest.mark.slow  # its cold compile takes ~40 s; the static cache's eager path is tested above

@@ -1,31 +1,20 @@
 """``models.Mamba2``: transformers' ``Mamba2Mixer`` with the same weights gives the same
-output; both caches (prefill, then a token a call) equal the whole sequence; left
-padding and packed documents leave each row and document as it is alone; ``vmap(grad)``
-equals the loop; a hybrid encoder of Mamba-2 and attention blocks caches both."""
+output; a hybrid encoder of Mamba-2 and attention blocks decodes through both caches as
+it runs whole. (Caches, padding, packing and ``vmap(grad)``: test_recurrent_layers.py.)"""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from _cached import logits_through_cache
 
 import torchfn
 from torchfn import random
-from torchfn.models import KVCache, Mamba2, StaticKVCache, TransformerEncoder, generate
+from torchfn.models import Mamba2, StaticKVCache, TransformerEncoder, generate
 
 HF_NAMES = {"in_proj.weight": "in_proj.weight", "in_proj.bias": "in_proj.bias",
             "conv1d.weight": "conv.weight", "conv1d.bias": "conv.bias", "dt_bias": "dt_bias",
             "A_log": "A_log", "D": "D", "norm.weight": "norm.weight",
             "out_proj.weight": "out.weight", "out_proj.bias": "out.bias"}
-
-
-def layer(seed=0, **kw):
-    net = Mamba2(32, 4, head_dim=16, state_dim=8, groups=2, bias=True, chunk=8, **kw)
-    model = torchfn.Model(net)
-    params = {n: p.double() for n, p in model.init(random.key(seed)).items()}
-    params = {n: p + 0.05 * random.normal(random.key(seed + i + 10), p.shape, torch.float64)
-              for i, (n, p) in enumerate(sorted(params.items()))}  # norm, D, biases off 1 / 0
-    return net, model, params
 
 
 def test_equals_transformers_mamba2_mixer():
@@ -49,48 +38,6 @@ def test_equals_transformers_mamba2_mixer():
         want = hf(x)
     # transformers runs the scan in float32
     torch.testing.assert_close(model.apply(params, x), want, rtol=0, atol=2e-6)
-
-
-def test_caches_equal_the_whole_sequence():
-    net, model, params = layer()
-    x = random.normal(random.key(2), (2, 30, 32), torch.float64)
-    want = model.apply(params, x)
-    for cache in (KVCache(), StaticKVCache.allocate(net, 2, 1, dtype=torch.float64)):
-        torch.testing.assert_close(logits_through_cache(model.apply, params, x, 11, cache),
-                                   want, rtol=0, atol=1e-12)
-
-
-def test_left_padding_and_packed_documents_equal_each_alone():
-    _, model, params = layer(seed=1)
-    x = random.normal(random.key(3), (2, 12, 32), torch.float64)
-    mask = torch.ones(2, 12, dtype=torch.bool)
-    mask[1, :5] = False
-    got = model.apply(params, x, key_padding_mask=mask)
-    torch.testing.assert_close(got[1:, 5:], model.apply(params, x[1:, 5:]), rtol=0,
-                               atol=1e-12)
-    lengths = [3, 1, 6, 2]
-    ids = torch.repeat_interleave(torch.arange(4), torch.tensor(lengths))[None].expand(2, 12)
-    got = model.apply(params, x, segment_ids=ids)
-    start = 0
-    for length in lengths:
-        part = slice(start, start + length)
-        torch.testing.assert_close(got[:, part], model.apply(params, x[:, part]), rtol=0,
-                                   atol=1e-12)
-        start += length
-
-
-def test_per_sample_gradients_equal_the_loop():
-    _, model, params = layer(seed=2)
-    x = random.normal(random.key(4), (3, 9, 32), torch.float64)
-
-    def loss(p, one):
-        return model.apply(p, one[None]).square().mean()
-
-    batched = torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0))(params, x)
-    for i in range(3):
-        one = torch.func.grad(loss)(params, x[i])
-        for name in params:
-            torch.testing.assert_close(batched[name][i], one[name], rtol=0, atol=1e-12)
 
 
 def test_a_hybrid_encoder_decodes_as_it_runs_whole():
@@ -117,9 +64,3 @@ def test_bad_input_is_named():
         Mamba2(32, 4, groups=3)
     with pytest.raises(ValueError, match="linear_attention must be a dict of"):
         TransformerEncoder(32, 4, 1, linear_attention=dict(kind="rwkv", heads=4))
-    _, model, params = layer()
-    x = torch.zeros(1, 3, 32, dtype=torch.float64)
-    with pytest.raises(ValueError, match="cache does not take segment_ids"):
-        model.apply(params, x, segment_ids=torch.zeros(1, 3, dtype=torch.long), cache=KVCache())
-    with pytest.raises(ValueError, match=r"segment_ids must be \(B, N\) = \(1, 3\)"):
-        model.apply(params, x, segment_ids=torch.zeros(1, 2, dtype=torch.long))

@@ -1,0 +1,91 @@
+"""What ``models.GatedDeltaNet`` and ``models.Mamba2`` both promise: both caches (a
+prefill, then a token a call; the static one with room for nothing but the layers'
+windows and states) equal the whole sequence; a left-padded row and each packed document
+come out as they do alone; per-sample gradients under ``vmap`` equal the loop; bad
+arguments are named. Each layer's own file compares it with transformers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _cached import logits_through_cache
+
+import torchfn
+from torchfn import random
+from torchfn.models import GatedDeltaNet, KVCache, Mamba2, StaticKVCache
+
+LAYERS = {
+    "gated_deltanet": lambda: GatedDeltaNet(32, 4, key_heads=2, key_dim=8, value_dim=6),
+    # conv and projection biases, 2 groups, chunks of 8
+    "mamba2": lambda: Mamba2(32, 4, head_dim=16, state_dim=8, groups=2, bias=True, chunk=8),
+}
+
+
+@pytest.fixture(params=list(LAYERS))
+def layer(request):
+    """``(net, model, params)`` in float64, every param moved off its initial value
+    (norms at 1, D at 1, biases at 0 would hide a mistake)."""
+    net = LAYERS[request.param]()
+    model = torchfn.Model(net)
+    params = {n: p.double() + 0.05 * random.normal(random.key(i + 10), p.shape, torch.float64)
+              for i, (n, p) in enumerate(sorted(model.init(random.key(0)).items()))}
+    return net, model, params
+
+
+def test_caches_equal_the_whole_sequence(layer):
+    net, model, params = layer
+    x = random.normal(random.key(2), (2, 30, 32), torch.float64)
+    want = model.apply(params, x)
+    for cache in (KVCache(), StaticKVCache.allocate(net, 2, 1, dtype=torch.float64)):
+        torch.testing.assert_close(logits_through_cache(model.apply, params, x, 11, cache),
+                                   want, rtol=0, atol=1e-12)
+
+
+def test_left_padding_and_packed_documents_equal_each_alone(layer):
+    """Padding in both caches' forms of the mask; documents of 5, 2, 1, 19 and 3 tokens
+    (shorter than the convolution too), a document being a run of one id (0 1 0 1 0)."""
+    net, model, params = layer
+    x = random.normal(random.key(3), (2, 30, 32), torch.float64)
+    mask = torch.ones(2, 30, dtype=torch.bool)
+    mask[1, :5] = False
+    alone = model.apply(params, x[1:, 5:])
+    torch.testing.assert_close(model.apply(params, x, key_padding_mask=mask)[1:, 5:], alone,
+                               rtol=0, atol=1e-12)
+    static = StaticKVCache.allocate(net, 2, 34, dtype=torch.float64)
+    slots = torch.cat((mask, torch.ones(2, 4, dtype=torch.bool)), 1)  # (B, capacity)
+    got, _ = model.apply(params, x, key_padding_mask=slots, cache=static)
+    torch.testing.assert_close(got[1:, 5:], alone, rtol=0, atol=1e-12)
+    lengths = [5, 2, 1, 19, 3]
+    runs = torch.repeat_interleave(torch.arange(5) % 2, torch.tensor(lengths))[None]
+    got = model.apply(params, x, segment_ids=runs.expand(2, -1))
+    start = 0
+    for length in lengths:
+        part = slice(start, start + length)
+        torch.testing.assert_close(got[:, part], model.apply(params, x[:, part]), rtol=0,
+                                   atol=1e-12)
+        start += length
+
+
+def test_per_sample_gradients_equal_the_loop(layer):
+    _, model, params = layer
+    x = random.normal(random.key(4), (3, 9, 32), torch.float64)
+
+    def loss(p, one):
+        return model.apply(p, one[None]).square().mean()
+
+    batched = torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0))(params, x)
+    for i in range(3):
+        one = torch.func.grad(loss)(params, x[i])
+        for name in params:
+            torch.testing.assert_close(batched[name][i], one[name], rtol=0, atol=1e-12)
+
+
+def test_bad_input_is_named(layer):
+    _, model, params = layer
+    x = torch.zeros(1, 3, 32, dtype=torch.float64)
+    with pytest.raises(ValueError, match="cache does not take segment_ids"):
+        model.apply(params, x, segment_ids=torch.zeros(1, 3, dtype=torch.long), cache=KVCache())
+    with pytest.raises(ValueError, match=r"segment_ids must be \(B, N\) = \(1, 3\)"):
+        model.apply(params, x, segment_ids=torch.zeros(1, 2, dtype=torch.long))
+    with pytest.raises(ValueError, match="cache must hold 0 or 1 layers"):
+        model.apply(params, x, cache=KVCache((x, x), (x, x)))
