@@ -56,6 +56,10 @@ class TransformerBlock(nn.Module):
     ``x + Attn(LN(x)) + MLP(LN(x))`` (GPT-J, Phi-2).
 
     ``(B, N, dim) -> (B, N, dim)``; arguments as in :class:`TransformerEncoder`.
+    ``mixer=False``: no token mixer, the MLP alone (``x + MLP(LN(x))``); ``mlp="none"``:
+    the mixer alone. The token mixer is attention, :class:`LatentAttention`
+    (``latent_attention``), or :class:`GatedDeltaNet` / :class:`Mamba2`
+    (``linear_attention``); ``attn`` is None without one.
     ``key_padding_mask`` ``(B, N)`` bool marks real tokens (True). ``positions`` and
     ``cache`` go to :class:`MultiHeadAttention`; with a cache it returns ``(out, cache)``.
     With ``experts`` the MLP is a :class:`MoE`, and ``return_router_logits=True`` returns
@@ -136,8 +140,8 @@ class TransformerBlock(nn.Module):
             if latent_attention is not None:
                 raise ValueError("TransformerBlock: give linear_attention or latent_attention, "
                                  "not both")
-            mixer = Mamba2 if kind == "mamba2" else GatedDeltaNet
-            self.attn = mixer(dim, **({} if norm_eps is None else {"norm_eps": norm_eps})
+            layer = Mamba2 if kind == "mamba2" else GatedDeltaNet
+            self.attn = layer(dim, **({} if norm_eps is None else {"norm_eps": norm_eps})
                               | options)
         elif latent_attention is not None:
             if attn_options:
