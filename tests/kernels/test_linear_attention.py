@@ -1,8 +1,8 @@
-"""``kernels.gated_delta_rule`` and ``kernels.gated_linear_attention``: the chunked forms
-equal the token-by-token recurrences in float64 (any chunk size, grouped value heads, an
-initial state, the final state, packed documents); a sequence split in two with the
-state passed on equals the whole; ``vmap(grad)``, ``jvp`` and ``gradcheck`` (reverse and
-forward mode) hold."""
+"""``kernels.gated_delta_rule``, ``kernels.gated_linear_attention`` and
+``kernels.selective_scan``: the chunked forms equal the token-by-token recurrences in
+float64 (any chunk size, grouped value heads, an initial state, the final state, packed
+documents); a sequence split in two with the state passed on equals the whole;
+``vmap(grad)``, ``jvp`` and ``gradcheck`` (reverse and forward mode) hold."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from torch.func import grad, jvp, vmap
 
-from torchfn.kernels import gated_delta_rule, gated_linear_attention
+from torchfn.kernels import gated_delta_rule, gated_linear_attention, selective_scan
 
 
 def inputs(b, hk, hv, n, dk, dv, seed, dtype=torch.float64):
@@ -179,3 +179,57 @@ def test_bad_input_is_named():
     with pytest.raises(ValueError, match=r"segment_ids must be an integer tensor \(B, N\) = "
                                          r"\(1, 5\), got torch.Size\(\[1, 4\]\)"):
         gated_delta_rule(q, k, v, g, beta, segment_ids=torch.zeros(1, 4, dtype=torch.long))
+
+
+def selective_recurrence(x, dt, A, B, C, state):
+    """Mamba's scan token by token: ``h = exp(dt A) h + (dt x) B``, ``y = h C``."""
+    h, ys = state.clone(), []
+    for t in range(x.shape[1]):
+        h = (dt[:, t, :, None] * A).exp() * h + (dt[:, t] * x[:, t])[..., None] * B[:, t, None]
+        ys.append(torch.einsum("bds,bs->bd", h, C[:, t]))
+    return torch.stack(ys, 1), h
+
+
+def scan_inputs(b, n, d, s, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(b, n, d, generator=g, dtype=torch.float64)
+    dt = torch.rand(b, n, d, generator=g, dtype=torch.float64)
+    A = -3 * torch.rand(d, s, generator=g, dtype=torch.float64)
+    B, C = (torch.randn(b, n, s, generator=g, dtype=torch.float64) for _ in range(2))
+    return x, dt, A, B, C, torch.randn(b, d, s, generator=g, dtype=torch.float64)
+
+
+@given(n=st.integers(1, 50), chunk=st.sampled_from([1, 4, 16, 64]), d=st.integers(1, 5),
+       s=st.integers(1, 5), packed=st.booleans(), seed=st.integers(0, 2**16))
+def test_selective_scan_equals_its_recurrence(n, chunk, d, s, packed, seed):
+    """From a state; packed: two documents, the second from a zero state."""
+    x, dt, A, B, C, state = scan_inputs(2, n, d, s, seed)
+    cut = n // 2
+    ids = (torch.arange(n) >= cut).long().expand(2, n) if packed and cut else None
+    y, h = selective_scan(x, dt, A, B, C, state=state, segment_ids=ids, chunk=chunk,
+                          return_state=True)
+    if ids is None:
+        want_y, want_h = selective_recurrence(x, dt, A, B, C, state)
+    else:
+        first, _ = selective_recurrence(x[:, :cut], dt[:, :cut], A, B[:, :cut], C[:, :cut],
+                                        state)
+        rest, want_h = selective_recurrence(x[:, cut:], dt[:, cut:], A, B[:, cut:],
+                                            C[:, cut:], torch.zeros_like(state))
+        want_y = torch.cat((first, rest), 1)
+    torch.testing.assert_close(y, want_y, rtol=0, atol=1e-10)
+    torch.testing.assert_close(h, want_h, rtol=0, atol=1e-10)
+
+
+def test_selective_scan_gradcheck_in_both_modes_and_named_errors():
+    args = [t.requires_grad_() for t in scan_inputs(1, 6, 2, 3, seed=7)]
+    ids = torch.tensor([[0, 0, 1, 1, 1, 1]])
+    assert torch.autograd.gradcheck(
+        lambda *a: selective_scan(*a[:5], state=a[5], chunk=4, segment_ids=ids,
+                                  return_state=True), args, check_forward_ad=True)
+    x, dt, A, B, C, _ = scan_inputs(1, 4, 2, 3, seed=8)
+    with pytest.raises(ValueError, match=r"selective_scan: dt must be x's shape \(B, N, D\)"):
+        selective_scan(x, dt[:, :3], A, B, C)
+    with pytest.raises(ValueError, match=r"state must be \(B, D, S\) = \(1, 2, 3\)"):
+        selective_scan(x, dt, A, B, C, state=torch.zeros(1, 3, 2))
+    with pytest.raises(ValueError, match="chunk must be an int >= 1, got 0"):
+        selective_scan(x, dt, A, B, C, chunk=0)

@@ -1,6 +1,7 @@
-"""``models.Mamba2``: transformers' ``Mamba2Mixer`` with the same weights gives the same
-output; a hybrid encoder of Mamba-2 and attention blocks decodes through both caches as
-it runs whole. (Caches, padding, packing and ``vmap(grad)``: test_recurrent_layers.py.)"""
+"""``models.Mamba2`` and ``models.Mamba``: transformers' ``Mamba2Mixer`` and ``MambaMixer``
+with the same weights give the same outputs; a hybrid encoder of Mamba-2 and attention
+blocks decodes through both caches as it runs whole. (Caches, padding, packing and
+``vmap(grad)``: test_recurrent_layers.py.)"""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import torch
 
 import torchfn
 from torchfn import random
-from torchfn.models import Mamba2, StaticKVCache, TransformerEncoder, generate
+from torchfn.models import Mamba, Mamba2, StaticKVCache, TransformerEncoder, generate
 
 HF_NAMES = {"in_proj.weight": "in_proj.weight", "in_proj.bias": "in_proj.bias",
             "conv1d.weight": "conv.weight", "conv1d.bias": "conv.bias", "dt_bias": "dt_bias",
@@ -38,6 +39,27 @@ def test_equals_transformers_mamba2_mixer():
         want = hf(x)
     # transformers runs the scan in float32
     torch.testing.assert_close(model.apply(params, x), want, rtol=0, atol=2e-6)
+
+
+def test_mamba_equals_transformers_mamba_mixer():
+    transformers = pytest.importorskip("transformers", reason="the peer of this test")
+    from transformers.models.mamba import modeling_mamba
+
+    config = transformers.MambaConfig(hidden_size=16, intermediate_size=32, state_size=4,
+                                      time_step_rank=3, use_bias=True, num_hidden_layers=1)
+    torch.manual_seed(0)
+    hf = modeling_mamba.MambaMixer(config, 0).double()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    names = {"conv1d.weight": "conv.weight", "conv1d.bias": "conv.bias",
+             "out_proj.weight": "out.weight", "out_proj.bias": "out.bias"}
+    params = {names.get(n, n): t for n, t in hf.state_dict().items()}
+    model = torchfn.Model(Mamba(16, 32, state_dim=4, dt_rank=3, bias=True, chunk=8))
+    x = random.normal(random.key(1), (2, 30, 16), torch.float64)
+    with torch.no_grad():
+        want = hf(x)
+    torch.testing.assert_close(model.apply(params, x), want, rtol=0, atol=1e-6)
 
 
 def test_a_hybrid_encoder_decodes_as_it_runs_whole():

@@ -40,6 +40,8 @@ CASES = {
         layer_types=["mamba", "attention", "mamba", "mamba"])),
     # rotary on half of each head
     "bamba": ("bamba", dict(attn_layer_indices=[2])),
+    # Mamba(-1): blocks of a norm and the mixer alone; tied embeddings, biased projections
+    "mamba": ("mamba", dict(state_size=8, time_step_rank=3, use_bias=True)),
     # blocks of a norm and the mixer alone; tied embeddings
     "mamba2": ("mamba2", dict(num_heads=4, head_dim=16, state_size=8, n_groups=2,
                               tie_word_embeddings=True, time_step_limit=(0.0, 0.1))),
@@ -77,9 +79,9 @@ def test_mamba_hybrid_to_hf_gives_back_the_checkpoint_and_loads_in_transformers(
 
 def test_mamba_hybrid_errors_are_named():
     config = dict(BASE, model_type="bamba", attn_layer_indices=[1])
-    with pytest.raises(ValueError, match=r"model_type'\] must be one of \('mamba2', 'bamba', "
-                                         r"'granitemoehybrid'\), got 'mamba'"):
-        mamba_hybrid_from_hf(dict(config, model_type="mamba"))
+    with pytest.raises(ValueError, match=r"model_type'\] must be one of \('mamba', 'mamba2', "
+                                         r"'bamba', 'granitemoehybrid'\), got 'jamba'"):
+        mamba_hybrid_from_hf(dict(config, model_type="jamba"))
     with pytest.raises(ValueError, match=r"lacks \['num_heads'\]: not a mamba2 config"):
         mamba_hybrid_from_hf(dict(config, model_type="mamba2"))
     with pytest.raises(ValueError, match="mamba_n_heads \\* mamba_d_head = 64 must be "

@@ -1,4 +1,4 @@
-"""What ``models.GatedDeltaNet`` and ``models.Mamba2`` both promise: both caches (a
+"""What ``models.GatedDeltaNet``, ``models.Mamba2`` and ``models.Mamba`` all promise: both caches (a
 prefill, then a token a call; the static one with room for nothing but the layers'
 windows and states) equal the whole sequence; a left-padded row and each packed document
 come out as they do alone; per-sample gradients under ``vmap`` equal the loop; bad
@@ -12,12 +12,13 @@ from _cached import logits_through_cache
 
 import torchfn
 from torchfn import random
-from torchfn.models import GatedDeltaNet, KVCache, Mamba2, StaticKVCache
+from torchfn.models import GatedDeltaNet, KVCache, Mamba, Mamba2, StaticKVCache
 
 LAYERS = {
     "gated_deltanet": lambda: GatedDeltaNet(32, 4, key_heads=2, key_dim=8, value_dim=6),
     # conv and projection biases, 2 groups, chunks of 8
     "mamba2": lambda: Mamba2(32, 4, head_dim=16, state_dim=8, groups=2, bias=True, chunk=8),
+    "mamba": lambda: Mamba(32, 48, state_dim=4, dt_rank=3, bias=True, chunk=8),
 }
 
 

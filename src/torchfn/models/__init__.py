@@ -26,6 +26,7 @@ from torchfn.models._lora import (
     split_lora,
     with_lora,
 )
+from torchfn.models._mamba import Mamba
 from torchfn.models._mamba2 import Mamba2
 from torchfn.models._mamba_hybrid import mamba_hybrid_from_hf, mamba_hybrid_to_hf
 from torchfn.models._mla import LatentAttention
@@ -72,6 +73,7 @@ __all__ = [
     "MultiHeadAttention",
     "LatentAttention",
     "GatedDeltaNet",
+    "Mamba",
     "Mamba2",
     # rotary positions, KV-cache decoding and token sampling (_rotary, _kv_cache, _generate)
     "rotary_embedding",

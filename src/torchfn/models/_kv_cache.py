@@ -118,6 +118,7 @@ class StaticKVCache(NamedTuple):
         (zeros: the start), whatever the capacity."""
         from torchfn.models._attention import MultiHeadAttention
         from torchfn.models._delta_net import GatedDeltaNet
+        from torchfn.models._mamba import Mamba
         from torchfn.models._mamba2 import Mamba2
         from torchfn.models._mla import LatentAttention
 
@@ -129,7 +130,8 @@ class StaticKVCache(NamedTuple):
             if isinstance(n, bool) or not isinstance(n, int) or n < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {n!r}")
         layers = [m for m in module.modules()
-                  if isinstance(m, (MultiHeadAttention, LatentAttention, GatedDeltaNet, Mamba2))]
+                  if isinstance(m, (MultiHeadAttention, LatentAttention, GatedDeltaNet, Mamba,
+                                    Mamba2))]
         if not layers:
             raise ValueError(f"module has no MultiHeadAttention, LatentAttention, "
                              f"GatedDeltaNet or Mamba2 layer to cache: {type(module).__name__}")

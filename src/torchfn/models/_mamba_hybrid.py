@@ -1,9 +1,10 @@
-"""A Hugging Face Mamba-2, Bamba or Granite 4.0-H (``granitemoehybrid``) checkpoint as a
+"""A Hugging Face Mamba, Mamba-2, Bamba or Granite 4.0-H (``granitemoehybrid``) checkpoint as a
 ``TransformerEncoder`` and its params, and back: Mamba-2 blocks, alone or with a few
 attention blocks among them."""
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -24,12 +25,17 @@ from torchfn.models._transformer import TransformerEncoder
 
 __all__ = ["mamba_hybrid_from_hf", "mamba_hybrid_to_hf"]
 
-_TYPES = ("mamba2", "bamba", "granitemoehybrid")
+_TYPES = ("mamba", "mamba2", "bamba", "granitemoehybrid")
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 _MAMBA = {f"mamba.{hf}.{kind}": f"attn.{ours}.{kind}" for hf, ours in (
     ("in_proj", "in_proj"), ("conv1d", "conv"), ("out_proj", "out")) for kind in ("weight", "bias")}
 _MAMBA |= {"mamba.dt_bias": "attn.dt_bias", "mamba.A_log": "attn.A_log", "mamba.D": "attn.D",
            "mamba.norm.weight": "attn.norm.weight"}
+_MAMBA1 = {f"mamba.{hf}.{kind}": f"attn.{ours}.{kind}" for hf, ours in (
+    ("in_proj", "in_proj"), ("conv1d", "conv"), ("dt_proj", "dt_proj"), ("out_proj", "out"))
+    for kind in ("weight", "bias")}  # Mamba(-1)'s mixer
+_MAMBA1 |= {"mamba.x_proj.weight": "attn.x_proj.weight", "mamba.A_log": "attn.A_log",
+            "mamba.D": "attn.D"}
 _ATTN = {f"self_attn.{p}_proj.{kind}": f"attn.{p}_proj.{kind}" for p in "qkv"
          for kind in ("weight", "bias")}  # joined into attn.qkv
 _ATTN |= {"self_attn.o_proj.weight": "attn.out.weight", "self_attn.o_proj.bias": "attn.out.bias"}
@@ -39,11 +45,12 @@ _FAMILY = {  # model_type -> (final norm, second norm, the layer's MLP names)
     "granitemoehybrid": ("model.norm.weight", "post_attention_layernorm.weight", {
         "block_sparse_moe.router.layer.weight": "mlp.router.weight",
         "block_sparse_moe.output_linear.weight": "mlp.down"}),
-    "mamba2": ("model.norm_f.weight", None, {}),  # names as _mamba2_names makes them
+    "mamba2": ("model.norm_f.weight", None, {}),  # names as _MAMBA2 makes them
+    "mamba": ("model.norm_f.weight", None, {}),
 }
 _FUSED = ("shared_mlp.input_linear.weight", "shared_mlp.output_linear.weight",
           "block_sparse_moe.input_linear.weight")  # Granite's [gate | up] rows, and its MLPs
-_MAMBA2 = [  # Mamba-2's own names <-> the hybrids' (its blocks: a norm and the mixer)
+_MAMBA2 = [  # Mamba's and Mamba-2's own names <-> the hybrids' (a block: a norm, the mixer)
     (r"backbone\.embeddings\.weight", "model.embed_tokens.weight"),
     (r"backbone\.norm_f\.weight", "model.norm_f.weight"),
     (r"backbone\.layers\.(\d+)\.norm\.weight", r"model.layers.\1.input_layernorm.weight"),
@@ -114,11 +121,35 @@ def _mamba2_config(config: Mapping[str, Any]) -> dict[str, Any]:
             dt_limit=(float(limit[0]), float(limit[1]))))
 
 
+def _mamba1_config(config: Mapping[str, Any]) -> dict[str, Any]:
+    """``TransformerEncoder``'s keywords for a Mamba(-1) config: blocks of a norm and the
+    :class:`Mamba` mixer alone, no position embedding."""
+    missing = [k for k in ("hidden_size", "num_hidden_layers", "vocab_size") if k not in config]
+    if missing:
+        raise ValueError(f"config lacks {missing}: not a mamba config")
+    dim = config["hidden_size"]
+    rank = config.get("time_step_rank", "auto")
+    return dict(
+        dim=dim, heads=1, depth=config["num_hidden_layers"], vocab_size=config["vocab_size"],
+        out_dim=config["vocab_size"], causal=True, position_embedding="none", norm="rms",
+        mlp="none", bias=False, norm_eps=float(config.get("layer_norm_epsilon", 1e-5)),
+        tie_embeddings=bool(config.get("tie_word_embeddings", True)),
+        linear_attention=dict(
+            kind="mamba", inner=config.get("intermediate_size", 2 * dim),
+            state_dim=config.get("state_size", 16),
+            dt_rank=math.ceil(dim / 16) if rank == "auto" else int(rank),
+            conv_kernel=config.get("conv_kernel", 4), bias=bool(config.get("use_bias")),
+            conv_bias=bool(config.get("use_conv_bias", True))))
+
+
 def _config(config: Mapping[str, Any]) -> dict[str, Any]:
-    """``TransformerEncoder``'s keywords for a Mamba-2 / Bamba / Granite 4.0-H config."""
+    """``TransformerEncoder``'s keywords for a Mamba / Mamba-2 / Bamba / Granite 4.0-H
+    config."""
     kind = _check_kind(config)
     if kind == "mamba2":
         return _mamba2_config(config)
+    if kind == "mamba":
+        return _mamba1_config(config)
     missing = [k for k in ("hidden_size", "num_attention_heads", "num_hidden_layers",
                            "intermediate_size", "vocab_size", "mamba_n_heads", "mamba_d_head")
                if k not in config]
@@ -177,11 +208,12 @@ def _config(config: Mapping[str, Any]) -> dict[str, Any]:
 
 def mamba_hybrid_from_hf(config: Mapping[str, Any], state_dict: Mapping[str, Tensor] | None = None,
                          **overrides: Any) -> tuple[TransformerEncoder, dict[str, Tensor] | None]:
-    """The ``TransformerEncoder`` of a Hugging Face Mamba-2 (``"mamba2"``), Bamba
-    (``"bamba"``) or Granite 4.0-H (``"granitemoehybrid"``) ``config``, and the params of
-    its ``state_dict``.
+    """The ``TransformerEncoder`` of a Hugging Face Mamba (``"mamba"``), Mamba-2
+    (``"mamba2"``), Bamba (``"bamba"``) or Granite 4.0-H (``"granitemoehybrid"``)
+    ``config``, and the params of its ``state_dict``.
 
-    Mamba-2's blocks are a norm and the :class:`Mamba2` mixer alone (``mlp="none"``).
+    Mamba's and Mamba-2's blocks are a norm and the :class:`Mamba` or :class:`Mamba2`
+    mixer alone (``mlp="none"``).
 
     Most blocks mix tokens with :class:`Mamba2` (``linear_attention=dict(kind="mamba2",
     ...)``), the others (Bamba's ``attn_layer_indices``, Granite's ``layer_types``) with
@@ -225,14 +257,15 @@ def mamba_hybrid_from_hf(config: Mapping[str, Any], state_dict: Mapping[str, Ten
         return module, None
     kind = config["model_type"]
     final, second, mlp = _FAMILY[kind]
-    names = _MAMBA | _ATTN | mlp | {"input_layernorm.weight": "ln1.weight"} | (
+    mixer = _MAMBA1 if kind == "mamba" else _MAMBA
+    names = mixer | _ATTN | mlp | {"input_layernorm.weight": "ln1.weight"} | (
         {second: "ln2.weight"} if second else {})
     glob = {"model.embed_tokens.weight": "embed.weight", final: "ln.weight",
             "lm_head.weight": "head.weight"}
     params: dict[str, Tensor] = {}
     unknown = []
     for name, tensor in state_dict.items():
-        if kind == "mamba2":  # its names as the hybrids'
+        if kind in ("mamba", "mamba2"):  # their names as the hybrids'
             name = _renamed(name, _MAMBA2)
         layer = _LAYER.fullmatch(name)
         at, rest = (f"blocks.{layer[1]}.", layer[2]) if layer else ("", "")
@@ -288,7 +321,8 @@ def mamba_hybrid_to_hf(config: Mapping[str, Any], params: Mapping[str, Tensor]
     final, second, mlp = _FAMILY[kind]
     common = mlp | {"input_layernorm.weight": "ln1.weight"} | (
         {second: "ln2.weight"} if second else {})
-    inverse = {mamba: {ours: hf for hf, ours in ((_MAMBA if mamba else _ATTN) | common).items()}
+    mixer = _MAMBA1 if kind == "mamba" else _MAMBA
+    inverse = {mamba: {ours: hf for hf, ours in ((mixer if mamba else _ATTN) | common).items()}
                for mamba in (False, True)}  # ours -> HF for each kind of layer
     glob = {"embed.weight": "model.embed_tokens.weight", "ln.weight": final,
             "head.weight": "lm_head.weight"}
@@ -320,6 +354,6 @@ def mamba_hybrid_to_hf(config: Mapping[str, Any], params: Mapping[str, Tensor]
         else:
             linear = kwargs.get("layer_linear") or [True] * kwargs["depth"]
             out[at + inverse[linear[int(i)]][rest]] = t
-    if kind == "mamba2":  # back to its own names
+    if kind in ("mamba", "mamba2"):  # back to their own names
         out = {_renamed(n, _MAMBA2_BACK): t for n, t in out.items()}
     return out

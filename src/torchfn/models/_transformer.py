@@ -10,6 +10,7 @@ from torch import Tensor, nn
 from torchfn.models._attention import AttendFn, MultiHeadAttention, token_positions
 from torchfn.models._delta_net import GatedDeltaNet
 from torchfn.models._kv_cache import KVCache, StaticKVCache, check_cache
+from torchfn.models._mamba import Mamba
 from torchfn.models._mamba2 import Mamba2
 from torchfn.models._mla import LatentAttention
 from torchfn.models._mlp import SquaredReLU, SwiGLU, _check_dims
@@ -133,16 +134,18 @@ class TransformerBlock(nn.Module):
         elif linear_attention is not None:
             options = dict(linear_attention) if isinstance(linear_attention, dict) else {}
             kind = options.pop("kind", "gated_deltanet")
-            if "heads" not in options or kind not in ("gated_deltanet", "mamba2"):
+            layers = {"gated_deltanet": GatedDeltaNet, "mamba2": Mamba2, "mamba": Mamba}
+            if kind not in layers or ("heads" not in options and kind != "mamba"):
                 raise ValueError(f"linear_attention must be a dict of GatedDeltaNet's keywords "
                                  f"(heads, key_heads, key_dim, value_dim, conv_kernel) or, with "
-                                 f"kind='mamba2', Mamba2's; got {linear_attention!r}")
+                                 f"kind='mamba2' or 'mamba', Mamba2's or Mamba's; got "
+                                 f"{linear_attention!r}")
             if latent_attention is not None:
                 raise ValueError("TransformerBlock: give linear_attention or latent_attention, "
                                  "not both")
-            layer = Mamba2 if kind == "mamba2" else GatedDeltaNet
-            self.attn = layer(dim, **({} if norm_eps is None else {"norm_eps": norm_eps})
-                              | options)
+            if norm_eps is not None and kind != "mamba":  # (Mamba-1 has no norm inside)
+                options.setdefault("norm_eps", norm_eps)
+            self.attn = layers[kind](dim, **options)
         elif latent_attention is not None:
             if attn_options:
                 raise ValueError(f"attn_options are MultiHeadAttention's, not latent "
