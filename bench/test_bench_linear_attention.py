@@ -13,6 +13,9 @@ Qwen3.5 model; Mamba-2's mixer and a Granite 4.0-H model.
   path, which runs without the mamba-ssm kernels, i.e. on every CPU), the same weights:
   B=1, N=4096, dim 512, 16 heads of 64, state 128, one group; forward, and forward plus
   the gradient in every parameter.
+* ``test_mamba``: ``models.Mamba`` (Mamba-1) against transformers' ``MambaMixer`` (its
+  PyTorch path: a loop over tokens), the same weights: B=1, N=2048, dim 512, inner 1024,
+  state 16; forward, and forward plus the gradient in every parameter.
 * ``test_generate_granite_hybrid_vs_transformers``: greedy decoding of one small Granite
   4.0-H (three Mamba-2 blocks, one attention; a mixture of 4 experts and a shared MLP),
   4 prompts of 256 tokens, 64 new tokens, against transformers' ``generate``.
@@ -29,7 +32,7 @@ import torch
 import torchfn
 from torchfn import random
 from torchfn.kernels import gated_delta_rule
-from torchfn.models import Mamba2, from_pretrained, generate, qwen3_next_from_hf
+from torchfn.models import Mamba, Mamba2, from_pretrained, generate, qwen3_next_from_hf
 
 B, HK, HV, N, D = 1, 4, 8, 4096, 128
 
@@ -185,3 +188,33 @@ def test_generate_granite_hybrid_vs_transformers(benchmark, how, tmp_path):
     with torch.no_grad():
         out = benchmark.pedantic(run, rounds=3, iterations=1, warmup_rounds=1)
     assert out.shape == (4, 320)
+
+
+@pytest.mark.parametrize("mode", ["forward", "forward+backward"])
+@pytest.mark.parametrize("how", ["torchfn", "transformers"])
+def test_mamba(benchmark, how, mode):
+    transformers = pytest.importorskip("transformers", reason="the peer of this bench")
+    from transformers.models.mamba import modeling_mamba
+
+    benchmark.group = f"mamba mixer N=2048 dim=512 {mode}"
+    config = transformers.MambaConfig(hidden_size=512, intermediate_size=1024, state_size=16,
+                                      time_step_rank=32, num_hidden_layers=1)
+    torch.manual_seed(0)
+    hf = modeling_mamba.MambaMixer(config, 0)
+    names = {"conv1d.weight": "conv.weight", "conv1d.bias": "conv.bias",
+             "out_proj.weight": "out.weight"}
+    params = {names.get(n, n): t.detach() for n, t in hf.state_dict().items()}
+    model = torchfn.Model(Mamba(512, 1024, state_dim=16, dt_rank=32))
+    x = random.normal(random.key(0), (1, 2048, 512))
+    want = model.apply(params, x)
+    if how == "torchfn":
+        run = (lambda: model.apply(params, x)) if mode == "forward" else (  # noqa: E731
+            lambda: torch.func.grad(lambda p: model.apply(p, x).square().mean())(params))
+    else:
+        weights = list(hf.parameters())
+        run = (lambda: hf(x)) if mode == "forward" else (  # noqa: E731
+            lambda: torch.autograd.grad(hf(x).square().mean(), weights))
+    with torch.no_grad() if mode == "forward" else contextlib.nullcontext():
+        out = benchmark.pedantic(run, rounds=3, warmup_rounds=1)
+    if mode == "forward":
+        assert torch.allclose(out, want, atol=1e-4)

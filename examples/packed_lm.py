@@ -31,7 +31,7 @@ the progression, and of the progressions continued without a single error.
     python examples/packed_lm.py --steps 300 --seed 0 [--optimizer muon] [--remat dots]
         [--positions rotary] [--kv-heads 1] [--draft-dim 32] [--dim 256 --depth 4]
         [--experts 4 [--routing deepseek]] [--latent-attention]
-        [--mixer gated_deltanet | mamba2]
+        [--mixer gated_deltanet | mamba2 | mamba]
 
 ``--experts 4`` makes every block's MLP a mixture of 4 experts, each token routed to
 2 (``models.MoE``, Mixtral's routing), trained with Switch's load-balancing loss
@@ -45,8 +45,9 @@ step toward balanced loads, ``--bias-rate`` a step, with no load-balancing loss
 DeepSeek's multi-head latent attention (``models.LatentAttention``: keys and values from
 one small latent per token, which is all the KV cache holds; rotary positions).
 
-``--mixer gated_deltanet`` (or ``mamba2``) makes every block but the last a linear-attention
-block with a fixed-size state (``models.GatedDeltaNet``, Qwen3-Next's; ``models.Mamba2``):
+``--mixer gated_deltanet`` (or ``mamba2``, ``mamba``) makes every block but the last a
+linear-attention block with a fixed-size state (``models.GatedDeltaNet``, Qwen3-Next's;
+``models.Mamba2``; ``models.Mamba``):
 a hybrid stack, the last block attention. The packed documents stay apart there too: each
 starts from a zero state (``segment_ids`` reset the state inside the chunked scan), and
 decoding carries each block's state in the cache instead of its keys.
@@ -120,7 +121,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="--routing deepseek: the selection bias's step per training step")
     p.add_argument("--latent-attention", action="store_true",
                    help="DeepSeek's multi-head latent attention in every block")
-    p.add_argument("--mixer", choices=["attention", "gated_deltanet", "mamba2"],
+    p.add_argument("--mixer", choices=["attention", "gated_deltanet", "mamba2", "mamba"],
                    default="attention", help="the token mixer of every block but the last")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-every", type=int, default=50)
@@ -203,6 +204,8 @@ def main(argv: list[str] | None = None) -> dict:
         linear = dict(heads=4, key_dim=args.dim // 4, value_dim=args.dim // 4, chunk=32)
     elif args.mixer == "mamba2":
         linear = dict(kind="mamba2", heads=4, head_dim=args.dim // 2, state_dim=16, chunk=32)
+    elif args.mixer == "mamba":
+        linear = dict(kind="mamba", state_dim=16, chunk=32)
     init_key, data_key = random.split(random.key(args.seed))
     net = TransformerEncoder(
         dim=args.dim, heads=4, depth=args.depth, vocab_size=VOCAB, out_dim=VOCAB,

@@ -107,9 +107,9 @@ def test_deepseek_style_lm_with_latent_attention_and_loss_free_balancing(example
         assert len(shares) == 4 and min(shares) > 0.05 and abs(sum(shares) - 1) < 1e-6
 
 
-@pytest.mark.parametrize("mixer", ["gated_deltanet", "mamba2"])
+@pytest.mark.parametrize("mixer", ["gated_deltanet", "mamba2", "mamba"])
 def test_hybrid_lm_with_linear_attention_learns_each_document(example, mixer):
-    """--mixer: a linear-attention block (Gated DeltaNet or Mamba-2) then attention. The
+    """--mixer: a linear-attention block (Gated DeltaNet, Mamba-2 or Mamba) then attention. The
     packed documents reset its state, and greedy continuation from left-padded prompts
     goes through its cached state."""
     result = example("packed_lm").main(["--steps", "80", "--rows", "4", "--seed", "1",
