@@ -42,6 +42,8 @@ CASES = {
     "bamba": ("bamba", dict(attn_layer_indices=[2])),
     # Mamba(-1): blocks of a norm and the mixer alone; tied embeddings, biased projections
     "mamba": ("mamba", dict(state_size=8, time_step_rank=3, use_bias=True)),
+    # Mamba with its step sizes, B and C RMS-normalised
+    "falcon-mamba": ("falcon_mamba", dict(state_size=8, time_step_rank=3, mixer_rms_eps=1e-3)),
     # blocks of a norm and the mixer alone; tied embeddings
     "mamba2": ("mamba2", dict(num_heads=4, head_dim=16, state_size=8, n_groups=2,
                               tie_word_embeddings=True, time_step_limit=(0.0, 0.1))),
@@ -79,8 +81,9 @@ def test_mamba_hybrid_to_hf_gives_back_the_checkpoint_and_loads_in_transformers(
 
 def test_mamba_hybrid_errors_are_named():
     config = dict(BASE, model_type="bamba", attn_layer_indices=[1])
-    with pytest.raises(ValueError, match=r"model_type'\] must be one of \('mamba', 'mamba2', "
-                                         r"'bamba', 'granitemoehybrid'\), got 'jamba'"):
+    with pytest.raises(ValueError, match=r"model_type'\] must be one of \('mamba', "
+                                         r"'falcon_mamba', 'mamba2', 'bamba', "
+                                         r"'granitemoehybrid'\), got 'jamba'"):
         mamba_hybrid_from_hf(dict(config, model_type="jamba"))
     with pytest.raises(ValueError, match=r"lacks \['num_heads'\]: not a mamba2 config"):
         mamba_hybrid_from_hf(dict(config, model_type="mamba2"))

@@ -23,7 +23,8 @@ class Mamba(nn.Module):
     gives each token's step-size features (``dt_rank``) and its ``B``, ``C``
     (``state_dim``); ``dt = softplus(dt_proj(.))`` per channel; then
     :func:`torchfn.kernels.selective_scan` with ``A = -exp(A_log)`` ``(inner, state_dim)``,
-    plus ``D x``, times ``silu(z)``, through ``out``.
+    plus ``D x``, times ``silu(z)``, through ``out``. ``bcdt_norm_eps``: the step-size
+    features, ``B`` and ``C`` are each RMS-normalised (no weight) first, as Falcon-Mamba's.
 
     Caches as :class:`Mamba2`'s: an entry holds the convolution's window
     ``(B, inner, K - 1)`` and the state ``(B, 1, inner, state_dim)``. ``key_padding_mask``
@@ -45,7 +46,8 @@ class Mamba(nn.Module):
 
     def __init__(self, dim: int, inner: int | None = None, *, state_dim: int = 16,
                  dt_rank: int | None = None, conv_kernel: int = 4, bias: bool = False,
-                 conv_bias: bool = True, chunk: int = 64) -> None:
+                 conv_bias: bool = True, bcdt_norm_eps: float | None = None,
+                 chunk: int = 64) -> None:
         super().__init__()
         inner = 2 * dim if inner is None else inner
         dt_rank = math.ceil(dim / 16) if dt_rank is None else dt_rank
@@ -53,6 +55,11 @@ class Mamba(nn.Module):
                     conv_kernel=conv_kernel, chunk=chunk)
         self.dim, self.inner, self.state_dim, self.dt_rank = dim, inner, state_dim, dt_rank
         self.conv_kernel, self.chunk = conv_kernel, chunk
+        if bcdt_norm_eps is not None and (isinstance(bcdt_norm_eps, bool) or not isinstance(
+                bcdt_norm_eps, (int, float)) or not bcdt_norm_eps > 0):
+            raise ValueError(f"bcdt_norm_eps must be a number > 0 or None, got "
+                             f"{bcdt_norm_eps!r}")
+        self.bcdt_norm_eps = bcdt_norm_eps
         self.in_proj = nn.Linear(dim, 2 * inner, bias=bias)  # [x | z]
         self.conv = nn.Conv1d(inner, inner, conv_kernel, groups=inner, bias=conv_bias)
         self.x_proj = nn.Linear(inner, dt_rank + 2 * state_dim, bias=False)  # [dt | B | C]
@@ -94,6 +101,9 @@ class Mamba(nn.Module):
             xs = xs * keep
         dt, b, c = self.x_proj(xs).split([self.dt_rank, self.state_dim, self.state_dim], -1)
         work = torch.promote_types(x.dtype, torch.float32)
+        if self.bcdt_norm_eps is not None:  # Falcon-Mamba: each RMS-normalised, no weight
+            dt, b, c = (nn.functional.rms_norm(t.to(work), t.shape[-1:], eps=self.bcdt_norm_eps)
+                        .to(t.dtype) for t in (dt, b, c))
         dt = nn.functional.softplus(self.dt_proj(dt).to(work))  # (B, N, inner)
         a = -self.A_log.to(work).exp()  # (inner, S)
         y, state = _scan(xs, dt, a, b, c, None if state is None else state[:, 0], runs,

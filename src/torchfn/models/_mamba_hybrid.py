@@ -25,7 +25,7 @@ from torchfn.models._transformer import TransformerEncoder
 
 __all__ = ["mamba_hybrid_from_hf", "mamba_hybrid_to_hf"]
 
-_TYPES = ("mamba", "mamba2", "bamba", "granitemoehybrid")
+_TYPES = ("mamba", "falcon_mamba", "mamba2", "bamba", "granitemoehybrid")
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 _MAMBA = {f"mamba.{hf}.{kind}": f"attn.{ours}.{kind}" for hf, ours in (
     ("in_proj", "in_proj"), ("conv1d", "conv"), ("out_proj", "out")) for kind in ("weight", "bias")}
@@ -47,6 +47,7 @@ _FAMILY = {  # model_type -> (final norm, second norm, the layer's MLP names)
         "block_sparse_moe.output_linear.weight": "mlp.down"}),
     "mamba2": ("model.norm_f.weight", None, {}),  # names as _MAMBA2 makes them
     "mamba": ("model.norm_f.weight", None, {}),
+    "falcon_mamba": ("model.norm_f.weight", None, {}),
 }
 _FUSED = ("shared_mlp.input_linear.weight", "shared_mlp.output_linear.weight",
           "block_sparse_moe.input_linear.weight")  # Granite's [gate | up] rows, and its MLPs
@@ -139,7 +140,9 @@ def _mamba1_config(config: Mapping[str, Any]) -> dict[str, Any]:
             state_dim=config.get("state_size", 16),
             dt_rank=math.ceil(dim / 16) if rank == "auto" else int(rank),
             conv_kernel=config.get("conv_kernel", 4), bias=bool(config.get("use_bias")),
-            conv_bias=bool(config.get("use_conv_bias", True))))
+            conv_bias=bool(config.get("use_conv_bias", True)),
+            bcdt_norm_eps=float(config.get("mixer_rms_eps", 1e-6))
+            if config.get("model_type") == "falcon_mamba" else None))
 
 
 def _config(config: Mapping[str, Any]) -> dict[str, Any]:
@@ -148,7 +151,7 @@ def _config(config: Mapping[str, Any]) -> dict[str, Any]:
     kind = _check_kind(config)
     if kind == "mamba2":
         return _mamba2_config(config)
-    if kind == "mamba":
+    if kind in ("mamba", "falcon_mamba"):
         return _mamba1_config(config)
     missing = [k for k in ("hidden_size", "num_attention_heads", "num_hidden_layers",
                            "intermediate_size", "vocab_size", "mamba_n_heads", "mamba_d_head")
@@ -208,8 +211,9 @@ def _config(config: Mapping[str, Any]) -> dict[str, Any]:
 
 def mamba_hybrid_from_hf(config: Mapping[str, Any], state_dict: Mapping[str, Tensor] | None = None,
                          **overrides: Any) -> tuple[TransformerEncoder, dict[str, Tensor] | None]:
-    """The ``TransformerEncoder`` of a Hugging Face Mamba (``"mamba"``), Mamba-2
-    (``"mamba2"``), Bamba (``"bamba"``) or Granite 4.0-H (``"granitemoehybrid"``)
+    """The ``TransformerEncoder`` of a Hugging Face Mamba (``"mamba"``), Falcon-Mamba
+    (``"falcon_mamba"``: Mamba with its step sizes, ``B`` and ``C`` RMS-normalised),
+    Mamba-2 (``"mamba2"``), Bamba (``"bamba"``) or Granite 4.0-H (``"granitemoehybrid"``)
     ``config``, and the params of its ``state_dict``.
 
     Mamba's and Mamba-2's blocks are a norm and the :class:`Mamba` or :class:`Mamba2`
@@ -257,7 +261,7 @@ def mamba_hybrid_from_hf(config: Mapping[str, Any], state_dict: Mapping[str, Ten
         return module, None
     kind = config["model_type"]
     final, second, mlp = _FAMILY[kind]
-    mixer = _MAMBA1 if kind == "mamba" else _MAMBA
+    mixer = _MAMBA1 if kind in ("mamba", "falcon_mamba") else _MAMBA
     names = mixer | _ATTN | mlp | {"input_layernorm.weight": "ln1.weight"} | (
         {second: "ln2.weight"} if second else {})
     glob = {"model.embed_tokens.weight": "embed.weight", final: "ln.weight",
@@ -265,7 +269,7 @@ def mamba_hybrid_from_hf(config: Mapping[str, Any], state_dict: Mapping[str, Ten
     params: dict[str, Tensor] = {}
     unknown = []
     for name, tensor in state_dict.items():
-        if kind in ("mamba", "mamba2"):  # their names as the hybrids'
+        if kind in ("mamba", "falcon_mamba", "mamba2"):  # their names as the hybrids'
             name = _renamed(name, _MAMBA2)
         layer = _LAYER.fullmatch(name)
         at, rest = (f"blocks.{layer[1]}.", layer[2]) if layer else ("", "")
@@ -321,7 +325,7 @@ def mamba_hybrid_to_hf(config: Mapping[str, Any], params: Mapping[str, Tensor]
     final, second, mlp = _FAMILY[kind]
     common = mlp | {"input_layernorm.weight": "ln1.weight"} | (
         {second: "ln2.weight"} if second else {})
-    mixer = _MAMBA1 if kind == "mamba" else _MAMBA
+    mixer = _MAMBA1 if kind in ("mamba", "falcon_mamba") else _MAMBA
     inverse = {mamba: {ours: hf for hf, ours in ((mixer if mamba else _ATTN) | common).items()}
                for mamba in (False, True)}  # ours -> HF for each kind of layer
     glob = {"embed.weight": "model.embed_tokens.weight", "ln.weight": final,
@@ -354,6 +358,6 @@ def mamba_hybrid_to_hf(config: Mapping[str, Any], params: Mapping[str, Tensor]
         else:
             linear = kwargs.get("layer_linear") or [True] * kwargs["depth"]
             out[at + inverse[linear[int(i)]][rest]] = t
-    if kind in ("mamba", "mamba2"):  # back to their own names
+    if kind in ("mamba", "falcon_mamba", "mamba2"):  # back to their own names
         out = {_renamed(n, _MAMBA2_BACK): t for n, t in out.items()}
     return out
