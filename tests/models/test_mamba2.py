@@ -84,6 +84,10 @@ def test_a_hybrid_encoder_decodes_as_it_runs_whole():
 def test_bad_input_is_named():
     with pytest.raises(ValueError, match="bcdt_norm_eps must be a number > 0 or None, got 0"):
         Mamba(16, bcdt_norm_eps=0)
+    with pytest.raises(ValueError, match="bcdt_norm_weight must be a bool, and True only with a "
+                                         "bcdt_norm_eps; got bcdt_norm_weight=True, "
+                                         "bcdt_norm_eps=None"):
+        Mamba(16, bcdt_norm_weight=True)
     with pytest.raises(ValueError, match="groups must divide heads = 4, got groups=3"):
         Mamba2(32, 4, groups=3)
     with pytest.raises(ValueError, match="linear_attention must be a dict of"):

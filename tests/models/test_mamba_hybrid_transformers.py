@@ -1,7 +1,8 @@
-"""``mamba_hybrid_from_hf`` / ``mamba_hybrid_to_hf`` against ``transformers``' Mamba-2,
-Bamba and Granite 4.0-H (``granitemoehybrid``): small random models saved with
-``save_pretrained``, compared on logits, both caches, greedy generation (left-padded too)
-and the round trip. Mamba-2 blocks, alone or with one attention block among them."""
+"""``mamba_hybrid_from_hf`` / ``mamba_hybrid_to_hf`` against ``transformers``' Mamba,
+Falcon-Mamba, Mamba-2, Bamba, Granite 4.0-H (``granitemoehybrid``) and Jamba: small random
+models saved with ``save_pretrained``, compared on logits, both caches, greedy generation
+(left-padded too) and the round trip. Mamba or Mamba-2 blocks, alone or with attention
+blocks among them."""
 
 from __future__ import annotations
 
@@ -44,6 +45,11 @@ CASES = {
     "mamba": ("mamba", dict(state_size=8, time_step_rank=3, use_bias=True)),
     # Mamba with its step sizes, B and C RMS-normalised
     "falcon-mamba": ("falcon_mamba", dict(state_size=8, time_step_rank=3, mixer_rms_eps=1e-3)),
+    # Mamba blocks with weighted dt/B/C norms, NoPE attention in 1 and 3, a mixture of
+    # unrenormalised top-2 in 0 and 2, SwiGLU in the others; biased projections
+    "jamba": ("jamba", dict(num_experts=4, num_experts_per_tok=2, attn_layer_period=2,
+                            attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=0,
+                            mamba_dt_rank=3, mamba_proj_bias=True)),
     # blocks of a norm and the mixer alone; tied embeddings
     "mamba2": ("mamba2", dict(num_heads=4, head_dim=16, state_size=8, n_groups=2,
                               tie_word_embeddings=True, time_step_limit=(0.0, 0.1))),
@@ -64,9 +70,11 @@ def test_a_transformers_checkpoint_gives_the_same_logits_caches_and_tokens(case,
     assert_same_logits_caches_and_tokens(hf, module, params, ATOL, use_cache=case != "mamba2")
 
 
-def test_greedy_generation_from_left_padded_prompts_equals_transformers(tmp_path):
-    """The padding stays out of the Mamba-2 layers' windows and states."""
-    hf, config, sd = hf_checkpoint(*CASES["bamba"], tmp_path)
+@pytest.mark.parametrize("case", ["bamba", "jamba"])
+def test_greedy_generation_from_left_padded_prompts_equals_transformers(case, tmp_path):
+    """The padding stays out of the Mamba-2 (Bamba) and Mamba (Jamba) layers' windows and
+    states."""
+    hf, config, sd = hf_checkpoint(*CASES[case], tmp_path)
     module, params = mamba_hybrid_from_hf(config, sd)
     assert_left_padded_generation_matches(hf, torchfn.Model(module), params)
 
@@ -83,8 +91,12 @@ def test_mamba_hybrid_errors_are_named():
     config = dict(BASE, model_type="bamba", attn_layer_indices=[1])
     with pytest.raises(ValueError, match=r"model_type'\] must be one of \('mamba', "
                                          r"'falcon_mamba', 'mamba2', 'bamba', "
-                                         r"'granitemoehybrid'\), got 'jamba'"):
-        mamba_hybrid_from_hf(dict(config, model_type="jamba"))
+                                         r"'granitemoehybrid', 'jamba'\), got 'zamba'"):
+        mamba_hybrid_from_hf(dict(config, model_type="zamba"))
+    with pytest.raises(ValueError, match=r"attn_layer_offset must be in \[0, attn_layer_period"
+                                         r"\), got attn_layer_offset=2, attn_layer_period=2"):
+        mamba_hybrid_from_hf(dict(config, model_type="jamba", attn_layer_period=2,
+                                  attn_layer_offset=2))
     with pytest.raises(ValueError, match=r"lacks \['num_heads'\]: not a mamba2 config"):
         mamba_hybrid_from_hf(dict(config, model_type="mamba2"))
     with pytest.raises(ValueError, match="mamba_n_heads \\* mamba_d_head = 64 must be "

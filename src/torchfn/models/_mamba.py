@@ -24,7 +24,9 @@ class Mamba(nn.Module):
     (``state_dim``); ``dt = softplus(dt_proj(.))`` per channel; then
     :func:`torchfn.kernels.selective_scan` with ``A = -exp(A_log)`` ``(inner, state_dim)``,
     plus ``D x``, times ``silu(z)``, through ``out``. ``bcdt_norm_eps``: the step-size
-    features, ``B`` and ``C`` are each RMS-normalised (no weight) first, as Falcon-Mamba's.
+    features, ``B`` and ``C`` are each RMS-normalised first, with no weight as
+    Falcon-Mamba's, or with a learned one each (``bcdt_norm_weight=True``: params
+    ``dt_norm`` ``(dt_rank,)``, ``b_norm`` and ``c_norm`` ``(state_dim,)``) as Jamba's.
 
     Caches as :class:`Mamba2`'s: an entry holds the convolution's window
     ``(B, inner, K - 1)`` and the state ``(B, 1, inner, state_dim)``. ``key_padding_mask``
@@ -47,7 +49,7 @@ class Mamba(nn.Module):
     def __init__(self, dim: int, inner: int | None = None, *, state_dim: int = 16,
                  dt_rank: int | None = None, conv_kernel: int = 4, bias: bool = False,
                  conv_bias: bool = True, bcdt_norm_eps: float | None = None,
-                 chunk: int = 64) -> None:
+                 bcdt_norm_weight: bool = False, chunk: int = 64) -> None:
         super().__init__()
         inner = 2 * dim if inner is None else inner
         dt_rank = math.ceil(dim / 16) if dt_rank is None else dt_rank
@@ -59,6 +61,10 @@ class Mamba(nn.Module):
                 bcdt_norm_eps, (int, float)) or not bcdt_norm_eps > 0):
             raise ValueError(f"bcdt_norm_eps must be a number > 0 or None, got "
                              f"{bcdt_norm_eps!r}")
+        if not isinstance(bcdt_norm_weight, bool) or bcdt_norm_weight and bcdt_norm_eps is None:
+            raise ValueError(f"bcdt_norm_weight must be a bool, and True only with a "
+                             f"bcdt_norm_eps; got bcdt_norm_weight={bcdt_norm_weight!r}, "
+                             f"bcdt_norm_eps={bcdt_norm_eps!r}")
         self.bcdt_norm_eps = bcdt_norm_eps
         self.in_proj = nn.Linear(dim, 2 * inner, bias=bias)  # [x | z]
         self.conv = nn.Conv1d(inner, inner, conv_kernel, groups=inner, bias=conv_bias)
@@ -67,12 +73,19 @@ class Mamba(nn.Module):
         self.A_log = nn.Parameter(torch.empty(inner, state_dim))
         self.D = nn.Parameter(torch.empty(inner))
         self.out = nn.Linear(inner, dim, bias=bias)
+        if bcdt_norm_weight:  # Jamba's: one weight for each of the three norms
+            self.dt_norm = nn.Parameter(torch.empty(dt_rank))
+            self.b_norm = nn.Parameter(torch.empty(state_dim))
+            self.c_norm = nn.Parameter(torch.empty(state_dim))
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
         """Mamba's: ``A`` = 1..state_dim in every channel, ``D`` = 1, step sizes
-        log-uniform in [1e-3, 0.1] through softplus's inverse (``dt_proj``'s bias)."""
+        log-uniform in [1e-3, 0.1] through softplus's inverse (``dt_proj``'s bias); the
+        norms' weights 1."""
         with torch.no_grad():
+            for weight in self._norm_weights():
+                nn.init.ones_(weight)
             self.A_log.copy_(torch.arange(1, self.state_dim + 1, dtype=torch.float32)
                              .log().expand(self.inner, -1))
             nn.init.ones_(self.D)
@@ -101,9 +114,9 @@ class Mamba(nn.Module):
             xs = xs * keep
         dt, b, c = self.x_proj(xs).split([self.dt_rank, self.state_dim, self.state_dim], -1)
         work = torch.promote_types(x.dtype, torch.float32)
-        if self.bcdt_norm_eps is not None:  # Falcon-Mamba: each RMS-normalised, no weight
-            dt, b, c = (nn.functional.rms_norm(t.to(work), t.shape[-1:], eps=self.bcdt_norm_eps)
-                        .to(t.dtype) for t in (dt, b, c))
+        if self.bcdt_norm_eps is not None:  # Falcon-Mamba (no weight), Jamba (a weight each)
+            weights = self._norm_weights() or (None,) * 3
+            dt, b, c = (_rms(t, w, self.bcdt_norm_eps, work) for t, w in zip((dt, b, c), weights))
         dt = nn.functional.softplus(self.dt_proj(dt).to(work))  # (B, N, inner)
         a = -self.A_log.to(work).exp()  # (inner, S)
         y, state = _scan(xs, dt, a, b, c, None if state is None else state[:, 0], runs,
@@ -114,9 +127,20 @@ class Mamba(nn.Module):
             return out
         return out, recurrent_cache(cache, window, state[:, None], x.shape[1])
 
+    def _norm_weights(self) -> tuple[Tensor, ...]:
+        """The three norms' weights (dt, B, C), or () without them."""
+        return (self.dt_norm, self.b_norm, self.c_norm) if hasattr(self, "dt_norm") else ()
+
     def extra_repr(self) -> str:
         return (f"dim={self.dim}, inner={self.inner}, state_dim={self.state_dim}, "
                 f"dt_rank={self.dt_rank}")
+
+
+def _rms(t: Tensor, weight: Tensor | None, eps: float, work: torch.dtype) -> Tensor:
+    """``t`` RMS-normalised over its last dim in ``work`` precision, back in its dtype,
+    times ``weight`` (as Jamba's norms: the weight after the cast back)."""
+    out = nn.functional.rms_norm(t.to(work), t.shape[-1:], eps=eps).to(t.dtype)
+    return out if weight is None else weight.to(t.dtype) * out
 
 
 def _scan(x, dt, a, b, c, state, runs, chunk):

@@ -1,6 +1,6 @@
-"""A Hugging Face Mamba, Mamba-2, Bamba or Granite 4.0-H (``granitemoehybrid``) checkpoint as a
-``TransformerEncoder`` and its params, and back: Mamba-2 blocks, alone or with a few
-attention blocks among them."""
+"""A Hugging Face Mamba, Falcon-Mamba, Mamba-2, Bamba, Granite 4.0-H (``granitemoehybrid``) or
+Jamba checkpoint as a ``TransformerEncoder`` and its params, and back: Mamba or Mamba-2
+blocks, alone or with a few attention blocks among them."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from torchfn.models._transformer import TransformerEncoder
 
 __all__ = ["mamba_hybrid_from_hf", "mamba_hybrid_to_hf"]
 
-_TYPES = ("mamba", "falcon_mamba", "mamba2", "bamba", "granitemoehybrid")
+_TYPES = ("mamba", "falcon_mamba", "mamba2", "bamba", "granitemoehybrid", "jamba")
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 _MAMBA = {f"mamba.{hf}.{kind}": f"attn.{ours}.{kind}" for hf, ours in (
     ("in_proj", "in_proj"), ("conv1d", "conv"), ("out_proj", "out")) for kind in ("weight", "bias")}
@@ -36,6 +36,8 @@ _MAMBA1 = {f"mamba.{hf}.{kind}": f"attn.{ours}.{kind}" for hf, ours in (
     for kind in ("weight", "bias")}  # Mamba(-1)'s mixer
 _MAMBA1 |= {"mamba.x_proj.weight": "attn.x_proj.weight", "mamba.A_log": "attn.A_log",
             "mamba.D": "attn.D"}
+_JAMBA = _MAMBA1 | {f"mamba.{p}_layernorm.weight": f"attn.{p}_norm" for p in ("dt", "b", "c")}
+_EXPERT = re.compile(r"feed_forward\.experts\.(\d+)\.(gate|up|down)_proj\.weight")  # Jamba's
 _ATTN = {f"self_attn.{p}_proj.{kind}": f"attn.{p}_proj.{kind}" for p in "qkv"
          for kind in ("weight", "bias")}  # joined into attn.qkv
 _ATTN |= {"self_attn.o_proj.weight": "attn.out.weight", "self_attn.o_proj.bias": "attn.out.bias"}
@@ -48,6 +50,9 @@ _FAMILY = {  # model_type -> (final norm, second norm, the layer's MLP names)
     "mamba2": ("model.norm_f.weight", None, {}),  # names as _MAMBA2 makes them
     "mamba": ("model.norm_f.weight", None, {}),
     "falcon_mamba": ("model.norm_f.weight", None, {}),
+    "jamba": ("model.final_layernorm.weight", "pre_ff_layernorm.weight", {
+        "feed_forward.router.weight": "mlp.router.weight",
+        **{f"feed_forward.{p}_proj.weight": f"mlp.{p}.weight" for p in ("gate", "up", "down")}}),
 }
 _FUSED = ("shared_mlp.input_linear.weight", "shared_mlp.output_linear.weight",
           "block_sparse_moe.input_linear.weight")  # Granite's [gate | up] rows, and its MLPs
@@ -145,14 +150,63 @@ def _mamba1_config(config: Mapping[str, Any]) -> dict[str, Any]:
             if config.get("model_type") == "falcon_mamba" else None))
 
 
+def _jamba_config(config: Mapping[str, Any]) -> dict[str, Any]:
+    """``TransformerEncoder``'s keywords for a Jamba config: Mamba blocks (their step-size
+    features, ``B`` and ``C`` RMS-normalised with a weight each) and, once every
+    ``attn_layer_period`` blocks, attention without position embedding; a softmax top-k
+    mixture (weights not renormalised) once every ``expert_layer_period`` blocks, a
+    SwiGLU MLP in the others."""
+    missing = [k for k in ("hidden_size", "num_attention_heads", "num_hidden_layers",
+                           "intermediate_size", "vocab_size") if k not in config]
+    if missing:
+        raise ValueError(f"config lacks {missing}: not a jamba config")
+    if config.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"config['hidden_act'] = {config['hidden_act']!r} is not supported "
+                         "here (needs 'silu')")
+    dim, heads, depth = config["hidden_size"], config["num_attention_heads"], \
+        config["num_hidden_layers"]
+    periods = {}
+    for part, period, offset in (("attn", 8, 4), ("expert", 2, 1)):
+        p = config.get(f"{part}_layer_period", period)
+        o = config.get(f"{part}_layer_offset", offset)
+        if not (isinstance(p, int) and isinstance(o, int) and 0 <= o < p):
+            raise ValueError(f"config: {part}_layer_offset must be in [0, {part}_layer_period), "
+                             f"got {part}_layer_offset={o!r}, {part}_layer_period={p!r}")
+        periods[part] = [i % p == o for i in range(depth)]
+    rank = config.get("mamba_dt_rank", "auto")
+    eps = float(config.get("rms_norm_eps", 1e-6))
+    kwargs: dict[str, Any] = dict(
+        dim=dim, heads=heads, depth=depth, vocab_size=config["vocab_size"],
+        out_dim=config["vocab_size"], causal=True, kv_heads=config.get("num_key_value_heads")
+        or heads, norm="rms", mlp="swiglu", bias=False, norm_eps=eps,
+        mlp_hidden=config["intermediate_size"], position_embedding="none",
+        tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+        linear_attention=dict(
+            kind="mamba", inner=int(config.get("mamba_expand", 2) * dim),
+            state_dim=config.get("mamba_d_state", 16),
+            dt_rank=math.ceil(dim / 16) if rank == "auto" else int(rank),
+            conv_kernel=config.get("mamba_d_conv", 4),
+            bias=bool(config.get("mamba_proj_bias", False)),
+            conv_bias=bool(config.get("mamba_conv_bias", True)), bcdt_norm_eps=eps,
+            bcdt_norm_weight=True),
+        layer_linear=[not a for a in periods["attn"]])
+    experts = config.get("num_experts", config.get("num_local_experts", 16))
+    if experts > 1 and any(periods["expert"]):
+        kwargs.update(experts=experts, top_k=config.get("num_experts_per_tok", 2),
+                      moe_options=dict(normalize=False), layer_experts=periods["expert"])
+    return kwargs
+
+
 def _config(config: Mapping[str, Any]) -> dict[str, Any]:
-    """``TransformerEncoder``'s keywords for a Mamba / Mamba-2 / Bamba / Granite 4.0-H
-    config."""
+    """``TransformerEncoder``'s keywords for a Mamba / Falcon-Mamba / Mamba-2 / Bamba /
+    Granite 4.0-H / Jamba config."""
     kind = _check_kind(config)
     if kind == "mamba2":
         return _mamba2_config(config)
     if kind in ("mamba", "falcon_mamba"):
         return _mamba1_config(config)
+    if kind == "jamba":
+        return _jamba_config(config)
     missing = [k for k in ("hidden_size", "num_attention_heads", "num_hidden_layers",
                            "intermediate_size", "vocab_size", "mamba_n_heads", "mamba_d_head")
                if k not in config]
@@ -213,8 +267,8 @@ def mamba_hybrid_from_hf(config: Mapping[str, Any], state_dict: Mapping[str, Ten
                          **overrides: Any) -> tuple[TransformerEncoder, dict[str, Tensor] | None]:
     """The ``TransformerEncoder`` of a Hugging Face Mamba (``"mamba"``), Falcon-Mamba
     (``"falcon_mamba"``: Mamba with its step sizes, ``B`` and ``C`` RMS-normalised),
-    Mamba-2 (``"mamba2"``), Bamba (``"bamba"``) or Granite 4.0-H (``"granitemoehybrid"``)
-    ``config``, and the params of its ``state_dict``.
+    Mamba-2 (``"mamba2"``), Bamba (``"bamba"``), Granite 4.0-H (``"granitemoehybrid"``) or
+    Jamba (``"jamba"``) ``config``, and the params of its ``state_dict``.
 
     Mamba's and Mamba-2's blocks are a norm and the :class:`Mamba` or :class:`Mamba2`
     mixer alone (``mlp="none"``).
@@ -226,8 +280,15 @@ def mamba_hybrid_from_hf(config: Mapping[str, Any], state_dict: Mapping[str, Ten
     shared SwiGLU MLP (its fused ``input_linear`` split into gate and up) and, with
     ``num_local_experts``, a softmax top-k mixture beside it; its embedding, attention,
     residual and logit multipliers are the encoder's ``embed_scale``, ``attn_scale``,
-    ``residual_scale`` and ``logit_scale``. Tested against ``transformers`` 5 on logits,
-    both caches, greedy generation and the round trip.
+    ``residual_scale`` and ``logit_scale``.
+
+    Jamba's blocks mix tokens with :class:`Mamba` (its step-size features, ``B`` and ``C``
+    RMS-normalised with a weight each: ``bcdt_norm_weight=True``) but once every
+    ``attn_layer_period`` (from ``attn_layer_offset``) with attention without position
+    embedding; once every ``expert_layer_period`` their MLP is a softmax top-k mixture
+    whose weights are not renormalised (``MoE(normalize=False)``, the experts' matrices
+    stacked), else SwiGLU. Tested against ``transformers`` 5 on logits, both caches,
+    greedy generation and the round trip.
 
     Args:
         config: the checkpoint's ``config.json`` as a dict.
@@ -261,12 +322,12 @@ def mamba_hybrid_from_hf(config: Mapping[str, Any], state_dict: Mapping[str, Ten
         return module, None
     kind = config["model_type"]
     final, second, mlp = _FAMILY[kind]
-    mixer = _MAMBA1 if kind in ("mamba", "falcon_mamba") else _MAMBA
-    names = mixer | _ATTN | mlp | {"input_layernorm.weight": "ln1.weight"} | (
+    names = _mixer(kind) | _ATTN | mlp | {"input_layernorm.weight": "ln1.weight"} | (
         {second: "ln2.weight"} if second else {})
     glob = {"model.embed_tokens.weight": "embed.weight", final: "ln.weight",
             "lm_head.weight": "head.weight"}
     params: dict[str, Tensor] = {}
+    experts: dict[str, dict[int, Tensor]] = {}  # Jamba's: our stacked name -> expert j's
     unknown = []
     for name, tensor in state_dict.items():
         if kind in ("mamba", "falcon_mamba", "mamba2"):  # their names as the hybrids'
@@ -280,12 +341,23 @@ def mamba_hybrid_from_hf(config: Mapping[str, Any], state_dict: Mapping[str, Ten
             params[at + names[rest]] = tensor
         elif layer and rest in _FUSED and kind == "granitemoehybrid":
             params.update({at + n: t for n, t in _unfuse(rest, tensor, "experts" in kwargs)})
+        elif layer and kind == "jamba" and (expert := _EXPERT.fullmatch(rest)):
+            experts.setdefault(f"{at}mlp.{expert[2]}", {})[int(expert[1])] = tensor
         else:
             unknown.append(name)
     check_known(unknown, kind)
+    for name, pieces in experts.items():  # (E, ...) when every expert came, else missing
+        if sorted(pieces) == list(range(kwargs.get("experts", 0))):
+            params[name] = torch.stack([pieces[j] for j in range(len(pieces))])
     join_qkv(params)
     check_fit(param_shapes(module), params, "state_dict")
     return module, params
+
+
+def _mixer(kind: str) -> dict[str, str]:
+    """The Mamba mixer's Hugging Face names (within a layer) -> ours."""
+    return _JAMBA if kind == "jamba" else _MAMBA1 if kind in ("mamba", "falcon_mamba") \
+        else _MAMBA
 
 
 def _unfuse(rest: str, t: Tensor, moe: bool) -> list[tuple[str, Tensor]]:
@@ -325,7 +397,7 @@ def mamba_hybrid_to_hf(config: Mapping[str, Any], params: Mapping[str, Tensor]
     final, second, mlp = _FAMILY[kind]
     common = mlp | {"input_layernorm.weight": "ln1.weight"} | (
         {second: "ln2.weight"} if second else {})
-    mixer = _MAMBA1 if kind in ("mamba", "falcon_mamba") else _MAMBA
+    mixer = _mixer(kind)
     inverse = {mamba: {ours: hf for hf, ours in ((mixer if mamba else _ATTN) | common).items()}
                for mamba in (False, True)}  # ours -> HF for each kind of layer
     glob = {"embed.weight": "model.embed_tokens.weight", "ln.weight": final,
@@ -355,6 +427,9 @@ def mamba_hybrid_to_hf(config: Mapping[str, Any], params: Mapping[str, Tensor]
             pass  # fused with its gate
         elif kind == "granitemoehybrid" and rest in ("mlp.shared.down.weight", "mlp.down.weight"):
             out[at + "shared_mlp.output_linear.weight"] = t
+        elif kind == "jamba" and rest in ("mlp.gate", "mlp.up", "mlp.down"):  # (E, ...)
+            for j, w in enumerate(t.unbind()):
+                out[f"{at}feed_forward.experts.{j}.{rest[4:]}_proj.weight"] = w.clone()
         else:
             linear = kwargs.get("layer_linear") or [True] * kwargs["depth"]
             out[at + inverse[linear[int(i)]][rest]] = t
