@@ -20,6 +20,9 @@ Qwen3.5 model; Mamba-2's mixer and a Granite 4.0-H model.
 * ``test_generate_granite_hybrid_vs_transformers``: greedy decoding of one small Granite
   4.0-H (three Mamba-2 blocks, one attention; a mixture of 4 experts and a shared MLP),
   4 prompts of 256 tokens, 64 new tokens, against transformers' ``generate``.
+* ``test_generate_falcon_h1_and_jamba_vs_transformers``: the same for one small Falcon-H1
+  (attention beside Mamba-2 in every block) and one small Jamba (Mamba-1 blocks, one
+  attention, mixtures in every other block).
 
 Run: ``pytest bench/test_bench_linear_attention.py --benchmark-only
 --benchmark-columns=min,median``.
@@ -182,6 +185,48 @@ def test_generate_granite_hybrid_vs_transformers(benchmark, how, tmp_path):
     prompt = random.randint(random.key(1), (4, 256), 1, 1000)
     if how == "torchfn":
         run = lambda: generate(model, params, prompt, 64)  # noqa: E731
+    else:
+        run = lambda: hf.generate(prompt, attention_mask=torch.ones_like(prompt),  # noqa: E731
+                                  max_new_tokens=64, min_new_tokens=64, do_sample=False,
+                                  pad_token_id=0, eos_token_id=None)
+    with torch.no_grad():
+        out = benchmark.pedantic(run, rounds=3, iterations=1, warmup_rounds=1)
+    assert out.shape == (4, 320)
+
+
+HYBRIDS = {  # float32, dim 256, 4 blocks, vocab 1000, as Granite's above
+    # every block attention (8 heads, 2 kv) beside Mamba-2 (8 heads of 64, state 64), then
+    # SwiGLU 688; multipliers away from 1
+    "falcon_h1": dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=8,
+                      num_key_value_heads=2, intermediate_size=688, vocab_size=1000,
+                      mamba_d_ssm=512, mamba_n_heads=8, mamba_d_state=64, mamba_rms_norm=True,
+                      key_multiplier=0.5, ssm_multipliers=[0.5, 1.5, 0.8, 1.2, 2.0],
+                      mlp_multipliers=[0.75, 1.4], embedding_multiplier=2.0),
+    # Mamba blocks (inner 512, state 16) but block 1 attention (8 heads, 2 kv); blocks 1
+    # and 3 a mixture of 4 experts of 256, 2 chosen, the others SwiGLU 256
+    "jamba": dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=8,
+                  num_key_value_heads=2, intermediate_size=256, vocab_size=1000, num_experts=4,
+                  num_experts_per_tok=2, attn_layer_period=4, attn_layer_offset=1,
+                  expert_layer_period=2, expert_layer_offset=1),
+}
+
+
+@pytest.mark.parametrize("how", ["torchfn", "transformers"])
+@pytest.mark.parametrize("kind", list(HYBRIDS))
+def test_generate_falcon_h1_and_jamba_vs_transformers(benchmark, kind, how, tmp_path):
+    """Greedy decoding, 4 prompts of 256 tokens, 64 new tokens, against transformers'
+    ``generate`` on the same weights (saved by transformers, read by ``from_pretrained``)."""
+    transformers = pytest.importorskip("transformers", reason="the peer of this bench")
+    benchmark.group = f"generate {kind}"
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(
+        transformers.AutoConfig.for_model(kind, **HYBRIDS[kind]),
+        experts_implementation="eager").eval()
+    hf.save_pretrained(tmp_path)
+    module, params, _, _ = from_pretrained(tmp_path)
+    prompt = random.randint(random.key(1), (4, 256), 1, 1000)
+    if how == "torchfn":
+        run = lambda: generate(torchfn.Model(module), params, prompt, 64)  # noqa: E731
     else:
         run = lambda: hf.generate(prompt, attention_mask=torch.ones_like(prompt),  # noqa: E731
                                   max_new_tokens=64, min_new_tokens=64, do_sample=False,

@@ -10,7 +10,15 @@ import torch
 
 import torchfn
 from torchfn import random
-from torchfn.models import Mamba, Mamba2, StaticKVCache, TransformerEncoder, generate
+from torchfn.models import (
+    Mamba,
+    Mamba2,
+    StaticKVCache,
+    SwiGLU,
+    TransformerBlock,
+    TransformerEncoder,
+    generate,
+)
 
 HF_NAMES = {"in_proj.weight": "in_proj.weight", "in_proj.bias": "in_proj.bias",
             "conv1d.weight": "conv.weight", "conv1d.bias": "conv.bias", "dt_bias": "dt_bias",
@@ -90,5 +98,24 @@ def test_bad_input_is_named():
         Mamba(16, bcdt_norm_weight=True)
     with pytest.raises(ValueError, match="groups must divide heads = 4, got groups=3"):
         Mamba2(32, 4, groups=3)
+    with pytest.raises(ValueError, match="norm must be 'gated', 'before_gate' or 'none', got "
+                                         "'after'"):
+        Mamba2(32, 4, norm="after")
+    with pytest.raises(ValueError, match=r"in_scales must be 5 numbers \(z, x, B, C, dt\) or "
+                                         r"None, got \(1.0, 2.0\)"):
+        Mamba2(32, 4, in_scales=(1.0, 2.0))
+    with pytest.raises(ValueError, match=r"scales must be two numbers \(gate, out\) or None, "
+                                         r"got \(1.0,\)"):
+        SwiGLU(8, 16, scales=(1.0,))
+    hybrid = dict(linear_attention=dict(kind="mamba2", heads=4), causal=True)
+    with pytest.raises(ValueError, match=r"parallel_linear must be a bool or a dict of numbers "
+                                         r"for \['attn_in', 'attn_out', 'linear_in', "
+                                         r"'linear_out'\], got \{'ssm_in': 2.0\}"):
+        TransformerEncoder(32, 4, 1, parallel_linear={"ssm_in": 2.0}, **hybrid)
+    with pytest.raises(ValueError, match="parallel_linear needs linear_attention"):
+        TransformerBlock(32, 4, parallel_linear=True)
+    with pytest.raises(ValueError, match=r"mlp_scales are a dense SwiGLU / GeGLU's \(gate, "
+                                         r"out\); got mlp='gelu', experts=None"):
+        TransformerEncoder(32, 4, 1, mlp_scales=(1.0, 2.0))
     with pytest.raises(ValueError, match="linear_attention must be a dict of"):
         TransformerEncoder(32, 4, 1, linear_attention=dict(kind="rwkv", heads=4))

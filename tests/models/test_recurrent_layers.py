@@ -1,8 +1,10 @@
-"""What ``models.GatedDeltaNet``, ``models.Mamba2`` and ``models.Mamba`` all promise: both caches (a
+"""What ``models.GatedDeltaNet``, ``models.Mamba2`` and ``models.Mamba`` all promise, and an
+encoder of Falcon-H1's parallel blocks (attention and Mamba-2 side by side): both caches (a
 prefill, then a token a call; the static one with room for nothing but the layers'
-windows and states) equal the whole sequence; a left-padded row and each packed document
-come out as they do alone; per-sample gradients under ``vmap`` equal the loop; bad
-arguments are named. Each layer's own file compares it with transformers."""
+windows and states, or the tokens too where there is attention) equal the whole
+sequence; a left-padded row and each packed document come out as they do alone;
+per-sample gradients under ``vmap`` equal the loop; bad arguments are named. Each layer's
+own file compares it with transformers."""
 
 from __future__ import annotations
 
@@ -12,14 +14,35 @@ from _cached import logits_through_cache
 
 import torchfn
 from torchfn import random
-from torchfn.models import GatedDeltaNet, KVCache, Mamba, Mamba2, StaticKVCache
+from torchfn.models import (
+    GatedDeltaNet,
+    KVCache,
+    Mamba,
+    Mamba2,
+    MultiHeadAttention,
+    StaticKVCache,
+    TransformerEncoder,
+)
 
 LAYERS = {
     "gated_deltanet": lambda: GatedDeltaNet(32, 4, key_heads=2, key_dim=8, value_dim=6),
     # conv and projection biases, 2 groups, chunks of 8
     "mamba2": lambda: Mamba2(32, 4, head_dim=16, state_dim=8, groups=2, bias=True, chunk=8),
     "mamba": lambda: Mamba(32, 48, state_dim=4, dt_rank=3, bias=True, chunk=8),
+    # two Falcon-H1 blocks: rotary attention beside Mamba-2 (norm before the gate), every
+    # multiplier away from 1
+    "parallel": lambda: TransformerEncoder(
+        32, 4, 2, in_dim=32, causal=True, position_embedding="rotary", norm="rms",
+        mlp="swiglu", bias=False, kv_heads=2, mlp_scales=(0.75, 1.4),
+        linear_attention=dict(kind="mamba2", heads=4, head_dim=16, state_dim=8, groups=2,
+                              chunk=8, norm="before_gate", in_scales=(0.5, 1.5, 0.8, 1.2, 2.0)),
+        parallel_linear=dict(attn_in=0.8, attn_out=1.3, linear_in=1.2, linear_out=0.9)),
 }
+
+
+def _room(net, tokens):
+    """A static cache's capacity: the tokens if some layer attends, else 1."""
+    return tokens if any(isinstance(m, MultiHeadAttention) for m in net.modules()) else 1
 
 
 @pytest.fixture(params=list(LAYERS))
@@ -37,7 +60,8 @@ def test_caches_equal_the_whole_sequence(layer):
     net, model, params = layer
     x = random.normal(random.key(2), (2, 30, 32), torch.float64)
     want = model.apply(params, x)
-    for cache in (KVCache(), StaticKVCache.allocate(net, 2, 1, dtype=torch.float64)):
+    for cache in (KVCache(), StaticKVCache.allocate(net, 2, _room(net, 30),
+                                                    dtype=torch.float64)):
         torch.testing.assert_close(logits_through_cache(model.apply, params, x, 11, cache),
                                    want, rtol=0, atol=1e-12)
 
@@ -57,7 +81,9 @@ def test_left_padding_and_packed_documents_equal_each_alone(layer):
     got, _ = model.apply(params, x, key_padding_mask=slots, cache=static)
     torch.testing.assert_close(got[1:, 5:], alone, rtol=0, atol=1e-12)
     lengths = [5, 2, 1, 19, 3]
-    runs = torch.repeat_interleave(torch.arange(5) % 2, torch.tensor(lengths))[None]
+    ids = torch.arange(5)  # attention reads equal ids as one document: each its own there
+    ids = ids if _room(net, 2) == 2 else ids % 2
+    runs = torch.repeat_interleave(ids, torch.tensor(lengths))[None]
     got = model.apply(params, x, segment_ids=runs.expand(2, -1))
     start = 0
     for length in lengths:
@@ -82,11 +108,13 @@ def test_per_sample_gradients_equal_the_loop(layer):
 
 
 def test_bad_input_is_named(layer):
-    _, model, params = layer
+    net, model, params = layer
     x = torch.zeros(1, 3, 32, dtype=torch.float64)
     with pytest.raises(ValueError, match="cache does not take segment_ids"):
         model.apply(params, x, segment_ids=torch.zeros(1, 3, dtype=torch.long), cache=KVCache())
-    with pytest.raises(ValueError, match=r"segment_ids must be \(B, N\) = \(1, 3\)"):
+    with pytest.raises(ValueError, match=r"segment_ids must (have shape|be) \(B, N\) = "
+                                         r"\(1, 3\)"):
         model.apply(params, x, segment_ids=torch.zeros(1, 2, dtype=torch.long))
-    with pytest.raises(ValueError, match="cache must hold 0 or 1 layers"):
+    entries = getattr(net, "_entries", 1)  # the encoder: 2 a parallel block
+    with pytest.raises(ValueError, match=f"cache must hold 0 or {entries} layers"):
         model.apply(params, x, cache=KVCache((x, x), (x, x)))

@@ -53,9 +53,13 @@ class KVCache(NamedTuple):
 
     def layer(self, i: int) -> KVCache:
         """Layer ``i``'s entry as a one-layer cache (empty if this cache is empty)."""
+        return self.layers(i, i + 1)
+
+    def layers(self, start: int, stop: int) -> KVCache:
+        """Entries ``start`` to ``stop - 1`` as a cache (empty if this cache is empty)."""
         if not self.keys:
             return KVCache()
-        return KVCache((self.keys[i],), (self.values[i],))
+        return KVCache(self.keys[start:stop], self.values[start:stop])
 
 
 class StaticKVCache(NamedTuple):
@@ -105,7 +109,11 @@ class StaticKVCache(NamedTuple):
 
     def layer(self, i: int) -> StaticKVCache:
         """Layer ``i``'s buffers as a one-layer cache."""
-        return StaticKVCache((self.keys[i],), (self.values[i],), self.length)
+        return self.layers(i, i + 1)
+
+    def layers(self, start: int, stop: int) -> StaticKVCache:
+        """Entries ``start`` to ``stop - 1`` as a cache."""
+        return StaticKVCache(self.keys[start:stop], self.values[start:stop], self.length)
 
     @staticmethod
     def allocate(module: Any, batch_size: int, capacity: int, *,
@@ -140,6 +148,16 @@ class StaticKVCache(NamedTuple):
             tuple(torch.zeros(k, dtype=dtype, device=device) for k, _ in shapes),
             tuple(torch.zeros(v, dtype=dtype, device=device) for _, v in shapes),
             torch.zeros((), dtype=torch.long, device=device))
+
+
+def join_caches(first: KVCache | StaticKVCache, second: KVCache | StaticKVCache
+                ) -> KVCache | StaticKVCache:
+    """The entries of ``first`` then ``second`` as one cache (a StaticKVCache's length:
+    ``first``'s)."""
+    if isinstance(first, StaticKVCache):
+        return StaticKVCache(first.keys + second.keys, first.values + second.values,
+                             first.length)
+    return KVCache(first.keys + second.keys, first.values + second.values)
 
 
 def check_cache(cache: object, layers: int, who: str) -> KVCache | StaticKVCache:

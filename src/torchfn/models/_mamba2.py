@@ -17,11 +17,13 @@ __all__ = ["Mamba2"]
 
 class GroupRMSNorm(nn.Module):
     """Mamba-2's gated norm: ``weight * rms_norm(x * silu(gate))`` over each of ``groups``
-    slices of the last dim ``(..., dim)``, in at least float32."""
+    slices of the last dim ``(..., dim)``, in at least float32; ``before_gate=True``:
+    ``weight * rms_norm(x) * silu(gate)`` (Falcon-H1's ``mamba_norm_before_gate``)."""
 
-    def __init__(self, dim: int, groups: int = 1, eps: float = 1e-6) -> None:
+    def __init__(self, dim: int, groups: int = 1, eps: float = 1e-6,
+                 before_gate: bool = False) -> None:
         super().__init__()
-        self.groups, self.eps = groups, eps
+        self.groups, self.eps, self.before_gate = groups, eps, before_gate
         self.weight = nn.Parameter(torch.ones(dim))
 
     def reset_parameters(self) -> None:
@@ -29,8 +31,12 @@ class GroupRMSNorm(nn.Module):
 
     def forward(self, x: Tensor, gate: Tensor) -> Tensor:
         work = torch.promote_types(x.dtype, torch.float32)
-        y = (x.to(work) * nn.functional.silu(gate.to(work))).unflatten(-1, (self.groups, -1))
+        gate = nn.functional.silu(gate.to(work))
+        y = x.to(work) if self.before_gate else x.to(work) * gate
+        y = y.unflatten(-1, (self.groups, -1))
         y = nn.functional.rms_norm(y, y.shape[-1:], eps=self.eps).flatten(-2)
+        if self.before_gate:
+            return (self.weight * y * gate).to(x.dtype)
         return self.weight * y.to(x.dtype)
 
 
@@ -47,7 +53,10 @@ class Mamba2(nn.Module):
     ``C`` ``(state_dim,)`` shared by the heads of each of ``groups`` groups: that is
     :func:`torchfn.kernels.gated_linear_attention` with ``q = C``, ``k = B``,
     ``v = dt x``, decays ``dt A``. The output is ``norm(y * silu(z))`` (per group) through
-    ``out``.
+    ``out``; ``norm="before_gate"``: ``norm(y) * silu(z)``; ``norm="none"``: ``y * silu(z)``
+    (both Falcon-H1's options). ``in_scales``: five numbers multiplying the projection's
+    ``z``, ``x``, ``B``, ``C`` and step-size parts (Falcon-H1's ``ssm_multipliers``).
+    ``out_bias``: the output projection's bias alone (default ``bias``).
 
     Caches as :class:`GatedDeltaNet`'s: a :class:`KVCache` or :class:`StaticKVCache`
     entry holds the convolution's window ``(B, C, K - 1)`` and the state
@@ -76,7 +85,9 @@ class Mamba2(nn.Module):
     def __init__(self, dim: int, heads: int, *, head_dim: int | None = None,
                  state_dim: int = 128, groups: int = 1, conv_kernel: int = 4,
                  bias: bool = False, conv_bias: bool = True, norm_eps: float = 1e-5,
-                 dt_limit: tuple[float, float] = (0.0, float("inf")), chunk: int = 64) -> None:
+                 dt_limit: tuple[float, float] = (0.0, float("inf")), chunk: int = 64,
+                 norm: str = "gated", in_scales: tuple[float, ...] | None = None,
+                 out_bias: bool | None = None) -> None:
         super().__init__()
         head_dim = 2 * dim // heads if head_dim is None else head_dim  # expand 2
         _check_dims(dim=dim, heads=heads, head_dim=head_dim, state_dim=state_dim,
@@ -85,6 +96,14 @@ class Mamba2(nn.Module):
             raise ValueError(f"groups must divide heads = {heads}, got groups={groups}")
         self.dim, self.heads, self.head_dim, self.state_dim = dim, heads, head_dim, state_dim
         self.groups, self.conv_kernel, self.chunk = groups, conv_kernel, chunk
+        if norm not in ("gated", "before_gate", "none"):
+            raise ValueError(f"norm must be 'gated', 'before_gate' or 'none', got {norm!r}")
+        if in_scales is not None and (not isinstance(in_scales, (tuple, list)) or len(
+                in_scales) != 5 or not all(isinstance(v, (int, float)) and not isinstance(
+                v, bool) for v in in_scales)):
+            raise ValueError(f"in_scales must be 5 numbers (z, x, B, C, dt) or None, got "
+                             f"{in_scales!r}")
+        self.in_scales = None if in_scales is None else tuple(float(v) for v in in_scales)
         self.dt_limit = (float(dt_limit[0]), float(dt_limit[1]))
         self.inner = heads * head_dim
         self.channels = self.inner + 2 * groups * state_dim  # [x | B | C]
@@ -94,8 +113,9 @@ class Mamba2(nn.Module):
         self.dt_bias = nn.Parameter(torch.empty(heads))
         self.A_log = nn.Parameter(torch.empty(heads))
         self.D = nn.Parameter(torch.empty(heads))
-        self.norm = GroupRMSNorm(self.inner, groups, norm_eps)
-        self.out = nn.Linear(self.inner, dim, bias=bias)
+        self.norm = None if norm == "none" else GroupRMSNorm(
+            self.inner, groups, norm_eps, before_gate=norm == "before_gate")
+        self.out = nn.Linear(self.inner, dim, bias=bias if out_bias is None else out_bias)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -120,6 +140,8 @@ class Mamba2(nn.Module):
         x, keep, runs, cache, window, state = recurrent_inputs(
             "Mamba2", x, key_padding_mask, segment_ids, cache)  # x: padding zeroed
         z, xbc, dt = self.in_proj(x).split([self.inner, self.channels, self.heads], -1)
+        if self.in_scales is not None:  # Falcon-H1's multipliers, one a part
+            z, xbc, dt = z * self.in_scales[0], xbc * self._xbc_scale(xbc), dt * self.in_scales[4]
         if keep is not None:  # a biased projection of 0 is not 0: padding must stay out of
             xbc = xbc * keep  # the convolution's window (transformers lets it in)
         xbc, window = causal_conv(xbc.transpose(1, 2), self.conv.weight, self.conv.bias,
@@ -139,8 +161,19 @@ class Mamba2(nn.Module):
         y, state = _scan(q, k, xs * dt[..., None], dt * a[:, None], state, self.chunk, runs)
         y = y + self.D.to(work)[:, None, None] * xs  # (B, H, N, P)
         y = y.transpose(1, 2).flatten(2)  # (B, N, inner)
-        out = self.out(self.norm(y, z).to(x.dtype))  # (B, N, dim)
+        if self.norm is None:
+            y = y * nn.functional.silu(z.to(work))
+        else:
+            y = self.norm(y, z)
+        out = self.out(y.to(x.dtype))  # (B, N, dim)
         return out if cache is None else (out, recurrent_cache(cache, window, state, x.shape[1]))
+
+    def _xbc_scale(self, xbc: Tensor) -> Tensor:
+        """``in_scales``' x, B and C parts as one vector over the channels ``(C,)``."""
+        gs = self.groups * self.state_dim
+        return torch.repeat_interleave(
+            torch.tensor(self.in_scales[1:4], dtype=xbc.dtype, device=xbc.device),
+            torch.tensor([self.inner, gs, gs], device=xbc.device), output_size=self.channels)
 
     def extra_repr(self) -> str:
         return (f"dim={self.dim}, heads={self.heads}, head_dim={self.head_dim}, "

@@ -114,7 +114,8 @@ class SwiGLU(nn.Module):
     Improve Transformer"). It has 3 weight matrices where a GELU MLP has 2, so Llama sets
     ``hidden`` near ``8/3 dim`` to keep the parameter count of a 4x GELU MLP.
     ``activation="gelu_tanh"`` makes it GeGLU with the tanh-approximate GELU (Gemma's
-    ``gelu_pytorch_tanh``); ``"gelu"`` the exact one.
+    ``gelu_pytorch_tanh``); ``"gelu"`` the exact one. ``scales=(g, o)``:
+    ``o * down(silu(g * gate(x)) * up(x))`` (Falcon-H1's ``mlp_multipliers``).
 
     Example::
 
@@ -130,18 +131,26 @@ class SwiGLU(nn.Module):
     """
 
     def __init__(self, dim: int, hidden: int, *, bias: bool = True,
-                 activation: str = "silu") -> None:
+                 activation: str = "silu", scales: tuple[float, float] | None = None) -> None:
         super().__init__()
         _check_dims(dim=dim, hidden=hidden)
         if activation not in _GATES:
             raise ValueError(f"activation must be one of {sorted(_GATES)}, got {activation!r}")
+        if scales is not None and (not isinstance(scales, (tuple, list)) or len(scales) != 2
+                                   or not all(isinstance(v, (int, float)) and not isinstance(
+                                       v, bool) for v in scales)):
+            raise ValueError(f"scales must be two numbers (gate, out) or None, got {scales!r}")
         self.activation = activation
+        self.scales = None if scales is None else (float(scales[0]), float(scales[1]))
         self.gate = nn.Linear(dim, hidden, bias=bias)
         self.up = nn.Linear(dim, hidden, bias=bias)
         self.down = nn.Linear(hidden, dim, bias=bias)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down(_GATES[self.activation](self.gate(x)) * self.up(x))  # (..., dim)
+        if self.scales is None:
+            return self.down(_GATES[self.activation](self.gate(x)) * self.up(x))  # (..., dim)
+        gate, out = self.scales
+        return self.down(_GATES[self.activation](self.gate(x) * gate) * self.up(x)) * out
 
 
 _GATES = {

@@ -17,6 +17,7 @@ from torchfn.core.checkpoint import _fsync_dir, atomic_write
 from torchfn.core.module import Model
 from torchfn.models._deepseek import _TYPES as _DEEPSEEK_TYPES
 from torchfn.models._deepseek import deepseek_from_hf, deepseek_to_hf
+from torchfn.models._falcon_h1 import falcon_h1_from_hf, falcon_h1_to_hf
 from torchfn.models._llama import llama_from_hf
 from torchfn.models._llama4 import llama4_from_hf, llama4_to_hf
 from torchfn.models._llama_export import llama_to_hf
@@ -34,6 +35,7 @@ __all__ = ["from_pretrained", "save_pretrained", "llama_from_pretrained",
            "llama_save_pretrained", "deepseek_from_pretrained", "deepseek_save_pretrained"]
 
 _OTHERS = {"gpt_neox": (neox_from_hf, neox_to_hf), "phi": (phi_from_hf, phi_to_hf),
+           "falcon_h1": (falcon_h1_from_hf, falcon_h1_to_hf),
            "llama4_text": (llama4_from_hf, llama4_to_hf), "llama4": (llama4_from_hf, llama4_to_hf),
            **{t: (qwen3_next_from_hf, qwen3_next_to_hf)
               for t in _QWEN3_NEXT_TYPES + _QWEN3_5_MULTIMODAL},
@@ -170,9 +172,10 @@ def from_pretrained(folder: str | os.PathLike, *, dtype: torch.dtype | None = No
     """Any model folder torchfn reads, whatever its family, as ``(module, params, state,
     config)``: DeepSeek-V2 / V3 and GLM-4.5 through :func:`deepseek_from_pretrained`,
     Nemotron-H through :func:`nemotron_h_from_hf` (``state``: its routers' biases),
-    GPT-NeoX (Pythia), Phi-2, Llama 4, Qwen3-Next and Qwen3.5, Mamba-2, Bamba and Granite
-    4.0-H through :func:`neox_from_hf` / :func:`phi_from_hf` / :func:`llama4_from_hf` /
-    :func:`qwen3_next_from_hf` / :func:`mamba_hybrid_from_hf`, the
+    GPT-NeoX (Pythia), Phi-2, Llama 4, Qwen3-Next and Qwen3.5, Falcon-H1, Mamba, Mamba-2,
+    Bamba, Granite 4.0-H and Jamba through :func:`neox_from_hf` / :func:`phi_from_hf` /
+    :func:`llama4_from_hf` / :func:`qwen3_next_from_hf` / :func:`falcon_h1_from_hf` /
+    :func:`mamba_hybrid_from_hf`, the
     others (Llama, Mistral, Mixtral, Qwen, Phi-3, OLMo 2, gpt-oss, SmolLM3, Gemma)
     through :func:`llama_from_pretrained`, with their ``state`` (persistent buffers,
     ``{}`` for most) from the module. Arguments as theirs.

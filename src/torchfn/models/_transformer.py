@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from itertools import accumulate
 
 import torch
 from torch import Tensor, nn
 
 from torchfn.models._attention import AttendFn, MultiHeadAttention, token_positions
 from torchfn.models._delta_net import GatedDeltaNet
-from torchfn.models._kv_cache import KVCache, StaticKVCache, check_cache
+from torchfn.models._kv_cache import KVCache, StaticKVCache, check_cache, join_caches
 from torchfn.models._mamba import Mamba
 from torchfn.models._mamba2 import Mamba2
 from torchfn.models._mla import LatentAttention
@@ -22,6 +23,22 @@ from torchfn.models._rotary import RotaryTable
 __all__ = ["TransformerEncoder", "TransformerBlock", "MultiHeadAttention"]
 
 _ATTN_OPTIONS = {"chunk", "temperature", "qk_norm", "softcap", "scale"}  # per-block overrides
+_MIXER_SCALES = ("attn_in", "attn_out", "linear_in", "linear_out")  # parallel_linear's
+
+
+def _mixer_scales(parallel_linear: bool | dict) -> dict[str, float] | None:
+    """``parallel_linear`` as the four scales of a parallel block (None: not parallel)."""
+    if parallel_linear is False or parallel_linear is None:
+        return None
+    scales = dict.fromkeys(_MIXER_SCALES, 1.0)
+    if parallel_linear is True:
+        return scales
+    if not isinstance(parallel_linear, dict) or not set(parallel_linear) <= set(scales) or not all(
+            isinstance(v, (int, float)) and not isinstance(v, bool)
+            for v in parallel_linear.values()):
+        raise ValueError(f"parallel_linear must be a bool or a dict of numbers for "
+                         f"{list(_MIXER_SCALES)}, got {parallel_linear!r}")
+    return scales | {k: float(v) for k, v in parallel_linear.items()}
 
 
 def _latent(dim: int, heads: int, options: dict, *, rotary: bool, kv_heads, head_dim,
@@ -55,6 +72,11 @@ class TransformerBlock(nn.Module):
     ``parallel=True``: ``x + Attn(LN1(x)) + MLP(LN2(x))``, both sublayers reading the
     block's input (GPT-NeoX / Pythia); ``parallel="shared"``: one norm for both,
     ``x + Attn(LN(x)) + MLP(LN(x))`` (GPT-J, Phi-2).
+
+    ``parallel_linear``: attention and the ``linear_attention`` layer (``linear``) side by
+    side on the same normalised input, ``x + a_o Attn(a_i LN(x)) + l_o Lin(l_i LN(x))``
+    (Falcon-H1), the four scales from the dict (``attn_in``, ``attn_out``, ``linear_in``,
+    ``linear_out``; default 1); the block then has two cache entries, attention's first.
 
     ``(B, N, dim) -> (B, N, dim)``; arguments as in :class:`TransformerEncoder`.
     ``mixer=False``: no token mixer, the MLP alone (``x + MLP(LN(x))``); ``mlp="none"``:
@@ -101,8 +123,18 @@ class TransformerBlock(nn.Module):
                  rotary_interleaved: bool = False, residual_scale: float | None = None,
                  attn_options: dict | None = None, linear_attention: dict | None = None,
                  attn_gate: bool = False, mixer: bool = True,
+                 parallel_linear: bool | dict = False,
+                 mlp_scales: tuple[float, float] | None = None,
                  attend: AttendFn | None = None) -> None:
         super().__init__()
+        self.mixer_scales = _mixer_scales(parallel_linear)
+        if self.mixer_scales is not None and (linear_attention is None or not mixer
+                                              or latent_attention is not None):
+            raise ValueError("TransformerBlock: parallel_linear needs linear_attention (and a "
+                             "mixer, not latent_attention)")
+        if mlp_scales is not None and (experts is not None or mlp not in ("swiglu", "geglu")):
+            raise ValueError(f"mlp_scales are a dense SwiGLU / GeGLU's (gate, out); got "
+                             f"mlp={mlp!r}, experts={experts!r}")
         if residual_scale is not None and (isinstance(residual_scale, bool) or not isinstance(
                 residual_scale, (int, float))):
             raise ValueError(f"residual_scale must be a number or None, got {residual_scale!r}")
@@ -145,7 +177,11 @@ class TransformerBlock(nn.Module):
                                  "not both")
             if norm_eps is not None and kind != "mamba":  # (Mamba-1 has no norm inside)
                 options.setdefault("norm_eps", norm_eps)
-            self.attn = layers[kind](dim, **options)
+            linear = layers[kind](dim, **options)
+            if self.mixer_scales is None:
+                self.attn = linear
+        if not mixer or linear_attention is not None and self.mixer_scales is None:
+            pass  # the mixer (or none) is set
         elif latent_attention is not None:
             if attn_options:
                 raise ValueError(f"attn_options are MultiHeadAttention's, not latent "
@@ -169,6 +205,8 @@ class TransformerBlock(nn.Module):
             if options["qk_norm"] is True:  # of the blocks' kind
                 options["qk_norm"] = norm if norm != "layer" else "rms"
             self.attn = MultiHeadAttention(dim, heads, **options)
+        # a parallel block's linear mixer, registered after its attention (cache order)
+        self.linear = linear if self.mixer_scales is not None else None
         self.ln2 = nn.Identity() if self.shared_norm or not pre_norms or mlp == "none" else \
             make_norm(norm, dim, bias, norm_eps)  # "shared": the MLP reads ln1's output
         hidden = mlp_ratio * dim if mlp_hidden is None else mlp_hidden
@@ -183,7 +221,7 @@ class TransformerBlock(nn.Module):
         elif mlp == "none":  # the mixer alone (Mamba's blocks)
             self.mlp = None
         elif mlp in ("swiglu", "geglu"):
-            self.mlp = SwiGLU(dim, hidden, bias=bias,
+            self.mlp = SwiGLU(dim, hidden, bias=bias, scales=mlp_scales,
                               activation="silu" if mlp == "swiglu" else "gelu_tanh")
         else:  # GELU, exact or tanh-approximated (GPT-2's and Phi's "gelu_new"), or ReLU^2
             act = SquaredReLU() if mlp == "relu2" else nn.GELU(
@@ -204,9 +242,12 @@ class TransformerBlock(nn.Module):
         a, h = 0, x  # without a mixer: the MLP alone
         if self.attn is not None:
             n1 = self.ln1(x)
-            a = self.attn(n1, key_padding_mask, segment_ids, positions, cache)
-            if cache is not None:
-                a, cache = a
+            if self.linear is not None:  # Falcon-H1: attention and the linear mixer, side by side
+                a, cache = self._parallel(n1, key_padding_mask, segment_ids, positions, cache)
+            else:
+                a = self.attn(n1, key_padding_mask, segment_ids, positions, cache)
+                if cache is not None:
+                    a, cache = a
             a = self.drop(self.post_ln1(a) if self.post_norms else a)
             if self.residual_scale is not None:  # Granite: each sublayer's output scaled
                 a = a * self.residual_scale
@@ -229,6 +270,30 @@ class TransformerBlock(nn.Module):
         if logits is not None:
             return x, logits
         return x if cache is None else (x, cache)
+
+    @property
+    def cache_entries(self) -> int:
+        """How many cache entries the block holds: one a token mixer."""
+        return 0 if self.attn is None else 1 if self.linear is None else 2
+
+    def _parallel(self, n1: Tensor, key_padding_mask: Tensor | None,
+                  segment_ids: Tensor | None, positions: Tensor | None,
+                  cache: KVCache | StaticKVCache | None) -> tuple[Tensor, object]:
+        """``a_o Attn(a_i n1) + l_o Lin(l_i n1)``, and the two layers' cache entries."""
+        s = self.mixer_scales
+
+        def scaled(t: Tensor, scale: float) -> Tensor:
+            return t if scale == 1.0 else t * scale
+
+        outs, entries = [], []
+        for j, (layer, name) in enumerate(((self.attn, "attn"), (self.linear, "linear"))):
+            out = layer(scaled(n1, s[f"{name}_in"]), key_padding_mask, segment_ids, positions,
+                        None if cache is None else cache.layers(j, j + 1))
+            if cache is not None:
+                out, entry = out
+                entries.append(entry)
+            outs.append(scaled(out, s[f"{name}_out"]))
+        return outs[0] + outs[1], None if cache is None else join_caches(*entries)
 
 
 class TransformerEncoder(nn.Module):
@@ -289,6 +354,13 @@ class TransformerEncoder(nn.Module):
         attn_gate: gate the attention's output by ``sigmoid(x W_gate)`` before its
             projection (Qwen3-Next, Qwen3.5; :class:`MultiHeadAttention`'s
             ``output_gate``).
+        parallel_linear: the ``layer_linear`` blocks run attention and the linear mixer
+            side by side on the same normalised input and add their outputs (Falcon-H1:
+            every block); ``True``, or a dict of scales ``attn_in``, ``attn_out``,
+            ``linear_in``, ``linear_out`` (:class:`TransformerBlock`). Such a block has two
+            cache entries.
+        mlp_scales: ``(gate, out)`` multipliers of the dense SwiGLU MLPs
+            (:class:`SwiGLU`'s ``scales``; Falcon-H1's ``mlp_multipliers``).
         layer_experts: which blocks have the mixture (the others a dense MLP of
             ``mlp_hidden``), e.g. Qwen-MoE's ``mlp_only_layers`` or DeepSeek's dense first
             layers; the router logits come from those blocks only.
@@ -422,6 +494,8 @@ class TransformerEncoder(nn.Module):
         layer_linear: Sequence[bool] | None = None,
         layer_parts: Sequence[str] | None = None,
         attn_gate: bool = False,
+        parallel_linear: bool | dict = False,
+        mlp_scales: tuple[float, float] | None = None,
         attn_sinks: bool = False,
         out_bias: bool | None = None,
         parallel_residual: bool | str = False,
@@ -536,13 +610,17 @@ class TransformerEncoder(nn.Module):
                              residual_scale=residual_scale, attend=attend,
                              attn_options=None if options is None else dict(options),
                              linear_attention=linear_attention if linear else None,
+                             parallel_linear=parallel_linear if linear else False,
+                             mlp_scales=None if sparse or part == "mixer" else mlp_scales,
                              attn_gate=attn_gate)
             for layer_window, rope, sparse, options, linear, part in zip(
                 layer_windows, ropes, self._sparse, layer_attention, layer_linear, layer_parts)
         )
-        # a cache entry for each block with a token mixer, in order
-        self._slot = {i: j for j, i in enumerate(
-            i for i, block in enumerate(self.blocks) if block.attn is not None)}
+        # each block's cache entries (start, stop): one a token mixer, in order
+        ends = list(accumulate(b.cache_entries for b in self.blocks))
+        self._slots = {i: (end - b.cache_entries, end) for i, (b, end) in enumerate(
+            zip(self.blocks, ends)) if b.cache_entries}
+        self._entries = ends[-1]
         self.ln = make_norm(norm, dim, bias, norm_eps)
         if tie_embeddings and (vocab_size is None or out_dim not in (None, vocab_size)):
             raise ValueError(f"tie_embeddings needs token input and out_dim = vocab_size (or "
@@ -569,9 +647,9 @@ class TransformerEncoder(nn.Module):
         start: int | Tensor = 0
         static = isinstance(cache, StaticKVCache)
         if cache is not None:
-            if not self._slot:
+            if not self._entries:
                 raise ValueError("TransformerEncoder: cache needs a block with a token mixer")
-            cache = check_cache(cache, len(self._slot), "TransformerEncoder")
+            cache = check_cache(cache, self._entries, "TransformerEncoder")
             start = cache.length  # a tensor for a StaticKVCache
             if segment_ids is not None:
                 raise ValueError("TransformerEncoder: cache does not take segment_ids "
@@ -613,7 +691,7 @@ class TransformerEncoder(nn.Module):
                 continue
             if cache is not None:
                 h, layer = block(h, key_padding_mask, None, block_positions,
-                                 cache.layer(self._slot[i]))
+                                 cache.layers(*self._slots[i]))
                 # layer: this block's keys and values, cached and new
                 new_keys += layer.keys
                 new_values += layer.values
