@@ -4,7 +4,8 @@ gated linear attention (Mamba-2's SSD, with scalar decays), whose state is only 
 
 Per value head, with a state ``S`` ``(Dk, Dv)`` and for each token ``t``::
 
-    S = exp(g_t) S                                  # decay (g_t <= 0)
+    S = exp(g_t) S                                  # decay (g_t <= 0; or per key channel,
+                                                    #   diag(exp(g_t)) S: GLA, Kimi's KDA)
     S = S + beta_t k_t (v_t - S^T k_t)^T             # the delta rule: write the error
     S = S + k_t v_t^T                                # (or, without it: write the value)
     o_t = S^T (scale q_t)
@@ -26,7 +27,8 @@ __all__ = ["gated_delta_rule", "gated_linear_attention"]
 def _check(q: Tensor, k: Tensor, v: Tensor, log_decay: Tensor, beta: Tensor | None,
            state: Tensor | None, chunk: int, segment_ids: Tensor | None,
            who: str = "gated_delta_rule") -> None:
-    checked = (("q", q, 4), ("k", k, 4), ("v", v, 4), ("log_decay", log_decay, 3)) + (
+    channels = isinstance(log_decay, Tensor) and log_decay.dim() == 4  # a decay per channel
+    checked = (("q", q, 4), ("k", k, 4), ("v", v, 4), ("log_decay", log_decay, 3 + channels)) + (
         (("beta", beta, 3),) if who == "gated_delta_rule" else ())
     for name, t, dims in checked:
         if not isinstance(t, Tensor) or t.dim() != dims or not t.is_floating_point():
@@ -40,10 +42,13 @@ def _check(q: Tensor, k: Tensor, v: Tensor, log_decay: Tensor, beta: Tensor | No
     if v.shape[0] != b or v.shape[2] != n or hv % hk:
         raise ValueError(f"{who}: v must be (B, Hv, N, Dv) with B = {b}, N = {n} "
                          f"and Hk = {hk} dividing Hv, got {tuple(v.shape)}")
-    for name, t in (("log_decay", log_decay), ("beta", beta)):
-        if t is not None and t.shape != (b, hv, n):
-            raise ValueError(f"{who}: {name} must be (B, Hv, N) = {(b, hv, n)}, "
-                             f"got {tuple(t.shape)}")
+    if log_decay.shape not in ((b, hv, n), (b, hv, n, dk)):
+        raise ValueError(f"{who}: log_decay must be (B, Hv, N) = {(b, hv, n)} or, a decay per "
+                         f"key channel, (B, Hv, N, Dk) = {(b, hv, n, dk)}; got "
+                         f"{tuple(log_decay.shape)}")
+    if beta is not None and beta.shape != (b, hv, n):
+        raise ValueError(f"{who}: beta must be (B, Hv, N) = {(b, hv, n)}, "
+                         f"got {tuple(beta.shape)}")
     if state is not None and (not isinstance(state, Tensor)
                               or state.shape != (b, hv, dk, v.shape[-1])):
         raise ValueError(f"{who}: state must be (B, Hv, Dk, Dv) = "
@@ -79,7 +84,12 @@ def gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, log_decay: Tensor, beta: T
         v: ``(B, Hv, N, Dv)`` values; ``Hk`` divides ``Hv``: value head ``h`` reads query
             and key head ``h // (Hv // Hk)``.
         log_decay: ``(B, Hv, N)``, each token's ``g_t <= 0``: the state is multiplied by
-            ``exp(g_t)`` before its update (Mamba-2's gate; 0 is DeltaNet without decay).
+            ``exp(g_t)`` before its update (Mamba-2's gate; 0 is DeltaNet without decay);
+            or ``(B, Hv, N, Dk)``, a decay per key channel: the state's row ``d`` is
+            multiplied by ``exp(g_t[d])`` (Kimi Delta Attention). Per channel, the pairs
+            of tokens within a chunk are decayed channel by channel in sub-chunks of 16
+            and through the sub-chunks' ends across them, so no exponential overflows
+            however strong the decay.
         beta: ``(B, Hv, N)``, the update's strength in [0, 1] (a learning rate: 1 writes
             ``v_t`` for ``k_t`` exactly).
         state: ``(B, Hv, Dk, Dv)``, the state before the first token (default 0): pass the
@@ -130,8 +140,10 @@ def gated_linear_attention(q: Tensor, k: Tensor, v: Tensor, log_decay: Tensor, *
     of tokens at a time: ``o_i = sum_{j <= i} exp(g_{j+1} + ... + g_i) (q_i . k_j) v_j``
     (plus the decayed initial state). This is Mamba-2's SSD (``q = C``, ``k = B``,
     ``v = dt x``, ``g = dt A``, ``scale=1``), RetNet with a constant decay, and linear
-    attention with ``g = 0``. Arguments, shapes and dtypes as :func:`gated_delta_rule`'s,
-    without ``beta``.
+    attention with ``g = 0``; with ``log_decay`` ``(B, Hv, N, Dk)``, a decay per key
+    channel, it is Gated Linear Attention (Yang et al. 2023):
+    ``o_i = sum_{j <= i} (q_i * exp(g_{j+1} + ... + g_i)) . k_j v_j``. Arguments, shapes
+    and dtypes as :func:`gated_delta_rule`'s, without ``beta``.
 
     Example::
 
@@ -160,6 +172,7 @@ def _chunked(q: Tensor, k: Tensor, v: Tensor, log_decay: Tensor, beta: Tensor | 
     heads are grouped by the query/key head they read, ``(B, Hk, r, ...)``, so what
     depends on queries and keys alone (``q k^T``, ``k k^T``) is computed once a group."""
     delta = beta is not None
+    channels = log_decay.dim() == 4  # a decay per key channel (GLA, KDA)
     b, hk, n, dk = k.shape
     hv, dv = v.shape[1], v.shape[-1]
     r = hv // hk  # value heads per query/key head
@@ -170,13 +183,13 @@ def _chunked(q: Tensor, k: Tensor, v: Tensor, log_decay: Tensor, beta: Tensor | 
     q = q if scale == 1.0 else q * scale
     k = k.to(work)[:, :, None]
     v = v.to(work).unflatten(1, (hk, r))  # (B, Hk, r, N, Dv)
-    g = log_decay.to(work).unflatten(1, (hk, r))  # (B, Hk, r, N)
+    g = log_decay.to(work).unflatten(1, (hk, r))  # (B, Hk, r, N), or (B, Hk, r, N, Dk)
     beta = beta.to(work).unflatten(1, (hk, r)) if delta else None
     s = torch.zeros(b, hk, r, dk, dv, dtype=work, device=v.device) if state is None else \
         state.to(work).unflatten(1, (hk, r))  # (B, Hk, r, Dk, Dv)
     if n == 1:  # a decoding step: the rule itself, no triangular system to solve
         # (one token is one document: the state is its own)
-        s = s * g[..., None].exp()
+        s = s * (g.transpose(-1, -2) if channels else g[..., None]).exp()  # rows, or all
         write = beta[..., None] * (v - k @ s) if delta else v  # (B, Hk, r, 1, Dv)
         s = s + k.transpose(-1, -2) @ write
         o = (q @ s).flatten(1, 2).to(dtype)  # (B, Hv, 1, Dv)
@@ -185,7 +198,7 @@ def _chunked(q: Tensor, k: Tensor, v: Tensor, log_decay: Tensor, beta: Tensor | 
     pad = -n % size  # padded tokens: no decay (g = 0), no update (beta = 0), zero output
     if pad:
         q, k, v = (torch.nn.functional.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
-        g = torch.nn.functional.pad(g, (0, pad))
+        g = torch.nn.functional.pad(g, (0, 0, 0, pad) if channels else (0, pad))
         beta = torch.nn.functional.pad(beta, (0, pad)) if delta else None
     c = (n + pad) // size
     runs = None
@@ -196,35 +209,46 @@ def _chunked(q: Tensor, k: Tensor, v: Tensor, log_decay: Tensor, beta: Tensor | 
             runs = torch.cat((runs, runs[:, -1:].expand(-1, pad)), 1)
         runs = runs.unflatten(1, (c, size))[:, None, None]  # (B, 1, 1, C, L)
     q, k, v = (x.unflatten(3, (c, size)) for x in (q, k, v))  # (B, Hk, 1 or r, C, L, D)
-    g = g.unflatten(3, (c, size))  # (B, Hk, r, C, L)
-    cum = g.cumsum(-1)  # log decay from the chunk's start through token i
-    later = torch.ones(size, size, dtype=torch.bool, device=q.device).triu(1)  # j > i
-    between = (cum[..., :, None] - cum[..., None, :]).masked_fill(later, float("-inf")).exp()
+    g = g.unflatten(3, (c, size))  # (B, Hk, r, C, L), or (B, Hk, r, C, L, Dk)
+    cum = g.cumsum(3 + 1)  # log decay from the chunk's start through token i
+    kt = k.transpose(-1, -2)  # (B, Hk, 1, C, Dk, L)
+    if channels:  # pairs decayed channel by channel: (B, Hk, r, C, L, L)
+        scores, keys = _decayed_products(q, k, cum), _decayed_products(k, k, cum)
+    else:  # one decay for all channels: a factor on q k^T and k k^T
+        later = torch.ones(size, size, dtype=torch.bool, device=q.device).triu(1)  # j > i
+        between = (cum[..., :, None] - cum[..., None, :]).masked_fill(later, float("-inf")).exp()
+        scores, keys = (q @ kt) * between, (k @ kt) * between
     reads = writes = None
     if runs is not None:  # no pair across documents; only the documents the state
         # comes from reads it, and only the chunk's last document writes it
-        between = between * (runs[..., :, None] == runs[..., None, :])
+        same = runs[..., :, None] == runs[..., None, :]  # (B, 1, 1, C, L, L)
+        scores, keys = scores * same, keys * same
         before = torch.cat((runs[..., :1, 0], runs[..., :-1, -1]), -1)  # (B, 1, 1, C)
         reads = (runs == before[..., None]).to(work)  # (B, 1, 1, C, L)
         writes = (runs == runs[..., -1:]).to(work)
-    decay_in = cum.exp() if reads is None else cum.exp() * reads  # (B, Hk, r, C, L)
-    decay_out = (cum[..., -1:] - cum).exp()
-    carry = cum[..., -1].exp()  # (B, Hk, r, C)
+        if channels:
+            reads, writes = reads[..., None], writes[..., None]
+    last = cum[..., -1:, :] if channels else cum[..., -1:]
+    decay_in = cum.exp() if reads is None else cum.exp() * reads  # (B, Hk, r, C, L[, Dk])
+    decay_out = (last - cum).exp()
+    carry = last.exp()  # (B, Hk, r, C, 1[, Dk])
     if runs is not None:
         decay_out = decay_out * writes
-        carry = carry * (before == runs[..., -1])  # a new document: the old state dropped
-    kt = k.transpose(-1, -2)  # (B, Hk, 1, C, Dk, L)
+        new_doc = before == runs[..., -1]  # (B, 1, 1, C): a new document drops the state
+        carry = carry * (new_doc[..., None, None] if channels else new_doc[..., None])
+    if not channels:
+        decay_in, decay_out = decay_in[..., None], decay_out[..., None]  # (..., L, 1)
     u, w = v, None  # what each token writes, less what the old state predicts (w s)
     if delta:  # the WY system: token i's correction depends on those of tokens j < i
         beta = beta.unflatten(3, (c, size))[..., None]  # (B, Hk, r, C, L, 1)
-        system = (k @ kt) * between * beta  # row i: beta_i k_i . k_j; diagonal unused
+        system = keys * beta  # row i: beta_i k_i . k_j, decayed; diagonal unused
         u, w = torch.linalg.solve_triangular(
-            system, torch.cat((v * beta, k * (beta * decay_in[..., None])), -1),
+            system, torch.cat((v * beta, k * (beta * decay_in)), -1),
             upper=False, unitriangular=True).split([dv, dk], -1)
-    scores = (q @ kt) * between  # (B, Hk, r, C, L, L): causal, decayed
-    q_in = q * decay_in[..., None]  # reading the state at the chunk's start
-    k_out = k * decay_out[..., None]  # decayed to the chunk's end
-    carry = carry[..., None, None]  # (B, Hk, r, C, 1, 1)
+    q_in = q * decay_in  # reading the state at the chunk's start
+    k_out = k * decay_out  # decayed to the chunk's end
+    # the state's decay over the chunk: (B, Hk, r, C, Dk, 1) per row, or (..., 1, 1)
+    carry = carry.transpose(-1, -2) if channels else carry[..., None]
     # one view per chunk, taken at once: indexing chunk i in the loop would make the
     # backward write each chunk's gradient into a zeroed copy of the whole tensor
     u, q_in, scores, k_out, carry = (x.unbind(3) for x in (u, q_in, scores, k_out, carry))
@@ -237,3 +261,40 @@ def _chunked(q: Tensor, k: Tensor, v: Tensor, log_decay: Tensor, beta: Tensor | 
     o = torch.cat(outs, 3)[:, :, :, :n] if outs else v.new_zeros(b, hk, r, 0, dv)
     o = o.flatten(1, 2).to(dtype)  # (B, Hv, N, Dv)
     return (o, s.flatten(1, 2)) if return_state else o
+
+
+def _decayed_products(a: Tensor, b: Tensor, cum: Tensor, sub: int = 16) -> Tensor:
+    """``P[..., i, j] = sum_d a_i[d] b_j[d] exp(cum_i[d] - cum_j[d])`` for ``j <= i`` (0
+    above): the products of tokens ``i`` and ``j`` through the decay between them, channel
+    by channel. ``a``, ``b`` ``(..., L, D)`` and ``cum`` ``(..., L, D)`` (cumulative log
+    decays, non-increasing along ``L``) broadcast; returns ``(..., L, L)``.
+
+    No exponential of a positive number is taken: within a sub-chunk of ``sub`` tokens
+    each pair's decay is formed channel by channel (``(..., L, sub, D)``); across
+    sub-chunks ``I > J`` the decay passes through ``J``'s last token ``e``:
+    ``(a_i exp(cum_i - cum_e)) . (b_j exp(cum_e - cum_j))``, both factors at most 1, one
+    matmul a pair of sub-chunks.
+    """
+    n = cum.shape[-2]
+    s = min(sub, n)
+    pad = -n % s
+    if pad:  # more tokens of no decay and zero inputs, cut off at the end
+        a, b = (torch.nn.functional.pad(x, (0, 0, 0, pad)) for x in (a, b))
+        cum = torch.cat((cum, cum[..., -1:, :].expand(*cum.shape[:-2], pad, cum.shape[-1])), -2)
+    m = (n + pad) // s
+    a, b, cum = (x.unflatten(-2, (m, s)) for x in (a, b, cum))  # (..., M, s, D)
+    ones = torch.ones(s, s, dtype=torch.bool, device=cum.device)
+    pair = cum[..., :, None, :] - cum[..., None, :, :]  # (..., M, s, s, D): i, j
+    pair = pair.masked_fill(ones.triu(1)[..., None], float("-inf")).exp()  # 0 for j > i
+    inside = (a[..., :, None, :] * b[..., None, :, :] * pair).sum(-1)  # (..., M, s, s)
+    if m == 1:
+        return inside[..., 0, :n, :n]
+    end = cum[..., -1, :]  # (..., M, D): through each sub-chunk's last token
+    b_end = b * (end[..., None, :] - cum).exp()  # (..., J, s, D): decayed to J's end
+    gap = cum[..., :, None, :, :] - end[..., None, :, None, :]  # (..., I, J, s, D)
+    not_before = torch.ones(m, m, dtype=torch.bool, device=cum.device).triu()  # J >= I
+    gap = gap.masked_fill(not_before[:, :, None, None], float("-inf")).exp()
+    across = (a[..., :, None, :, :] * gap) @ b_end[..., None, :, :, :].transpose(-1, -2)
+    diagonal = torch.eye(m, dtype=torch.bool, device=cum.device)[:, :, None, None]
+    full = torch.where(diagonal, inside[..., :, None, :, :], across)  # (..., I, J, s, s)
+    return full.transpose(-3, -2).flatten(-4, -3).flatten(-2)[..., :n, :n]  # (..., L, L)
