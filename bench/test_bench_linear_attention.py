@@ -20,6 +20,8 @@ Qwen3.5 model; Mamba-2's mixer and a Granite 4.0-H model.
 * ``test_generate_granite_hybrid_vs_transformers``: greedy decoding of one small Granite
   4.0-H (three Mamba-2 blocks, one attention; a mixture of 4 experts and a shared MLP),
   4 prompts of 256 tokens, 64 new tokens, against transformers' ``generate``.
+* ``test_kda``: Kimi Delta Attention's rule (a decay per key channel) against
+  transformers' ``chunk_kimi_delta_attention``; B=1, 4 heads, N=2048, D=128.
 * ``test_generate_falcon_h1_and_jamba_vs_transformers``: the same for one small Falcon-H1
   (attention beside Mamba-2 in every block) and one small Jamba (Mamba-1 blocks, one
   attention, mixtures in every other block).
@@ -192,6 +194,41 @@ def test_generate_granite_hybrid_vs_transformers(benchmark, how, tmp_path):
     with torch.no_grad():
         out = benchmark.pedantic(run, rounds=3, iterations=1, warmup_rounds=1)
     assert out.shape == (4, 320)
+
+
+@pytest.mark.parametrize("mode", ["forward", "forward+backward"])
+@pytest.mark.parametrize("how", ["torchfn", "transformers"])
+def test_kda(benchmark, how, mode):
+    """Kimi Delta Attention's rule (a decay per key channel): ``kernels.gated_delta_rule``
+    with ``log_decay`` ``(B, H, N, Dk)`` against transformers' ``chunk_kimi_delta_attention``
+    (its PyTorch path: every pair of a chunk decayed channel by channel, ``(C, C, Dk)`` a
+    chunk). B=1, 4 heads, N=2048, Dk = Dv = 128, chunks of 64; queries and keys
+    L2-normalised by both."""
+    benchmark.group = f"kda rule N=2048 {mode}"
+    keys = random.split(random.key(0), 5)
+    b, h, n, d = 1, 4, 2048, 128
+    q, k, v = (random.normal(key, (b, h, n, d)) for key in keys[:3])
+    g = -random.uniform(keys[3], (b, h, n, d)) * 0.5
+    beta = random.uniform(keys[4], (b, h, n))
+    args = [x.requires_grad_(mode != "forward") for x in (q, k, v, g, beta)]
+    if how == "torchfn":
+        def fn(q, k, v, g, beta):
+            norm = torch.nn.functional.normalize
+            return gated_delta_rule(norm(q, dim=-1), norm(k, dim=-1), v, g, beta)
+    else:
+        modeling = pytest.importorskip(
+            "transformers.models.kimi_linear.modeling_kimi_linear", reason="the peer")
+
+        def fn(q, k, v, g, beta):  # its layout: (B, N, H, D)
+            out, _ = modeling.chunk_kimi_delta_attention(
+                *(x.transpose(1, 2) for x in (q, k, v, g, beta)), use_qk_l2norm_in_kernel=True)
+            return out.transpose(1, 2)
+    if mode == "forward":
+        run = lambda: fn(*args)  # noqa: E731
+    else:
+        run = lambda: torch.autograd.grad(fn(*args).square().sum(), args)  # noqa: E731
+    with torch.no_grad() if mode == "forward" else contextlib.nullcontext():
+        benchmark.pedantic(run, rounds=3, warmup_rounds=1)
 
 
 HYBRIDS = {  # float32, dim 256, 4 blocks, vocab 1000, as Granite's above

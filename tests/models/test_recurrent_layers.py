@@ -1,10 +1,10 @@
-"""What ``models.GatedDeltaNet``, ``models.Mamba2`` and ``models.Mamba`` all promise, and an
-encoder of Falcon-H1's parallel blocks (attention and Mamba-2 side by side): both caches (a
-prefill, then a token a call; the static one with room for nothing but the layers'
-windows and states, or the tokens too where there is attention) equal the whole
-sequence; a left-padded row and each packed document come out as they do alone;
-per-sample gradients under ``vmap`` equal the loop; bad arguments are named. Each layer's
-own file compares it with transformers."""
+"""What ``models.GatedDeltaNet``, ``models.KimiDeltaAttention``, ``models.Mamba2`` and
+``models.Mamba`` all promise, and an encoder of Falcon-H1's parallel blocks (attention and
+Mamba-2 side by side): both caches (a prefill, then a token a call; the static one with
+room for nothing but the layers' windows and states, or the tokens too where there is
+attention) equal the whole sequence; a left-padded row and each packed document come out
+as they do alone; per-sample gradients under ``vmap`` equal the loop; bad arguments are
+named. Each layer's own file compares it with transformers."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import torchfn
 from torchfn import random
 from torchfn.models import (
     GatedDeltaNet,
+    KimiDeltaAttention,
     KVCache,
     Mamba,
     Mamba2,
@@ -29,6 +30,8 @@ LAYERS = {
     # conv and projection biases, 2 groups, chunks of 8
     "mamba2": lambda: Mamba2(32, 4, head_dim=16, state_dim=8, groups=2, bias=True, chunk=8),
     "mamba": lambda: Mamba(32, 48, state_dim=4, dt_rank=3, bias=True, chunk=8),
+    # a decay per key channel; chunks of 24: a 16-token sub-chunk and the pairs across
+    "kda": lambda: KimiDeltaAttention(32, 4, head_dim=6, chunk=24),
     # two Falcon-H1 blocks: rotary attention beside Mamba-2 (norm before the gate), every
     # multiplier away from 1
     "parallel": lambda: TransformerEncoder(

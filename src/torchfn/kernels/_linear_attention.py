@@ -213,7 +213,7 @@ def _chunked(q: Tensor, k: Tensor, v: Tensor, log_decay: Tensor, beta: Tensor | 
     cum = g.cumsum(3 + 1)  # log decay from the chunk's start through token i
     kt = k.transpose(-1, -2)  # (B, Hk, 1, C, Dk, L)
     if channels:  # pairs decayed channel by channel: (B, Hk, r, C, L, L)
-        scores, keys = _decayed_products(q, k, cum), _decayed_products(k, k, cum)
+        scores, keys = _decayed_products((q, k), k, cum)
     else:  # one decay for all channels: a factor on q k^T and k k^T
         later = torch.ones(size, size, dtype=torch.bool, device=q.device).triu(1)  # j > i
         between = (cum[..., :, None] - cum[..., None, :]).masked_fill(later, float("-inf")).exp()
@@ -263,11 +263,13 @@ def _chunked(q: Tensor, k: Tensor, v: Tensor, log_decay: Tensor, beta: Tensor | 
     return (o, s.flatten(1, 2)) if return_state else o
 
 
-def _decayed_products(a: Tensor, b: Tensor, cum: Tensor, sub: int = 16) -> Tensor:
-    """``P[..., i, j] = sum_d a_i[d] b_j[d] exp(cum_i[d] - cum_j[d])`` for ``j <= i`` (0
-    above): the products of tokens ``i`` and ``j`` through the decay between them, channel
-    by channel. ``a``, ``b`` ``(..., L, D)`` and ``cum`` ``(..., L, D)`` (cumulative log
-    decays, non-increasing along ``L``) broadcast; returns ``(..., L, L)``.
+def _decayed_products(rows: tuple[Tensor, ...], b: Tensor, cum: Tensor,
+                      sub: int = 16) -> list[Tensor]:
+    """For each ``a`` of ``rows``: ``P[..., i, j] = sum_d a_i[d] b_j[d] exp(cum_i[d] -
+    cum_j[d])`` for ``j <= i`` (0 above), the products of tokens ``i`` and ``j`` through
+    the decay between them, channel by channel. ``a``, ``b`` ``(..., L, D)`` and ``cum``
+    ``(..., L, D)`` (cumulative log decays, non-increasing along ``L``) broadcast; each
+    ``P`` is ``(..., L, L)``. The decays are computed once for all of ``rows``.
 
     No exponential of a positive number is taken: within a sub-chunk of ``sub`` tokens
     each pair's decay is formed channel by channel (``(..., L, sub, D)``); across
@@ -279,22 +281,29 @@ def _decayed_products(a: Tensor, b: Tensor, cum: Tensor, sub: int = 16) -> Tenso
     s = min(sub, n)
     pad = -n % s
     if pad:  # more tokens of no decay and zero inputs, cut off at the end
-        a, b = (torch.nn.functional.pad(x, (0, 0, 0, pad)) for x in (a, b))
+        rows, b = tuple(torch.nn.functional.pad(a, (0, 0, 0, pad)) for a in rows), \
+            torch.nn.functional.pad(b, (0, 0, 0, pad))
         cum = torch.cat((cum, cum[..., -1:, :].expand(*cum.shape[:-2], pad, cum.shape[-1])), -2)
     m = (n + pad) // s
-    a, b, cum = (x.unflatten(-2, (m, s)) for x in (a, b, cum))  # (..., M, s, D)
+    rows = tuple(a.unflatten(-2, (m, s)) for a in rows)  # (..., M, s, D)
+    b, cum = b.unflatten(-2, (m, s)), cum.unflatten(-2, (m, s))
     ones = torch.ones(s, s, dtype=torch.bool, device=cum.device)
     pair = cum[..., :, None, :] - cum[..., None, :, :]  # (..., M, s, s, D): i, j
     pair = pair.masked_fill(ones.triu(1)[..., None], float("-inf")).exp()  # 0 for j > i
-    inside = (a[..., :, None, :] * b[..., None, :, :] * pair).sum(-1)  # (..., M, s, s)
+    pair = pair * b[..., None, :, :]  # the decayed b_j of each pair
+    insides = [(a[..., :, None, :] * pair).sum(-1) for a in rows]  # (..., M, s, s)
     if m == 1:
-        return inside[..., 0, :n, :n]
+        return [inside[..., 0, :n, :n] for inside in insides]
     end = cum[..., -1, :]  # (..., M, D): through each sub-chunk's last token
     b_end = b * (end[..., None, :] - cum).exp()  # (..., J, s, D): decayed to J's end
     gap = cum[..., :, None, :, :] - end[..., None, :, None, :]  # (..., I, J, s, D)
     not_before = torch.ones(m, m, dtype=torch.bool, device=cum.device).triu()  # J >= I
     gap = gap.masked_fill(not_before[:, :, None, None], float("-inf")).exp()
-    across = (a[..., :, None, :, :] * gap) @ b_end[..., None, :, :, :].transpose(-1, -2)
+    b_end = b_end[..., None, :, :, :].transpose(-1, -2)  # (..., 1, J, D, s)
     diagonal = torch.eye(m, dtype=torch.bool, device=cum.device)[:, :, None, None]
-    full = torch.where(diagonal, inside[..., :, None, :, :], across)  # (..., I, J, s, s)
-    return full.transpose(-3, -2).flatten(-4, -3).flatten(-2)[..., :n, :n]  # (..., L, L)
+    out = []
+    for a, inside in zip(rows, insides):
+        across = (a[..., :, None, :, :] * gap) @ b_end  # (..., I, J, s, s)
+        full = torch.where(diagonal, inside[..., :, None, :, :], across)
+        out.append(full.transpose(-3, -2).flatten(-4, -3).flatten(-2)[..., :n, :n])
+    return out  # each (..., L, L)

@@ -13,6 +13,8 @@ from torchfn.models._gan import ConvCritic, ConvGenerator
 from torchfn.models._gat import GATConv
 from torchfn.models._generate import generate, sample_logits
 from torchfn.models._graph import GraphAttention, GraphConv
+from torchfn.models._kda import KimiDeltaAttention
+from torchfn.models._kimi_linear import kimi_linear_from_hf, kimi_linear_to_hf
 from torchfn.models._kv_cache import KVCache, StaticKVCache
 from torchfn.models._llama import llama_from_hf
 from torchfn.models._llama4 import llama4_from_hf, llama4_to_hf
@@ -74,6 +76,7 @@ __all__ = [
     "MultiHeadAttention",
     "LatentAttention",
     "GatedDeltaNet",
+    "KimiDeltaAttention",
     "Mamba",
     "Mamba2",
     # rotary positions, KV-cache decoding and token sampling (_rotary, _kv_cache, _generate)
@@ -96,6 +99,8 @@ __all__ = [
     "mamba_hybrid_to_hf",
     "falcon_h1_from_hf",
     "falcon_h1_to_hf",
+    "kimi_linear_from_hf",
+    "kimi_linear_to_hf",
     "nemotron_h_from_hf",
     "nemotron_h_to_hf",
     "llama4_to_hf",

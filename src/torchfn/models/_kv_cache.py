@@ -120,12 +120,14 @@ class StaticKVCache(NamedTuple):
                  dtype: torch.dtype = torch.float32,
                  device: torch.device | str | None = None) -> StaticKVCache:
         """An empty cache for every attention layer of ``module`` (an ``nn.Module``
-        holding ``MultiHeadAttention``, ``LatentAttention`` or ``GatedDeltaNet`` layers,
-        or the ``torchfn.Model`` of one); a ``LatentAttention``'s holds its latents and
-        rotary keys, a ``GatedDeltaNet``'s or ``Mamba2``'s its convolution window and state
+        holding ``MultiHeadAttention``, ``LatentAttention`` or recurrent layers, or the
+        ``torchfn.Model`` of one); a ``LatentAttention``'s holds its latents and rotary
+        keys, a ``GatedDeltaNet``'s, ``KimiDeltaAttention``'s, ``Mamba``'s or ``Mamba2``'s
+        its convolution window and state
         (zeros: the start), whatever the capacity."""
         from torchfn.models._attention import MultiHeadAttention
         from torchfn.models._delta_net import GatedDeltaNet
+        from torchfn.models._kda import KimiDeltaAttention
         from torchfn.models._mamba import Mamba
         from torchfn.models._mamba2 import Mamba2
         from torchfn.models._mla import LatentAttention
@@ -139,10 +141,10 @@ class StaticKVCache(NamedTuple):
                 raise ValueError(f"{name} must be an int >= 1, got {n!r}")
         layers = [m for m in module.modules()
                   if isinstance(m, (MultiHeadAttention, LatentAttention, GatedDeltaNet, Mamba,
-                                    Mamba2))]
+                                    Mamba2, KimiDeltaAttention))]
         if not layers:
-            raise ValueError(f"module has no MultiHeadAttention, LatentAttention, "
-                             f"GatedDeltaNet or Mamba2 layer to cache: {type(module).__name__}")
+            raise ValueError(f"module has no MultiHeadAttention, LatentAttention or recurrent "
+                             f"layer to cache: {type(module).__name__}")
         shapes = [m.cache_shapes(batch_size, capacity) for m in layers]  # (keys, values)
         return StaticKVCache(
             tuple(torch.zeros(k, dtype=dtype, device=device) for k, _ in shapes),

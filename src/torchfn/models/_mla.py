@@ -46,8 +46,10 @@ class LatentAttention(nn.Module):
     no biases. The rotary part follows Hugging Face's half-split pairing (a checkpoint
     stored interleaved, as DeepSeek's, is permuted on load by
     :func:`deepseek_from_hf`). ``scale`` replaces ``1 / sqrt(nope_dim + rope_dim)``
-    (DeepSeek with YaRN multiplies it by ``mscale ** 2``). ``window``, ``softcap`` and
-    ``attend`` as :class:`MultiHeadAttention`'s.
+    (DeepSeek with YaRN multiplies it by ``mscale ** 2``). ``rotary=False``: no position
+    embedding, the shared ``k_r`` and the queries' ``rope_dim`` parts left as they are
+    (Kimi Linear's NoPE latent attention). ``window``, ``softcap`` and ``attend`` as
+    :class:`MultiHeadAttention`'s.
 
     Example::
 
@@ -72,7 +74,7 @@ class LatentAttention(nn.Module):
                  softcap: float | None = None, attn_dropout: float = 0.0,
                  rotary_base: float = 10000.0, rotary_scaling: dict | None = None,
                  latent_eps: float = 1e-6, scale: float | None = None,
-                 absorb: bool | None = None,
+                 absorb: bool | None = None, rotary: bool = True,
                  attend: Callable[..., Tensor] | None = None) -> None:
         super().__init__()
         _check_dims(dim=dim, heads=heads, kv_rank=kv_rank, rope_dim=rope_dim,
@@ -96,7 +98,9 @@ class LatentAttention(nn.Module):
         self.kv_rank, self.rope_dim, self.nope_dim, self.v_dim = kv_rank, rope_dim, nope_dim, v_dim
         self.q_rank, self.attn_dropout = q_rank, attn_dropout
         self.rotary_base, self.rotary_scaling = float(rotary_base), rotary_scaling
-        self.rotary, self.rotary_dim = True, rope_dim  # as TransformerEncoder reads them
+        if not isinstance(rotary, bool):
+            raise ValueError(f"rotary must be a bool, got {rotary!r}")
+        self.rotary, self.rotary_dim = rotary, rope_dim  # as TransformerEncoder reads them
         qk = nope_dim + rope_dim
         self.scale = qk ** -0.5 if scale is None else float(scale)
         self.attend = attend or _fused_attention
@@ -146,13 +150,14 @@ class LatentAttention(nn.Module):
         latent, k_rope = self.kv_a(x).split([self.kv_rank, dr], dim=-1)
         latent = self.kv_norm(latent)[:, None]  # (B, 1, N, r)
         k_rope = k_rope[:, None]  # (B, 1, N, dr)
-        if positions is None:
-            start = 0 if cache is None else cache.length
-            positions = token_positions(n, x.device, start, segment_ids)
-        table = positions if isinstance(positions, RotaryTable) else \
-            self.rotary_table(positions, x.dtype)
-        q_nope, q_rope = q[..., :dn], apply_rotary(q[..., dn:], table)
-        k_rope = apply_rotary(k_rope, table)
+        q_nope, q_rope = q[..., :dn], q[..., dn:]
+        if self.rotary:  # (without: NoPE, the "rope" parts shared but not rotated: Kimi Linear)
+            if positions is None:
+                start = 0 if cache is None else cache.length
+                positions = token_positions(n, x.device, start, segment_ids)
+            table = positions if isinstance(positions, RotaryTable) else \
+                self.rotary_table(positions, x.dtype)
+            q_rope, k_rope = apply_rotary(q_rope, table), apply_rotary(k_rope, table)
         mask = None
         if isinstance(cache, StaticKVCache):
             latent, k_rope, cache, mask = _write_static(cache, latent, k_rope, self.window)

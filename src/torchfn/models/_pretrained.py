@@ -18,6 +18,7 @@ from torchfn.core.module import Model
 from torchfn.models._deepseek import _TYPES as _DEEPSEEK_TYPES
 from torchfn.models._deepseek import deepseek_from_hf, deepseek_to_hf
 from torchfn.models._falcon_h1 import falcon_h1_from_hf, falcon_h1_to_hf
+from torchfn.models._kimi_linear import kimi_linear_from_hf, kimi_linear_to_hf
 from torchfn.models._llama import llama_from_hf
 from torchfn.models._llama4 import llama4_from_hf, llama4_to_hf
 from torchfn.models._llama_export import llama_to_hf
@@ -40,7 +41,8 @@ _OTHERS = {"gpt_neox": (neox_from_hf, neox_to_hf), "phi": (phi_from_hf, phi_to_h
            **{t: (qwen3_next_from_hf, qwen3_next_to_hf)
               for t in _QWEN3_NEXT_TYPES + _QWEN3_5_MULTIMODAL},
            **{t: (mamba_hybrid_from_hf, mamba_hybrid_to_hf) for t in _MAMBA_HYBRID_TYPES}}
-_STATEFUL = {"nemotron_h": (nemotron_h_from_hf, nemotron_h_to_hf)}  # router state too
+_STATEFUL = {"nemotron_h": (nemotron_h_from_hf, nemotron_h_to_hf),  # router state too
+             "kimi_linear": (kimi_linear_from_hf, kimi_linear_to_hf)}
 _WEIGHTS, _INDEX, _CONFIG = "model.safetensors", "model.safetensors.index.json", "config.json"
 
 
@@ -171,7 +173,8 @@ def from_pretrained(folder: str | os.PathLike, *, dtype: torch.dtype | None = No
                                dict[str, Any]]:
     """Any model folder torchfn reads, whatever its family, as ``(module, params, state,
     config)``: DeepSeek-V2 / V3 and GLM-4.5 through :func:`deepseek_from_pretrained`,
-    Nemotron-H through :func:`nemotron_h_from_hf` (``state``: its routers' biases),
+    Nemotron-H and Kimi Linear through :func:`nemotron_h_from_hf` /
+    :func:`kimi_linear_from_hf` (``state``: their routers' biases),
     GPT-NeoX (Pythia), Phi-2, Llama 4, Qwen3-Next and Qwen3.5, Falcon-H1, Mamba, Mamba-2,
     Bamba, Granite 4.0-H and Jamba through :func:`neox_from_hf` / :func:`phi_from_hf` /
     :func:`llama4_from_hf` / :func:`qwen3_next_from_hf` / :func:`falcon_h1_from_hf` /

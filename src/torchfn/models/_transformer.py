@@ -10,6 +10,7 @@ from torch import Tensor, nn
 
 from torchfn.models._attention import AttendFn, MultiHeadAttention, token_positions
 from torchfn.models._delta_net import GatedDeltaNet
+from torchfn.models._kda import KimiDeltaAttention
 from torchfn.models._kv_cache import KVCache, StaticKVCache, check_cache, join_caches
 from torchfn.models._mamba import Mamba
 from torchfn.models._mamba2 import Mamba2
@@ -50,9 +51,6 @@ def _latent(dim: int, heads: int, options: dict, *, rotary: bool, kv_heads, head
     if not isinstance(options, dict) or "kv_rank" not in options:
         raise ValueError(f"latent_attention must be a dict with kv_rank (and rope_dim, "
                          f"nope_dim, v_dim, q_rank, latent_eps), got {options!r}")
-    if not rotary:
-        raise ValueError("latent_attention needs rotary positions (position_embedding="
-                         "'rotary')")
     unset = {"kv_heads": kv_heads, "head_dim": head_dim, "qk_norm": qk_norm or None,
              "rotary_dim": rotary_dim, "qkv_bias": qkv_bias or None,
              "attn_sinks": sinks or None, "out_bias": out_bias or None,
@@ -60,7 +58,7 @@ def _latent(dim: int, heads: int, options: dict, *, rotary: bool, kv_heads, head
     clash = {k: v for k, v in unset.items() if v is not None}
     if clash:
         raise ValueError(f"latent_attention sets the heads' shapes itself; got {clash} too")
-    return LatentAttention(dim, heads, **kwargs, **options)
+    return LatentAttention(dim, heads, rotary=rotary, **kwargs, **options)
 
 
 class TransformerBlock(nn.Module):
@@ -81,8 +79,8 @@ class TransformerBlock(nn.Module):
     ``(B, N, dim) -> (B, N, dim)``; arguments as in :class:`TransformerEncoder`.
     ``mixer=False``: no token mixer, the MLP alone (``x + MLP(LN(x))``); ``mlp="none"``:
     the mixer alone. The token mixer is attention, :class:`LatentAttention`
-    (``latent_attention``), or :class:`GatedDeltaNet` / :class:`Mamba2`
-    (``linear_attention``); ``attn`` is None without one.
+    (``latent_attention``), or :class:`GatedDeltaNet` / :class:`KimiDeltaAttention` /
+    :class:`Mamba` / :class:`Mamba2` (``linear_attention``); ``attn`` is None without one.
     ``key_padding_mask`` ``(B, N)`` bool marks real tokens (True). ``positions`` and
     ``cache`` go to :class:`MultiHeadAttention`; with a cache it returns ``(out, cache)``.
     With ``experts`` the MLP is a :class:`MoE`, and ``return_router_logits=True`` returns
@@ -166,12 +164,13 @@ class TransformerBlock(nn.Module):
         elif linear_attention is not None:
             options = dict(linear_attention) if isinstance(linear_attention, dict) else {}
             kind = options.pop("kind", "gated_deltanet")
-            layers = {"gated_deltanet": GatedDeltaNet, "mamba2": Mamba2, "mamba": Mamba}
+            layers = {"gated_deltanet": GatedDeltaNet, "mamba2": Mamba2, "mamba": Mamba,
+                      "kda": KimiDeltaAttention}
             if kind not in layers or ("heads" not in options and kind != "mamba"):
                 raise ValueError(f"linear_attention must be a dict of GatedDeltaNet's keywords "
                                  f"(heads, key_heads, key_dim, value_dim, conv_kernel) or, with "
-                                 f"kind='mamba2' or 'mamba', Mamba2's or Mamba's; got "
-                                 f"{linear_attention!r}")
+                                 f"kind='mamba2', 'mamba' or 'kda', Mamba2's, Mamba's or "
+                                 f"KimiDeltaAttention's; got {linear_attention!r}")
             if latent_attention is not None:
                 raise ValueError("TransformerBlock: give linear_attention or latent_attention, "
                                  "not both")
@@ -347,10 +346,12 @@ class TransformerEncoder(nn.Module):
         linear_attention, layer_linear: :class:`GatedDeltaNet` (linear attention with a
             fixed-size state) as the token mixer, a dict of its keywords (``heads``,
             ``key_heads``, ``key_dim``, ``value_dim``, ``conv_kernel``), or with
-            ``"kind": "mamba2"`` a :class:`Mamba2` and its keywords, in the blocks
-            ``layer_linear`` marks (default every block); the others keep attention
-            (Qwen3-Next and Qwen3.5: three of four linear). The caches then hold those
-            blocks' convolution windows and states.
+            ``"kind"`` ``"mamba2"``, ``"mamba"`` or ``"kda"`` a :class:`Mamba2`,
+            :class:`Mamba` or :class:`KimiDeltaAttention` and its keywords, in the blocks
+            ``layer_linear`` marks (default every block); the others keep attention, or
+            ``latent_attention`` (Qwen3-Next and Qwen3.5: three of four linear; Kimi
+            Linear: three of four KDA, latent attention between). The caches then hold
+            those blocks' convolution windows and states.
         attn_gate: gate the attention's output by ``sigmoid(x W_gate)`` before its
             projection (Qwen3-Next, Qwen3.5; :class:`MultiHeadAttention`'s
             ``output_gate``).
@@ -603,7 +604,8 @@ class TransformerEncoder(nn.Module):
                              qk_norm_scope=qk_norm_scope,
                              experts=experts if sparse else None, top_k=top_k,
                              moe_options=moe_options if sparse else None,
-                             expert_hidden=expert_hidden, latent_attention=latent_attention,
+                             expert_hidden=expert_hidden,
+                             latent_attention=None if linear else latent_attention,
                              attn_sinks=attn_sinks, out_bias=out_bias,
                              parallel=parallel_residual,
                              rotary_interleaved=rotary_interleaved,
