@@ -416,7 +416,7 @@ def test_static_cache_errors_are_named():
         windowed.apply(wparams, torch.zeros(1, 5, dtype=torch.long),
                        cache=StaticKVCache.allocate(windowed, 1, 4, dtype=torch.float64))
     with pytest.raises(ValueError,
-                       match="module has no MultiHeadAttention, LatentAttention, "):
+                       match="module has no MultiHeadAttention, LatentAttention or recurrent "):
         StaticKVCache.allocate(torch.nn.Linear(2, 2), 1, 8)
     with pytest.raises(ValueError, match="capacity must be an int >= 1"):
         StaticKVCache.allocate(model, 1, 0)

@@ -159,8 +159,8 @@ def test_bad_latent_attention_options_are_named():
         TransformerEncoder(**base, latent_attention=DIMS, kv_heads=1)
     with pytest.raises(ValueError, match=r"got \{'attn_sinks': True\} too"):
         TransformerEncoder(**base, latent_attention=DIMS, attn_sinks=True)
-    with pytest.raises(ValueError, match="latent_attention needs rotary positions"):
-        TransformerEncoder(**dict(base, position_embedding="learned"), latent_attention=DIMS)
+    with pytest.raises(ValueError, match="rotary must be a bool, got 'yes'"):
+        LatentAttention(24, 3, **DIMS, rotary="yes")
     with pytest.raises(ValueError, match="rope_dim must be even, got 5"):
         LatentAttention(24, 3, **dict(DIMS, rope_dim=5))
     with pytest.raises(ValueError, match="kv_rank must be an int >= 1, got 0"):
