@@ -1,5 +1,5 @@
-"""What ``models.GatedDeltaNet``, ``models.KimiDeltaAttention``, ``models.Mamba2`` and
-``models.Mamba`` all promise, and an encoder of Falcon-H1's parallel blocks (attention and
+"""What ``models.GatedDeltaNet``, ``models.KimiDeltaAttention``, ``models.Mamba2``,
+``models.Mamba`` and ``models.ShortConv`` all promise, and an encoder of Falcon-H1's parallel blocks (attention and
 Mamba-2 side by side): both caches (a prefill, then a token a call; the static one with
 room for nothing but the layers' windows and states, or the tokens too where there is
 attention) equal the whole sequence; a left-padded row and each packed document come out
@@ -21,6 +21,7 @@ from torchfn.models import (
     Mamba,
     Mamba2,
     MultiHeadAttention,
+    ShortConv,
     StaticKVCache,
     TransformerEncoder,
 )
@@ -32,6 +33,8 @@ LAYERS = {
     "mamba": lambda: Mamba(32, 48, state_dim=4, dt_rank=3, bias=True, chunk=8),
     # a decay per key channel; chunks of 24: a 16-token sub-chunk and the pairs across
     "kda": lambda: KimiDeltaAttention(32, 4, head_dim=6, chunk=24),
+    # LFM2's gated short convolution: no state, the window alone; biases
+    "short_conv": lambda: ShortConv(32, kernel=4, bias=True),
     # two Falcon-H1 blocks: rotary attention beside Mamba-2 (norm before the gate), every
     # multiplier away from 1
     "parallel": lambda: TransformerEncoder(

@@ -16,6 +16,7 @@ from torchfn.models._graph import GraphAttention, GraphConv
 from torchfn.models._kda import KimiDeltaAttention
 from torchfn.models._kimi_linear import kimi_linear_from_hf, kimi_linear_to_hf
 from torchfn.models._kv_cache import KVCache, StaticKVCache
+from torchfn.models._lfm2 import lfm2_from_hf, lfm2_to_hf
 from torchfn.models._llama import llama_from_hf
 from torchfn.models._llama4 import llama4_from_hf, llama4_to_hf
 from torchfn.models._llama_export import llama_to_hf
@@ -51,6 +52,7 @@ from torchfn.models._qwen3_next import qwen3_next_from_hf, qwen3_next_to_hf
 from torchfn.models._rnn import GRU, LSTM
 from torchfn.models._rotary import rotary_embedding
 from torchfn.models._rotary_scaling import rotary_frequencies
+from torchfn.models._short_conv import ShortConv
 from torchfn.models._speculative import speculative_generate
 from torchfn.models._transformer import MultiHeadAttention, TransformerBlock, TransformerEncoder
 from torchfn.models._unet import UNet
@@ -77,6 +79,7 @@ __all__ = [
     "LatentAttention",
     "GatedDeltaNet",
     "KimiDeltaAttention",
+    "ShortConv",
     "Mamba",
     "Mamba2",
     # rotary positions, KV-cache decoding and token sampling (_rotary, _kv_cache, _generate)
@@ -101,6 +104,8 @@ __all__ = [
     "falcon_h1_to_hf",
     "kimi_linear_from_hf",
     "kimi_linear_to_hf",
+    "lfm2_from_hf",
+    "lfm2_to_hf",
     "nemotron_h_from_hf",
     "nemotron_h_to_hf",
     "llama4_to_hf",

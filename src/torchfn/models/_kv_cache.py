@@ -131,6 +131,7 @@ class StaticKVCache(NamedTuple):
         from torchfn.models._mamba import Mamba
         from torchfn.models._mamba2 import Mamba2
         from torchfn.models._mla import LatentAttention
+        from torchfn.models._short_conv import ShortConv
 
         module = getattr(module, "_eval_skeleton", module)  # a torchfn.Model's module
         if not isinstance(module, nn.Module):
@@ -141,7 +142,7 @@ class StaticKVCache(NamedTuple):
                 raise ValueError(f"{name} must be an int >= 1, got {n!r}")
         layers = [m for m in module.modules()
                   if isinstance(m, (MultiHeadAttention, LatentAttention, GatedDeltaNet, Mamba,
-                                    Mamba2, KimiDeltaAttention))]
+                                    Mamba2, KimiDeltaAttention, ShortConv))]
         if not layers:
             raise ValueError(f"module has no MultiHeadAttention, LatentAttention or recurrent "
                              f"layer to cache: {type(module).__name__}")

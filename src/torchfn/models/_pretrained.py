@@ -19,6 +19,7 @@ from torchfn.models._deepseek import _TYPES as _DEEPSEEK_TYPES
 from torchfn.models._deepseek import deepseek_from_hf, deepseek_to_hf
 from torchfn.models._falcon_h1 import falcon_h1_from_hf, falcon_h1_to_hf
 from torchfn.models._kimi_linear import kimi_linear_from_hf, kimi_linear_to_hf
+from torchfn.models._lfm2 import lfm2_from_hf, lfm2_to_hf
 from torchfn.models._llama import llama_from_hf
 from torchfn.models._llama4 import llama4_from_hf, llama4_to_hf
 from torchfn.models._llama_export import llama_to_hf
@@ -36,7 +37,7 @@ __all__ = ["from_pretrained", "save_pretrained", "llama_from_pretrained",
            "llama_save_pretrained", "deepseek_from_pretrained", "deepseek_save_pretrained"]
 
 _OTHERS = {"gpt_neox": (neox_from_hf, neox_to_hf), "phi": (phi_from_hf, phi_to_hf),
-           "falcon_h1": (falcon_h1_from_hf, falcon_h1_to_hf),
+           "falcon_h1": (falcon_h1_from_hf, falcon_h1_to_hf), "lfm2": (lfm2_from_hf, lfm2_to_hf),
            "llama4_text": (llama4_from_hf, llama4_to_hf), "llama4": (llama4_from_hf, llama4_to_hf),
            **{t: (qwen3_next_from_hf, qwen3_next_to_hf)
               for t in _QWEN3_NEXT_TYPES + _QWEN3_5_MULTIMODAL},
@@ -176,9 +177,9 @@ def from_pretrained(folder: str | os.PathLike, *, dtype: torch.dtype | None = No
     Nemotron-H and Kimi Linear through :func:`nemotron_h_from_hf` /
     :func:`kimi_linear_from_hf` (``state``: their routers' biases),
     GPT-NeoX (Pythia), Phi-2, Llama 4, Qwen3-Next and Qwen3.5, Falcon-H1, Mamba, Mamba-2,
-    Bamba, Granite 4.0-H and Jamba through :func:`neox_from_hf` / :func:`phi_from_hf` /
-    :func:`llama4_from_hf` / :func:`qwen3_next_from_hf` / :func:`falcon_h1_from_hf` /
-    :func:`mamba_hybrid_from_hf`, the
+    Bamba, Granite 4.0-H, Jamba and LFM2 through :func:`neox_from_hf` /
+    :func:`phi_from_hf` / :func:`llama4_from_hf` / :func:`qwen3_next_from_hf` /
+    :func:`falcon_h1_from_hf` / :func:`mamba_hybrid_from_hf` / :func:`lfm2_from_hf`, the
     others (Llama, Mistral, Mixtral, Qwen, Phi-3, OLMo 2, gpt-oss, SmolLM3, Gemma)
     through :func:`llama_from_pretrained`, with their ``state`` (persistent buffers,
     ``{}`` for most) from the module. Arguments as theirs.

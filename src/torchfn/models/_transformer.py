@@ -20,6 +20,7 @@ from torchfn.models._moe import MoE
 from torchfn.models._norm import make_norm
 from torchfn.models._remat_block import call_remat, remat_policy
 from torchfn.models._rotary import RotaryTable
+from torchfn.models._short_conv import ShortConv
 
 __all__ = ["TransformerEncoder", "TransformerBlock", "MultiHeadAttention"]
 
@@ -80,7 +81,8 @@ class TransformerBlock(nn.Module):
     ``mixer=False``: no token mixer, the MLP alone (``x + MLP(LN(x))``); ``mlp="none"``:
     the mixer alone. The token mixer is attention, :class:`LatentAttention`
     (``latent_attention``), or :class:`GatedDeltaNet` / :class:`KimiDeltaAttention` /
-    :class:`Mamba` / :class:`Mamba2` (``linear_attention``); ``attn`` is None without one.
+    :class:`Mamba` / :class:`Mamba2` / :class:`ShortConv` (``linear_attention``); ``attn``
+    is None without one.
     ``key_padding_mask`` ``(B, N)`` bool marks real tokens (True). ``positions`` and
     ``cache`` go to :class:`MultiHeadAttention`; with a cache it returns ``(out, cache)``.
     With ``experts`` the MLP is a :class:`MoE`, and ``return_router_logits=True`` returns
@@ -165,16 +167,18 @@ class TransformerBlock(nn.Module):
             options = dict(linear_attention) if isinstance(linear_attention, dict) else {}
             kind = options.pop("kind", "gated_deltanet")
             layers = {"gated_deltanet": GatedDeltaNet, "mamba2": Mamba2, "mamba": Mamba,
-                      "kda": KimiDeltaAttention}
-            if kind not in layers or ("heads" not in options and kind != "mamba"):
+                      "kda": KimiDeltaAttention, "short_conv": ShortConv}
+            if kind not in layers or ("heads" not in options and kind not in (
+                    "mamba", "short_conv")):
                 raise ValueError(f"linear_attention must be a dict of GatedDeltaNet's keywords "
                                  f"(heads, key_heads, key_dim, value_dim, conv_kernel) or, with "
-                                 f"kind='mamba2', 'mamba' or 'kda', Mamba2's, Mamba's or "
-                                 f"KimiDeltaAttention's; got {linear_attention!r}")
+                                 f"kind='mamba2', 'mamba', 'kda' or 'short_conv', Mamba2's, "
+                                 f"Mamba's, KimiDeltaAttention's or ShortConv's; got "
+                                 f"{linear_attention!r}")
             if latent_attention is not None:
                 raise ValueError("TransformerBlock: give linear_attention or latent_attention, "
                                  "not both")
-            if norm_eps is not None and kind != "mamba":  # (Mamba-1 has no norm inside)
+            if norm_eps is not None and kind not in ("mamba", "short_conv"):  # (no norm inside)
                 options.setdefault("norm_eps", norm_eps)
             linear = layers[kind](dim, **options)
             if self.mixer_scales is None:
@@ -346,8 +350,9 @@ class TransformerEncoder(nn.Module):
         linear_attention, layer_linear: :class:`GatedDeltaNet` (linear attention with a
             fixed-size state) as the token mixer, a dict of its keywords (``heads``,
             ``key_heads``, ``key_dim``, ``value_dim``, ``conv_kernel``), or with
-            ``"kind"`` ``"mamba2"``, ``"mamba"`` or ``"kda"`` a :class:`Mamba2`,
-            :class:`Mamba` or :class:`KimiDeltaAttention` and its keywords, in the blocks
+            ``"kind"`` ``"mamba2"``, ``"mamba"``, ``"kda"`` or ``"short_conv"`` a
+            :class:`Mamba2`, :class:`Mamba`, :class:`KimiDeltaAttention` or
+            :class:`ShortConv` (LFM2's) and its keywords, in the blocks
             ``layer_linear`` marks (default every block); the others keep attention, or
             ``latent_attention`` (Qwen3-Next and Qwen3.5: three of four linear; Kimi
             Linear: three of four KDA, latent attention between). The caches then hold
