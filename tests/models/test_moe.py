@@ -239,6 +239,19 @@ def test_deepseek_routing_is_the_same_on_both_paths_and_its_load_and_bias_update
     assert moe.expert_load(logits, bias).std() < 0.5 * spread
 
 
+def test_normalize_eps_divides_by_the_sum_plus_it():
+    """LFM2-MoE's renormalisation: the chosen scores over their sum plus ``normalize_eps``
+    (a large eps here, so that it shows), then the routed scale."""
+    moe = MoE(4, 8, 6, 3, scoring="sigmoid", normalize_eps=0.5, routed_scale=2.0)
+    logits = torch.randn(5, 6, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    weights, chosen = moe.select(logits)
+    picked = logits.sigmoid().gather(-1, chosen)
+    torch.testing.assert_close(weights, 2.0 * picked / (picked.sum(-1, keepdim=True) + 0.5),
+                               rtol=0, atol=1e-15)
+    with pytest.raises(ValueError, match="normalize_eps must be a number >= 0, got -1"):
+        MoE(4, 8, 6, normalize_eps=-1)
+
+
 def test_layer_experts_mix_dense_and_mixture_blocks():
     """Only the chosen blocks route (their logits, in order, are what
     ``return_router_logits`` gives); the others keep a dense MLP of ``mlp_hidden``."""

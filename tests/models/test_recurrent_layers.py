@@ -1,10 +1,10 @@
 """What ``models.GatedDeltaNet``, ``models.KimiDeltaAttention``, ``models.Mamba2``,
-``models.Mamba`` and ``models.ShortConv`` all promise, and an encoder of Falcon-H1's parallel blocks (attention and
-Mamba-2 side by side): both caches (a prefill, then a token a call; the static one with
-room for nothing but the layers' windows and states, or the tokens too where there is
-attention) equal the whole sequence; a left-padded row and each packed document come out
-as they do alone; per-sample gradients under ``vmap`` equal the loop; bad arguments are
-named. Each layer's own file compares it with transformers."""
+``models.Mamba`` and ``models.ShortConv`` all promise, and an encoder of Falcon-H1's
+parallel blocks (attention and Mamba-2 side by side): both caches (a prefill, then a token
+a call; the static one with room for nothing but the layers' windows and states, or the
+tokens too where there is attention) equal the whole sequence; a left-padded row and each
+packed document come out as they do alone; per-sample gradients under ``vmap`` equal the
+loop; bad arguments are named. Each layer's own file compares it with transformers."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""A Hugging Face LFM2 checkpoint (``lfm2``, Liquid AI) as a ``TransformerEncoder`` and its
-params, and back: gated short convolutions in most blocks, attention in the others."""
+"""A Hugging Face LFM2 or LFM2-MoE checkpoint (``lfm2``, ``lfm2_moe``; Liquid AI) as a
+``TransformerEncoder``, its params and its router state, and back: gated short
+convolutions in most blocks, attention in the others."""
 
 from __future__ import annotations
 
@@ -7,16 +8,11 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+import torch
 from torch import Tensor
 
-from torchfn.models._fit import (
-    check_fit,
-    check_known,
-    check_params_for,
-    check_state_dict,
-    join_qkv,
-    param_shapes,
-)
+from torchfn.models._deepseek import _check
+from torchfn.models._fit import check_known, check_state_dict, join_qkv
 from torchfn.models._llama import _ropes
 from torchfn.models._transformer import TransformerEncoder
 
@@ -34,6 +30,10 @@ _CONV = {f"conv.{hf}.{kind}": f"attn.{ours}.{kind}" for hf, ours in (
     ("in_proj", "in_proj"), ("conv", "conv"), ("out_proj", "out")) for kind in ("weight", "bias")}
 _GLOBAL = {"model.embed_tokens.weight": "embed.weight", "model.embedding_norm.weight": "ln.weight",
            "lm_head.weight": "head.weight"}
+_EXPERT = re.compile(r"feed_forward\.experts\.(\d+)\.(w[123])\.weight")  # LFM2-MoE's
+_W = {"w1": "gate", "w3": "up", "w2": "down"}
+_ROUTER, _BIAS = "feed_forward.gate.weight", "feed_forward.expert_bias"
+_TYPES = ("lfm2", "lfm2_moe")
 
 
 def _mlp_hidden(config: Mapping[str, Any]) -> int:
@@ -41,6 +41,8 @@ def _mlp_hidden(config: Mapping[str, Any]) -> int:
     default) two thirds of it, times ``block_ffn_dim_multiplier``, rounded up to a
     multiple of ``block_multiple_of``, as transformers' ``Lfm2MLP``."""
     hidden = config.get("block_ff_dim") or config["intermediate_size"]
+    if config.get("model_type") == "lfm2_moe":  # its dense MLPs: the width as given
+        return hidden
     if config.get("block_auto_adjust_ff_dim", True):
         hidden = int(2 * hidden / 3)
         if config.get("block_ffn_dim_multiplier") is not None:
@@ -67,8 +69,9 @@ def _config(config: Mapping[str, Any]) -> dict[str, Any]:
     """``TransformerEncoder``'s keywords for an LFM2 config."""
     if not isinstance(config, Mapping):
         raise TypeError(f"config must be a dict (a config.json), got {type(config).__name__}")
-    if config.get("model_type", "lfm2") != "lfm2":
-        raise ValueError(f"config['model_type'] must be 'lfm2', got {config['model_type']!r}")
+    kind = config.get("model_type", "lfm2")
+    if kind not in _TYPES:
+        raise ValueError(f"config['model_type'] must be one of {_TYPES}, got {kind!r}")
     missing = [k for k in ("hidden_size", "num_attention_heads", "num_hidden_layers",
                            "vocab_size") if config.get(k) is None]
     if config.get("intermediate_size") is None and config.get("block_ff_dim") is None:
@@ -80,7 +83,7 @@ def _config(config: Mapping[str, Any]) -> dict[str, Any]:
     rope = config if config.get("rope_parameters") or "rope_theta" in config else \
         dict(config, rope_theta=1e6)  # LFM2's default base
     tied = config.get("tie_word_embeddings", config.get("tie_embedding", True))
-    return dict(
+    kwargs: dict[str, Any] = dict(
         dim=dim, heads=heads, depth=depth, vocab_size=config["vocab_size"],
         out_dim=config["vocab_size"], causal=True, head_dim=config.get("head_dim") or dim // heads,
         kv_heads=config.get("num_key_value_heads") or heads, norm="rms", mlp="swiglu",
@@ -91,19 +94,37 @@ def _config(config: Mapping[str, Any]) -> dict[str, Any]:
         linear_attention=dict(kind="short_conv", kernel=config.get("conv_L_cache", 3),
                               bias=bool(config.get("conv_bias", False))),
         layer_linear=_layer_types(config, depth))
+    if kind == "lfm2_moe":  # a mixture after the first num_dense_layers
+        dense = config.get("num_dense_layers", 2)
+        if dense < depth:
+            kwargs.update(
+                experts=config.get("num_experts", 32), top_k=config.get("num_experts_per_tok", 4),
+                expert_hidden=config["moe_intermediate_size"],
+                layer_experts=None if dense <= 0 else [i >= dense for i in range(depth)],
+                moe_options=dict(scoring="sigmoid", normalize=bool(config.get(
+                    "norm_topk_prob", True)), normalize_eps=1e-6, router_bias=bool(config.get(
+                        "use_expert_bias", True)), routed_scale=float(config.get(
+                            "routed_scaling_factor", 1.0))))
+    return kwargs
 
 
 def lfm2_from_hf(config: Mapping[str, Any], state_dict: Mapping[str, Tensor] | None = None,
-                 **overrides: Any) -> tuple[TransformerEncoder, dict[str, Tensor] | None]:
-    """The ``TransformerEncoder`` of a Hugging Face LFM2 ``config`` (``"lfm2"``, Liquid AI's
-    LFM2) and the params of its ``state_dict``.
+                 **overrides: Any) -> tuple[TransformerEncoder, dict[str, Tensor] | None,
+                                            dict[str, Tensor] | None]:
+    """The ``TransformerEncoder`` of a Hugging Face LFM2 or LFM2-MoE ``config``
+    (``"lfm2"``, ``"lfm2_moe"``: Liquid AI's) and the params and router state of its
+    ``state_dict``.
 
     The blocks ``layer_types`` marks ``"conv"`` mix tokens with :class:`ShortConv` (a
     gated causal convolution of ``conv_L_cache`` taps; its cache entry the last inputs),
     the others with grouped-query attention, rotary, with RMS-normalised queries and keys
     per head. The MLPs are SwiGLU of the adjusted width transformers computes
     (``block_auto_adjust_ff_dim``); the final norm is the checkpoint's
-    ``embedding_norm``. Tested against ``transformers`` 5 on logits, both caches, greedy
+    ``embedding_norm``. LFM2-MoE's blocks after the first ``num_dense_layers`` have a
+    sigmoid-scored mixture instead (top ``num_experts_per_tok``, renormalised as
+    transformers does, ``/ (sum + 1e-6)``), whose ``expert_bias`` shifts the choice and is
+    router *state* (``blocks.i.mlp.router_bias``, for :func:`moe_bias_update`), as
+    DeepSeek-V3's. Tested against ``transformers`` 5 on logits, both caches, greedy
     generation (left-padded too) and the round trip.
 
     Args:
@@ -112,7 +133,8 @@ def lfm2_from_hf(config: Mapping[str, Any], state_dict: Mapping[str, Tensor] | N
         overrides: other ``TransformerEncoder`` arguments.
 
     Returns:
-        ``(module, params)``; ``params`` is None without a ``state_dict``.
+        ``(module, params, state)``; ``params`` and ``state`` are None without a
+        ``state_dict``, ``state`` is ``{}`` for LFM2.
 
     Example::
 
@@ -122,7 +144,7 @@ def lfm2_from_hf(config: Mapping[str, Any], state_dict: Mapping[str, Tensor] | N
         >>> config = {"model_type": "lfm2", "hidden_size": 16, "num_attention_heads": 2,
         ...           "num_hidden_layers": 3, "intermediate_size": 48, "vocab_size": 10,
         ...           "layer_types": ["conv", "full_attention", "conv"]}
-        >>> module, _ = lfm2_from_hf(config)
+        >>> module, _, _ = lfm2_from_hf(config)
         >>> [type(b.attn).__name__ for b in module.blocks]
         ['ShortConv', 'MultiHeadAttention', 'ShortConv']
         >>> params = torchfn.Model(module).init(torchfn.random.key(0))
@@ -134,31 +156,45 @@ def lfm2_from_hf(config: Mapping[str, Any], state_dict: Mapping[str, Tensor] | N
     check_state_dict(state_dict)
     module = TransformerEncoder(**kwargs)
     if state_dict is None:
-        return module, None
+        return module, None, None
     conv = kwargs["layer_linear"]
     params: dict[str, Tensor] = {}
+    state: dict[str, Tensor] = {}
+    experts: dict[str, dict[int, Tensor]] = {}  # our stacked name -> expert j's matrix
     unknown = []
     for name, tensor in state_dict.items():
         layer = _LAYER.fullmatch(name)
         names = _COMMON | (_CONV if layer and conv[int(layer[1])] else _ATTN) if layer and \
             int(layer[1]) < len(conv) else {}
+        expert = _EXPERT.fullmatch(layer[2]) if names else None
         if name in _GLOBAL:
             if name != "lm_head.weight" or not kwargs["tie_embeddings"]:
                 params[_GLOBAL[name]] = tensor
-        elif layer and layer[2] in names:
+        elif names and layer[2] in names:
             params[f"blocks.{layer[1]}.{names[layer[2]]}"] = tensor
+        elif names and layer[2] == _ROUTER:
+            params[f"blocks.{layer[1]}.mlp.router.weight"] = tensor
+        elif names and layer[2] == _BIAS:
+            state[f"blocks.{layer[1]}.mlp.router_bias"] = tensor
+        elif expert:
+            experts.setdefault(f"blocks.{layer[1]}.mlp.{_W[expert[2]]}", {})[
+                int(expert[1])] = tensor
         else:
             unknown.append(name)
-    check_known(unknown, "lfm2")
+    check_known(unknown, config.get("model_type", "lfm2"))
+    for name, parts in experts.items():  # (E, ...) when every expert came, else missing
+        if sorted(parts) == list(range(kwargs.get("experts") or 0)):
+            params[name] = torch.stack([parts[j] for j in range(len(parts))])
     join_qkv(params)
-    check_fit(param_shapes(module), params, "state_dict")
-    return module, params
+    _check(module, params, state)
+    return module, params, state
 
 
-def lfm2_to_hf(config: Mapping[str, Any], params: Mapping[str, Tensor]) -> dict[str, Tensor]:
-    """``params`` of the model ``lfm2_from_hf(config)`` builds, under a Hugging Face
-    checkpoint's names (q, k and v apart: copies). The inverse of :func:`lfm2_from_hf`,
-    bit for bit.
+def lfm2_to_hf(config: Mapping[str, Any], params: Mapping[str, Tensor],
+               state: Mapping[str, Tensor] | None = None) -> dict[str, Tensor]:
+    """``params`` (and LFM2-MoE's router ``state``) of the model ``lfm2_from_hf(config)``
+    builds, under a Hugging Face checkpoint's names (q, k and v apart, the experts one
+    matrix each: copies). The inverse of :func:`lfm2_from_hf`, bit for bit.
 
     Example::
 
@@ -172,14 +208,20 @@ def lfm2_to_hf(config: Mapping[str, Any], params: Mapping[str, Tensor]) -> dict[
         torch.Size([48, 16])
     """
     kwargs = _config(config)
-    check_params_for(TransformerEncoder, kwargs, params)
+    if not isinstance(params, Mapping):
+        raise TypeError(f"params must be a dict of tensors, got {type(params).__name__}")
+    state = {} if state is None else state
+    if not isinstance(state, Mapping):
+        raise TypeError(f"state must be a dict of tensors or None, got {type(state).__name__}")
+    with torch.device("meta"):
+        _check(TransformerEncoder(**kwargs), params, state)
     inverse = {conv: {ours: hf for hf, ours in (_COMMON | (_CONV if conv else _ATTN)).items()}
                for conv in (False, True)}
     back = {ours: hf for hf, ours in _GLOBAL.items()}
     hd = kwargs["head_dim"]
     sizes = [kwargs["heads"] * hd] + [kwargs["kv_heads"] * hd] * 2
     out: dict[str, Tensor] = {}
-    for name, t in params.items():
+    for name, t in {**params, **state}.items():
         if name in back:
             out[back[name]] = t
             continue
@@ -187,6 +229,14 @@ def lfm2_to_hf(config: Mapping[str, Any], params: Mapping[str, Tensor]) -> dict[
         if rest == "attn.qkv.weight":
             for p, piece in zip("qkv", t.split(sizes)):
                 out[f"model.layers.{i}.self_attn.{p}_proj.weight"] = piece.clone()
+        elif rest == "mlp.router.weight":
+            out[f"model.layers.{i}.{_ROUTER}"] = t
+        elif rest == "mlp.router_bias":
+            out[f"model.layers.{i}.{_BIAS}"] = t
+        elif rest in ("mlp.gate", "mlp.up", "mlp.down"):  # stacked experts (E, ...)
+            w = {ours: hf for hf, ours in _W.items()}[rest[4:]]
+            for j, part in enumerate(t.unbind(0)):
+                out[f"model.layers.{i}.feed_forward.experts.{j}.{w}.weight"] = part.clone()
         else:
             out[f"model.layers.{i}.{inverse[kwargs['layer_linear'][int(i)]][rest]}"] = t
     return out

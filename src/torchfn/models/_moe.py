@@ -32,7 +32,8 @@ class MoE(nn.Module):
 
     Routing as Mixtral's: ``p = softmax(router(x))`` over the experts ``(T, E)``, the
     ``top_k`` largest kept, renormalised to sum to 1 (``normalize=False``: kept as they
-    are, as Qwen-MoE's default). DeepSeek-V3's routing: ``scoring="sigmoid"``
+    are, as Qwen-MoE's default; ``normalize_eps``: divided by their sum plus it, as LFM2's
+    ``1e-6``). DeepSeek-V3's routing: ``scoring="sigmoid"``
     (independent scores), ``groups`` / ``topk_groups`` (the experts split into groups,
     only the best ``topk_groups`` groups compete, ranked by the sum of their two best
     scores, or with ``group_score="max"`` by their best as DeepSeek-V2), ``routed_scale``
@@ -98,8 +99,12 @@ class MoE(nn.Module):
                  routed_scale: float = 1.0, router_bias: bool = False,
                  logit_bias: bool = False, expert_bias: bool = False,
                  swiglu_limit: float = 7.0, swiglu_alpha: float = 1.702,
-                 weights_on: str = "output") -> None:
+                 weights_on: str = "output", normalize_eps: float = 0.0) -> None:
         super().__init__()
+        if isinstance(normalize_eps, bool) or not isinstance(normalize_eps, (int, float)) \
+                or not normalize_eps >= 0:
+            raise ValueError(f"normalize_eps must be a number >= 0, got {normalize_eps!r}")
+        self.normalize_eps = float(normalize_eps)
         if weights_on not in ("output", "input"):
             raise ValueError(f"weights_on must be 'output' or 'input', got {weights_on!r}")
         self.weights_on = weights_on
@@ -214,7 +219,8 @@ class MoE(nn.Module):
         chosen = choice.topk(self.top_k, dim=-1).indices  # (T, k)
         weights = scores.gather(-1, chosen)
         if self.normalize:
-            weights = weights / weights.sum(-1, keepdim=True)
+            total = weights.sum(-1, keepdim=True)
+            weights = weights / (total + self.normalize_eps if self.normalize_eps else total)
         return weights * self.routed_scale, chosen
 
     def _expert(self, x: Tensor, e: int | None = None) -> Tensor:

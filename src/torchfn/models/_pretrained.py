@@ -37,13 +37,14 @@ __all__ = ["from_pretrained", "save_pretrained", "llama_from_pretrained",
            "llama_save_pretrained", "deepseek_from_pretrained", "deepseek_save_pretrained"]
 
 _OTHERS = {"gpt_neox": (neox_from_hf, neox_to_hf), "phi": (phi_from_hf, phi_to_hf),
-           "falcon_h1": (falcon_h1_from_hf, falcon_h1_to_hf), "lfm2": (lfm2_from_hf, lfm2_to_hf),
+           "falcon_h1": (falcon_h1_from_hf, falcon_h1_to_hf),
            "llama4_text": (llama4_from_hf, llama4_to_hf), "llama4": (llama4_from_hf, llama4_to_hf),
            **{t: (qwen3_next_from_hf, qwen3_next_to_hf)
               for t in _QWEN3_NEXT_TYPES + _QWEN3_5_MULTIMODAL},
            **{t: (mamba_hybrid_from_hf, mamba_hybrid_to_hf) for t in _MAMBA_HYBRID_TYPES}}
 _STATEFUL = {"nemotron_h": (nemotron_h_from_hf, nemotron_h_to_hf),  # router state too
-             "kimi_linear": (kimi_linear_from_hf, kimi_linear_to_hf)}
+             "kimi_linear": (kimi_linear_from_hf, kimi_linear_to_hf),
+             **{t: (lfm2_from_hf, lfm2_to_hf) for t in ("lfm2", "lfm2_moe")}}
 _WEIGHTS, _INDEX, _CONFIG = "model.safetensors", "model.safetensors.index.json", "config.json"
 
 
@@ -174,12 +175,12 @@ def from_pretrained(folder: str | os.PathLike, *, dtype: torch.dtype | None = No
                                dict[str, Any]]:
     """Any model folder torchfn reads, whatever its family, as ``(module, params, state,
     config)``: DeepSeek-V2 / V3 and GLM-4.5 through :func:`deepseek_from_pretrained`,
-    Nemotron-H and Kimi Linear through :func:`nemotron_h_from_hf` /
-    :func:`kimi_linear_from_hf` (``state``: their routers' biases),
+    Nemotron-H, Kimi Linear, LFM2 and LFM2-MoE through :func:`nemotron_h_from_hf` /
+    :func:`kimi_linear_from_hf` / :func:`lfm2_from_hf` (``state``: their routers' biases),
     GPT-NeoX (Pythia), Phi-2, Llama 4, Qwen3-Next and Qwen3.5, Falcon-H1, Mamba, Mamba-2,
-    Bamba, Granite 4.0-H, Jamba and LFM2 through :func:`neox_from_hf` /
-    :func:`phi_from_hf` / :func:`llama4_from_hf` / :func:`qwen3_next_from_hf` /
-    :func:`falcon_h1_from_hf` / :func:`mamba_hybrid_from_hf` / :func:`lfm2_from_hf`, the
+    Bamba, Granite 4.0-H and Jamba through :func:`neox_from_hf` / :func:`phi_from_hf` /
+    :func:`llama4_from_hf` / :func:`qwen3_next_from_hf` / :func:`falcon_h1_from_hf` /
+    :func:`mamba_hybrid_from_hf`, the
     others (Llama, Mistral, Mixtral, Qwen, Phi-3, OLMo 2, gpt-oss, SmolLM3, Gemma)
     through :func:`llama_from_pretrained`, with their ``state`` (persistent buffers,
     ``{}`` for most) from the module. Arguments as theirs.
