@@ -1,10 +1,11 @@
 """What ``models.GatedDeltaNet``, ``models.KimiDeltaAttention``, ``models.Mamba2``,
-``models.Mamba`` and ``models.ShortConv`` all promise, and an encoder of Falcon-H1's
-parallel blocks (attention and Mamba-2 side by side): both caches (a prefill, then a token
-a call; the static one with room for nothing but the layers' windows and states, or the
-tokens too where there is attention) equal the whole sequence; a left-padded row and each
-packed document come out as they do alone; per-sample gradients under ``vmap`` equal the
-loop; bad arguments are named. Each layer's own file compares it with transformers."""
+``models.Mamba``, ``models.ShortConv`` and ``models.LightningAttention`` all promise, and
+an encoder of Falcon-H1's parallel blocks (attention and Mamba-2 side by side): both caches
+(a prefill, then a token a call; the static one with room for nothing but the layers'
+windows and states, or the tokens too where there is attention) equal the whole sequence;
+a left-padded row and each packed document come out as they do alone; per-sample
+gradients under ``vmap`` equal the loop; bad arguments are named. Each layer's own file
+compares it with transformers."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from torchfn.models import (
     GatedDeltaNet,
     KimiDeltaAttention,
     KVCache,
+    LightningAttention,
     Mamba,
     Mamba2,
     MultiHeadAttention,
@@ -35,6 +37,8 @@ LAYERS = {
     "kda": lambda: KimiDeltaAttention(32, 4, head_dim=6, chunk=24),
     # LFM2's gated short convolution: no state, the window alone; biases
     "short_conv": lambda: ShortConv(32, kernel=4, bias=True),
+    # MiniMax's lightning attention: a fixed decay per head, no convolution
+    "lightning": lambda: LightningAttention(32, 4, slopes=(0.5, 0.2, 0.05, 0.0), chunk=8),
     # two Falcon-H1 blocks: rotary attention beside Mamba-2 (norm before the gate), every
     # multiplier away from 1
     "parallel": lambda: TransformerEncoder(
@@ -124,3 +128,23 @@ def test_bad_input_is_named(layer):
     entries = getattr(net, "_entries", 1)  # the encoder: 2 a parallel block
     with pytest.raises(ValueError, match=f"cache must hold 0 or {entries} layers"):
         model.apply(params, x, cache=KVCache((x, x), (x, x)))
+
+
+def test_left_padded_static_decoding_of_a_model_without_attention():
+    """A static cache of recurrent layers alone has no slots (``capacity`` None): the
+    prompt mask is sized by the prompt and the steps, not by a layer's channel count
+    (8 here, under the 13 positions decoded)."""
+    from torchfn.models import generate
+
+    net = TransformerEncoder(8, 2, 2, vocab_size=20, out_dim=20, causal=True,
+                             position_embedding="none", norm="rms", mlp="swiglu",
+                             linear_attention=dict(kind="short_conv", bias=True))
+    model = torchfn.Model(net)
+    params = model.init(random.key(0))
+    prompt = random.randint(random.key(1), (2, 6), 1, 20)
+    mask = torch.ones(2, 6, dtype=torch.bool)
+    mask[1, :2] = False
+    static = StaticKVCache.allocate(net, 2, 1)
+    assert static.capacity is None
+    want = generate(model, params, prompt, 8, prompt_mask=mask)
+    assert torch.equal(generate(model, params, prompt, 8, prompt_mask=mask, cache=static), want)

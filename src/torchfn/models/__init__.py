@@ -17,6 +17,7 @@ from torchfn.models._kda import KimiDeltaAttention
 from torchfn.models._kimi_linear import kimi_linear_from_hf, kimi_linear_to_hf
 from torchfn.models._kv_cache import KVCache, StaticKVCache
 from torchfn.models._lfm2 import lfm2_from_hf, lfm2_to_hf
+from torchfn.models._lightning import LightningAttention, lightning_slopes
 from torchfn.models._llama import llama_from_hf
 from torchfn.models._llama4 import llama4_from_hf, llama4_to_hf
 from torchfn.models._llama_export import llama_to_hf
@@ -33,6 +34,7 @@ from torchfn.models._lora import (
 from torchfn.models._mamba import Mamba
 from torchfn.models._mamba2 import Mamba2
 from torchfn.models._mamba_hybrid import mamba_hybrid_from_hf, mamba_hybrid_to_hf
+from torchfn.models._minimax import minimax_from_hf, minimax_to_hf
 from torchfn.models._mla import LatentAttention
 from torchfn.models._mlp import MLP, SwiGLU
 from torchfn.models._moe import MoE, moe_bias_update
@@ -80,6 +82,8 @@ __all__ = [
     "GatedDeltaNet",
     "KimiDeltaAttention",
     "ShortConv",
+    "LightningAttention",
+    "lightning_slopes",
     "Mamba",
     "Mamba2",
     # rotary positions, KV-cache decoding and token sampling (_rotary, _kv_cache, _generate)
@@ -106,6 +110,8 @@ __all__ = [
     "kimi_linear_to_hf",
     "lfm2_from_hf",
     "lfm2_to_hf",
+    "minimax_from_hf",
+    "minimax_to_hf",
     "nemotron_h_from_hf",
     "nemotron_h_to_hf",
     "llama4_to_hf",

@@ -186,13 +186,14 @@ def generate(
     cache = KVCache() if cache is None else cache
     static = isinstance(cache, StaticKVCache)
     if static:  # its capacity is checked by the layers (a windowed one may wrap around)
-        if extra and cache.capacity < tokens.shape[1] + steps - 1:
+        needed = tokens.shape[1] + steps - 1
+        capacity = needed if cache.capacity is None else cache.capacity  # (recurrent alone)
+        if extra and capacity < needed:
             raise ValueError(f"cache: with prompt_mask a StaticKVCache must not wrap around "
                              f"(its mask covers slots, not positions): capacity >= P + "
-                             f"steps - 1 = {tokens.shape[1] + steps - 1}, got {cache.capacity}")
+                             f"steps - 1 = {needed}, got {capacity}")
         if extra:  # the mask covers every slot: the prompt's, then real tokens
-            slots = torch.ones(mask.shape[0], cache.capacity, dtype=torch.bool,
-                               device=mask.device)
+            slots = torch.ones(mask.shape[0], capacity, dtype=torch.bool, device=mask.device)
             extra["key_padding_mask"] = torch.cat((mask, slots[:, mask.shape[1]:]), 1)
     elif not isinstance(cache, KVCache) or cache.keys:
         raise ValueError(f"cache must be an empty KVCache or StaticKVCache, got "

@@ -103,9 +103,10 @@ class StaticKVCache(NamedTuple):
     length: Tensor
 
     @property
-    def capacity(self) -> int:
-        """The number of slots ``L``."""
-        return int(self.keys[0].shape[-2])
+    def capacity(self) -> int | None:
+        """The number of slots ``L`` of the attention layers' buffers; None for a cache of
+        recurrent layers alone (their windows and states hold no slots)."""
+        return next((int(k.shape[-2]) for k in self.keys if k.dim() == 4), None)
 
     def layer(self, i: int) -> StaticKVCache:
         """Layer ``i``'s buffers as a one-layer cache."""
@@ -128,6 +129,7 @@ class StaticKVCache(NamedTuple):
         from torchfn.models._attention import MultiHeadAttention
         from torchfn.models._delta_net import GatedDeltaNet
         from torchfn.models._kda import KimiDeltaAttention
+        from torchfn.models._lightning import LightningAttention
         from torchfn.models._mamba import Mamba
         from torchfn.models._mamba2 import Mamba2
         from torchfn.models._mla import LatentAttention
@@ -142,7 +144,8 @@ class StaticKVCache(NamedTuple):
                 raise ValueError(f"{name} must be an int >= 1, got {n!r}")
         layers = [m for m in module.modules()
                   if isinstance(m, (MultiHeadAttention, LatentAttention, GatedDeltaNet, Mamba,
-                                    Mamba2, KimiDeltaAttention, ShortConv))]
+                                    Mamba2, KimiDeltaAttention, ShortConv,
+                                    LightningAttention))]
         if not layers:
             raise ValueError(f"module has no MultiHeadAttention, LatentAttention or recurrent "
                              f"layer to cache: {type(module).__name__}")

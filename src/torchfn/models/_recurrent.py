@@ -51,8 +51,8 @@ def recurrent_inputs(who: str, x: Tensor, key_padding_mask: Tensor | None,
         runs = torch.cat((torch.zeros_like(new[:, :1]), new.cumsum(1)), 1)
     keep = None
     if key_padding_mask is not None:  # this call's columns of it
-        if isinstance(cache, StaticKVCache):
-            at = (cache.length + torch.arange(n, device=x.device)) % cache.capacity
+        if isinstance(cache, StaticKVCache):  # the mask covers the slots (its width)
+            at = (cache.length + torch.arange(n, device=x.device)) % key_padding_mask.shape[1]
             key_padding_mask = key_padding_mask.index_select(1, at)
         keep = key_padding_mask[:, -n:, None].to(x.dtype)  # (B, N, 1)
         x = x * keep

@@ -12,6 +12,7 @@ from torchfn.models._attention import AttendFn, MultiHeadAttention, token_positi
 from torchfn.models._delta_net import GatedDeltaNet
 from torchfn.models._kda import KimiDeltaAttention
 from torchfn.models._kv_cache import KVCache, StaticKVCache, check_cache, join_caches
+from torchfn.models._lightning import LightningAttention
 from torchfn.models._mamba import Mamba
 from torchfn.models._mamba2 import Mamba2
 from torchfn.models._mla import LatentAttention
@@ -26,6 +27,23 @@ __all__ = ["TransformerEncoder", "TransformerBlock", "MultiHeadAttention"]
 
 _ATTN_OPTIONS = {"chunk", "temperature", "qk_norm", "softcap", "scale"}  # per-block overrides
 _MIXER_SCALES = ("attn_in", "attn_out", "linear_in", "linear_out")  # parallel_linear's
+_LINEAR = {"gated_deltanet": GatedDeltaNet, "mamba2": Mamba2, "mamba": Mamba,
+           "kda": KimiDeltaAttention, "short_conv": ShortConv,
+           "lightning": LightningAttention}  # linear_attention's kinds
+
+
+def _pair(value: object) -> bool:
+    """Whether ``value`` is two numbers (a normed residual's ``(alpha, beta)``)."""
+    return isinstance(value, (tuple, list)) and len(value) == 2 and all(
+        isinstance(v, (int, float)) and not isinstance(v, bool) for v in value)
+
+
+def _block_linear(linear_attention: dict | None, linear: bool | dict) -> dict | None:
+    """A block's ``linear_attention`` keywords: none (``linear`` False), the encoder's, or
+    those with ``linear``'s (a dict) overriding them."""
+    if linear is False or linear_attention is None:
+        return None
+    return dict(linear_attention) | (linear if isinstance(linear, dict) else {})
 
 
 def _mixer_scales(parallel_linear: bool | dict) -> dict[str, float] | None:
@@ -77,6 +95,10 @@ class TransformerBlock(nn.Module):
     (Falcon-H1), the four scales from the dict (``attn_in``, ``attn_out``, ``linear_in``,
     ``linear_out``; default 1); the block then has two cache entries, attention's first.
 
+    ``normed_residual=((a1, b1), (a2, b2))``: each sublayer adds to its *normalised*
+    input, ``h = a1 LN1(x) + b1 Attn(LN1(x))`` then ``a2 LN2(h) + b2 MLP(LN2(h))``
+    (MiniMax-01's block).
+
     ``(B, N, dim) -> (B, N, dim)``; arguments as in :class:`TransformerEncoder`.
     ``mixer=False``: no token mixer, the MLP alone (``x + MLP(LN(x))``); ``mlp="none"``:
     the mixer alone. The token mixer is attention, :class:`LatentAttention`
@@ -125,8 +147,20 @@ class TransformerBlock(nn.Module):
                  attn_gate: bool = False, mixer: bool = True,
                  parallel_linear: bool | dict = False,
                  mlp_scales: tuple[float, float] | None = None,
+                 normed_residual: tuple | None = None,
                  attend: AttendFn | None = None) -> None:
         super().__init__()
+        if normed_residual is not None and (
+                not isinstance(normed_residual, (tuple, list)) or len(normed_residual) != 2
+                or not all(_pair(p) for p in normed_residual)):
+            raise ValueError(f"normed_residual must be ((alpha, beta) of the mixer, (alpha, "
+                             f"beta) of the MLP), numbers; got {normed_residual!r}")
+        if normed_residual is not None and (parallel or post_norms or not pre_norms
+                                            or not mixer or mlp == "none"):
+            raise ValueError("TransformerBlock: normed_residual takes the sequential pre-norm "
+                             "block with a mixer and an MLP")
+        self.normed_residual = None if normed_residual is None else tuple(
+            (float(a), float(b)) for a, b in normed_residual)
         self.mixer_scales = _mixer_scales(parallel_linear)
         if self.mixer_scales is not None and (linear_attention is None or not mixer
                                               or latent_attention is not None):
@@ -166,21 +200,19 @@ class TransformerBlock(nn.Module):
         elif linear_attention is not None:
             options = dict(linear_attention) if isinstance(linear_attention, dict) else {}
             kind = options.pop("kind", "gated_deltanet")
-            layers = {"gated_deltanet": GatedDeltaNet, "mamba2": Mamba2, "mamba": Mamba,
-                      "kda": KimiDeltaAttention, "short_conv": ShortConv}
-            if kind not in layers or ("heads" not in options and kind not in (
+            if kind not in _LINEAR or ("heads" not in options and kind not in (
                     "mamba", "short_conv")):
                 raise ValueError(f"linear_attention must be a dict of GatedDeltaNet's keywords "
                                  f"(heads, key_heads, key_dim, value_dim, conv_kernel) or, with "
-                                 f"kind='mamba2', 'mamba', 'kda' or 'short_conv', Mamba2's, "
-                                 f"Mamba's, KimiDeltaAttention's or ShortConv's; got "
-                                 f"{linear_attention!r}")
+                                 f"kind='mamba2', 'mamba', 'kda', 'short_conv' or 'lightning', "
+                                 f"Mamba2's, Mamba's, KimiDeltaAttention's, ShortConv's or "
+                                 f"LightningAttention's; got {linear_attention!r}")
             if latent_attention is not None:
                 raise ValueError("TransformerBlock: give linear_attention or latent_attention, "
                                  "not both")
             if norm_eps is not None and kind not in ("mamba", "short_conv"):  # (no norm inside)
                 options.setdefault("norm_eps", norm_eps)
-            linear = layers[kind](dim, **options)
+            linear = _LINEAR[kind](dim, **options)
             if self.mixer_scales is None:
                 self.attn = linear
         if not mixer or linear_attention is not None and self.mixer_scales is None:
@@ -254,22 +286,31 @@ class TransformerBlock(nn.Module):
             a = self.drop(self.post_ln1(a) if self.post_norms else a)
             if self.residual_scale is not None:  # Granite: each sublayer's output scaled
                 a = a * self.residual_scale
-            h = x if self.parallel else x + a  # parallel (GPT-J, GPT-NeoX): the MLP reads x too
+            if self.normed_residual is not None:  # MiniMax: the residual is LN1(x)
+                alpha, beta = self.normed_residual[0]
+                h = alpha * n1 + beta * a
+            else:  # parallel (GPT-J, GPT-NeoX): the MLP reads x too
+                h = x if self.parallel else x + a
             if self.shared_norm:  # Phi, GPT-J: one norm for both sublayers
                 h = n1
         if self.mlp is None:  # a mixer alone
             return h if cache is None else (h, cache)
         logits = None
+        n2 = self.ln2(h)
         if return_router_logits:
             if not self.moe:
                 raise ValueError("TransformerBlock: return_router_logits needs experts")
-            m, logits = self.mlp(self.ln2(h), True)  # logits (B, N, E)
+            m, logits = self.mlp(n2, True)  # logits (B, N, E)
         else:
-            m = self.mlp(self.ln2(h))
+            m = self.mlp(n2)
         m = self.drop(self.post_ln2(m) if self.post_norms else m)
         if self.residual_scale is not None:
             m = m * self.residual_scale
-        x = x + a + m if self.parallel else h + m  # (B, N, dim)
+        if self.normed_residual is not None:  # the residual is LN2(h)
+            alpha, beta = self.normed_residual[1]
+            x = alpha * n2 + beta * m
+        else:
+            x = x + a + m if self.parallel else h + m  # (B, N, dim)
         if logits is not None:
             return x, logits
         return x if cache is None else (x, cache)
@@ -353,13 +394,19 @@ class TransformerEncoder(nn.Module):
             ``"kind"`` ``"mamba2"``, ``"mamba"``, ``"kda"`` or ``"short_conv"`` a
             :class:`Mamba2`, :class:`Mamba`, :class:`KimiDeltaAttention` or
             :class:`ShortConv` (LFM2's) and its keywords, in the blocks
-            ``layer_linear`` marks (default every block); the others keep attention, or
+            ``layer_linear`` marks (default every block; a dict there overrides
+            ``linear_attention``'s keywords in that block, as MiniMax's decay rates by
+            depth); the others keep attention, or
             ``latent_attention`` (Qwen3-Next and Qwen3.5: three of four linear; Kimi
             Linear: three of four KDA, latent attention between). The caches then hold
             those blocks' convolution windows and states.
         attn_gate: gate the attention's output by ``sigmoid(x W_gate)`` before its
             projection (Qwen3-Next, Qwen3.5; :class:`MultiHeadAttention`'s
             ``output_gate``).
+        normed_residual: MiniMax-01's blocks, each sublayer added to its normalised
+            input (:class:`TransformerBlock`'s): a dict of ``(alpha, beta)`` for the
+            ``"attention"`` blocks' mixer, the ``"linear"`` ones' and the ``"mlp"``
+            (default ``(1, 1)`` each).
         parallel_linear: the ``layer_linear`` blocks run attention and the linear mixer
             side by side on the same normalised input and add their outputs (Falcon-H1:
             every block); ``True``, or a dict of scales ``attn_in``, ``attn_out``,
@@ -502,6 +549,7 @@ class TransformerEncoder(nn.Module):
         attn_gate: bool = False,
         parallel_linear: bool | dict = False,
         mlp_scales: tuple[float, float] | None = None,
+        normed_residual: dict | None = None,
         attn_sinks: bool = False,
         out_bias: bool | None = None,
         parallel_residual: bool | str = False,
@@ -583,10 +631,23 @@ class TransformerEncoder(nn.Module):
         if layer_linear is None:
             layer_linear = [linear_attention is not None] * depth
         elif linear_attention is None or isinstance(layer_linear, (str, tuple)) \
-                or len(layer_linear) != depth:
-            raise ValueError(f"layer_linear must be a list of depth = {depth} bools, with "
+                or len(layer_linear) != depth or not all(
+                    isinstance(x, (bool, dict)) for x in layer_linear):
+            raise ValueError(f"layer_linear must be a list of depth = {depth} bools (or dicts "
+                             f"of keywords overriding linear_attention's in that block), with "
                              f"linear_attention; got layer_linear={layer_linear!r}, "
                              f"linear_attention={linear_attention!r}")
+        residuals = [None] * depth  # normed_residual's (mixer, MLP) factors per block
+        if normed_residual is not None:
+            if not isinstance(normed_residual, dict) or not set(normed_residual) <= {
+                    "attention", "linear", "mlp"} or not all(
+                    _pair(v) for v in normed_residual.values()):
+                raise ValueError(f"normed_residual must be a dict of (alpha, beta) pairs for "
+                                 f"'attention', 'linear' and 'mlp' (default (1, 1)), got "
+                                 f"{normed_residual!r}")
+            pairs = {k: (1.0, 1.0) for k in ("attention", "linear", "mlp")} | normed_residual
+            residuals = [(pairs["linear" if linear is not False else "attention"], pairs["mlp"])
+                         for linear in layer_linear]
         if layer_parts is None:
             layer_parts = ["both"] * depth
         elif isinstance(layer_parts, (str, tuple)) or len(layer_parts) != depth \
@@ -610,18 +671,20 @@ class TransformerEncoder(nn.Module):
                              experts=experts if sparse else None, top_k=top_k,
                              moe_options=moe_options if sparse else None,
                              expert_hidden=expert_hidden,
-                             latent_attention=None if linear else latent_attention,
+                             latent_attention=None if linear is not False else
+                             latent_attention,
                              attn_sinks=attn_sinks, out_bias=out_bias,
                              parallel=parallel_residual,
                              rotary_interleaved=rotary_interleaved,
                              residual_scale=residual_scale, attend=attend,
                              attn_options=None if options is None else dict(options),
-                             linear_attention=linear_attention if linear else None,
-                             parallel_linear=parallel_linear if linear else False,
+                             linear_attention=_block_linear(linear_attention, linear),
+                             parallel_linear=parallel_linear if linear is not False else False,
                              mlp_scales=None if sparse or part == "mixer" else mlp_scales,
-                             attn_gate=attn_gate)
-            for layer_window, rope, sparse, options, linear, part in zip(
-                layer_windows, ropes, self._sparse, layer_attention, layer_linear, layer_parts)
+                             normed_residual=residual, attn_gate=attn_gate)
+            for layer_window, rope, sparse, options, linear, part, residual in zip(
+                layer_windows, ropes, self._sparse, layer_attention, layer_linear, layer_parts,
+                residuals)
         )
         # each block's cache entries (start, stop): one a token mixer, in order
         ends = list(accumulate(b.cache_entries for b in self.blocks))
@@ -674,7 +737,7 @@ class TransformerEncoder(nn.Module):
         if self.embed_scale is not None:  # in h's dtype, as Gemma rounds it
             h = h * torch.tensor(self.embed_scale, dtype=h.dtype, device=h.device)
         if self.position_embedding == "learned":
-            if static and cache.capacity > self.max_len:
+            if static and (cache.capacity or 0) > self.max_len:
                 raise ValueError(f"StaticKVCache capacity {cache.capacity} exceeds "
                                  f"max_len={self.max_len}")
             if not static and start + n > self.max_len:  # given positions must be < max_len
