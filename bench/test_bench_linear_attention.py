@@ -22,15 +22,18 @@ Qwen3.5 model; Mamba-2's mixer and a Granite 4.0-H model.
   4 prompts of 256 tokens, 64 new tokens, against transformers' ``generate``.
 * ``test_kda``: Kimi Delta Attention's rule (a decay per key channel) against
   transformers' ``chunk_kimi_delta_attention``; B=1, 4 heads, N=2048, D=128.
-* ``test_generate_falcon_h1_and_jamba_vs_transformers``: the same for one small Falcon-H1
-  (attention beside Mamba-2 in every block) and one small Jamba (Mamba-1 blocks, one
-  attention, mixtures in every other block).
+* ``test_generate_hybrids_vs_transformers``: the same for small Falcon-H1 (attention
+  beside Mamba-2 in every block), Jamba (Mamba-1 blocks, one attention, mixtures in
+  every other block), LFM2 (short convolutions and attention), MiniMax-01 (lightning
+  attention and attention, mixtures) and Kimi Linear (KDA and latent attention,
+  mixtures) models.
 
 Run: ``pytest bench/test_bench_linear_attention.py --benchmark-only
 --benchmark-columns=min,median``.
 """
 
 import contextlib
+import functools
 
 import pytest
 import torch
@@ -245,14 +248,33 @@ HYBRIDS = {  # float32, dim 256, 4 blocks, vocab 1000, as Granite's above
                   num_key_value_heads=2, intermediate_size=256, vocab_size=1000, num_experts=4,
                   num_experts_per_tok=2, attn_layer_period=4, attn_layer_offset=1,
                   expert_layer_period=2, expert_layer_offset=1),
+    # gated short convolutions but blocks 1 and 3 attention (8 heads, 2 kv); SwiGLU 688
+    "lfm2": dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=8,
+                 num_key_value_heads=2, intermediate_size=1032, vocab_size=1000,
+                 layer_types=["conv", "full_attention", "conv", "full_attention"]),
+    # lightning attention (8 heads of 32) but blocks 1 and 3 attention (8 heads, 2 kv);
+    # mixtures of 4 experts of 256, 2 chosen
+    "minimax": dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=8,
+                    num_key_value_heads=2, intermediate_size=256, vocab_size=1000,
+                    num_local_experts=4, num_experts_per_tok=2, block_size=64),
+    # KDA (8 heads of 32) but block 3 latent attention without rotary; block 0 SwiGLU
+    # 688, the others mixtures of 8 experts of 128 (2 chosen) and a shared one
+    "kimi_linear": dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=8,
+                        num_key_value_heads=8, intermediate_size=688, moe_intermediate_size=128,
+                        vocab_size=1000, num_experts=8, num_experts_per_tok=2, kv_lora_rank=64,
+                        qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32,
+                        linear_head_dim=32, linear_num_heads=8, pad_token_id=0, bos_token_id=1,
+                        eos_token_id=2, layer_types=["linear_attention"] * 3 +
+                        ["full_attention"]),
 }
 
 
 @pytest.mark.parametrize("how", ["torchfn", "transformers"])
 @pytest.mark.parametrize("kind", list(HYBRIDS))
-def test_generate_falcon_h1_and_jamba_vs_transformers(benchmark, kind, how, tmp_path):
+def test_generate_hybrids_vs_transformers(benchmark, kind, how, tmp_path):
     """Greedy decoding, 4 prompts of 256 tokens, 64 new tokens, against transformers'
-    ``generate`` on the same weights (saved by transformers, read by ``from_pretrained``)."""
+    ``generate`` on the same weights (saved by transformers, read by ``from_pretrained``;
+    a model's router state bound)."""
     transformers = pytest.importorskip("transformers", reason="the peer of this bench")
     benchmark.group = f"generate {kind}"
     torch.manual_seed(0)
@@ -260,10 +282,11 @@ def test_generate_falcon_h1_and_jamba_vs_transformers(benchmark, kind, how, tmp_
         transformers.AutoConfig.for_model(kind, **HYBRIDS[kind]),
         experts_implementation="eager").eval()
     hf.save_pretrained(tmp_path)
-    module, params, _, _ = from_pretrained(tmp_path)
+    module, params, state, _ = from_pretrained(tmp_path)
     prompt = random.randint(random.key(1), (4, 256), 1, 1000)
     if how == "torchfn":
-        run = lambda: generate(torchfn.Model(module), params, prompt, 64)  # noqa: E731
+        model = functools.partial(torchfn.Model(module).apply, state=state or None)
+        run = lambda: generate(model, params, prompt, 64)  # noqa: E731
     else:
         run = lambda: hf.generate(prompt, attention_mask=torch.ones_like(prompt),  # noqa: E731
                                   max_new_tokens=64, min_new_tokens=64, do_sample=False,
