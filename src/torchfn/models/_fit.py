@@ -10,7 +10,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-__all__ = ["check_fit", "check_known", "check_params_for", "check_state_dict", "join_qkv"]
+__all__ = ["check_fit", "check_known", "check_params_for", "check_state_dict", "join_qkv",
+           "stack_experts"]
 
 
 def check_fit(want: Mapping[str, tuple], got: Mapping[str, Tensor], what: str) -> None:
@@ -63,3 +64,14 @@ def join_qkv(params: dict[str, Tensor]) -> None:
             names = [f"{at}attn.{p}_proj.{kind}" for p in "qkv"]
             if all(n in params for n in names):
                 params[f"{at}attn.qkv.{kind}"] = torch.cat([params.pop(n) for n in names])
+
+
+def stack_experts(params: dict[str, Tensor], pieces: Mapping[str, Mapping[int, Tensor]],
+                  experts: int | None) -> None:
+    """Each of ``pieces``' names (ours, e.g. ``blocks.1.mlp.gate``) whose experts
+    ``0 .. experts - 1`` all came (a checkpoint's one matrix each) put in ``params`` as one
+    ``(E, ...)`` tensor; a name lacking some is left out, for :func:`check_fit` to report
+    missing."""
+    for name, parts in pieces.items():
+        if sorted(parts) == list(range(experts or 0)):
+            params[name] = torch.stack([parts[j] for j in range(len(parts))])

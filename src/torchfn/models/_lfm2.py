@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from torchfn.models._deepseek import _check
-from torchfn.models._fit import check_known, check_state_dict, join_qkv
+from torchfn.models._fit import check_known, check_state_dict, join_qkv, stack_experts
 from torchfn.models._llama import _ropes
 from torchfn.models._transformer import TransformerEncoder
 
@@ -182,9 +182,7 @@ def lfm2_from_hf(config: Mapping[str, Any], state_dict: Mapping[str, Tensor] | N
         else:
             unknown.append(name)
     check_known(unknown, config.get("model_type", "lfm2"))
-    for name, parts in experts.items():  # (E, ...) when every expert came, else missing
-        if sorted(parts) == list(range(kwargs.get("experts") or 0)):
-            params[name] = torch.stack([parts[j] for j in range(len(parts))])
+    stack_experts(params, experts, kwargs.get("experts"))
     join_qkv(params)
     _check(module, params, state)
     return module, params, state

@@ -19,6 +19,7 @@ from torchfn.models._fit import (
     check_state_dict,
     join_qkv,
     param_shapes,
+    stack_experts,
 )
 from torchfn.models._llama import _ropes, partial_rotary
 from torchfn.models._transformer import TransformerEncoder
@@ -346,9 +347,7 @@ def mamba_hybrid_from_hf(config: Mapping[str, Any], state_dict: Mapping[str, Ten
         else:
             unknown.append(name)
     check_known(unknown, kind)
-    for name, pieces in experts.items():  # (E, ...) when every expert came, else missing
-        if sorted(pieces) == list(range(kwargs.get("experts", 0))):
-            params[name] = torch.stack([pieces[j] for j in range(len(pieces))])
+    stack_experts(params, experts, kwargs.get("experts"))
     join_qkv(params)
     check_fit(param_shapes(module), params, "state_dict")
     return module, params

@@ -19,6 +19,7 @@ from torchfn.models._fit import (
     check_state_dict,
     join_qkv,
     param_shapes,
+    stack_experts,
 )
 from torchfn.models._lightning import lightning_slopes
 from torchfn.models._llama import GLOBAL_NAMES, _ropes
@@ -161,9 +162,7 @@ def minimax_from_hf(config: Mapping[str, Any], state_dict: Mapping[str, Tensor] 
         else:
             unknown.append(name)
     check_known(unknown, "minimax")
-    for name, parts in experts.items():  # (E, ...) when every expert came, else missing
-        if sorted(parts) == list(range(kwargs["experts"])):
-            params[name] = torch.stack([parts[j] for j in range(len(parts))])
+    stack_experts(params, experts, kwargs["experts"])
     join_qkv(params)
     check_fit(param_shapes(module), params, "state_dict")
     return module, params

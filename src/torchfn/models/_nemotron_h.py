@@ -11,7 +11,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from torchfn.models._fit import check_fit, check_known, check_state_dict, join_qkv, param_shapes
+from torchfn.models._fit import (
+    check_fit,
+    check_known,
+    check_state_dict,
+    join_qkv,
+    param_shapes,
+    stack_experts,
+)
 from torchfn.models._mamba_hybrid import _MAMBA
 from torchfn.models._transformer import TransformerEncoder
 
@@ -175,9 +182,7 @@ def nemotron_h_from_hf(config: Mapping[str, Any], state_dict: Mapping[str, Tenso
         else:
             unknown.append(name)
     check_known(unknown, "Nemotron-H")
-    for name, rows in experts.items():
-        if sorted(rows) == list(range(kwargs.get("experts") or 0)):  # else reported below
-            params[name] = torch.stack([rows[j] for j in range(len(rows))])  # (E, ...)
+    stack_experts(params, experts, kwargs.get("experts"))
     join_qkv(params)
     check_fit(param_shapes(module), params, "state_dict (params)")
     check_fit({n: tuple(b.shape) for n, b in module.named_buffers()

@@ -17,6 +17,7 @@ from torchfn.models._fit import (
     check_state_dict,
     join_qkv,
     param_shapes,
+    stack_experts,
 )
 from torchfn.models._llama import GLOBAL_NAMES, _ropes, partial_rotary
 from torchfn.models._transformer import TransformerEncoder
@@ -260,9 +261,7 @@ def qwen3_next_from_hf(config: Mapping[str, Any], state_dict: Mapping[str, Tenso
         params.update({at + n: t for n, t in _ungroup(
             _text(config), pair.get("linear_attn.in_proj_qkvz.weight"),
             pair.get("linear_attn.in_proj_ba.weight")).items()})
-    for name, rows in experts.items():
-        if sorted(rows) == list(range(kwargs.get("experts") or 0)):  # else reported below
-            params[name] = torch.stack([rows[j] for j in range(len(rows))])  # (E, ...)
+    stack_experts(params, experts, kwargs.get("experts"))
     join_qkv(params)
     check_fit(param_shapes(module), params, "state_dict")
     return module, params
