@@ -9,6 +9,7 @@ from torchfn.models._denoiser import MLPDenoiser, fourier_features, timestep_emb
 from torchfn.models._dequantize import dequantize_fp8, dequantize_mxfp4
 from torchfn.models._energy import MLPEnergy
 from torchfn.models._falcon_h1 import falcon_h1_from_hf, falcon_h1_to_hf
+from torchfn.models._from_transformers import from_transformers
 from torchfn.models._gan import ConvCritic, ConvGenerator
 from torchfn.models._gat import GATConv
 from torchfn.models._generate import generate, sample_logits
@@ -104,6 +105,7 @@ __all__ = [
     "qwen3_next_to_hf",
     "mamba_hybrid_from_hf",
     "mamba_hybrid_to_hf",
+    "from_transformers",
     "falcon_h1_from_hf",
     "falcon_h1_to_hf",
     "kimi_linear_from_hf",

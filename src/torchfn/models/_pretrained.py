@@ -203,19 +203,26 @@ def from_pretrained(folder: str | os.PathLike, *, dtype: torch.dtype | None = No
         (True, {})
     """
     config, tensors = _read(folder, None, device)
-    if config.get("model_type") in _DEEPSEEK_TYPES:
-        module, params, state = deepseek_from_hf(config, tensors, **overrides)
-    elif config.get("model_type") in _STATEFUL:
-        module, params, state = _STATEFUL[config["model_type"]][0](config, tensors, **overrides)
-    elif config.get("model_type") in _OTHERS:
-        module, params = _OTHERS[config["model_type"]][0](config, tensors, **overrides)
-        state = {}
-    else:
-        module, params = llama_from_hf(config, tensors, **overrides)
-        state = Model(module).init_state()
+    module, params, state = load_checkpoint(config, tensors, **overrides)
     if dtype is not None:
         params = _cast(params, dtype)
     return module, params, state, config
+
+
+def load_checkpoint(config: Mapping[str, Any], tensors: Mapping[str, Tensor], **overrides: Any
+                    ) -> tuple[TransformerEncoder, dict[str, Tensor], dict[str, Tensor]]:
+    """``(module, params, state)`` of a checkpoint's ``config`` and ``tensors`` (under the
+    names a folder holds), through its family's loader (by ``config["model_type"]``)."""
+    kind = config.get("model_type")
+    if kind in _DEEPSEEK_TYPES:
+        return deepseek_from_hf(config, tensors, **overrides)
+    if kind in _STATEFUL:
+        return _STATEFUL[kind][0](config, tensors, **overrides)
+    if kind in _OTHERS:
+        module, params = _OTHERS[kind][0](config, tensors, **overrides)
+        return module, params, {}
+    module, params = llama_from_hf(config, tensors, **overrides)
+    return module, params, Model(module).init_state()
 
 
 def save_pretrained(folder: str | os.PathLike, config: Mapping[str, Any],
