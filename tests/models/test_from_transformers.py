@@ -48,6 +48,7 @@ CASES = {  # kind, config, atol (transformers normalises in float32 even in floa
                                       linear_key_head_dim=8, linear_value_head_dim=8,
                                       layer_types=["linear_attention", "full_attention"]),
                    5e-5),
+    "olmo_hybrid": ("olmo_hybrid", dict(num_hidden_layers=4), 1e-5),  # convolutions joined
 }
 
 

@@ -42,6 +42,7 @@ from torchfn.models._moe import MoE, moe_bias_update
 from torchfn.models._nemotron_h import nemotron_h_from_hf, nemotron_h_to_hf
 from torchfn.models._neox import neox_from_hf, neox_to_hf
 from torchfn.models._nerf import NeRF
+from torchfn.models._olmo_hybrid import olmo_hybrid_from_hf, olmo_hybrid_to_hf
 from torchfn.models._phi import phi_from_hf, phi_to_hf
 from torchfn.models._pretrained import (
     deepseek_from_pretrained,
@@ -114,6 +115,8 @@ __all__ = [
     "lfm2_to_hf",
     "minimax_from_hf",
     "minimax_to_hf",
+    "olmo_hybrid_from_hf",
+    "olmo_hybrid_to_hf",
     "nemotron_h_from_hf",
     "nemotron_h_to_hf",
     "llama4_to_hf",

@@ -52,7 +52,9 @@ class GatedDeltaNet(nn.Module):
     per head and gated, ``RMSNorm(o) * silu(x W_gate)``, then projected back.
 
     ``heads`` value heads of ``value_dim``, ``key_heads`` (dividing ``heads``) query/key
-    heads of ``key_dim``. With a cache (``KVCache()`` to start, or a
+    heads of ``key_dim``. ``beta_scale=2`` widens the learning rate to ``(0, 2)``, so the
+    state's transition ``I - beta k k^T`` may have a negative eigenvalue (Grazzi et al.
+    2025; OLMo Hybrid's ``allow_neg_eigval``). With a cache (``KVCache()`` to start, or a
     :class:`StaticKVCache`), the forward returns ``(out, cache)``; this layer's entry holds
     the convolution's last ``conv_kernel - 1`` inputs ``(B, C, K - 1)`` as its "keys" and
     the state ``(B, heads, key_dim, value_dim)`` as its "values": fixed sizes, so a
@@ -82,7 +84,8 @@ class GatedDeltaNet(nn.Module):
 
     def __init__(self, dim: int, heads: int, *, key_heads: int | None = None,
                  key_dim: int | None = None, value_dim: int | None = None,
-                 conv_kernel: int = 4, norm_eps: float = 1e-6, chunk: int = 64) -> None:
+                 conv_kernel: int = 4, norm_eps: float = 1e-6, chunk: int = 64,
+                 beta_scale: float = 1.0) -> None:
         super().__init__()
         key_heads = heads if key_heads is None else key_heads
         value_dim = dim // heads if value_dim is None else value_dim
@@ -91,6 +94,10 @@ class GatedDeltaNet(nn.Module):
                     value_dim=value_dim, conv_kernel=conv_kernel, chunk=chunk)
         if heads % key_heads:
             raise ValueError(f"key_heads must divide heads = {heads}, got key_heads={key_heads}")
+        if isinstance(beta_scale, bool) or not isinstance(beta_scale, (int, float)) or not (
+                0 < beta_scale <= 2):
+            raise ValueError(f"beta_scale must be a number in (0, 2], got {beta_scale!r}")
+        self.beta_scale = float(beta_scale)
         self.dim, self.heads, self.key_heads = dim, heads, key_heads
         self.key_dim, self.value_dim, self.conv_kernel = key_dim, value_dim, conv_kernel
         self.chunk = chunk
@@ -138,6 +145,8 @@ class GatedDeltaNet(nn.Module):
         k = _l2_normalize(k.unflatten(-1, (self.key_heads, self.key_dim)).transpose(1, 2))
         v = v.unflatten(-1, (self.heads, self.value_dim)).transpose(1, 2)  # (B, Hv, N, Dv)
         beta = torch.sigmoid(self.beta(x)).transpose(1, 2)  # (B, Hv, N)
+        if self.beta_scale != 1:  # OLMo Hybrid's 2: the update's eigenvalues in [-1, 1]
+            beta = beta * self.beta_scale
         work = torch.promote_types(x.dtype, torch.float32)
         g = -self.A_log.to(work).exp() * nn.functional.softplus(
             self.dt(x).to(work) + self.dt_bias)  # (B, N, Hv): log decays <= 0

@@ -46,6 +46,18 @@ def _block_linear(linear_attention: dict | None, linear: bool | dict) -> dict | 
     return dict(linear_attention) | (linear if isinstance(linear, dict) else {})
 
 
+def _by_kind(name: str, value: bool | dict, default: bool) -> dict[str, bool]:
+    """A bool, or a dict of bools by the blocks' mixer (``"attention"``, ``"linear"``), as
+    one bool for each kind."""
+    if isinstance(value, bool):
+        return {"attention": value, "linear": value}
+    if not isinstance(value, dict) or not set(value) <= {"attention", "linear"} or not all(
+            isinstance(v, bool) for v in value.values()):
+        raise ValueError(f"{name} must be a bool or a dict of bools for 'attention' and "
+                         f"'linear' blocks, got {value!r}")
+    return {"attention": default, "linear": default} | value
+
+
 def _mixer_scales(parallel_linear: bool | dict) -> dict[str, float] | None:
     """``parallel_linear`` as the four scales of a parallel block (None: not parallel)."""
     if parallel_linear is False or parallel_linear is None:
@@ -453,7 +465,10 @@ class TransformerEncoder(nn.Module):
         attn_scale: the attention scores' scale instead of ``1 / sqrt(head_dim)``.
         post_norms: a norm on each sublayer's output as well (Gemma 2 and 3).
         pre_norms: ``False`` drops the norms on the sublayers' inputs; with
-            ``post_norms=True`` that is OLMo 2's block.
+            ``post_norms=True`` that is OLMo 2's block. Either may be a dict by the
+            blocks' mixer, ``{"attention": ..., "linear": ...}`` (default: the plain
+            bool's default): OLMo Hybrid normalises its attention blocks' outputs and its
+            linear-attention blocks' inputs.
         qk_norm_scope: ``"head"`` (one norm per head's features) or ``"all"`` (over all
             heads' at once, OLMo 2).
         embed_scale: multiplies the token embeddings (Gemma: ``sqrt(dim)``, rounded to
@@ -531,8 +546,8 @@ class TransformerEncoder(nn.Module):
         layer_windows: Sequence[int | tuple[int | None, int | None] | None] | None = None,
         layer_rotary: Sequence[tuple[float, dict | None] | None] | None = None,
         attn_scale: float | None = None,
-        post_norms: bool = False,
-        pre_norms: bool = True,
+        post_norms: bool | dict = False,
+        pre_norms: bool | dict = True,
         qk_norm_scope: str = "head",
         embed_scale: float | None = None,
         logit_softcap: float | None = None,
@@ -637,6 +652,9 @@ class TransformerEncoder(nn.Module):
                              f"of keywords overriding linear_attention's in that block), with "
                              f"linear_attention; got layer_linear={layer_linear!r}, "
                              f"linear_attention={linear_attention!r}")
+        kinds = ["linear" if linear is not False else "attention" for linear in layer_linear]
+        pres = [_by_kind("pre_norms", pre_norms, True)[k] for k in kinds]
+        posts = [_by_kind("post_norms", post_norms, False)[k] for k in kinds]
         residuals = [None] * depth  # normed_residual's (mixer, MLP) factors per block
         if normed_residual is not None:
             if not isinstance(normed_residual, dict) or not set(normed_residual) <= {
@@ -666,7 +684,7 @@ class TransformerEncoder(nn.Module):
                              norm=norm, mlp="none" if part == "mixer" else mlp, bias=bias,
                              qkv_bias=qkv_bias, mixer=part != "mlp",
                              head_dim=head_dim, qk_norm=qk_norm, attn_scale=attn_scale,
-                             post_norms=post_norms, pre_norms=pre_norms,
+                             post_norms=post, pre_norms=pre,
                              qk_norm_scope=qk_norm_scope,
                              experts=experts if sparse else None, top_k=top_k,
                              moe_options=moe_options if sparse else None,
@@ -682,9 +700,9 @@ class TransformerEncoder(nn.Module):
                              parallel_linear=parallel_linear if linear is not False else False,
                              mlp_scales=None if sparse or part == "mixer" else mlp_scales,
                              normed_residual=residual, attn_gate=attn_gate)
-            for layer_window, rope, sparse, options, linear, part, residual in zip(
+            for layer_window, rope, sparse, options, linear, part, residual, pre, post in zip(
                 layer_windows, ropes, self._sparse, layer_attention, layer_linear, layer_parts,
-                residuals)
+                residuals, pres, posts)
         )
         # each block's cache entries (start, stop): one a token mixer, in order
         ends = list(accumulate(b.cache_entries for b in self.blocks))
