@@ -266,6 +266,12 @@ HYBRIDS = {  # float32, dim 256, 4 blocks, vocab 1000, as Granite's above
                         linear_head_dim=32, linear_num_heads=8, pad_token_id=0, bos_token_id=1,
                         eos_token_id=2, layer_types=["linear_attention"] * 3 +
                         ["full_attention"]),
+    # Gated DeltaNet (8 heads, keys 24, values 48, beta in (0, 2)) but block 3 OLMo 2
+    # attention (8 heads, 2 kv) without rotary, as released; SwiGLU 688
+    "olmo_hybrid": dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=8,
+                        num_key_value_heads=2, intermediate_size=688, vocab_size=1000,
+                        pad_token_id=0, eos_token_id=2,
+                        rope_parameters={"rope_type": "default", "rope_theta": None}),
 }
 
 
