@@ -25,8 +25,13 @@ Qwen3.5 model; Mamba-2's mixer and a Granite 4.0-H model.
 * ``test_generate_hybrids_vs_transformers``: the same for small Falcon-H1 (attention
   beside Mamba-2 in every block), Jamba (Mamba-1 blocks, one attention, mixtures in
   every other block), LFM2 (short convolutions and attention), MiniMax-01 (lightning
-  attention and attention, mixtures) and Kimi Linear (KDA and latent attention,
-  mixtures) models.
+  attention and attention, mixtures), Kimi Linear (KDA and latent attention,
+  mixtures), OLMo Hybrid (Gated DeltaNet and post-norm attention) and RecurrentGemma
+  (Griffin's recurrent blocks and local attention) models.
+* ``test_rg_lru``: ``models.RGLRU`` (Griffin's recurrent block) against transformers'
+  ``RecurrentGemmaRecurrentBlock`` (a loop over tokens), the same weights: B=1, N=2048,
+  dim = width = 512, 8 gate blocks; forward, and forward plus the gradient in every
+  parameter.
 
 Run: ``pytest bench/test_bench_linear_attention.py --benchmark-only
 --benchmark-columns=min,median``.
@@ -41,7 +46,7 @@ import torch
 import torchfn
 from torchfn import random
 from torchfn.kernels import gated_delta_rule
-from torchfn.models import Mamba, Mamba2, from_pretrained, generate, qwen3_next_from_hf
+from torchfn.models import RGLRU, Mamba, Mamba2, from_pretrained, generate, qwen3_next_from_hf
 
 B, HK, HV, N, D = 1, 4, 8, 4096, 128
 
@@ -272,6 +277,11 @@ HYBRIDS = {  # float32, dim 256, 4 blocks, vocab 1000, as Granite's above
                         num_key_value_heads=2, intermediate_size=688, vocab_size=1000,
                         pad_token_id=0, eos_token_id=2,
                         rope_parameters={"rope_type": "default", "rope_theta": None}),
+    # Griffin: RG-LRU blocks (width 256, 8 gate blocks) but block 2 multi-query attention
+    # in a window of 128, half of each head rotated; GeGLU 344
+    "recurrent_gemma": dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=8,
+                            num_key_value_heads=1, intermediate_size=688, vocab_size=1000,
+                            attention_window_size=128),
 }
 
 
@@ -300,6 +310,45 @@ def test_generate_hybrids_vs_transformers(benchmark, kind, how, tmp_path):
     with torch.no_grad():
         out = benchmark.pedantic(run, rounds=3, iterations=1, warmup_rounds=1)
     assert out.shape == (4, 320)
+
+
+@pytest.mark.parametrize("mode", ["forward", "forward+backward"])
+@pytest.mark.parametrize("how", ["torchfn", "transformers"])
+def test_rg_lru(benchmark, how, mode):
+    """Griffin's recurrent block, the same weights: ours (an associative scan) against
+    transformers' (a Python loop over tokens in its RG-LRU)."""
+    transformers = pytest.importorskip("transformers", reason="the peer of this bench")
+    from transformers.models.recurrent_gemma import modeling_recurrent_gemma as modeling
+
+    benchmark.group = f"rg_lru block N=2048 dim=512 {mode}"
+    config = transformers.RecurrentGemmaConfig(hidden_size=512, lru_width=512,
+                                               num_attention_heads=8, conv1d_width=4)
+    torch.manual_seed(0)
+    hf = modeling.RecurrentGemmaRecurrentBlock(config, 0)
+    for p in hf.parameters():  # transformers leaves the init to its model: a small one
+        torch.nn.init.normal_(p, std=0.02)
+    names = {"linear_y": "gate", "linear_x": "in_proj", "linear_out": "out",
+             "conv_1d": "conv", "rg_lru.": ""}
+    params = {}
+    for name, p in hf.named_parameters():
+        prefix = next(a for a in names if name.startswith(a))
+        params[names[prefix] + name[len(prefix):]] = p.detach().clone().requires_grad_(
+            mode != "forward")
+    x = random.normal(random.key(1), (1, 2048, 512))
+    positions = torch.arange(2048)[None]
+    if how == "torchfn":
+        model = torchfn.Model(RGLRU(512, 8))
+        fn = lambda: model.apply(params, x)  # noqa: E731
+        wrt = list(params.values())
+    else:
+        fn = lambda: hf(x, positions, None, use_cache=False)[0]  # noqa: E731
+        wrt = list(hf.parameters())
+    if mode == "forward":
+        run = fn
+    else:
+        run = lambda: torch.autograd.grad(fn().square().sum(), wrt)  # noqa: E731
+    with torch.no_grad() if mode == "forward" else contextlib.nullcontext():
+        benchmark.pedantic(run, rounds=3, warmup_rounds=1)
 
 
 @pytest.mark.parametrize("mode", ["forward", "forward+backward"])

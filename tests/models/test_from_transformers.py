@@ -49,6 +49,8 @@ CASES = {  # kind, config, atol (transformers normalises in float32 even in floa
                                       layer_types=["linear_attention", "full_attention"]),
                    5e-5),
     "olmo_hybrid": ("olmo_hybrid", dict(num_hidden_layers=4), 1e-5),  # convolutions joined
+    "recurrent_gemma": ("recurrent_gemma", dict(num_hidden_layers=3, num_key_value_heads=1,
+                                                attention_window_size=8), 2e-5),
 }
 
 

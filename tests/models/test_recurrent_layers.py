@@ -1,5 +1,6 @@
 """What ``models.GatedDeltaNet``, ``models.KimiDeltaAttention``, ``models.Mamba2``,
-``models.Mamba``, ``models.ShortConv`` and ``models.LightningAttention`` all promise, and
+``models.Mamba``, ``models.ShortConv``, ``models.LightningAttention`` and ``models.RGLRU``
+all promise, and
 an encoder of Falcon-H1's parallel blocks (attention and Mamba-2 side by side): both caches
 (a prefill, then a token a call; the static one with room for nothing but the layers'
 windows and states, or the tokens too where there is attention) equal the whole sequence;
@@ -16,6 +17,7 @@ from _cached import logits_through_cache
 import torchfn
 from torchfn import random
 from torchfn.models import (
+    RGLRU,
     GatedDeltaNet,
     KimiDeltaAttention,
     KVCache,
@@ -39,6 +41,8 @@ LAYERS = {
     "short_conv": lambda: ShortConv(32, kernel=4, bias=True),
     # MiniMax's lightning attention: a fixed decay per head, no convolution
     "lightning": lambda: LightningAttention(32, 4, slopes=(0.5, 0.2, 0.05, 0.0), chunk=8),
+    # Griffin's recurrent block: the RG-LRU, narrower than the model, 4 gate blocks
+    "rg_lru": lambda: RGLRU(32, 4, width=24),
     # two Falcon-H1 blocks: rotary attention beside Mamba-2 (norm before the gate), every
     # multiplier away from 1
     "parallel": lambda: TransformerEncoder(

@@ -53,6 +53,8 @@ from torchfn.models._pretrained import (
     save_pretrained,
 )
 from torchfn.models._qwen3_next import qwen3_next_from_hf, qwen3_next_to_hf
+from torchfn.models._recurrent_gemma import recurrent_gemma_from_hf, recurrent_gemma_to_hf
+from torchfn.models._rg_lru import RGLRU
 from torchfn.models._rnn import GRU, LSTM
 from torchfn.models._rotary import rotary_embedding
 from torchfn.models._rotary_scaling import rotary_frequencies
@@ -84,6 +86,7 @@ __all__ = [
     "GatedDeltaNet",
     "KimiDeltaAttention",
     "ShortConv",
+    "RGLRU",
     "LightningAttention",
     "lightning_slopes",
     "Mamba",
@@ -117,6 +120,8 @@ __all__ = [
     "minimax_to_hf",
     "olmo_hybrid_from_hf",
     "olmo_hybrid_to_hf",
+    "recurrent_gemma_from_hf",
+    "recurrent_gemma_to_hf",
     "nemotron_h_from_hf",
     "nemotron_h_to_hf",
     "llama4_to_hf",

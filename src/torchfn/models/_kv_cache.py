@@ -123,8 +123,9 @@ class StaticKVCache(NamedTuple):
         """An empty cache for every attention layer of ``module`` (an ``nn.Module``
         holding ``MultiHeadAttention``, ``LatentAttention`` or recurrent layers, or the
         ``torchfn.Model`` of one); a ``LatentAttention``'s holds its latents and rotary
-        keys, a ``GatedDeltaNet``'s, ``KimiDeltaAttention``'s, ``Mamba``'s or ``Mamba2``'s
-        its convolution window and state
+        keys, a recurrent layer's (``GatedDeltaNet``, ``KimiDeltaAttention``, ``Mamba``,
+        ``Mamba2``, ``ShortConv``, ``LightningAttention``, ``RGLRU``) its convolution
+        window and state
         (zeros: the start), whatever the capacity."""
         from torchfn.models._attention import MultiHeadAttention
         from torchfn.models._delta_net import GatedDeltaNet
@@ -133,6 +134,7 @@ class StaticKVCache(NamedTuple):
         from torchfn.models._mamba import Mamba
         from torchfn.models._mamba2 import Mamba2
         from torchfn.models._mla import LatentAttention
+        from torchfn.models._rg_lru import RGLRU
         from torchfn.models._short_conv import ShortConv
 
         module = getattr(module, "_eval_skeleton", module)  # a torchfn.Model's module
@@ -145,7 +147,7 @@ class StaticKVCache(NamedTuple):
         layers = [m for m in module.modules()
                   if isinstance(m, (MultiHeadAttention, LatentAttention, GatedDeltaNet, Mamba,
                                     Mamba2, KimiDeltaAttention, ShortConv,
-                                    LightningAttention))]
+                                    LightningAttention, RGLRU))]
         if not layers:
             raise ValueError(f"module has no MultiHeadAttention, LatentAttention or recurrent "
                              f"layer to cache: {type(module).__name__}")

@@ -36,9 +36,9 @@ class _Stream:
                                         key_padding_mask=mask, positions=positions)
         if any(k.dim() != 4 for k in self.cache.keys):
             raise ValueError("speculative_generate: the model has recurrent layers "
-                             "(GatedDeltaNet, KimiDeltaAttention, Mamba2, Mamba), whose state "
-                             "cannot drop the draft's rejected tokens once it has read them; "
-                             "decode it with generate")
+                             "(GatedDeltaNet, KimiDeltaAttention, Mamba2, Mamba, RGLRU, ...), "
+                             "whose state cannot drop the draft's rejected tokens once it has "
+                             "read them; decode it with generate")
         self.valid = mask.clone()
         return logits
 

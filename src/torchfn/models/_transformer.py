@@ -20,6 +20,7 @@ from torchfn.models._mlp import SquaredReLU, SwiGLU, _check_dims
 from torchfn.models._moe import MoE
 from torchfn.models._norm import make_norm
 from torchfn.models._remat_block import call_remat, remat_policy
+from torchfn.models._rg_lru import RGLRU
 from torchfn.models._rotary import RotaryTable
 from torchfn.models._short_conv import ShortConv
 
@@ -29,7 +30,7 @@ _ATTN_OPTIONS = {"chunk", "temperature", "qk_norm", "softcap", "scale"}  # per-b
 _MIXER_SCALES = ("attn_in", "attn_out", "linear_in", "linear_out")  # parallel_linear's
 _LINEAR = {"gated_deltanet": GatedDeltaNet, "mamba2": Mamba2, "mamba": Mamba,
            "kda": KimiDeltaAttention, "short_conv": ShortConv,
-           "lightning": LightningAttention}  # linear_attention's kinds
+           "lightning": LightningAttention, "rg_lru": RGLRU}  # linear_attention's kinds
 
 
 def _pair(value: object) -> bool:
@@ -115,8 +116,8 @@ class TransformerBlock(nn.Module):
     ``mixer=False``: no token mixer, the MLP alone (``x + MLP(LN(x))``); ``mlp="none"``:
     the mixer alone. The token mixer is attention, :class:`LatentAttention`
     (``latent_attention``), or :class:`GatedDeltaNet` / :class:`KimiDeltaAttention` /
-    :class:`Mamba` / :class:`Mamba2` / :class:`ShortConv` (``linear_attention``); ``attn``
-    is None without one.
+    :class:`Mamba` / :class:`Mamba2` / :class:`ShortConv` / :class:`LightningAttention` /
+    :class:`RGLRU` (``linear_attention``); ``attn`` is None without one.
     ``key_padding_mask`` ``(B, N)`` bool marks real tokens (True). ``positions`` and
     ``cache`` go to :class:`MultiHeadAttention`; with a cache it returns ``(out, cache)``.
     With ``experts`` the MLP is a :class:`MoE`, and ``return_router_logits=True`` returns
@@ -216,13 +217,14 @@ class TransformerBlock(nn.Module):
                     "mamba", "short_conv")):
                 raise ValueError(f"linear_attention must be a dict of GatedDeltaNet's keywords "
                                  f"(heads, key_heads, key_dim, value_dim, conv_kernel) or, with "
-                                 f"kind='mamba2', 'mamba', 'kda', 'short_conv' or 'lightning', "
-                                 f"Mamba2's, Mamba's, KimiDeltaAttention's, ShortConv's or "
-                                 f"LightningAttention's; got {linear_attention!r}")
+                                 f"kind='mamba2', 'mamba', 'kda', 'short_conv', 'lightning' or "
+                                 f"'rg_lru', Mamba2's, Mamba's, KimiDeltaAttention's, "
+                                 f"ShortConv's, LightningAttention's or RGLRU's; got "
+                                 f"{linear_attention!r}")
             if latent_attention is not None:
                 raise ValueError("TransformerBlock: give linear_attention or latent_attention, "
                                  "not both")
-            if norm_eps is not None and kind not in ("mamba", "short_conv"):  # (no norm inside)
+            if norm_eps is not None and kind not in ("mamba", "short_conv", "rg_lru"):  # no norm
                 options.setdefault("norm_eps", norm_eps)
             linear = _LINEAR[kind](dim, **options)
             if self.mixer_scales is None:
@@ -403,9 +405,11 @@ class TransformerEncoder(nn.Module):
         linear_attention, layer_linear: :class:`GatedDeltaNet` (linear attention with a
             fixed-size state) as the token mixer, a dict of its keywords (``heads``,
             ``key_heads``, ``key_dim``, ``value_dim``, ``conv_kernel``), or with
-            ``"kind"`` ``"mamba2"``, ``"mamba"``, ``"kda"`` or ``"short_conv"`` a
-            :class:`Mamba2`, :class:`Mamba`, :class:`KimiDeltaAttention` or
-            :class:`ShortConv` (LFM2's) and its keywords, in the blocks
+            ``"kind"`` ``"mamba2"``, ``"mamba"``, ``"kda"``, ``"short_conv"``,
+            ``"lightning"`` or ``"rg_lru"`` a :class:`Mamba2`, :class:`Mamba`,
+            :class:`KimiDeltaAttention`, :class:`ShortConv` (LFM2's),
+            :class:`LightningAttention` or :class:`RGLRU` (Griffin's) and its keywords, in
+            the blocks
             ``layer_linear`` marks (default every block; a dict there overrides
             ``linear_attention``'s keywords in that block, as MiniMax's decay rates by
             depth); the others keep attention, or
