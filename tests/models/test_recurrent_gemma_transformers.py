@@ -75,8 +75,8 @@ def test_the_rg_lru_gradient_is_transformers_bounded_one():
     torch.manual_seed(0)
     hf = m.RecurrentGemmaRecurrentBlock(config, 0).double()
     with torch.no_grad():
-        for p in hf.parameters():
-            p.add_(0.1 * torch.randn_like(p))
+        for p in hf.parameters():  # (transformers leaves the init to its model: empty)
+            p.copy_(0.1 * torch.randn_like(p))
         hf.rg_lru.recurrent_param.fill_(-12.0)  # softplus ~ 6e-6: a^2 ~ 1 - 1e-4 r
         hf.rg_lru.recurrent_gate_bias[0].fill_(-8.0)  # r ~ 3e-4 on the first block: < 2.5e-7
     names = {"linear_y": "gate", "linear_x": "in_proj", "linear_out": "out",
