@@ -27,7 +27,11 @@ Qwen3.5 model; Mamba-2's mixer and a Granite 4.0-H model.
   every other block), LFM2 (short convolutions and attention), MiniMax-01 (lightning
   attention and attention, mixtures), Kimi Linear (KDA and latent attention,
   mixtures), OLMo Hybrid (Gated DeltaNet and post-norm attention) and RecurrentGemma
-  (Griffin's recurrent blocks and local attention) models.
+  (Griffin's recurrent blocks and local attention) and xLSTM (mLSTM blocks) models.
+* ``test_mlstm``: ``kernels.mlstm`` (xLSTM's matrix memory) against transformers' native
+  chunkwise mLSTM (what its xLSTM runs without the mlstm_kernels package, i.e. on every
+  CPU): B=1, 4 heads, N=2048, Dk = Dv = 128, chunks of 64; forward, and forward plus the
+  gradient in every input.
 * ``test_rg_lru``: ``models.RGLRU`` (Griffin's recurrent block) against transformers'
   ``RecurrentGemmaRecurrentBlock`` (a loop over tokens), the same weights: B=1, N=2048,
   dim = width = 512, 8 gate blocks; forward, and forward plus the gradient in every
@@ -45,7 +49,7 @@ import torch
 
 import torchfn
 from torchfn import random
-from torchfn.kernels import gated_delta_rule
+from torchfn.kernels import gated_delta_rule, mlstm
 from torchfn.models import RGLRU, Mamba, Mamba2, from_pretrained, generate, qwen3_next_from_hf
 
 B, HK, HV, N, D = 1, 4, 8, 4096, 128
@@ -282,6 +286,9 @@ HYBRIDS = {  # float32, dim 256, 4 blocks, vocab 1000, as Granite's above
     "recurrent_gemma": dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=8,
                             num_key_value_heads=1, intermediate_size=688, vocab_size=1000,
                             attention_window_size=128),
+    # xLSTM 7B's blocks: mLSTM (4 heads, keys 32, values 64), SwiGLU 704
+    "xlstm": dict(hidden_size=256, num_hidden_layers=4, num_heads=4, vocab_size=1000,
+                  chunk_size=64, pad_token_id=0, eos_token_id=2),
 }
 
 
@@ -310,6 +317,35 @@ def test_generate_hybrids_vs_transformers(benchmark, kind, how, tmp_path):
     with torch.no_grad():
         out = benchmark.pedantic(run, rounds=3, iterations=1, warmup_rounds=1)
     assert out.shape == (4, 320)
+
+
+@pytest.mark.parametrize("mode", ["forward", "forward+backward"])
+@pytest.mark.parametrize("how", ["torchfn", "transformers"])
+def test_mlstm(benchmark, how, mode):
+    """xLSTM's mLSTM rule, the same inputs: ours against transformers'
+    ``mlstm_chunkwise_native_autograd`` (both chunked by 64; xLSTM 7B's gates: input
+    gates around -2, forget gates around 4)."""
+    benchmark.group = f"mlstm rule N=2048 {mode}"
+    keys = random.split(random.key(0), 5)
+    b, h, n, d = 1, 4, 2048, 128
+    q, k, v = (random.normal(key, (b, h, n, d)) for key in keys[:3])
+    i = random.normal(keys[3], (b, h, n)) - 2
+    f = random.normal(keys[4], (b, h, n)) + 4
+    args = [x.requires_grad_(mode != "forward") for x in (q, k, v, i, f)]
+    if how == "torchfn":
+        fn = functools.partial(mlstm, chunk=64)
+    else:
+        modeling = pytest.importorskip(
+            "transformers.models.xlstm.modeling_xlstm", reason="the peer")
+
+        def fn(q, k, v, i, f):
+            return modeling.mlstm_chunkwise_native_autograd(q, k, v, i, f, chunk_size=64)
+    if mode == "forward":
+        run = lambda: fn(*args)  # noqa: E731
+    else:
+        run = lambda: torch.autograd.grad(fn(*args).square().sum(), args)  # noqa: E731
+    with torch.no_grad() if mode == "forward" else contextlib.nullcontext():
+        benchmark.pedantic(run, rounds=3, warmup_rounds=1)
 
 
 @pytest.mark.parametrize("mode", ["forward", "forward+backward"])

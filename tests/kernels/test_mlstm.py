@@ -64,6 +64,25 @@ def test_chunks_equal_the_recurrence_from_a_state(chunk, strong):
             torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-12)
 
 
+def test_token_by_token_calls_equal_the_whole():
+    """The decoding step (one token a call, a left-out one among them) and the chunks."""
+    q, k, v, i, f = inputs(6, n=9)
+    keep = torch.ones(2, 9, dtype=torch.bool)
+    keep[:, 4] = False
+    want, want_state = mlstm(q, k, v, i, f, chunk=4, keep=keep, return_state=True)
+    state, outs = None, []
+    for t in range(9):
+        out, state = mlstm(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1],
+                           i[:, :, t:t + 1], f[:, :, t:t + 1], state=state,
+                           keep=keep[:, t:t + 1], return_state=True)
+        outs.append(out)
+    kept = keep[0]
+    torch.testing.assert_close(torch.cat(outs, 2)[:, :, kept], want[:, :, kept], rtol=1e-10,
+                               atol=1e-12)
+    for g, w in zip(state, want_state):
+        torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-12)
+
+
 def test_packed_documents_and_left_padding_equal_each_alone():
     q, k, v, i, f = inputs(2, b=2, n=20)
     lengths = [3, 1, 9, 7]  # a run of one id each, 0 1 0 1

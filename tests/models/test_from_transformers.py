@@ -51,6 +51,7 @@ CASES = {  # kind, config, atol (transformers normalises in float32 even in floa
     "olmo_hybrid": ("olmo_hybrid", dict(num_hidden_layers=4), 1e-5),  # convolutions joined
     "recurrent_gemma": ("recurrent_gemma", dict(num_hidden_layers=3, num_key_value_heads=1,
                                                 attention_window_size=8), 2e-5),
+    "xlstm": ("xlstm", dict(hidden_size=128, num_heads=4, chunk_size=8), 2e-5),
 }
 
 

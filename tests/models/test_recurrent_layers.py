@@ -1,6 +1,6 @@
 """What ``models.GatedDeltaNet``, ``models.KimiDeltaAttention``, ``models.Mamba2``,
-``models.Mamba``, ``models.ShortConv``, ``models.LightningAttention`` and ``models.RGLRU``
-all promise, and
+``models.Mamba``, ``models.ShortConv``, ``models.LightningAttention``, ``models.RGLRU`` and
+``models.MLSTM`` all promise, and
 an encoder of Falcon-H1's parallel blocks (attention and Mamba-2 side by side): both caches
 (a prefill, then a token a call; the static one with room for nothing but the layers'
 windows and states, or the tokens too where there is attention) equal the whole sequence;
@@ -17,6 +17,7 @@ from _cached import logits_through_cache
 import torchfn
 from torchfn import random
 from torchfn.models import (
+    MLSTM,
     RGLRU,
     GatedDeltaNet,
     KimiDeltaAttention,
@@ -43,6 +44,8 @@ LAYERS = {
     "lightning": lambda: LightningAttention(32, 4, slopes=(0.5, 0.2, 0.05, 0.0), chunk=8),
     # Griffin's recurrent block: the RG-LRU, narrower than the model, 4 gate blocks
     "rg_lru": lambda: RGLRU(32, 4, width=24),
+    # xLSTM's mLSTM: exponential input gates and a normaliser, biases, chunks of 8
+    "mlstm": lambda: MLSTM(32, 4, qk_dim=16, v_dim=24, bias=True, chunk=8),
     # two Falcon-H1 blocks: rotary attention beside Mamba-2 (norm before the gate), every
     # multiplier away from 1
     "parallel": lambda: TransformerEncoder(

@@ -60,66 +60,102 @@ def mlstm(q: Tensor, k: Tensor, v: Tensor, i: Tensor, f: Tensor, *,
     q = q.to(work) * dk ** -0.5
     k, v, i = k.to(work), v.to(work), i.to(work)
     lf = nn.functional.logsigmoid(f.to(work))  # (B, H, N), <= 0
-    if keep is not None:  # a left-out token neither writes nor decays
-        lf = lf * keep[:, None].to(work)
-    if state is None:
-        c = q.new_zeros(b, h, dk, v.shape[-1])
-        nrm, m = q.new_zeros(b, h, dk), q.new_zeros(b, h)
-    else:
-        c, nrm, m = (s.to(work) for s in state)
     runs = None
     if segment_ids is not None:
         new = (segment_ids[:, 1:] != segment_ids[:, :-1]).long()
         runs = torch.cat((torch.zeros_like(new[:, :1]), new.cumsum(1)), 1)  # (B, N)
-    outs = []
-    for start in range(0, n, chunk):
-        part = slice(start, min(start + chunk, n))
-        prev = None if runs is None or start == 0 else runs[:, start - 1]
-        out, (c, nrm, m) = _chunk(q[:, :, part], k[:, :, part], v[:, :, part], i[:, :, part],
-                                  lf[:, :, part], c, nrm, m, eps,
-                                  None if runs is None else runs[:, part], prev,
-                                  None if keep is None else keep[:, part])
-        outs.append(out)
-    out = torch.cat(outs, 2).to(dtype)
-    return (out, (c, nrm, m)) if return_state else out
+    if n == 1:  # a decoding step: the recurrence itself
+        if keep is not None:
+            lf = lf * keep[:, None].to(work)
+        zero = state is None
+        c, nrm, m = (q.new_zeros(b, h, dk, v.shape[-1]), q.new_zeros(b, h, dk),
+                     q.new_zeros(b, h)) if zero else (s.to(work) for s in state)
+        out, state = _step(q[:, :, 0], k[:, :, 0], v[:, :, 0], i[:, :, 0], lf[:, :, 0], c,
+                           nrm, m, eps, None if keep is None else keep[:, :1])
+        out = out[:, :, None].to(dtype)
+        return (out, state) if return_state else out
+    size = min(chunk, n)
+    pad = -n % size  # the tail padded with left-out tokens: they change nothing
+    if pad:
+        q, k, v = (nn.functional.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
+        i, lf = (nn.functional.pad(x, (0, pad)) for x in (i, lf))
+        keep = torch.cat((torch.ones(b, n, dtype=torch.bool, device=q.device) if keep is None
+                          else keep, torch.zeros(b, pad, dtype=torch.bool, device=q.device)), 1)
+        runs = None if runs is None else torch.cat((runs, runs[:, -1:].expand(b, pad)), 1)
+    if keep is not None:  # a left-out token neither writes nor decays
+        lf = lf * keep[:, None].to(work)
+    if state is None:
+        state = (q.new_zeros(b, h, dk, v.shape[-1]), q.new_zeros(b, h, dk), q.new_zeros(b, h))
+    out, state = _chunks(q, k, v, i, lf, tuple(s.to(work) for s in state), size, eps, runs,
+                         keep)
+    out = out[:, :, :n].to(dtype)
+    return (out, state) if return_state else out
 
 
-def _chunk(q, k, v, i, lf, c, nrm, m, eps, runs, prev, keep):
-    """One chunk of L tokens from the state ``(c, nrm, m)``: outputs ``(B, H, L, Dv)`` and
-    the state after it (its last token's)."""
-    length = q.shape[2]
-    b = lf.cumsum(-1)  # (B, H, L): log forget products from the chunk's start, inclusive
-    steps = torch.arange(length, device=q.device)
+def _step(q, k, v, i, lf, c, nrm, m, eps, keep):
+    """One token ``(B, H, D)`` from the state: its output and the state after it."""
+    m_new = torch.maximum(lf + m, i if keep is None else torch.where(keep, i, -torch.inf))
+    carry = torch.exp(lf + m - m_new)  # (B, H)
+    write = torch.exp(i - m_new) if keep is None else torch.where(
+        keep, torch.exp(i - m_new), 0.0)
+    c = carry[..., None, None] * c + (write[..., None] * k)[..., :, None] * v[..., None, :]
+    nrm = carry[..., None] * nrm + write[..., None] * k
+    num = (q[..., None, :] @ c)[..., 0, :]  # (B, H, Dv)
+    den = (q * nrm).sum(-1)
+    return num / (torch.maximum(den.abs(), torch.exp(-m_new)) + eps)[..., None], (c, nrm, m_new)
+
+
+def _chunks(q, k, v, i, lf, state, size, eps, runs, keep):
+    """The chunked mLSTM on ``N`` a multiple of ``size``: the chunks' incoming states one
+    after another (a matmul a chunk), then every chunk's outputs at once."""
+    b, h, n, _ = q.shape
+    nc = n // size
+    q, k, v = (x.unflatten(2, (nc, size)) for x in (q, k, v))  # (B, H, NC, L, D)
+    i, lf = i.unflatten(2, (nc, size)), lf.unflatten(2, (nc, size))  # (B, H, NC, L)
+    cum = lf.cumsum(-1)  # log forget products from each chunk's start, inclusive
+    steps = torch.arange(size, device=q.device)
     valid = steps[:, None] >= steps[None, :]  # (L, L): s <= t
+    cont = torch.ones(1, 1, nc, size, dtype=torch.bool, device=q.device)  # (B, 1, NC, L)
+    offset = torch.zeros_like(cum)  # the zero state's log weight at t, less its m (= 0)
     if runs is not None:
-        valid = valid & (runs[:, :, None] == runs[:, None, :])[:, None]  # (B, 1, L, L)
+        runs = runs.unflatten(1, (nc, size))  # (B, NC, L)
+        valid = valid & (runs[..., :, None] == runs[..., None, :])[:, None]  # (B, 1, NC, L, L)
+        prev = torch.cat((runs[:, :1, 0], runs[:, :-1, -1]), 1)  # (B, NC): the run before
+        cont = (runs == prev[..., None])[:, None]  # continuing from the incoming state
+        first = torch.cat((torch.ones_like(runs[..., :1], dtype=torch.bool),
+                           runs[..., 1:] != runs[..., :-1]), -1)  # a document's first
+        begin = torch.where(first, steps, 0).cummax(-1).values  # its index (B, NC, L)
+        before = (cum - lf).gather(-1, begin[:, None].expand_as(cum))
+        offset = torch.where(cont, 0.0, -before)  # forget gates since its first token
     if keep is not None:
-        valid = valid & keep[:, None, None, :]  # left-out tokens write nothing
-    log_w = torch.where(valid, b[..., :, None] - b[..., None, :] + i[..., None, :],
-                        -torch.inf)  # (B, H, L, L): s's weight at t
-    # the incoming state's (or, for a document starting here, the zero state's m = 0)
-    # log weight at t: its m plus the forget gates since its document began
-    if runs is None:
-        cont = torch.ones(1, 1, length, dtype=torch.bool, device=q.device)
-        virtual = m[..., None] + b  # (B, H, L)
-    else:
-        first = torch.cat((torch.ones_like(runs[:, :1], dtype=torch.bool),
-                           runs[:, 1:] != runs[:, :-1]), 1)  # (B, L): a document's first
-        begin = torch.where(first, steps, 0).cummax(1).values  # its first token's index
-        cont = (runs == (runs[:, :1] if prev is None else prev[:, None]))[:, None]  # (B, 1, L)
-        before = (b - lf).gather(-1, begin[:, None].expand_as(b))  # b before its first
-        virtual = torch.where(cont, m[..., None], 0.0) + b - torch.where(cont, 0.0, before)
-    m_t = torch.maximum(virtual, log_w.amax(-1))  # (B, H, L): the running maximum
-    w = torch.exp(log_w - m_t[..., None])  # (B, H, L, L)
+        valid = valid & keep.unflatten(1, (nc, size))[:, None, :, None, :]  # writers
+    log_w = torch.where(valid, cum[..., :, None] - cum[..., None, :] + i[..., None, :],
+                        -torch.inf)  # (B, H, NC, L, L): s's log weight at t
+    # the chunks' incoming states, one after another: each chunk's last row writes
+    last = log_w[..., -1, :]  # (B, H, NC, L)
+    top = last.amax(-1)  # (B, H, NC)
+    c, nrm, m = state
+    states = []
+    for j in range(nc):
+        states.append((c, nrm, m))
+        virtual = torch.where(cont[..., j, -1], m, 0.0) + cum[..., j, -1] + offset[..., j, -1]
+        m_next = torch.maximum(virtual, top[..., j])
+        carry = torch.where(cont[..., j, -1], torch.exp(virtual - m_next), 0.0)  # (B, H)
+        wk = k[:, :, j] * torch.exp(last[:, :, j] - m_next[..., None])[..., None]  # (B, H, L, Dk)
+        c = carry[..., None, None] * c + wk.transpose(-1, -2) @ v[:, :, j]
+        nrm = carry[..., None] * nrm + wk.sum(-2)
+        m = m_next
+    c0, n0, m0 = (torch.stack(x, 2) for x in zip(*states))  # (B, H, NC, ...)
+    # every chunk's outputs at once, from its incoming state
+    virtual = torch.where(cont, m0[..., None], 0.0) + cum + offset  # (B, H, NC, L)
+    m_t = torch.maximum(virtual, log_w.amax(-1))  # the running maximum
+    w = torch.exp(log_w - m_t[..., None])
     carry = torch.where(cont, torch.exp(virtual - m_t), 0.0)  # the state's weight at t
-    scores = (q @ k.transpose(-1, -2)) * w  # (B, H, L, L)
-    num = carry[..., None] * (q @ c) + scores @ v  # (B, H, L, Dv)
-    den = carry * (q @ nrm[..., None])[..., 0] + scores.sum(-1)  # (B, H, L)
+    scores = (q @ k.transpose(-1, -2)) * w  # (B, H, NC, L, L)
+    num = carry[..., None] * (q @ c0) + scores @ v  # (B, H, NC, L, Dv)
+    den = carry * (q @ n0[..., None])[..., 0] + scores.sum(-1)
     out = num / (torch.maximum(den.abs(), torch.exp(-m_t)) + eps)[..., None]
-    last = w[..., -1, :]  # (B, H, L): the last token's weights, for the state after it
-    c = carry[..., -1, None, None] * c + (k * last[..., None]).transpose(-1, -2) @ v
-    nrm = carry[..., -1, None] * nrm + (k * last[..., None]).sum(-2)
-    return out, (c, nrm, m_t[..., -1])
+    return out.flatten(2, 3), (c, nrm, m)
 
 
 def _check(q, k, v, i, f, state, chunk, segment_ids, keep):

@@ -38,6 +38,7 @@ from torchfn.models._mamba_hybrid import mamba_hybrid_from_hf, mamba_hybrid_to_h
 from torchfn.models._minimax import minimax_from_hf, minimax_to_hf
 from torchfn.models._mla import LatentAttention
 from torchfn.models._mlp import MLP, SwiGLU
+from torchfn.models._mlstm import MLSTM
 from torchfn.models._moe import MoE, moe_bias_update
 from torchfn.models._nemotron_h import nemotron_h_from_hf, nemotron_h_to_hf
 from torchfn.models._neox import neox_from_hf, neox_to_hf
@@ -63,6 +64,7 @@ from torchfn.models._speculative import speculative_generate
 from torchfn.models._transformer import MultiHeadAttention, TransformerBlock, TransformerEncoder
 from torchfn.models._unet import UNet
 from torchfn.models._vae import MLPVAE
+from torchfn.models._xlstm import xlstm_from_hf, xlstm_to_hf
 
 __all__ = [
     # diffusion denoisers and EBM energy (_denoiser, _unet, _energy)
@@ -87,6 +89,7 @@ __all__ = [
     "KimiDeltaAttention",
     "ShortConv",
     "RGLRU",
+    "MLSTM",
     "LightningAttention",
     "lightning_slopes",
     "Mamba",
@@ -122,6 +125,8 @@ __all__ = [
     "olmo_hybrid_to_hf",
     "recurrent_gemma_from_hf",
     "recurrent_gemma_to_hf",
+    "xlstm_from_hf",
+    "xlstm_to_hf",
     "nemotron_h_from_hf",
     "nemotron_h_to_hf",
     "llama4_to_hf",

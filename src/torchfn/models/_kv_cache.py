@@ -124,8 +124,8 @@ class StaticKVCache(NamedTuple):
         holding ``MultiHeadAttention``, ``LatentAttention`` or recurrent layers, or the
         ``torchfn.Model`` of one); a ``LatentAttention``'s holds its latents and rotary
         keys, a recurrent layer's (``GatedDeltaNet``, ``KimiDeltaAttention``, ``Mamba``,
-        ``Mamba2``, ``ShortConv``, ``LightningAttention``, ``RGLRU``) its convolution
-        window and state
+        ``Mamba2``, ``ShortConv``, ``LightningAttention``, ``RGLRU``, ``MLSTM``) its
+        convolution window and state
         (zeros: the start), whatever the capacity."""
         from torchfn.models._attention import MultiHeadAttention
         from torchfn.models._delta_net import GatedDeltaNet
@@ -134,6 +134,7 @@ class StaticKVCache(NamedTuple):
         from torchfn.models._mamba import Mamba
         from torchfn.models._mamba2 import Mamba2
         from torchfn.models._mla import LatentAttention
+        from torchfn.models._mlstm import MLSTM
         from torchfn.models._rg_lru import RGLRU
         from torchfn.models._short_conv import ShortConv
 
@@ -147,7 +148,7 @@ class StaticKVCache(NamedTuple):
         layers = [m for m in module.modules()
                   if isinstance(m, (MultiHeadAttention, LatentAttention, GatedDeltaNet, Mamba,
                                     Mamba2, KimiDeltaAttention, ShortConv,
-                                    LightningAttention, RGLRU))]
+                                    LightningAttention, RGLRU, MLSTM))]
         if not layers:
             raise ValueError(f"module has no MultiHeadAttention, LatentAttention or recurrent "
                              f"layer to cache: {type(module).__name__}")

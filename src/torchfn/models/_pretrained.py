@@ -35,6 +35,7 @@ from torchfn.models._qwen3_next import _TYPES as _QWEN3_NEXT_TYPES
 from torchfn.models._qwen3_next import qwen3_next_from_hf, qwen3_next_to_hf
 from torchfn.models._recurrent_gemma import recurrent_gemma_from_hf, recurrent_gemma_to_hf
 from torchfn.models._transformer import TransformerEncoder
+from torchfn.models._xlstm import xlstm_from_hf, xlstm_to_hf
 
 __all__ = ["from_pretrained", "save_pretrained", "llama_from_pretrained",
            "llama_save_pretrained", "deepseek_from_pretrained", "deepseek_save_pretrained"]
@@ -44,6 +45,7 @@ _OTHERS = {"gpt_neox": (neox_from_hf, neox_to_hf), "phi": (phi_from_hf, phi_to_h
            "minimax": (minimax_from_hf, minimax_to_hf),
            "olmo_hybrid": (olmo_hybrid_from_hf, olmo_hybrid_to_hf),
            "recurrent_gemma": (recurrent_gemma_from_hf, recurrent_gemma_to_hf),
+           "xlstm": (xlstm_from_hf, xlstm_to_hf),
            "llama4_text": (llama4_from_hf, llama4_to_hf), "llama4": (llama4_from_hf, llama4_to_hf),
            **{t: (qwen3_next_from_hf, qwen3_next_to_hf)
               for t in _QWEN3_NEXT_TYPES + _QWEN3_5_MULTIMODAL},
@@ -184,11 +186,11 @@ def from_pretrained(folder: str | os.PathLike, *, dtype: torch.dtype | None = No
     Nemotron-H, Kimi Linear, LFM2 and LFM2-MoE through :func:`nemotron_h_from_hf` /
     :func:`kimi_linear_from_hf` / :func:`lfm2_from_hf` (``state``: their routers' biases),
     GPT-NeoX (Pythia), Phi-2, Llama 4, Qwen3-Next and Qwen3.5, Falcon-H1, Mamba, Mamba-2,
-    Bamba, Granite 4.0-H, Jamba, MiniMax-01, OLMo Hybrid and RecurrentGemma through
+    Bamba, Granite 4.0-H, Jamba, MiniMax-01, OLMo Hybrid, RecurrentGemma and xLSTM through
     :func:`neox_from_hf` / :func:`phi_from_hf` / :func:`llama4_from_hf` /
     :func:`qwen3_next_from_hf` / :func:`falcon_h1_from_hf` / :func:`mamba_hybrid_from_hf` /
     :func:`minimax_from_hf` / :func:`olmo_hybrid_from_hf` /
-    :func:`recurrent_gemma_from_hf`, the
+    :func:`recurrent_gemma_from_hf` / :func:`xlstm_from_hf`, the
     others (Llama, Mistral, Mixtral, Qwen, Phi-3, OLMo 2, gpt-oss, SmolLM3, Gemma)
     through :func:`llama_from_pretrained`, with their ``state`` (persistent buffers,
     ``{}`` for most) from the module. Arguments as theirs.

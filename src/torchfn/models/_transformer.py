@@ -17,6 +17,7 @@ from torchfn.models._mamba import Mamba
 from torchfn.models._mamba2 import Mamba2
 from torchfn.models._mla import LatentAttention
 from torchfn.models._mlp import SquaredReLU, SwiGLU, _check_dims
+from torchfn.models._mlstm import MLSTM
 from torchfn.models._moe import MoE
 from torchfn.models._norm import make_norm
 from torchfn.models._remat_block import call_remat, remat_policy
@@ -30,7 +31,8 @@ _ATTN_OPTIONS = {"chunk", "temperature", "qk_norm", "softcap", "scale"}  # per-b
 _MIXER_SCALES = ("attn_in", "attn_out", "linear_in", "linear_out")  # parallel_linear's
 _LINEAR = {"gated_deltanet": GatedDeltaNet, "mamba2": Mamba2, "mamba": Mamba,
            "kda": KimiDeltaAttention, "short_conv": ShortConv,
-           "lightning": LightningAttention, "rg_lru": RGLRU}  # linear_attention's kinds
+           "lightning": LightningAttention, "rg_lru": RGLRU,
+           "mlstm": MLSTM}  # linear_attention's kinds
 
 
 def _pair(value: object) -> bool:
@@ -117,7 +119,7 @@ class TransformerBlock(nn.Module):
     the mixer alone. The token mixer is attention, :class:`LatentAttention`
     (``latent_attention``), or :class:`GatedDeltaNet` / :class:`KimiDeltaAttention` /
     :class:`Mamba` / :class:`Mamba2` / :class:`ShortConv` / :class:`LightningAttention` /
-    :class:`RGLRU` (``linear_attention``); ``attn`` is None without one.
+    :class:`RGLRU` / :class:`MLSTM` (``linear_attention``); ``attn`` is None without one.
     ``key_padding_mask`` ``(B, N)`` bool marks real tokens (True). ``positions`` and
     ``cache`` go to :class:`MultiHeadAttention`; with a cache it returns ``(out, cache)``.
     With ``experts`` the MLP is a :class:`MoE`, and ``return_router_logits=True`` returns
@@ -217,9 +219,10 @@ class TransformerBlock(nn.Module):
                     "mamba", "short_conv")):
                 raise ValueError(f"linear_attention must be a dict of GatedDeltaNet's keywords "
                                  f"(heads, key_heads, key_dim, value_dim, conv_kernel) or, with "
-                                 f"kind='mamba2', 'mamba', 'kda', 'short_conv', 'lightning' or "
-                                 f"'rg_lru', Mamba2's, Mamba's, KimiDeltaAttention's, "
-                                 f"ShortConv's, LightningAttention's or RGLRU's; got "
+                                 f"kind='mamba2', 'mamba', 'kda', 'short_conv', 'lightning', "
+                                 f"'rg_lru' or 'mlstm', Mamba2's, Mamba's, "
+                                 f"KimiDeltaAttention's, ShortConv's, LightningAttention's, "
+                                 f"RGLRU's or MLSTM's; got "
                                  f"{linear_attention!r}")
             if latent_attention is not None:
                 raise ValueError("TransformerBlock: give linear_attention or latent_attention, "
@@ -406,10 +409,10 @@ class TransformerEncoder(nn.Module):
             fixed-size state) as the token mixer, a dict of its keywords (``heads``,
             ``key_heads``, ``key_dim``, ``value_dim``, ``conv_kernel``), or with
             ``"kind"`` ``"mamba2"``, ``"mamba"``, ``"kda"``, ``"short_conv"``,
-            ``"lightning"`` or ``"rg_lru"`` a :class:`Mamba2`, :class:`Mamba`,
+            ``"lightning"``, ``"rg_lru"`` or ``"mlstm"`` a :class:`Mamba2`, :class:`Mamba`,
             :class:`KimiDeltaAttention`, :class:`ShortConv` (LFM2's),
-            :class:`LightningAttention` or :class:`RGLRU` (Griffin's) and its keywords, in
-            the blocks
+            :class:`LightningAttention`, :class:`RGLRU` (Griffin's) or :class:`MLSTM`
+            (xLSTM's) and its keywords, in the blocks
             ``layer_linear`` marks (default every block; a dict there overrides
             ``linear_attention``'s keywords in that block, as MiniMax's decay rates by
             depth); the others keep attention, or
