@@ -208,6 +208,11 @@ def test_bad_checkpoints_and_configs_are_named():
     with pytest.raises(ValueError, match=r"config\['clip_qkv'\] = 8.0 is not supported here "
                                          r"\(needs None\)"):
         llama_from_hf(dict(CONFIG, model_type="olmoe", clip_qkv=8.0))
+    with pytest.raises(ValueError, match=r"config\['use_bias'\] = False is not supported here "
+                                         r"\(needs True\)"):  # its LayerNorms have biases
+        llama_from_hf(dict(CONFIG, model_type="starcoder2", use_bias=False))
+    with pytest.raises(ValueError, match=r"config\['attention_bias'\] = True is not supported"):
+        llama_from_hf(dict(CONFIG, model_type="qwen3", attention_bias=True))
     with pytest.raises(ValueError, match=r"config\['model_type'\] = 'gpt2' is not supported"):
         llama_from_hf(dict(CONFIG, model_type="gpt2"))
     with pytest.raises(ValueError, match=r"config\['hidden_activation'\] = 'silu' is not "):

@@ -117,6 +117,35 @@ CASES = {
         rope_parameters={"sliding_attention": dict(rope_type="default", rope_theta=100.0),
                          "full_attention": dict(rope_type="linear", factor=2.0,
                                                 rope_theta=1e6)})),
+    # OLMo 3: OLMo 2's blocks, windows on three layers of four, a RoPE per layer kind
+    "olmo3": ("olmo3", dict(num_hidden_layers=4, sliding_window=4, pad_token_id=0,
+                            eos_token_id=1)),
+    "ministral": ("ministral", dict(head_dim=8, sliding_window=4,
+                                    layer_types=["sliding_attention", "full_attention"])),
+    # biases on q, k, v (attention_bias, on by default), none on the output
+    # (attention_out_bias, off): Seed-OSS-36B's
+    "seed-oss": ("seed_oss", dict(head_dim=8)),
+    # interleaved rotary pairs; Helium's biases on q, k, v alone
+    "helium": ("helium", dict(head_dim=8, attention_bias=True)),
+    "ernie4_5": ("ernie4_5", dict(head_dim=8, use_bias=True)),  # (tied by default)
+    # relu(x W_up)^2 W_down, biases everywhere
+    "arcee": ("arcee", dict(attention_bias=True, mlp_bias=True)),
+    # GLM: fused gate_up_proj, interleaved rotary on half of each head, q/k/v biases;
+    # GLM-4: norms on the sublayers' outputs too
+    "glm": ("glm", dict(head_dim=8, pad_token_id=0, eos_token_id=1)),
+    "glm4": ("glm4", dict(head_dim=8, pad_token_id=0, eos_token_id=1)),
+    # Gemma 2 without the norms on the sublayers' outputs
+    "vaultgemma": ("vaultgemma", dict(head_dim=12, num_hidden_layers=3, sliding_window=4,
+                                      query_pre_attn_scalar=10, attn_logit_softcapping=2.0,
+                                      final_logit_softcapping=3.0)),
+    # LayerNorms with biases, relu^2 (Jais2) or tanh-GELU (StarCoder2) MLPs with biases
+    "jais2": ("jais2", dict()),
+    "starcoder2": ("starcoder2", dict(sliding_window=4)),
+    # EXAONE 4: OLMo 2's blocks, q/k norms per head, windows on three layers of four and
+    # no position embedding on the fourth; without windows, rotary everywhere
+    "exaone4": ("exaone4", dict(num_hidden_layers=4, sliding_window=4, head_dim=8)),
+    "exaone4-global": ("exaone4", dict(head_dim=8, sliding_window=None,
+                                       layer_types=["full_attention"] * 2)),
 }
 
 
@@ -150,7 +179,7 @@ def test_a_transformers_checkpoint_gives_the_same_logits(case, tmp_path):
 
 @pytest.mark.parametrize("case", ["llama", "mistral-window", "qwen2-moe", "qwen3-wide-heads",
                                   "gemma2", "gemma3", "olmo2", "olmoe", "gpt-oss", "smollm3",
-                                  "cohere2"])
+                                  "cohere2", "olmo3", "glm4", "starcoder2", "exaone4"])
 def test_greedy_generation_from_left_padded_prompts_equals_transformers(case, tmp_path):
     """Rows of different prompt lengths, padded on the left: ``generate`` with
     ``prompt_mask`` against transformers' ``generate`` on each row alone, unpadded.
@@ -184,7 +213,8 @@ def test_llama_to_hf_gives_back_the_checkpoint(case, tmp_path):
     for name in sd:
         assert torch.equal(back[name], sd[name]), name
     if case not in ("llama-tied", "mixtral", "qwen2-moe", "qwen3-wide-heads", "gemma3", "phi3",
-                    "olmo2", "olmoe", "qwen3-moe-every-other", "gpt-oss", "cohere2"):
+                    "olmo2", "olmoe", "qwen3-moe-every-other", "gpt-oss", "cohere2", "glm4",
+                    "vaultgemma", "starcoder2", "arcee", "seed-oss", "exaone4"):
         return  # the loading below once per kind of name mapping
     moved = {n: t + 0.01 * torch.randn(t.shape, dtype=t.dtype,
                                        generator=torch.Generator().manual_seed(3))

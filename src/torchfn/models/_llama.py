@@ -1,6 +1,7 @@
-"""A Hugging Face Llama-family checkpoint (Llama, Mistral, Mixtral, Qwen2, Qwen2-MoE, Qwen3,
-Qwen3-MoE, Phi-3, OLMo 2, OLMoE, gpt-oss, SmolLM3, Cohere, Cohere2, Granite, Gemma, Gemma 2,
-Gemma 3) as a ``TransformerEncoder`` and its params."""
+"""A Hugging Face Llama-family checkpoint (Llama, Mistral, Ministral, Mixtral, Qwen2,
+Qwen2-MoE, Qwen3, Qwen3-MoE, Phi-3, OLMo 2 and 3, OLMoE, gpt-oss, SmolLM3, Cohere, Cohere2,
+Granite, Seed-OSS, Helium, ERNIE 4.5, EXAONE 4, GLM, GLM-4, Arcee, Jais2, StarCoder2, Gemma,
+Gemma 2, Gemma 3, VaultGemma) as a ``TransformerEncoder`` and its params."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ __all__ = ["llama_from_hf"]
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 GLOBAL_NAMES = {"model.embed_tokens.weight": "embed.weight", "model.norm.weight": "ln.weight",
+                "model.norm.bias": "ln.bias",  # (StarCoder2's and Jais2's LayerNorm)
                 "lm_head.weight": "head.weight"}  # outside the layers: HF -> ours
 _NAMES = {  # a layer's HF names -> ours, but for q/k/v (one qkv matrix here)
     "input_layernorm.weight": "ln1.weight",
@@ -28,6 +30,11 @@ _NAMES = {  # a layer's HF names -> ours, but for q/k/v (one qkv matrix here)
     "mlp.gate_proj.weight": "mlp.gate.weight",
     "mlp.up_proj.weight": "mlp.up.weight",
     "mlp.down_proj.weight": "mlp.down.weight",
+    # biases, where attention_bias / mlp_bias / use_bias give them; LayerNorms' biases
+    "self_attn.o_proj.bias": "attn.out.bias",
+    **{f"mlp.{p}_proj.bias": f"mlp.{p}.bias" for p in ("gate", "up", "down")},
+    "input_layernorm.bias": "ln1.bias",
+    "post_attention_layernorm.bias": "ln2.bias",
 }
 _QKV = {  # HF names -> our joined tensor (rows [q | k | v])
     f"self_attn.{p}_proj.{kind}": f"attn.qkv.{kind}" for kind in ("weight", "bias")
@@ -45,9 +52,16 @@ _MOE = {  # model_type -> (router, one expert's matrices, their stacked names, s
 }
 _MOE["qwen3_moe"] = _MOE["olmoe"] = _MOE["qwen2_moe"][:3] + ({},)  # no shared expert
 _IGNORED = re.compile(r".*rotary_emb\.inv_freq$")  # a buffer older checkpoints carry
-_GEMMA = ("gemma", "gemma2", "gemma3_text")
-_TYPES = ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "phi3",
-          "olmo2", "olmoe", "gpt_oss", "smollm3", "cohere", "cohere2", "granite", *_GEMMA)
+_GEMMA = ("gemma", "gemma2", "gemma3_text", "vaultgemma")
+_POST_NORMED = ("olmo2", "olmo3", "exaone4")  # norms on the sublayers' outputs only
+_UNGATED = {  # model_type -> (hidden_act, its MLP's two projections): act(x W_up) W_down
+    "arcee": ("relu2", "up_proj", "down_proj"), "jais2": ("relu2", "up_proj", "down_proj"),
+    "starcoder2": ("gelu_pytorch_tanh", "c_fc", "c_proj")}
+_FUSED_MLP = ("phi3", "glm", "glm4")  # gate and up in one gate_up_proj
+_TYPES = ("llama", "mistral", "ministral", "mixtral", "qwen2", "qwen2_moe", "qwen3",
+          "qwen3_moe", "phi3", "olmo2", "olmo3", "olmoe", "gpt_oss", "smollm3", "cohere",
+          "cohere2", "granite", "seed_oss", "helium", "ernie4_5", "exaone4", "glm", "glm4",
+          *_UNGATED, *_GEMMA)
 _GPT_OSS = {  # gpt-oss's tensors that Llama lacks -> ours (its experts come fused: below)
     "self_attn.sinks": "attn.sinks",
     "self_attn.o_proj.bias": "attn.out.bias",
@@ -70,8 +84,19 @@ def layer_names(kind: str) -> dict[str, str]:
     router, _, _, shared = _MOE.get(kind, (None, None, {}, {}))
     names = {k: v for k, v in _NAMES.items() if not (router and k.startswith("mlp."))}
     names.update(shared)
-    if kind in ("gemma2", "gemma3_text", "olmo2"):  # norms on the sublayers' outputs
+    if kind in ("gemma2", "gemma3_text") + _POST_NORMED:  # norms on the sublayers' outputs
         names.update(_POST_NORM_NAMES)
+    if kind == "vaultgemma":  # Gemma 2 without the norms on the outputs
+        del names["post_attention_layernorm.weight"]
+        names["pre_feedforward_layernorm.weight"] = "ln2.weight"
+    if kind == "glm4":  # norms on the outputs too, named apart from the pre-MLP norm
+        names.update({"post_self_attn_layernorm.weight": "post_ln1.weight",
+                      "post_mlp_layernorm.weight": "post_ln2.weight"})
+    if kind in _UNGATED:  # act(x W_up) W_down: an nn.Sequential's 0 and 2
+        _, up, down = _UNGATED[kind]
+        names = {k: v for k, v in names.items() if not k.startswith("mlp.")}
+        names.update({f"mlp.{hf}.{b}": f"mlp.{i}.{b}" for hf, i in ((up, 0), (down, 2))
+                      for b in ("weight", "bias")})
     if kind == "gpt_oss":
         names = {k: v for k, v in names.items() if not k.startswith("mlp.")}
         names.update(_GPT_OSS)
@@ -178,10 +203,11 @@ def _layer_types(config: Mapping[str, Any], kind: str) -> list[str]:
             raise ValueError("config['use_sliding_window'] = True without 'layer_types' is "
                              "not supported for qwen2_moe (which layers slide differs "
                              "between transformers versions)")
-        if kind == "gemma2":
+        if kind in ("gemma2", "vaultgemma"):
             slides = [i % 2 == 0 for i in range(depth)]
-        elif kind == "gemma3_text":
-            every = config.get("sliding_window_pattern", config.get("_sliding_window_pattern", 6))
+        elif kind in ("gemma3_text", "olmo3", "exaone4"):  # all but every n-th
+            every = config.get("sliding_window_pattern", config.get(
+                "_sliding_window_pattern", 6 if kind == "gemma3_text" else 4))
             slides = [(i + 1) % every != 0 for i in range(depth)]
         else:
             first = config.get("max_window_layers", 0) if kind in ("qwen2", "qwen3") else 0
@@ -213,8 +239,8 @@ def _gemma(config: Mapping[str, Any], kind: str, head_dim: int) -> dict[str, Any
     out: dict[str, Any] = dict(mlp="geglu", norm="rms+1",
                                embed_scale=config["hidden_size"] ** 0.5,
                                tie_embeddings=bool(config.get("tie_word_embeddings", True)))
-    if kind != "gemma":
-        out.update(post_norms=True, softcap=config.get("attn_logit_softcapping"),
+    if kind != "gemma":  # (VaultGemma: Gemma 2 without the norms on the outputs)
+        out.update(post_norms=kind != "vaultgemma", softcap=config.get("attn_logit_softcapping"),
                    logit_softcap=config.get("final_logit_softcapping"),
                    attn_scale=config.get("query_pre_attn_scalar", head_dim) ** -0.5)
     if kind == "gemma3_text":
@@ -281,14 +307,19 @@ def _config(config: Mapping[str, Any]) -> dict[str, Any]:
     dim, heads = config["hidden_size"], config["num_attention_heads"]
     head_dim = config.get("head_dim") or dim // heads
     checks = {
-        "attention_bias": (config.get("attention_bias", False), kind == "gpt_oss"),
-        "mlp_bias": (config.get("mlp_bias", False), False),
+        "attention_bias": (config.get("attention_bias", False), kind == "gpt_oss" or (
+            _EITHER if kind in _BIASED else False)),
+        "mlp_bias": (config.get("mlp_bias", False), _EITHER if kind in _BIASED else False),
         "clip_qkv": (config.get("clip_qkv"), None),  # OLMo's clamp of q, k and v
     }
+    if kind in ("starcoder2", "jais2"):  # LayerNorms with a bias: every projection has one
+        key = "use_bias" if kind == "starcoder2" else "mlp_bias"
+        checks[key] = (config.get(key, True), True)
     if kind not in _GEMMA:
-        checks["hidden_act"] = (config.get("hidden_act", "silu"), "silu")
+        checks["hidden_act"] = (config.get("hidden_act", "silu"),
+                                _UNGATED[kind][0] if kind in _UNGATED else "silu")
     for key, (got, want) in checks.items():
-        if got != want:
+        if want is not _EITHER and got != want:
             raise ValueError(f"config[{key!r}] = {got!r} is not supported here (needs {want!r})")
     types = _layer_types(config, kind)
     partial = partial_rotary(config)  # Phi-4-mini: 0.75
@@ -297,27 +328,72 @@ def _config(config: Mapping[str, Any]) -> dict[str, Any]:
         vocab_size=config["vocab_size"], out_dim=config["vocab_size"], causal=True,
         max_len=config.get("max_position_embeddings", 2048),
         kv_heads=config.get("num_key_value_heads") or heads, head_dim=head_dim,
-        position_embedding="rotary", norm="rms", mlp="swiglu", bias=False,
+        position_embedding="rotary", norm="rms", mlp="swiglu",
         mlp_hidden=config["intermediate_size"], norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-        tie_embeddings=bool(config.get("tie_word_embeddings", False)),
-        qkv_bias=kind.startswith("qwen2") or kind == "gpt_oss",  # Qwen2: q, k and v only
+        tie_embeddings=bool(config.get("tie_word_embeddings", kind in _TIED)),
         qk_norm=kind.startswith("qwen3"),  # Qwen3: RMSNorm on each head's q and k
         rotary_dim=None if partial == 1 else int(head_dim * partial),
-    ) | _ropes(config, types) | _windows(config, types) | _moe(config, kind) | (
-        _gemma(config, kind, head_dim) if kind in _GEMMA else {}) | (
-        # OLMo 2: norms only on the sublayers' outputs, q/k norms over all heads
-        dict(pre_norms=False, post_norms=True, qk_norm=True, qk_norm_scope="all")
-        if kind == "olmo2" else {}) | (
+    ) | _biases(config, kind) | _ropes(config, types) | _windows(config, types) | _moe(
+        config, kind) | (_gemma(config, kind, head_dim) if kind in _GEMMA else {}) | (
+        # OLMo 2 and 3: norms only on the sublayers' outputs, q/k norms over all heads;
+        # EXAONE 4 the same but its q/k norms per head
+        dict(pre_norms=False, post_norms=True, qk_norm=True,
+             qk_norm_scope="head" if kind == "exaone4" else "all")
+        if kind in _POST_NORMED else {}) | (
         # OLMoE: Llama's pre-norm blocks, OLMo 2's q/k norms, Qwen3-MoE's mixture
         dict(qk_norm=True, qk_norm_scope="all") if kind == "olmoe" else {}) | (
-        dict(attn_sinks=True, out_bias=True) if kind == "gpt_oss" else {}) | (
+        dict(attn_sinks=True) if kind == "gpt_oss" else {}) | (
         _cohere(config) if kind.startswith("cohere") else {}) | (
         # Granite: the embeddings, scores, sublayer outputs and logits each scaled
         dict(embed_scale=float(config.get("embedding_multiplier", 1.0)),
              attn_scale=float(config.get("attention_multiplier", head_dim ** -0.5)),
              residual_scale=float(config.get("residual_multiplier", 1.0)),
              logit_scale=1.0 / float(config.get("logits_scaling", 1.0)))
-        if kind == "granite" else {})
+        if kind == "granite" else {}) | (
+        # Helium, ERNIE 4.5, GLM: rotary pairs interleaved (GLM: in the rotated half)
+        dict(rotary_interleaved=True) if kind in ("helium", "ernie4_5", "glm", "glm4") else {}
+    ) | (dict(post_norms=True) if kind == "glm4" else {}) | (
+        # EXAONE 4 with windows: its global layers have no position embedding (NoPE)
+        dict(layer_rotary=[None if t == "sliding_attention" else False for t in types])
+        if kind == "exaone4" and config.get("sliding_window") is not None else {}) | (
+        _ungated(config, kind) if kind in _UNGATED else {})
+
+
+_EITHER = object()  # a config check's "any value"
+_BIASED = ("llama", "mistral", "ministral", "seed_oss", "helium", "arcee", "jais2", "glm",
+           "glm4", "exaone4")  # attention_bias / mlp_bias read
+_TIED = ("ernie4_5", "starcoder2")  # tied embeddings unless the config says otherwise
+
+
+def _biases(config: Mapping[str, Any], kind: str) -> dict[str, Any]:
+    """The projections' biases: ``attention_bias`` on q, k, v and the output (Llama's;
+    q, k, v alone in GLM, Helium and Seed-OSS, whose ``attention_out_bias`` sets the
+    output's), ``mlp_bias`` on the MLP; ERNIE 4.5's and StarCoder2's ``use_bias`` on
+    all; Qwen2's q, k, v always, gpt-oss's q, k, v and output always. The head never."""
+    attention = bool(config.get("attention_bias", False))
+    mlp = bool(config.get("mlp_bias", False))
+    if kind in ("ernie4_5", "starcoder2"):
+        attention = mlp = bool(config.get("use_bias", kind == "starcoder2"))
+    out = attention
+    if kind in ("glm", "glm4", "helium"):
+        out = False
+    elif kind == "seed_oss":
+        out = bool(config.get("attention_out_bias", False))
+    elif kind.startswith("qwen2"):
+        attention, out = True, False
+    elif kind == "gpt_oss":
+        attention = out = True
+    return dict(bias=mlp, qkv_bias=attention, out_bias=out, head_bias=False)
+
+
+def _ungated(config: Mapping[str, Any], kind: str) -> dict[str, Any]:
+    """Arcee's and Jais2's ``relu(x W_up)^2 W_down`` MLP, StarCoder2's tanh-GELU one;
+    StarCoder2 and Jais2 normalise with LayerNorm (weight and bias)."""
+    out: dict[str, Any] = dict(mlp="relu2" if _UNGATED[kind][0] == "relu2" else "gelu_tanh")
+    if kind in ("starcoder2", "jais2"):
+        eps = config.get("norm_epsilon", config.get("layer_norm_eps", 1e-5))
+        out.update(norm="layer", norm_eps=float(eps))
+    return out
 
 
 def llama_from_hf(config: Mapping[str, Any], state_dict: Mapping[str, Tensor] | None = None,
@@ -366,6 +442,20 @@ def llama_from_hf(config: Mapping[str, Any], state_dict: Mapping[str, Tensor] | 
     sublayer (``post_norms``), ``query_pre_attn_scalar`` (``attn_scale``), score and
     logit soft-capping (``softcap``, ``logit_softcap``) and alternating windows; Gemma 3
     its q/k norms and a RoPE base of its own on the windowed layers (``layer_rotary``).
+    OLMo 3 (``"olmo3"``) is OLMo 2 with windows on three layers of four and a RoPE per
+    kind of layer; EXAONE 4 (``"exaone4"``) OLMo 2's blocks with q/k norms per head and,
+    with windows, no position embedding on its global layers. Ministral
+    (``"ministral"``) is Mistral with ``layer_types``; Seed-OSS (``"seed_oss"``) has
+    biases on q, k, v (``attention_bias``) and the output (``attention_out_bias``);
+    Helium and ERNIE 4.5 (``"helium"``, ``"ernie4_5"``: ``use_bias`` on every
+    projection, tied by default) interleave their rotary pairs; GLM and GLM-4 (``"glm"``,
+    ``"glm4"``) fuse gate and up, rotate half of each head interleaved and bias q, k and
+    v, GLM-4 normalising the sublayers' outputs too. Arcee and Jais2 (``"arcee"``,
+    ``"jais2"``) have ungated ``relu(x W_up)^2 W_down`` MLPs (``mlp="relu2"``),
+    StarCoder2 (``"starcoder2"``) a tanh-GELU one; Jais2 and StarCoder2 LayerNorms with
+    biases and biases on every projection. VaultGemma (``"vaultgemma"``) is Gemma 2
+    without the norms on the sublayers' outputs. Llama's own ``attention_bias`` and
+    ``mlp_bias`` are read (biases on q, k, v and the output, on the MLP).
     The q, k and v projections become one ``qkv`` matrix. The checkpoint's tensors are
     used as they are (nothing is copied but ``qkv`` and the stacked experts), so
     ``safetensors.torch.load_file`` of a checkpoint's shards gives ``state_dict``.
@@ -430,7 +520,7 @@ def llama_from_hf(config: Mapping[str, Any], state_dict: Mapping[str, Tensor] | 
             parts.setdefault(at + _QKV[rest], {})[rest[10]] = tensor
         elif layer and kind == "gpt_oss" and rest in _GPT_OSS_EXPERTS:
             parts.setdefault(at + "gpt_oss", {})[rest] = tensor
-        elif layer and kind == "phi3" and rest in _PHI3:  # fused: [q | k | v], [gate | up]
+        elif layer and kind in _FUSED_MLP and rest in _PHI3:  # fused: [q | k | v], [gate | up]
             if rest == "self_attn.qkv_proj.weight":
                 params[at + "attn.qkv.weight"] = tensor
             else:

@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from torchfn.models._fit import check_params_for
-from torchfn.models._llama import _MOE, _NAMES, GLOBAL_NAMES, _config, layer_names
+from torchfn.models._llama import _FUSED_MLP, _MOE, _NAMES, GLOBAL_NAMES, _config, layer_names
 from torchfn.models._transformer import TransformerEncoder
 
 __all__ = ["llama_to_hf"]
@@ -80,11 +80,12 @@ def llama_to_hf(config: Mapping[str, Any], params: Mapping[str, Tensor]) -> dict
             raise AssertionError(name)  # every other name is a block's (checked above)
         else:
             at, rest = f"model.layers.{block[1]}.", block[2]
-            if kind == "phi3" and rest in ("attn.qkv.weight", "mlp.gate.weight"):  # fused
-                out[at + ("self_attn.qkv_proj.weight" if rest.startswith("attn") else
-                          "mlp.gate_up_proj.weight")] = t if rest.startswith("attn") else \
-                    torch.cat((t, params[f"blocks.{block[1]}.mlp.up.weight"]))
-            elif kind == "phi3" and rest == "mlp.up.weight":
+            if kind == "phi3" and rest == "attn.qkv.weight":  # Phi-3's fused [q | k | v]
+                out[at + "self_attn.qkv_proj.weight"] = t
+            elif kind in _FUSED_MLP and rest == "mlp.gate.weight":  # [gate | up]
+                out[at + "mlp.gate_up_proj.weight"] = torch.cat(
+                    (t, params[f"blocks.{block[1]}.mlp.up.weight"]))
+            elif kind in _FUSED_MLP and rest == "mlp.up.weight":
                 pass  # in gate_up_proj
             elif rest in hf_name:
                 out[at + hf_name[rest]] = t

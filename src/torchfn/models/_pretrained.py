@@ -191,7 +191,8 @@ def from_pretrained(folder: str | os.PathLike, *, dtype: torch.dtype | None = No
     :func:`qwen3_next_from_hf` / :func:`falcon_h1_from_hf` / :func:`mamba_hybrid_from_hf` /
     :func:`minimax_from_hf` / :func:`olmo_hybrid_from_hf` /
     :func:`recurrent_gemma_from_hf` / :func:`xlstm_from_hf`, the
-    others (Llama, Mistral, Mixtral, Qwen, Phi-3, OLMo 2, gpt-oss, SmolLM3, Gemma)
+    others (Llama, Mistral, Mixtral, Qwen, Phi-3, OLMo 2 and 3, gpt-oss, SmolLM3, GLM, EXAONE 4,
+    StarCoder2, Gemma, ...)
     through :func:`llama_from_pretrained`, with their ``state`` (persistent buffers,
     ``{}`` for most) from the module. Arguments as theirs.
     ``Model(module).apply(params, tokens, state=state)`` runs it.
