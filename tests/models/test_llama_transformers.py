@@ -146,6 +146,15 @@ CASES = {
     "exaone4": ("exaone4", dict(num_hidden_layers=4, sliding_window=4, head_dim=8)),
     "exaone4-global": ("exaone4", dict(head_dim=8, sliding_window=None,
                                        layer_types=["full_attention"] * 2)),
+    # Hunyuan: q/k norms per head after the rotation, q/k/v/o biases, NTK-alpha RoPE
+    "hunyuan": ("hunyuan_v1_dense", dict(head_dim=8, attention_bias=True, rope_parameters=dict(
+        rope_type="dynamic", alpha=1000.0, factor=1.0, rope_theta=10000.0))),
+    # Ministral 3: YaRN and the queries scaled up past every 4 positions (Llama 4's
+    # temperature, floor(p / 4))
+    "ministral3": ("ministral3", dict(head_dim=8, rope_parameters=dict(
+        rope_type="yarn", rope_theta=1e6, factor=16.0, original_max_position_embeddings=4,
+        max_position_embeddings=128, beta_fast=32.0, beta_slow=1.0, mscale_all_dim=1.0,
+        mscale=1.0, llama_4_scaling_beta=0.5))),
 }
 
 
@@ -179,7 +188,8 @@ def test_a_transformers_checkpoint_gives_the_same_logits(case, tmp_path):
 
 @pytest.mark.parametrize("case", ["llama", "mistral-window", "qwen2-moe", "qwen3-wide-heads",
                                   "gemma2", "gemma3", "olmo2", "olmoe", "gpt-oss", "smollm3",
-                                  "cohere2", "olmo3", "glm4", "starcoder2", "exaone4"])
+                                  "cohere2", "olmo3", "glm4", "starcoder2", "exaone4",
+                                  "ministral3"])
 def test_greedy_generation_from_left_padded_prompts_equals_transformers(case, tmp_path):
     """Rows of different prompt lengths, padded on the left: ``generate`` with
     ``prompt_mask`` against transformers' ``generate`` on each row alone, unpadded.
@@ -214,7 +224,8 @@ def test_llama_to_hf_gives_back_the_checkpoint(case, tmp_path):
         assert torch.equal(back[name], sd[name]), name
     if case not in ("llama-tied", "mixtral", "qwen2-moe", "qwen3-wide-heads", "gemma3", "phi3",
                     "olmo2", "olmoe", "qwen3-moe-every-other", "gpt-oss", "cohere2", "glm4",
-                    "vaultgemma", "starcoder2", "arcee", "seed-oss", "exaone4"):
+                    "vaultgemma", "starcoder2", "arcee", "seed-oss", "exaone4", "hunyuan",
+                    "ministral3"):
         return  # the loading below once per kind of name mapping
     moved = {n: t + 0.01 * torch.randn(t.shape, dtype=t.dtype,
                                        generator=torch.Generator().manual_seed(3))

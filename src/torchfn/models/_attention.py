@@ -79,7 +79,8 @@ class MultiHeadAttention(nn.Module):
     ``head_dim`` for all heads, epsilon ``norm_eps``) before the rotary embedding, as
     Qwen3 does (``qk_norm="rms+1"``: Gemma 3's, scaling by ``1 + weight``;
     ``qk_norm_scope="all"``: one norm over all heads' queries and one over all keys, as
-    OLMo 2's). ``scale`` replaces the scores' ``1 / sqrt(head_dim)`` (Gemma 2 and 3:
+    OLMo 2's; ``"rotated"``: per head, after the rotary embedding, as Hunyuan's).
+    ``scale`` replaces the scores' ``1 / sqrt(head_dim)`` (Gemma 2 and 3:
     ``query_pre_attn_scalar ** -0.5``). ``sinks=True`` learns one attention sink logit per
     head (``sinks`` ``(H,)``, gpt-oss: see ``torchfn.kernels.attention``), and
     ``out_bias`` sets the output projection's bias apart from ``bias``.
@@ -101,7 +102,8 @@ class MultiHeadAttention(nn.Module):
     ``temperature=(floor_scale, attn_scale)``: the queries at position ``p`` are scaled by
     ``1 + attn_scale * log(1 + floor((p + 1) / floor_scale))`` (Llama 4's attention
     temperature tuning on its NoPE layers; Nakanishi 2025, "Scalable-Softmax"), so the
-    scores sharpen as the context grows.
+    scores sharpen as the context grows; ``(floor_scale, attn_scale, offset)`` puts
+    ``p + offset`` in the floor (Ministral 3: ``floor(p / floor_scale)``, offset 0).
 
     ``forward(x, key_padding_mask, segment_ids, positions, cache)``: ``positions`` may
     also be the layer's :meth:`rotary_table` of them, made once for several layers. With a
@@ -142,11 +144,12 @@ class MultiHeadAttention(nn.Module):
         if chunk is not None:
             _check_dims(chunk=chunk)
         if temperature is not None and (
-                not isinstance(temperature, (tuple, list)) or len(temperature) != 2
-                or any(isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0
-                       for t in temperature)):
+                not isinstance(temperature, (tuple, list)) or len(temperature) not in (2, 3)
+                or any(isinstance(t, bool) or not isinstance(t, (int, float))
+                       for t in temperature) or not min(temperature[:2]) > 0
+                or not 0 <= (temperature[2:] or (1,))[0] <= 1):
             raise ValueError(f"temperature must be a pair (floor_scale, attn_scale) of numbers "
-                             f"> 0, or None; got {temperature!r}")
+                             f"> 0 (and an offset in [0, 1]), or None; got {temperature!r}")
         self.chunk = chunk
         self.temperature = None if temperature is None else tuple(map(float, temperature))
         if head_dim is None and dim % heads:
@@ -190,8 +193,9 @@ class MultiHeadAttention(nn.Module):
         else:
             self.sinks = None
         self.qk_norm = bool(qk_norm)
-        if qk_norm_scope not in ("head", "all"):
-            raise ValueError(f"qk_norm_scope must be 'head' or 'all', got {qk_norm_scope!r}")
+        if qk_norm_scope not in ("head", "all", "rotated"):
+            raise ValueError(f"qk_norm_scope must be 'head', 'all' or 'rotated', got "
+                             f"{qk_norm_scope!r}")
         self.qk_norm_scope = qk_norm_scope
         if qk_norm:
             kind = "rms" if qk_norm is True else qk_norm
@@ -257,6 +261,8 @@ class MultiHeadAttention(nn.Module):
                 self.rotary_table(positions, x.dtype)  # one table for q and k
             q = apply_rotary(q, table, self.rotary_interleaved)
             k = apply_rotary(k, table, self.rotary_interleaved)
+        if self.qk_norm and self.qk_norm_scope == "rotated":  # Hunyuan: after the rotation
+            q, k = self.q_norm(q), self.k_norm(k)
         if self.temperature is not None:
             q = _temperature(q, positions, *self.temperature)
         drop = self.attn_dropout if self.training else 0.0
@@ -286,13 +292,13 @@ class MultiHeadAttention(nn.Module):
         return out if cache is None else (out, cache)
 
 
-def _temperature(q: Tensor, positions: Tensor, floor_scale: float, attn_scale: float
-                 ) -> Tensor:
+def _temperature(q: Tensor, positions: Tensor, floor_scale: float, attn_scale: float,
+                 offset: float = 1.0) -> Tensor:
     """Queries ``(B, H, N, D)`` at ``positions`` ``(N,)`` or ``(B, N)`` times
-    ``1 + attn_scale * log1p(floor((p + 1) / floor_scale))``, computed in float32 as
-    transformers' Llama 4 does."""
+    ``1 + attn_scale * log1p(floor((p + offset) / floor_scale))``, computed in float32 as
+    transformers' Llama 4 (offset 1) and Ministral 3 (offset 0) do."""
     p = positions.to(torch.float32)
-    t = torch.log1p(torch.floor((p + 1.0) / floor_scale)) * attn_scale + 1.0
+    t = torch.log1p(torch.floor((p + offset) / floor_scale)) * attn_scale + 1.0
     t = t[:, None, :, None] if t.dim() == 2 else t[:, None]  # (B, 1, N, 1) or (N, 1)
     return (q * t).to(q.dtype)
 

@@ -1,7 +1,7 @@
-"""A Hugging Face Llama-family checkpoint (Llama, Mistral, Ministral, Mixtral, Qwen2,
-Qwen2-MoE, Qwen3, Qwen3-MoE, Phi-3, OLMo 2 and 3, OLMoE, gpt-oss, SmolLM3, Cohere, Cohere2,
-Granite, Seed-OSS, Helium, ERNIE 4.5, EXAONE 4, GLM, GLM-4, Arcee, Jais2, StarCoder2, Gemma,
-Gemma 2, Gemma 3, VaultGemma) as a ``TransformerEncoder`` and its params."""
+"""A Hugging Face Llama-family checkpoint (Llama, Mistral, Ministral, Ministral 3, Hunyuan,
+Mixtral, Qwen2, Qwen2-MoE, Qwen3, Qwen3-MoE, Phi-3, OLMo 2 and 3, OLMoE, gpt-oss, SmolLM3,
+Cohere, Cohere2, Granite, Seed-OSS, Helium, ERNIE 4.5, EXAONE 4, GLM, GLM-4, Arcee, Jais2,
+StarCoder2, Gemma, Gemma 2, Gemma 3, VaultGemma) as a ``TransformerEncoder`` and its params."""
 
 from __future__ import annotations
 
@@ -58,9 +58,10 @@ _UNGATED = {  # model_type -> (hidden_act, its MLP's two projections): act(x W_u
     "arcee": ("relu2", "up_proj", "down_proj"), "jais2": ("relu2", "up_proj", "down_proj"),
     "starcoder2": ("gelu_pytorch_tanh", "c_fc", "c_proj")}
 _FUSED_MLP = ("phi3", "glm", "glm4")  # gate and up in one gate_up_proj
-_TYPES = ("llama", "mistral", "ministral", "mixtral", "qwen2", "qwen2_moe", "qwen3",
-          "qwen3_moe", "phi3", "olmo2", "olmo3", "olmoe", "gpt_oss", "smollm3", "cohere",
-          "cohere2", "granite", "seed_oss", "helium", "ernie4_5", "exaone4", "glm", "glm4",
+_TYPES = ("llama", "mistral", "ministral", "ministral3", "hunyuan_v1_dense", "mixtral",
+          "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "phi3", "olmo2", "olmo3", "olmoe",
+          "gpt_oss", "smollm3", "cohere", "cohere2", "granite", "seed_oss", "helium",
+          "ernie4_5", "exaone4", "glm", "glm4",
           *_UNGATED, *_GEMMA)
 _GPT_OSS = {  # gpt-oss's tensors that Llama lacks -> ours (its experts come fused: below)
     "self_attn.sinks": "attn.sinks",
@@ -89,6 +90,9 @@ def layer_names(kind: str) -> dict[str, str]:
     if kind == "vaultgemma":  # Gemma 2 without the norms on the outputs
         del names["post_attention_layernorm.weight"]
         names["pre_feedforward_layernorm.weight"] = "ln2.weight"
+    if kind == "hunyuan_v1_dense":  # its q/k norms (after the rotation)
+        names.update({"self_attn.query_layernorm.weight": "attn.q_norm.weight",
+                      "self_attn.key_layernorm.weight": "attn.k_norm.weight"})
     if kind == "glm4":  # norms on the outputs too, named apart from the pre-MLP norm
         names.update({"post_self_attn_layernorm.weight": "post_ln1.weight",
                       "post_mlp_layernorm.weight": "post_ln2.weight"})
@@ -120,7 +124,8 @@ def _rope_of(params: Any, config: Mapping[str, Any]) -> tuple[float, dict[str, A
     if not isinstance(params, Mapping):
         raise ValueError(f"config['rope_parameters'] must be a dict, got {params!r}")
     scaling = dict(params)
-    scaling.pop("partial_rotary_factor", None)  # transformers 5 keeps it here: not scaling
+    for key in ("partial_rotary_factor", "llama_4_scaling_beta", "max_position_embeddings"):
+        scaling.pop(key, None)  # transformers 5 keeps them here (Ministral 3): not scaling
     base = float(scaling.pop("rope_theta", config.get("rope_theta", 10000.0)))
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     return base, (None if kind == "default" else scaling)
@@ -315,6 +320,8 @@ def _config(config: Mapping[str, Any]) -> dict[str, Any]:
     if kind in ("starcoder2", "jais2"):  # LayerNorms with a bias: every projection has one
         key = "use_bias" if kind == "starcoder2" else "mlp_bias"
         checks[key] = (config.get(key, True), True)
+    if kind == "hunyuan_v1_dense":
+        checks["use_cla"] = (config.get("use_cla", False), False)  # cross-layer attention
     if kind not in _GEMMA:
         checks["hidden_act"] = (config.get("hidden_act", "silu"),
                                 _UNGATED[kind][0] if kind in _UNGATED else "silu")
@@ -356,12 +363,14 @@ def _config(config: Mapping[str, Any]) -> dict[str, Any]:
         # EXAONE 4 with windows: its global layers have no position embedding (NoPE)
         dict(layer_rotary=[None if t == "sliding_attention" else False for t in types])
         if kind == "exaone4" and config.get("sliding_window") is not None else {}) | (
-        _ungated(config, kind) if kind in _UNGATED else {})
+        _ungated(config, kind) if kind in _UNGATED else {}) | (
+        _hunyuan(config, head_dim) if kind == "hunyuan_v1_dense" else {}) | (
+        _ministral3(config) if kind == "ministral3" else {})
 
 
 _EITHER = object()  # a config check's "any value"
 _BIASED = ("llama", "mistral", "ministral", "seed_oss", "helium", "arcee", "jais2", "glm",
-           "glm4", "exaone4")  # attention_bias / mlp_bias read
+           "glm4", "exaone4", "hunyuan_v1_dense")  # attention_bias / mlp_bias read
 _TIED = ("ernie4_5", "starcoder2")  # tied embeddings unless the config says otherwise
 
 
@@ -377,6 +386,8 @@ def _biases(config: Mapping[str, Any], kind: str) -> dict[str, Any]:
     out = attention
     if kind in ("glm", "glm4", "helium"):
         out = False
+    elif kind == "hunyuan_v1_dense":  # (its MLP never has biases)
+        mlp = False
     elif kind == "seed_oss":
         out = bool(config.get("attention_out_bias", False))
     elif kind.startswith("qwen2"):
@@ -384,6 +395,35 @@ def _biases(config: Mapping[str, Any], kind: str) -> dict[str, Any]:
     elif kind == "gpt_oss":
         attention = out = True
     return dict(bias=mlp, qkv_bias=attention, out_bias=out, head_bias=False)
+
+
+def _hunyuan(config: Mapping[str, Any], head_dim: int) -> dict[str, Any]:
+    """Hunyuan (dense): q/k norms per head after the rotation; its "dynamic" RoPE with a
+    fixed ``alpha`` is NTK-aware scaling, the base stretched to
+    ``theta * alpha^(d / (d - 2))``."""
+    out: dict[str, Any] = dict(qk_norm=True, qk_norm_scope="rotated")
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    kind = rope.get("rope_type", rope.get("type"))
+    if kind == "dynamic":
+        if not rope.get("alpha"):
+            raise ValueError(f"config's RoPE {dict(rope)!r}: 'dynamic' without 'alpha' is "
+                             f"not supported here (its frequencies follow the length)")
+        theta = float(rope.get("rope_theta", config.get("rope_theta", 10000.0)))
+        out.update(rotary_base=theta * float(rope["alpha"]) ** (head_dim / (head_dim - 2)),
+                   rotary_scaling=None)
+    return out
+
+
+def _ministral3(config: Mapping[str, Any]) -> dict[str, Any]:
+    """Ministral 3: the queries at position ``p`` scaled by
+    ``1 + beta log(1 + floor(p / original_max_position_embeddings))``
+    (``llama_4_scaling_beta``; Llama 4's temperature, its floor one position earlier)."""
+    rope = config.get("rope_parameters") or {}
+    beta = rope.get("llama_4_scaling_beta")
+    if not beta:
+        return {}
+    temperature = (float(rope["original_max_position_embeddings"]), float(beta), 0.0)
+    return dict(layer_attention=[{"temperature": temperature}] * config["num_hidden_layers"])
 
 
 def _ungated(config: Mapping[str, Any], kind: str) -> dict[str, Any]:
@@ -454,7 +494,11 @@ def llama_from_hf(config: Mapping[str, Any], state_dict: Mapping[str, Tensor] | 
     ``"jais2"``) have ungated ``relu(x W_up)^2 W_down`` MLPs (``mlp="relu2"``),
     StarCoder2 (``"starcoder2"``) a tanh-GELU one; Jais2 and StarCoder2 LayerNorms with
     biases and biases on every projection. VaultGemma (``"vaultgemma"``) is Gemma 2
-    without the norms on the sublayers' outputs. Llama's own ``attention_bias`` and
+    without the norms on the sublayers' outputs. Hunyuan (``"hunyuan_v1_dense"``)
+    normalises each head's queries and keys after the rotation
+    (``qk_norm_scope="rotated"``) and stretches its RoPE base by ``alpha``; Ministral 3
+    (``"ministral3"``) scales its queries by Llama 4's temperature with the floor one
+    position earlier (``temperature=(M, beta, 0)``). Llama's own ``attention_bias`` and
     ``mlp_bias`` are read (biases on q, k, v and the output, on the MLP).
     The q, k and v projections become one ``qkv`` matrix. The checkpoint's tensors are
     used as they are (nothing is copied but ``qkv`` and the stacked experts), so

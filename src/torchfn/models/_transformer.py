@@ -476,8 +476,9 @@ class TransformerEncoder(nn.Module):
             blocks' mixer, ``{"attention": ..., "linear": ...}`` (default: the plain
             bool's default): OLMo Hybrid normalises its attention blocks' outputs and its
             linear-attention blocks' inputs.
-        qk_norm_scope: ``"head"`` (one norm per head's features) or ``"all"`` (over all
-            heads' at once, OLMo 2).
+        qk_norm_scope: ``"head"`` (one norm per head's features), ``"all"`` (over all
+            heads' at once, OLMo 2) or ``"rotated"`` (per head, after the rotary
+            embedding, Hunyuan).
         embed_scale: multiplies the token embeddings (Gemma: ``sqrt(dim)``, rounded to
             their dtype).
         logit_softcap: the head's outputs become ``cap * tanh(out / cap)`` (Gemma 2: 30).
