@@ -158,9 +158,13 @@ def test_per_sample_gradients_through_chunks_equal_the_loop():
 def test_bad_input_is_named():
     with pytest.raises(ValueError, match="chunk must be"):
         MultiHeadAttention(16, 2, chunk=0)
-    with pytest.raises(ValueError, match=r"temperature must be a pair \(floor_scale, "
-                                         r"attn_scale\) of numbers > 0, or None; got 3"):
-        MultiHeadAttention(16, 2, temperature=3)
+    for bad in (3, (4.0, 0.1, 2.0), (4.0, -0.1)):
+        with pytest.raises(ValueError, match=r"temperature must be a pair \(floor_scale, "
+                                             r"attn_scale\) of numbers > 0 \(and an offset in "
+                                             r"\[0, 1\]\), or None; got"):
+            MultiHeadAttention(16, 2, temperature=bad)
+    with pytest.raises(ValueError, match="qk_norm_scope must be 'head', 'all' or 'rotated'"):
+        MultiHeadAttention(16, 2, qk_norm=True, qk_norm_scope="after")
     with pytest.raises(ValueError, match="qk_norm must be a bool, 'rms', 'rms\\+1' or "
                                          "'rms_plain', got 'l2'"):
         MultiHeadAttention(16, 2, qk_norm="l2")

@@ -291,7 +291,8 @@ def test_cache_and_generate_errors_are_named():
                                          r"got 5"):
         TransformerEncoder(dim=16, heads=2, depth=1, vocab_size=V, rotary_dim=5,
                            position_embedding="rotary")
-    with pytest.raises(ValueError, match="qk_norm_scope must be 'head' or 'all', got 'row'"):
+    with pytest.raises(ValueError, match="qk_norm_scope must be 'head', 'all' or 'rotated', "
+                                         "got 'row'"):
         TransformerEncoder(dim=16, heads=2, depth=1, vocab_size=V, qk_norm=True,
                            qk_norm_scope="row")
     with pytest.raises(ValueError, match="pre_norms=False needs post_norms=True"):
