@@ -260,8 +260,8 @@ def test_cache_and_generate_errors_are_named():
     with pytest.raises(ValueError, match="norm must be 'layer', 'rms', 'rms\\+1' or "
                                          "'rms_plain', got 'batch'"):
         TransformerEncoder(dim=16, heads=2, depth=1, vocab_size=V, norm="batch")
-    with pytest.raises(ValueError, match="mlp must be 'gelu', 'gelu_tanh', 'relu2', 'swiglu', "
-                                         "'geglu' or 'none', got 'relu'"):
+    with pytest.raises(ValueError, match="mlp must be 'gelu', 'gelu_tanh', 'relu2', 'xielu', "
+                                         "'swiglu', 'geglu' or 'none', got 'relu'"):
         TransformerEncoder(dim=16, heads=2, depth=1, vocab_size=V, mlp="relu")
     with pytest.raises(ValueError, match=r"layer_windows must be a list of depth = 2 "):
         TransformerEncoder(dim=16, heads=2, depth=2, vocab_size=V, layer_windows=[None])
@@ -297,7 +297,7 @@ def test_cache_and_generate_errors_are_named():
                            qk_norm_scope="row")
     with pytest.raises(ValueError, match="pre_norms=False needs post_norms=True"):
         TransformerEncoder(dim=16, heads=2, depth=1, vocab_size=V, pre_norms=False)
-    with pytest.raises(ValueError, match="mlp must be 'gelu', 'gelu_tanh', 'relu2', 'swiglu'"):
+    with pytest.raises(ValueError, match="mlp must be 'gelu', 'gelu_tanh', 'relu2', 'xielu'"):
         TransformerEncoder(dim=16, heads=2, depth=1, vocab_size=V, mlp="reglu")
     with pytest.raises(ValueError, match="mlp='none' \\(a mixer alone\\) takes neither"):
         TransformerEncoder(dim=16, heads=2, depth=1, vocab_size=V, mlp="none", experts=2)

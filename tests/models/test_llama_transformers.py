@@ -155,6 +155,8 @@ CASES = {
         rope_type="yarn", rope_theta=1e6, factor=16.0, original_max_position_embeddings=4,
         max_position_embeddings=128, beta_fast=32.0, beta_slow=1.0, mscale_all_dim=1.0,
         mscale=1.0, llama_4_scaling_beta=0.5))),
+    # Apertus: q/k norms per head, an ungated MLP with xIELU's learned scalars, Llama 3 RoPE
+    "apertus": ("apertus", dict(head_dim=8, pad_token_id=0)),
 }
 
 
@@ -225,7 +227,7 @@ def test_llama_to_hf_gives_back_the_checkpoint(case, tmp_path):
     if case not in ("llama-tied", "mixtral", "qwen2-moe", "qwen3-wide-heads", "gemma3", "phi3",
                     "olmo2", "olmoe", "qwen3-moe-every-other", "gpt-oss", "cohere2", "glm4",
                     "vaultgemma", "starcoder2", "arcee", "seed-oss", "exaone4", "hunyuan",
-                    "ministral3"):
+                    "ministral3", "apertus"):
         return  # the loading below once per kind of name mapping
     moved = {n: t + 0.01 * torch.randn(t.shape, dtype=t.dtype,
                                        generator=torch.Generator().manual_seed(3))

@@ -37,7 +37,7 @@ from torchfn.models._mamba2 import Mamba2
 from torchfn.models._mamba_hybrid import mamba_hybrid_from_hf, mamba_hybrid_to_hf
 from torchfn.models._minimax import minimax_from_hf, minimax_to_hf
 from torchfn.models._mla import LatentAttention
-from torchfn.models._mlp import MLP, SwiGLU
+from torchfn.models._mlp import MLP, XIELU, SwiGLU
 from torchfn.models._mlstm import MLSTM
 from torchfn.models._moe import MoE, moe_bias_update
 from torchfn.models._nemotron_h import nemotron_h_from_hf, nemotron_h_to_hf
@@ -76,6 +76,7 @@ __all__ = [
     # MLP, CNNs, Transformer, VAE (_mlp, _cnn, _transformer, _vae)
     "MLP",
     "SwiGLU",
+    "XIELU",
     "MoE",
     "moe_bias_update",
     "ConvNet",

@@ -1,7 +1,8 @@
 """A Hugging Face Llama-family checkpoint (Llama, Mistral, Ministral, Ministral 3, Hunyuan,
 Mixtral, Qwen2, Qwen2-MoE, Qwen3, Qwen3-MoE, Phi-3, OLMo 2 and 3, OLMoE, gpt-oss, SmolLM3,
 Cohere, Cohere2, Granite, Seed-OSS, Helium, ERNIE 4.5, EXAONE 4, GLM, GLM-4, Arcee, Jais2,
-StarCoder2, Gemma, Gemma 2, Gemma 3, VaultGemma) as a ``TransformerEncoder`` and its params."""
+StarCoder2, Apertus, Gemma, Gemma 2, Gemma 3, VaultGemma) as a ``TransformerEncoder`` and its
+params."""
 
 from __future__ import annotations
 
@@ -56,7 +57,9 @@ _GEMMA = ("gemma", "gemma2", "gemma3_text", "vaultgemma")
 _POST_NORMED = ("olmo2", "olmo3", "exaone4")  # norms on the sublayers' outputs only
 _UNGATED = {  # model_type -> (hidden_act, its MLP's two projections): act(x W_up) W_down
     "arcee": ("relu2", "up_proj", "down_proj"), "jais2": ("relu2", "up_proj", "down_proj"),
-    "starcoder2": ("gelu_pytorch_tanh", "c_fc", "c_proj")}
+    "starcoder2": ("gelu_pytorch_tanh", "c_fc", "c_proj"),
+    "apertus": ("xielu", "up_proj", "down_proj")}
+XIELU_CONSTANTS = {"mlp.act_fn.beta": 0.5, "mlp.act_fn.eps": -1e-6}  # Apertus's buffers
 _FUSED_MLP = ("phi3", "glm", "glm4")  # gate and up in one gate_up_proj
 _TYPES = ("llama", "mistral", "ministral", "ministral3", "hunyuan_v1_dense", "mixtral",
           "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "phi3", "olmo2", "olmo3", "olmoe",
@@ -101,6 +104,12 @@ def layer_names(kind: str) -> dict[str, str]:
         names = {k: v for k, v in names.items() if not k.startswith("mlp.")}
         names.update({f"mlp.{hf}.{b}": f"mlp.{i}.{b}" for hf, i in ((up, 0), (down, 2))
                       for b in ("weight", "bias")})
+    if kind == "apertus":  # its norms' names; xIELU's learned scalars
+        del names["input_layernorm.weight"], names["post_attention_layernorm.weight"]
+        names.update({"attention_layernorm.weight": "ln1.weight",
+                      "feedforward_layernorm.weight": "ln2.weight",
+                      "mlp.act_fn.alpha_p": "mlp.1.alpha_p",
+                      "mlp.act_fn.alpha_n": "mlp.1.alpha_n"})
     if kind == "gpt_oss":
         names = {k: v for k, v in names.items() if not k.startswith("mlp.")}
         names.update(_GPT_OSS)
@@ -338,7 +347,7 @@ def _config(config: Mapping[str, Any]) -> dict[str, Any]:
         position_embedding="rotary", norm="rms", mlp="swiglu",
         mlp_hidden=config["intermediate_size"], norm_eps=float(config.get("rms_norm_eps", 1e-6)),
         tie_embeddings=bool(config.get("tie_word_embeddings", kind in _TIED)),
-        qk_norm=kind.startswith("qwen3"),  # Qwen3: RMSNorm on each head's q and k
+        qk_norm=kind.startswith("qwen3") or kind == "apertus",  # RMSNorm on each head's q, k
         rotary_dim=None if partial == 1 else int(head_dim * partial),
     ) | _biases(config, kind) | _ropes(config, types) | _windows(config, types) | _moe(
         config, kind) | (_gemma(config, kind, head_dim) if kind in _GEMMA else {}) | (
@@ -429,7 +438,8 @@ def _ministral3(config: Mapping[str, Any]) -> dict[str, Any]:
 def _ungated(config: Mapping[str, Any], kind: str) -> dict[str, Any]:
     """Arcee's and Jais2's ``relu(x W_up)^2 W_down`` MLP, StarCoder2's tanh-GELU one;
     StarCoder2 and Jais2 normalise with LayerNorm (weight and bias)."""
-    out: dict[str, Any] = dict(mlp="relu2" if _UNGATED[kind][0] == "relu2" else "gelu_tanh")
+    out: dict[str, Any] = dict(mlp={"relu2": "relu2", "xielu": "xielu"}.get(
+        _UNGATED[kind][0], "gelu_tanh"))
     if kind in ("starcoder2", "jais2"):
         eps = config.get("norm_epsilon", config.get("layer_norm_eps", 1e-5))
         out.update(norm="layer", norm_eps=float(eps))
@@ -498,7 +508,9 @@ def llama_from_hf(config: Mapping[str, Any], state_dict: Mapping[str, Tensor] | 
     normalises each head's queries and keys after the rotation
     (``qk_norm_scope="rotated"``) and stretches its RoPE base by ``alpha``; Ministral 3
     (``"ministral3"``) scales its queries by Llama 4's temperature with the floor one
-    position earlier (``temperature=(M, beta, 0)``). Llama's own ``attention_bias`` and
+    position earlier (``temperature=(M, beta, 0)``). Apertus (``"apertus"``) has q/k norms
+    per head and an ungated MLP with the learned xIELU activation (``mlp="xielu"``,
+    :class:`XIELU`). Llama's own ``attention_bias`` and
     ``mlp_bias`` are read (biases on q, k, v and the output, on the MLP).
     The q, k and v projections become one ``qkv`` matrix. The checkpoint's tensors are
     used as they are (nothing is copied but ``qkv`` and the stacked experts), so
@@ -571,6 +583,11 @@ def llama_from_hf(config: Mapping[str, Any], state_dict: Mapping[str, Tensor] | 
                 params[at + "mlp.gate.weight"], params[at + "mlp.up.weight"] = tensor.chunk(2)
         elif expert:  # expert j's matrix -> row j of the stacked one
             parts.setdefault(at + stacked[expert[2]], {})[int(expert[1])] = tensor
+        elif layer and kind == "apertus" and rest in XIELU_CONSTANTS:
+            want = torch.tensor(XIELU_CONSTANTS[rest], dtype=tensor.dtype)
+            if tensor.shape != () or not torch.equal(tensor, want):  # (fixed here)
+                raise ValueError(f"state_dict's {name} = {tensor.tolist()!r} is not supported "
+                                 f"here (needs xIELU's {want.item()!r})")
         elif not _IGNORED.fullmatch(name):
             unknown.append(name)
     check_known(unknown, kind.capitalize())

@@ -11,7 +11,15 @@ import torch
 from torch import Tensor
 
 from torchfn.models._fit import check_params_for
-from torchfn.models._llama import _FUSED_MLP, _MOE, _NAMES, GLOBAL_NAMES, _config, layer_names
+from torchfn.models._llama import (
+    _FUSED_MLP,
+    _MOE,
+    _NAMES,
+    GLOBAL_NAMES,
+    XIELU_CONSTANTS,
+    _config,
+    layer_names,
+)
 from torchfn.models._transformer import TransformerEncoder
 
 __all__ = ["llama_to_hf"]
@@ -89,6 +97,9 @@ def llama_to_hf(config: Mapping[str, Any], params: Mapping[str, Tensor]) -> dict
                 pass  # in gate_up_proj
             elif rest in hf_name:
                 out[at + hf_name[rest]] = t
+                if kind == "apertus" and rest == "mlp.1.alpha_p":  # xIELU's fixed buffers
+                    out.update({at + n: torch.tensor(v, dtype=t.dtype, device=t.device)
+                                for n, v in XIELU_CONSTANTS.items()})
             elif rest in ("attn.qkv.weight", "attn.qkv.bias"):
                 suffix = rest.rsplit(".", 1)[1]
                 for p, part in zip("qkv", t.split([q, kv, kv])):

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 
+import torch
 from torch import Tensor, nn
 
-__all__ = ["MLP", "SquaredReLU", "SwiGLU"]
+__all__ = ["MLP", "SquaredReLU", "SwiGLU", "XIELU"]
 
 
 class SquaredReLU(nn.Module):
@@ -14,6 +16,43 @@ class SquaredReLU(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return nn.functional.relu(x).square()
+
+
+class XIELU(nn.Module):
+    """xIELU (Huang and Schlag 2024; Apertus's MLPs): ``a_p x^2 + beta x`` for ``x > 0``,
+    ``(expm1(min(x, eps)) - x) a_n + beta x`` otherwise, with learned
+    ``a_p = softplus(alpha_p)`` and ``a_n = beta + softplus(alpha_n)`` (params ``(1,)``
+    each) and constants ``beta``, ``eps``.
+
+    Example::
+
+        >>> import torch
+        >>> act = XIELU()                        # a_p = a_n = 0.8 to start
+        >>> act(torch.tensor([2.0, -1.0])).detach()  # 0.8 * 4 + 1; 0.8 e^-1 - 0.5
+        tensor([ 4.2000, -0.2057])
+    """
+
+    def __init__(self, beta: float = 0.5, eps: float = -1e-6) -> None:
+        super().__init__()
+        self.beta, self.eps = float(beta), float(eps)
+        self.alpha_p = nn.Parameter(torch.empty(1))
+        self.alpha_n = nn.Parameter(torch.empty(1))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """``a_p = a_n = 0.8`` (the paper's and transformers' start)."""
+        with torch.no_grad():
+            self.alpha_p.fill_(math.log(math.expm1(0.8)))
+            self.alpha_n.fill_(math.log(math.expm1(0.8 - self.beta)))
+
+    def forward(self, x: Tensor) -> Tensor:
+        a_p = nn.functional.softplus(self.alpha_p)
+        a_n = self.beta + nn.functional.softplus(self.alpha_n)
+        negative = (torch.expm1(x.clamp(max=self.eps)) - x) * a_n
+        return torch.where(x > 0, a_p * x * x, negative) + self.beta * x
+
+    def extra_repr(self) -> str:
+        return f"beta={self.beta}, eps={self.eps}"
 
 
 _ACTIVATIONS: dict[str, Callable[[], nn.Module]] = {
@@ -24,6 +63,7 @@ _ACTIVATIONS: dict[str, Callable[[], nn.Module]] = {
     "elu": nn.ELU,
     "leaky_relu": nn.LeakyReLU,
     "relu2": SquaredReLU,
+    "xielu": XIELU,
 }
 
 

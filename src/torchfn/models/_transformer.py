@@ -16,7 +16,7 @@ from torchfn.models._lightning import LightningAttention
 from torchfn.models._mamba import Mamba
 from torchfn.models._mamba2 import Mamba2
 from torchfn.models._mla import LatentAttention
-from torchfn.models._mlp import SquaredReLU, SwiGLU, _check_dims
+from torchfn.models._mlp import XIELU, SquaredReLU, SwiGLU, _check_dims
 from torchfn.models._mlstm import MLSTM
 from torchfn.models._moe import MoE
 from torchfn.models._norm import make_norm
@@ -194,9 +194,9 @@ class TransformerBlock(nn.Module):
             raise ValueError("TransformerBlock: parallel=True takes the pre-norm block only "
                              "(post_norms=False, pre_norms=True)")
         self.parallel, self.shared_norm = bool(parallel), parallel == "shared"
-        if mlp not in ("gelu", "gelu_tanh", "relu2", "swiglu", "geglu", "none"):
-            raise ValueError(f"mlp must be 'gelu', 'gelu_tanh', 'relu2', 'swiglu', 'geglu' or "
-                             f"'none', got {mlp!r}")
+        if mlp not in ("gelu", "gelu_tanh", "relu2", "xielu", "swiglu", "geglu", "none"):
+            raise ValueError(f"mlp must be 'gelu', 'gelu_tanh', 'relu2', 'xielu', 'swiglu', "
+                             f"'geglu' or 'none', got {mlp!r}")
         if mlp == "none" and (parallel or experts is not None or not mixer):
             raise ValueError("TransformerBlock: mlp='none' (a mixer alone) takes neither "
                              "parallel, experts nor mixer=False")
@@ -275,8 +275,8 @@ class TransformerBlock(nn.Module):
         elif mlp in ("swiglu", "geglu"):
             self.mlp = SwiGLU(dim, hidden, bias=bias, scales=mlp_scales,
                               activation="silu" if mlp == "swiglu" else "gelu_tanh")
-        else:  # GELU, exact or tanh-approximated (GPT-2's and Phi's "gelu_new"), or ReLU^2
-            act = SquaredReLU() if mlp == "relu2" else nn.GELU(
+        else:  # GELU, exact or tanh-approximated (GPT-2's and Phi's "gelu_new"), ReLU^2, xIELU
+            act = SquaredReLU() if mlp == "relu2" else XIELU() if mlp == "xielu" else nn.GELU(
                 "tanh" if mlp == "gelu_tanh" else "none")
             self.mlp = nn.Sequential(nn.Linear(dim, hidden, bias=bias), act,
                                      nn.Linear(hidden, dim, bias=bias))
@@ -440,7 +440,8 @@ class TransformerEncoder(nn.Module):
             scaling by ``1 + weight``) for the blocks' and the final norm; ``"gelu"``,
             ``"swiglu"`` (:class:`SwiGLU`, ``mlp_ratio * dim`` hidden units),
             ``"geglu"`` (its tanh-GELU gate, as Gemma), ``"relu2"`` (squared ReLU, not
-            gated: Nemotron-H) for the MLPs, or ``"none"``: no MLP, each block its token
+            gated: Nemotron-H), ``"xielu"`` (:class:`XIELU`, learned, not gated:
+            Apertus) for the MLPs, or ``"none"``: no MLP, each block its token
             mixer alone (Mamba's);
             ``bias=False`` drops the projections', the MLPs', the LayerNorms' and the
             head's biases. A Llama-style model is
