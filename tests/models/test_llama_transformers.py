@@ -157,6 +157,21 @@ CASES = {
         mscale=1.0, llama_4_scaling_beta=0.5))),
     # Apertus: q/k norms per head, an ungated MLP with xIELU's learned scalars, Llama 3 RoPE
     "apertus": ("apertus", dict(head_dim=8, pad_token_id=0)),
+    # mixtures: FlexOlmo (OLMo 2's blocks, OLMoE's mixture), Hunyuan-MoE (Mixtral's
+    # routing and an ungated shared MLP), GraniteMoe (its multipliers; experts fused on
+    # disk) and GraniteMoeShared (a shared MLP too)
+    "flex-olmo": ("flex_olmo", dict(num_experts=4, num_experts_per_tok=2, pad_token_id=0,
+                                    eos_token_id=1)),
+    "hunyuan-moe": ("hunyuan_v1_moe", dict(head_dim=8, num_experts=4, moe_topk=2,
+                                           rope_parameters=dict(rope_type="dynamic",
+                                                                alpha=1000.0, factor=1.0,
+                                                                rope_theta=10000.0))),
+    "granitemoe": ("granitemoe", dict(num_local_experts=4, num_experts_per_tok=2,
+                                      embedding_multiplier=3.0, attention_multiplier=0.2,
+                                      residual_multiplier=0.5, logits_scaling=4.0)),
+    "granitemoeshared": ("granitemoeshared", dict(num_local_experts=4, num_experts_per_tok=2,
+                                                  shared_intermediate_size=24,
+                                                  residual_multiplier=0.5)),
 }
 
 
@@ -227,7 +242,7 @@ def test_llama_to_hf_gives_back_the_checkpoint(case, tmp_path):
     if case not in ("llama-tied", "mixtral", "qwen2-moe", "qwen3-wide-heads", "gemma3", "phi3",
                     "olmo2", "olmoe", "qwen3-moe-every-other", "gpt-oss", "cohere2", "glm4",
                     "vaultgemma", "starcoder2", "arcee", "seed-oss", "exaone4", "hunyuan",
-                    "ministral3", "apertus"):
+                    "ministral3", "apertus", "flex-olmo", "hunyuan-moe", "granitemoeshared"):
         return  # the loading below once per kind of name mapping
     moved = {n: t + 0.01 * torch.randn(t.shape, dtype=t.dtype,
                                        generator=torch.Generator().manual_seed(3))

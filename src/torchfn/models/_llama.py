@@ -1,8 +1,8 @@
-"""A Hugging Face Llama-family checkpoint (Llama, Mistral, Ministral, Ministral 3, Hunyuan,
-Mixtral, Qwen2, Qwen2-MoE, Qwen3, Qwen3-MoE, Phi-3, OLMo 2 and 3, OLMoE, gpt-oss, SmolLM3,
-Cohere, Cohere2, Granite, Seed-OSS, Helium, ERNIE 4.5, EXAONE 4, GLM, GLM-4, Arcee, Jais2,
-StarCoder2, Apertus, Gemma, Gemma 2, Gemma 3, VaultGemma) as a ``TransformerEncoder`` and its
-params."""
+"""A Hugging Face Llama-family checkpoint (Llama, Mistral, Ministral, Ministral 3, Mixtral,
+Qwen2, Qwen2-MoE, Qwen3, Qwen3-MoE, Phi-3, OLMo 2 and 3, OLMoE, FlexOlmo, gpt-oss, SmolLM3,
+Cohere, Cohere2, Granite, GraniteMoe, Hunyuan, Hunyuan-MoE, Seed-OSS, Helium, ERNIE 4.5,
+EXAONE 4, GLM, GLM-4, Arcee, Jais2, StarCoder2, Apertus, Gemma, Gemma 2, Gemma 3,
+VaultGemma) as a ``TransformerEncoder`` and its params."""
 
 from __future__ import annotations
 
@@ -51,17 +51,27 @@ _MOE = {  # model_type -> (router, one expert's matrices, their stacked names, s
                    **{f"mlp.shared_expert.{p}_proj.weight": f"mlp.shared.{p}.weight"
                       for p in ("gate", "up", "down")}}),
 }
-_MOE["qwen3_moe"] = _MOE["olmoe"] = _MOE["qwen2_moe"][:3] + ({},)  # no shared expert
+_MOE["qwen3_moe"] = _MOE["olmoe"] = _MOE["flex_olmo"] = _MOE["qwen2_moe"][:3] + ({},)  # no
+# shared expert; Hunyuan's router under its own name, an ungated shared MLP
+_MOE["hunyuan_v1_moe"] = ("mlp.gate.wg.weight",) + _MOE["qwen2_moe"][1:3] + (
+    {f"mlp.shared_mlp.{p}_proj.weight": f"mlp.shared.{p}.weight" for p in ("gate", "up", "down")},)
+_GRANITE_MOE = ("granitemoe", "granitemoeshared")
+_NO_MATCH = re.compile(r"(?!)")
+_MOE.update({kind: ("block_sparse_moe.router.layer.weight", _NO_MATCH, {}, {})
+             for kind in _GRANITE_MOE})  # its experts come fused: below
+GRANITE_FUSED = ("block_sparse_moe.input_linear.weight", "block_sparse_moe.output_linear.weight",
+                 "shared_mlp.input_linear.weight", "shared_mlp.output_linear.weight")
 _IGNORED = re.compile(r".*rotary_emb\.inv_freq$")  # a buffer older checkpoints carry
 _GEMMA = ("gemma", "gemma2", "gemma3_text", "vaultgemma")
-_POST_NORMED = ("olmo2", "olmo3", "exaone4")  # norms on the sublayers' outputs only
+_POST_NORMED = ("olmo2", "olmo3", "exaone4", "flex_olmo")  # norms on the outputs only
 _UNGATED = {  # model_type -> (hidden_act, its MLP's two projections): act(x W_up) W_down
     "arcee": ("relu2", "up_proj", "down_proj"), "jais2": ("relu2", "up_proj", "down_proj"),
     "starcoder2": ("gelu_pytorch_tanh", "c_fc", "c_proj"),
     "apertus": ("xielu", "up_proj", "down_proj")}
 XIELU_CONSTANTS = {"mlp.act_fn.beta": 0.5, "mlp.act_fn.eps": -1e-6}  # Apertus's buffers
 _FUSED_MLP = ("phi3", "glm", "glm4")  # gate and up in one gate_up_proj
-_TYPES = ("llama", "mistral", "ministral", "ministral3", "hunyuan_v1_dense", "mixtral",
+_TYPES = ("llama", "mistral", "ministral", "ministral3", "hunyuan_v1_dense", "hunyuan_v1_moe",
+          "flex_olmo", "granitemoe", "granitemoeshared", "mixtral",
           "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "phi3", "olmo2", "olmo3", "olmoe",
           "gpt_oss", "smollm3", "cohere", "cohere2", "granite", "seed_oss", "helium",
           "ernie4_5", "exaone4", "glm", "glm4",
@@ -93,7 +103,7 @@ def layer_names(kind: str) -> dict[str, str]:
     if kind == "vaultgemma":  # Gemma 2 without the norms on the outputs
         del names["post_attention_layernorm.weight"]
         names["pre_feedforward_layernorm.weight"] = "ln2.weight"
-    if kind == "hunyuan_v1_dense":  # its q/k norms (after the rotation)
+    if kind.startswith("hunyuan"):  # its q/k norms (after the rotation)
         names.update({"self_attn.query_layernorm.weight": "attn.q_norm.weight",
                       "self_attn.key_layernorm.weight": "attn.k_norm.weight"})
     if kind == "glm4":  # norms on the outputs too, named apart from the pre-MLP norm
@@ -286,7 +296,23 @@ def _moe(config: Mapping[str, Any], kind: str) -> dict[str, Any]:
     if kind == "mixtral":
         return dict(experts=config.get("num_local_experts", 8),
                     top_k=config.get("num_experts_per_tok", 2))
-    if kind not in ("qwen2_moe", "qwen3_moe", "olmoe"):
+    if kind in _GRANITE_MOE:  # Mixtral's routing; GraniteMoeShared's ungated shared MLP
+        shared = config.get("shared_intermediate_size") or 0
+        return dict(experts=config.get("num_local_experts", 8),
+                    top_k=config.get("num_experts_per_tok", 2),
+                    moe_options=dict(shared_hidden=shared) if shared else None)
+    if kind == "hunyuan_v1_moe":  # Mixtral's routing, experts as wide as the shared MLP
+        counts = {name: config.get(name, 1) for name in ("num_experts", "moe_topk")}
+        for name, value in counts.items():
+            if isinstance(value, (list, tuple)):
+                if len(set(value)) != 1:
+                    raise ValueError(f"config[{name!r}] = {value!r} is not supported here "
+                                     f"(needs one value for every layer)")
+                counts[name] = value[0]
+        return dict(experts=counts["num_experts"], top_k=counts["moe_topk"],
+                    expert_hidden=config["intermediate_size"],
+                    moe_options=dict(shared_hidden=config["intermediate_size"]))
+    if kind not in ("qwen2_moe", "qwen3_moe", "olmoe", "flex_olmo"):
         return {}
     step, dense = config.get("decoder_sparse_step") or 1, config.get("mlp_only_layers") or []
     sparse = [i not in dense and (i + 1) % step == 0 for i in range(config["num_hidden_layers"])]
@@ -329,7 +355,7 @@ def _config(config: Mapping[str, Any]) -> dict[str, Any]:
     if kind in ("starcoder2", "jais2"):  # LayerNorms with a bias: every projection has one
         key = "use_bias" if kind == "starcoder2" else "mlp_bias"
         checks[key] = (config.get(key, True), True)
-    if kind == "hunyuan_v1_dense":
+    if kind.startswith("hunyuan"):
         checks["use_cla"] = (config.get("use_cla", False), False)  # cross-layer attention
     if kind not in _GEMMA:
         checks["hidden_act"] = (config.get("hidden_act", "silu"),
@@ -365,7 +391,7 @@ def _config(config: Mapping[str, Any]) -> dict[str, Any]:
              attn_scale=float(config.get("attention_multiplier", head_dim ** -0.5)),
              residual_scale=float(config.get("residual_multiplier", 1.0)),
              logit_scale=1.0 / float(config.get("logits_scaling", 1.0)))
-        if kind == "granite" else {}) | (
+        if kind in ("granite",) + _GRANITE_MOE else {}) | (
         # Helium, ERNIE 4.5, GLM: rotary pairs interleaved (GLM: in the rotated half)
         dict(rotary_interleaved=True) if kind in ("helium", "ernie4_5", "glm", "glm4") else {}
     ) | (dict(post_norms=True) if kind == "glm4" else {}) | (
@@ -373,13 +399,14 @@ def _config(config: Mapping[str, Any]) -> dict[str, Any]:
         dict(layer_rotary=[None if t == "sliding_attention" else False for t in types])
         if kind == "exaone4" and config.get("sliding_window") is not None else {}) | (
         _ungated(config, kind) if kind in _UNGATED else {}) | (
-        _hunyuan(config, head_dim) if kind == "hunyuan_v1_dense" else {}) | (
+        _hunyuan(config, head_dim) if kind.startswith("hunyuan") else {}) | (
         _ministral3(config) if kind == "ministral3" else {})
 
 
 _EITHER = object()  # a config check's "any value"
 _BIASED = ("llama", "mistral", "ministral", "seed_oss", "helium", "arcee", "jais2", "glm",
-           "glm4", "exaone4", "hunyuan_v1_dense")  # attention_bias / mlp_bias read
+           "glm4", "exaone4", "hunyuan_v1_dense", "hunyuan_v1_moe")  # attention_bias /
+# mlp_bias read
 _TIED = ("ernie4_5", "starcoder2")  # tied embeddings unless the config says otherwise
 
 
@@ -395,7 +422,7 @@ def _biases(config: Mapping[str, Any], kind: str) -> dict[str, Any]:
     out = attention
     if kind in ("glm", "glm4", "helium"):
         out = False
-    elif kind == "hunyuan_v1_dense":  # (its MLP never has biases)
+    elif kind.startswith("hunyuan"):  # (its MLPs never have biases)
         mlp = False
     elif kind == "seed_oss":
         out = bool(config.get("attention_out_bias", False))
@@ -433,6 +460,19 @@ def _ministral3(config: Mapping[str, Any]) -> dict[str, Any]:
         return {}
     temperature = (float(rope["original_max_position_embeddings"]), float(beta), 0.0)
     return dict(layer_attention=[{"temperature": temperature}] * config["num_hidden_layers"])
+
+
+def _granite_unfuse(rest: str, t: Tensor) -> list[tuple[str, Tensor]]:
+    """GraniteMoe's fused tensors as ours: ``input_linear`` rows ``[gate | up]`` (the
+    experts' ``(E, 2 hidden, dim)``, the shared MLP's ``(2 hidden, dim)``), and
+    ``output_linear`` the down projections."""
+    shared = rest.startswith("shared_mlp.")
+    at = "mlp.shared." if shared else "mlp."
+    suffix = ".weight" if shared else ""  # the experts' stacked params have no ".weight"
+    if rest.endswith("output_linear.weight"):
+        return [(f"{at}down{suffix}", t)]
+    gate, up = t.chunk(2, dim=-2)
+    return [(f"{at}gate{suffix}", gate), (f"{at}up{suffix}", up)]
 
 
 def _ungated(config: Mapping[str, Any], kind: str) -> dict[str, Any]:
@@ -510,7 +550,11 @@ def llama_from_hf(config: Mapping[str, Any], state_dict: Mapping[str, Tensor] | 
     (``"ministral3"``) scales its queries by Llama 4's temperature with the floor one
     position earlier (``temperature=(M, beta, 0)``). Apertus (``"apertus"``) has q/k norms
     per head and an ungated MLP with the learned xIELU activation (``mlp="xielu"``,
-    :class:`XIELU`). Llama's own ``attention_bias`` and
+    :class:`XIELU`). Mixtures: FlexOlmo (``"flex_olmo"``: OLMo 2's blocks, OLMoE's
+    mixture), Hunyuan-MoE (``"hunyuan_v1_moe"``: Mixtral's routing and an ungated shared
+    MLP), GraniteMoe and GraniteMoeShared (``"granitemoe"``, ``"granitemoeshared"``:
+    Granite's multipliers, experts fused on disk as ``input_linear`` / ``output_linear``,
+    split and joined here). Llama's own ``attention_bias`` and
     ``mlp_bias`` are read (biases on q, k, v and the output, on the MLP).
     The q, k and v projections become one ``qkv`` matrix. The checkpoint's tensors are
     used as they are (nothing is copied but ``qkv`` and the stacked experts), so
@@ -583,6 +627,8 @@ def llama_from_hf(config: Mapping[str, Any], state_dict: Mapping[str, Tensor] | 
                 params[at + "mlp.gate.weight"], params[at + "mlp.up.weight"] = tensor.chunk(2)
         elif expert:  # expert j's matrix -> row j of the stacked one
             parts.setdefault(at + stacked[expert[2]], {})[int(expert[1])] = tensor
+        elif layer and kind in _GRANITE_MOE and rest in GRANITE_FUSED:
+            params.update({at + n: t for n, t in _granite_unfuse(rest, tensor)})
         elif layer and kind == "apertus" and rest in XIELU_CONSTANTS:
             want = torch.tensor(XIELU_CONSTANTS[rest], dtype=tensor.dtype)
             if tensor.shape != () or not torch.equal(tensor, want):  # (fixed here)

@@ -13,6 +13,7 @@ from torch import Tensor
 from torchfn.models._fit import check_params_for
 from torchfn.models._llama import (
     _FUSED_MLP,
+    _GRANITE_MOE,
     _MOE,
     _NAMES,
     GLOBAL_NAMES,
@@ -31,6 +32,8 @@ _EXPERT = {  # model_type -> one expert's matrix name, from its index and kind
     "qwen2_moe": "mlp.experts.{j}.{w}_proj.weight",
     "qwen3_moe": "mlp.experts.{j}.{w}_proj.weight",
     "olmoe": "mlp.experts.{j}.{w}_proj.weight",
+    "flex_olmo": "mlp.experts.{j}.{w}_proj.weight",
+    "hunyuan_v1_moe": "mlp.experts.{j}.{w}_proj.weight",
 }
 
 
@@ -106,6 +109,9 @@ def llama_to_hf(config: Mapping[str, Any], params: Mapping[str, Tensor]) -> dict
                     out[f"{at}self_attn.{p}_proj.{suffix}"] = part.clone()
             elif rest in dense:
                 out[at + dense[rest]] = t
+            elif kind in _GRANITE_MOE and rest.startswith(("mlp.gate", "mlp.up", "mlp.down",
+                                                           "mlp.shared.")):
+                out.update(_granite_fuse(params, f"blocks.{block[1]}.", at, rest))
             elif kind == "gpt_oss" and rest.startswith(("mlp.gate", "mlp.up", "mlp.down")):
                 if rest in ("mlp.gate", "mlp.gate_bias", "mlp.down", "mlp.down_bias"):
                     out.update(_gpt_oss_experts(params, f"blocks.{block[1]}.", at, rest))
@@ -115,6 +121,22 @@ def llama_to_hf(config: Mapping[str, Any], params: Mapping[str, Tensor]) -> dict
                 for j, part in enumerate(t.unbind(0)):
                     out[at + _EXPERT[kind].format(j=j, w=hf_expert[rest])] = part.clone()
     return out
+
+
+def _granite_fuse(params: Mapping[str, Tensor], ours: str, at: str,
+                  rest: str) -> dict[str, Tensor]:
+    """GraniteMoe's fused tensors from ours (the inverse of ``_granite_unfuse``): gate and
+    up joined as ``input_linear`` rows, down as ``output_linear``; written once, from the
+    gate (or down) param."""
+    shared = rest.startswith("mlp.shared.")
+    hf = "shared_mlp." if shared else "block_sparse_moe."
+    base, suffix = ("mlp.shared.", ".weight") if shared else ("mlp.", "")
+    if rest == f"{base}down{suffix}":
+        return {f"{at}{hf}output_linear.weight": params[ours + rest]}
+    if rest == f"{base}gate{suffix}":
+        return {f"{at}{hf}input_linear.weight": torch.cat(
+            (params[ours + rest], params[f"{ours}{base}up{suffix}"]), dim=-2)}
+    return {}  # up: in input_linear
 
 
 def _gpt_oss_experts(params: Mapping[str, Tensor], ours: str, at: str,
