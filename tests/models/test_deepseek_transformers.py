@@ -64,13 +64,26 @@ CASES = {
                                         rope_parameters=dict(rope_type="default",
                                                              rope_theta=500.0,
                                                              partial_rotary_factor=1.0))),
+    # GLM-4.7-Flash: V3 with its dense and sparse layers listed
+    "glm4-moe-lite": ("glm4_moe_lite", dict(n_group=2, topk_group=1, routed_scaling_factor=1.8,
+                                            mlp_layer_types=["dense", "sparse", "dense"])),
+    # Youtu-LLM: V3's latent attention, a dense MLP in every layer, tied
+    "youtu": ("youtu", dict(n_routed_experts=None)),
+    # Solar-Open: GLM-4.5's attention without q/k norms, a mixture in every layer
+    "solar-open": ("solar_open", dict({k: v for k, v in GLM.items()
+                                       if k not in ("intermediate_size", "first_k_dense_replace")},
+                                      attention_bias=True, routed_scaling_factor=1.5)),
+    # dots.llm1: q/k norms per head, biases on q, k, v and the output, unrenormalised
+    "dots1": ("dots1", dict(GLM, attention_bias=True, norm_topk_prob=False,
+                            routed_scaling_factor=2.0)),
 }
+_GQA_CASES = ("glm4_moe", "solar_open", "dots1")
 
 
 def hf_checkpoint(kind, extra, tmp_path, seed=0):
     """A float64 transformers model with random weights (norms and V3's router bias
     included), and its config and state dict as a checkpoint on disk holds them."""
-    config = transformers.AutoConfig.for_model(kind, **(extra if kind == "glm4_moe" else
+    config = transformers.AutoConfig.for_model(kind, **(extra if kind in _GQA_CASES else
                                                        dict(BASE, **extra)))
     torch.manual_seed(seed)  # transformers' own init draws from the global generator
     model = transformers.AutoModelForCausalLM.from_config(
@@ -133,7 +146,7 @@ def test_deepseek_to_hf_gives_back_the_checkpoint(case, tmp_path):
     assert set(back) == set(sd)
     for name in sd:
         assert torch.equal(back[name], sd[name]), name
-    if case not in ("v3", "v2-groups", "glm4-moe"):
+    if case not in ("v3", "v2-groups", "glm4-moe", "glm4-moe-lite", "dots1"):
         return
     for read in (deepseek_from_pretrained, from_pretrained):
         _, from_folder, folder_state, _ = read(tmp_path)

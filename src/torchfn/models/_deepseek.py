@@ -1,6 +1,8 @@
 """A Hugging Face checkpoint with DeepSeek's mixture of experts as a ``TransformerEncoder``,
 its params and its router state, and back: DeepSeek-V2 / V3 (latent attention; Kimi K2 is
-a ``deepseek_v3``) and GLM-4.5 / 4.6 (``glm4_moe``: grouped-query attention)."""
+a ``deepseek_v3``), GLM-4.7-Flash (``glm4_moe_lite``) and Youtu-LLM (``youtu``, dense) with
+V3's attention, and GLM-4.5 / 4.6 (``glm4_moe``), Solar-Open (``solar_open``) and dots.llm1
+(``dots1``) with grouped-query attention."""
 
 from __future__ import annotations
 
@@ -19,8 +21,11 @@ from torchfn.models._transformer import TransformerEncoder
 
 __all__ = ["deepseek_from_hf", "deepseek_to_hf"]
 
-_TYPES = ("deepseek_v2", "deepseek_v3", "glm4_moe")
-_GQA = ("glm4_moe",)  # q/k/v projections (joined into one qkv here), not latent attention
+_TYPES = ("deepseek_v2", "deepseek_v3", "glm4_moe", "glm4_moe_lite", "youtu", "solar_open",
+          "dots1")
+_GQA = ("glm4_moe", "solar_open", "dots1")  # q/k/v projections (joined into one qkv here),
+# not latent attention
+_INTERLEAVED = ("deepseek_v3", "glm4_moe_lite", "youtu")  # rope_interleave, default True
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 _EXPERT = re.compile(r"mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight")
 _NAMES = {  # a layer's HF names -> ours, but the experts
@@ -34,6 +39,7 @@ _NAMES = {  # a layer's HF names -> ours, but the experts
     "self_attn.kv_a_layernorm.weight": "attn.kv_norm.weight",
     "self_attn.kv_b_proj.weight": "attn.kv_b.weight",
     "self_attn.o_proj.weight": "attn.out.weight",
+    "self_attn.o_proj.bias": "attn.out.bias",  # (dots1's, with attention_bias)
     "mlp.gate_proj.weight": "mlp.gate.weight",  # a dense layer
     "mlp.up_proj.weight": "mlp.up.weight",
     "mlp.down_proj.weight": "mlp.down.weight",
@@ -60,13 +66,16 @@ def _config(config: Mapping[str, Any]) -> dict[str, Any]:
         raise ValueError(f"config['model_type'] must be one of {_TYPES}, got {kind!r}")
     latent = ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim")
     missing = [k for k in ("hidden_size", "num_attention_heads", "num_hidden_layers",
-                           "intermediate_size", "vocab_size", *(() if kind in _GQA else latent))
+                           "vocab_size", *(() if kind in _GQA else latent),
+                           *(() if kind == "solar_open" else ("intermediate_size",)))
                if config.get(k) is None]
     if missing:
         raise ValueError(f"config lacks {missing}: not a {kind} config")
     checks = [("hidden_act", "silu"), ("mlp_bias", False)]
     if kind not in _GQA:  # GLM's attention_bias is its q/k/v biases, which it has
         checks.append(("attention_bias", False))
+    if kind == "dots1":  # (its windows, on the layers from max_window_layers on)
+        checks.append(("use_sliding_window", False))
     for key, want in checks:
         if config.get(key, want) != want:
             raise ValueError(f"config[{key!r}] = {config[key]!r} is not supported here "
@@ -78,15 +87,17 @@ def _config(config: Mapping[str, Any]) -> dict[str, Any]:
         dim=dim, heads=heads, depth=depth,
         vocab_size=config["vocab_size"], out_dim=config["vocab_size"], causal=True,
         max_len=config.get("max_position_embeddings", 4096), position_embedding="rotary",
-        norm="rms", mlp="swiglu", bias=False, mlp_hidden=config["intermediate_size"],
+        norm="rms", mlp="swiglu", bias=False,
+        mlp_hidden=config.get("intermediate_size") or config["moe_intermediate_size"],
         norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-        tie_embeddings=bool(config.get("tie_word_embeddings", False)), **rotary)
+        tie_embeddings=bool(config.get("tie_word_embeddings", kind == "youtu")), **rotary)
     if kind in _GQA:  # Llama's attention, q/k/v biases and q/k norms as the config says
         head_dim = config.get("head_dim") or dim // heads
         partial = partial_rotary(config)
+        bias = bool(config.get("attention_bias", False))
         kwargs.update(kv_heads=config.get("num_key_value_heads") or heads, head_dim=head_dim,
-                      qkv_bias=bool(config.get("attention_bias", False)),
-                      qk_norm=bool(config.get("use_qk_norm", False)),
+                      qkv_bias=bias, out_bias=bias and kind == "dots1",  # dots1: o's too
+                      qk_norm=kind == "dots1" or bool(config.get("use_qk_norm", False)),
                       rotary_dim=None if partial == 1 else int(head_dim * partial))
     else:
         nope, rope = config["qk_nope_head_dim"], config["qk_rope_head_dim"]
@@ -100,6 +111,14 @@ def _config(config: Mapping[str, Any]) -> dict[str, Any]:
     experts = config.get("n_routed_experts")
     first = config.get("first_k_dense_replace") or 0
     sparse = [experts is not None and i >= first for i in range(depth)]
+    if kind == "solar_open":  # every layer a mixture
+        sparse = [experts is not None] * depth
+    elif config.get("mlp_layer_types") is not None:  # GLM-4.7-Flash: "dense" / "sparse"
+        types = list(config["mlp_layer_types"])
+        if len(types) != depth or not set(types) <= {"dense", "sparse"}:
+            raise ValueError(f"config['mlp_layer_types'] must list 'dense' or 'sparse' for "
+                             f"each of {depth} layers, got {types!r}")
+        sparse = [experts is not None and t == "sparse" for t in types]
     if any(sparse):
         kwargs.update(experts=experts, top_k=config.get("num_experts_per_tok", 8),
                       expert_hidden=config["moe_intermediate_size"],
@@ -143,7 +162,7 @@ def _interleaved(config: Mapping[str, Any]) -> bool:
     """Whether the checkpoint pairs its rotary features as ``(x0, x1), (x2, x3), ...``
     (DeepSeek's own layout; V2 always, V3 unless ``rope_interleave=False``)."""
     kind = config.get("model_type")
-    return kind == "deepseek_v2" or (kind == "deepseek_v3"
+    return kind == "deepseek_v2" or (kind in _INTERLEAVED
                                      and bool(config.get("rope_interleave", True)))
 
 
@@ -175,7 +194,11 @@ def deepseek_from_hf(config: Mapping[str, Any], state_dict: Mapping[str, Tensor]
     GLM-4.5 has DeepSeek-V3's mixture (and router state) behind Llama's grouped-query
     attention: q/k/v biases (``attention_bias``), q/k norms (``use_qk_norm``) and a
     rotated fraction of each head (``partial_rotary_factor``); its q, k and v become one
-    ``qkv`` matrix. The rest of this paragraph is DeepSeek's.
+    ``qkv`` matrix. Solar-Open (``"solar_open"``) is the same with a mixture in every
+    layer; dots.llm1 (``"dots1"``) with q/k norms always and ``attention_bias`` on the
+    output too. GLM-4.7-Flash (``"glm4_moe_lite"``) is DeepSeek-V3 with its dense and
+    sparse layers listed (``mlp_layer_types``), Youtu-LLM (``"youtu"``) V3's attention with
+    a dense MLP in every layer. The rest of this paragraph is DeepSeek's.
 
     Attention is :class:`LatentAttention` (``kv_lora_rank``, ``q_lora_rank``,
     ``qk_rope_head_dim``, ``qk_nope_head_dim``, ``v_head_dim``); its rotary rows are
@@ -248,7 +271,7 @@ def deepseek_from_hf(config: Mapping[str, Any], state_dict: Mapping[str, Tensor]
         elif layer is None:
             unknown.append(name)
         elif int(layer[1]) >= depth:
-            if not config.get("num_nextn_predict_layers"):
+            if not config.get("num_nextn_predict_layers") and kind != "glm4_moe_lite":
                 unknown.append(name)  # else a multi-token-prediction layer: not used here
         else:
             at, rest = f"blocks.{layer[1]}.", layer[2]

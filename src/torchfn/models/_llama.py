@@ -339,7 +339,7 @@ def _config(config: Mapping[str, Any]) -> dict[str, Any]:
         raise ValueError(f"config lacks {missing}: not a Llama config")
     kind = config.get("model_type", "llama")
     if kind not in _TYPES:
-        hint = " (use deepseek_from_hf)" if kind in ("deepseek_v2", "deepseek_v3", "glm4_moe") \
+        hint = " (use deepseek_from_hf)" if kind in _DEEPSEEK_HINT \
             else " (use neox_from_hf)" if kind == "gpt_neox" else " (use phi_from_hf)" \
             if kind == "phi" else ""
         raise ValueError(f"config['model_type'] = {kind!r} is not supported here{hint} (needs "
@@ -404,6 +404,8 @@ def _config(config: Mapping[str, Any]) -> dict[str, Any]:
 
 
 _EITHER = object()  # a config check's "any value"
+_DEEPSEEK_HINT = ("deepseek_v2", "deepseek_v3", "glm4_moe", "glm4_moe_lite", "youtu",
+                  "solar_open", "dots1")  # deepseek_from_hf's
 _BIASED = ("llama", "mistral", "ministral", "seed_oss", "helium", "arcee", "jais2", "glm",
            "glm4", "exaone4", "hunyuan_v1_dense", "hunyuan_v1_moe")  # attention_bias /
 # mlp_bias read
