@@ -59,6 +59,7 @@ from torchfn.models._rg_lru import RGLRU
 from torchfn.models._rnn import GRU, LSTM
 from torchfn.models._rotary import rotary_embedding
 from torchfn.models._rotary_scaling import rotary_frequencies
+from torchfn.models._routed_moe import routed_moe_from_hf, routed_moe_to_hf
 from torchfn.models._short_conv import ShortConv
 from torchfn.models._speculative import speculative_generate
 from torchfn.models._transformer import MultiHeadAttention, TransformerBlock, TransformerEncoder
@@ -128,6 +129,8 @@ __all__ = [
     "recurrent_gemma_to_hf",
     "xlstm_from_hf",
     "xlstm_to_hf",
+    "routed_moe_from_hf",
+    "routed_moe_to_hf",
     "nemotron_h_from_hf",
     "nemotron_h_to_hf",
     "llama4_to_hf",

@@ -34,6 +34,8 @@ from torchfn.models._qwen3_next import _MULTIMODAL as _QWEN3_5_MULTIMODAL
 from torchfn.models._qwen3_next import _TYPES as _QWEN3_NEXT_TYPES
 from torchfn.models._qwen3_next import qwen3_next_from_hf, qwen3_next_to_hf
 from torchfn.models._recurrent_gemma import recurrent_gemma_from_hf, recurrent_gemma_to_hf
+from torchfn.models._routed_moe import _TYPES as _ROUTED_TYPES
+from torchfn.models._routed_moe import routed_moe_from_hf, routed_moe_to_hf
 from torchfn.models._transformer import TransformerEncoder
 from torchfn.models._xlstm import xlstm_from_hf, xlstm_to_hf
 
@@ -52,7 +54,8 @@ _OTHERS = {"gpt_neox": (neox_from_hf, neox_to_hf), "phi": (phi_from_hf, phi_to_h
            **{t: (mamba_hybrid_from_hf, mamba_hybrid_to_hf) for t in _MAMBA_HYBRID_TYPES}}
 _STATEFUL = {"nemotron_h": (nemotron_h_from_hf, nemotron_h_to_hf),  # router state too
              "kimi_linear": (kimi_linear_from_hf, kimi_linear_to_hf),
-             **{t: (lfm2_from_hf, lfm2_to_hf) for t in ("lfm2", "lfm2_moe")}}
+             **{t: (lfm2_from_hf, lfm2_to_hf) for t in ("lfm2", "lfm2_moe")},
+             **{t: (routed_moe_from_hf, routed_moe_to_hf) for t in _ROUTED_TYPES}}
 _WEIGHTS, _INDEX, _CONFIG = "model.safetensors", "model.safetensors.index.json", "config.json"
 
 
@@ -183,8 +186,9 @@ def from_pretrained(folder: str | os.PathLike, *, dtype: torch.dtype | None = No
                                dict[str, Any]]:
     """Any model folder torchfn reads, whatever its family, as ``(module, params, state,
     config)``: DeepSeek-V2 / V3 and GLM-4.5 through :func:`deepseek_from_pretrained`,
-    Nemotron-H, Kimi Linear, LFM2 and LFM2-MoE through :func:`nemotron_h_from_hf` /
-    :func:`kimi_linear_from_hf` / :func:`lfm2_from_hf` (``state``: their routers' biases),
+    Nemotron-H, Kimi Linear, LFM2, LFM2-MoE, ERNIE 4.5 MoE and MiniMax-M2 through
+    :func:`nemotron_h_from_hf` / :func:`kimi_linear_from_hf` / :func:`lfm2_from_hf` /
+    :func:`routed_moe_from_hf` (``state``: their routers' biases),
     GPT-NeoX (Pythia), Phi-2, Llama 4, Qwen3-Next and Qwen3.5, Falcon-H1, Mamba, Mamba-2,
     Bamba, Granite 4.0-H, Jamba, MiniMax-01, OLMo Hybrid, RecurrentGemma and xLSTM through
     :func:`neox_from_hf` / :func:`phi_from_hf` / :func:`llama4_from_hf` /

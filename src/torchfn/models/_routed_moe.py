@@ -1,0 +1,221 @@
+"""Hugging Face checkpoints whose mixtures choose experts with a selection bias (router
+state) behind Llama-like attention, as a ``TransformerEncoder``, its params and its
+state, and back: ERNIE 4.5 MoE (``ernie4_5_moe``) and MiniMax-M2 (``minimax_m2``)."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from torchfn.models._fit import check_fit, check_known, check_state_dict, param_shapes
+from torchfn.models._llama import _QKV, GLOBAL_NAMES
+from torchfn.models._llama import _config as _llama_config
+from torchfn.models._transformer import TransformerEncoder
+
+__all__ = ["routed_moe_from_hf", "routed_moe_to_hf"]
+
+_TYPES = ("ernie4_5_moe", "minimax_m2")
+_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
+_COMMON = {"input_layernorm.weight": "ln1.weight",
+           "post_attention_layernorm.weight": "ln2.weight",
+           "self_attn.o_proj.weight": "attn.out.weight"}
+_NAMES = {  # model_type -> (a layer's other names, the router's, the bias', one expert's)
+    "ernie4_5_moe": (
+        {**{f"mlp.{p}_proj.weight": f"mlp.{p}.weight" for p in ("gate", "up", "down")},
+         **{f"mlp.shared_experts.{p}_proj.weight": f"mlp.shared.{p}.weight"
+            for p in ("gate", "up", "down")}},
+        "mlp.gate.weight", "mlp.moe_statics.e_score_correction_bias",
+        re.compile(r"mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight"),
+        {"gate": "gate", "up": "up", "down": "down"}),
+    "minimax_m2": (
+        {"self_attn.q_norm.weight": "attn.q_norm.weight",
+         "self_attn.k_norm.weight": "attn.k_norm.weight"},
+        "block_sparse_moe.gate.weight", "block_sparse_moe.e_score_correction_bias",
+        re.compile(r"block_sparse_moe\.experts\.(\d+)\.(w[123])\.weight"),
+        {"w1": "gate", "w3": "up", "w2": "down"}),
+}
+_SKIPPED = re.compile(r"(model\.)?mtp.*")  # ERNIE's multi-token prediction: not used here
+
+
+def _config(config: Mapping[str, Any]) -> dict[str, Any]:
+    """``TransformerEncoder``'s keywords: the attention blocks as ``llama_from_hf`` reads
+    ERNIE 4.5 / Llama, then the mixture."""
+    if not isinstance(config, Mapping):
+        raise TypeError(f"config must be a dict (a config.json), got {type(config).__name__}")
+    kind = config.get("model_type")
+    if kind not in _TYPES:
+        raise ValueError(f"config['model_type'] must be one of {_TYPES}, got {kind!r}")
+    depth = config["num_hidden_layers"]
+    if kind == "ernie4_5_moe":
+        if config.get("use_bias"):
+            raise ValueError("config['use_bias'] = True is not supported here for "
+                             "ernie4_5_moe (its shared experts would have biases)")
+        kwargs = _llama_config(dict(config, model_type="ernie4_5"))
+        experts, hidden = config.get("moe_num_experts", 64), config["moe_intermediate_size"]
+        start = config.get("moe_layer_start_index", 1)
+        end = config.get("moe_layer_end_index", -1)
+        end = depth - 1 if end in (-1, None) else end
+        every = config.get("moe_layer_interval", 1)
+        sparse = [(i + 1) % every == 0 and start <= i <= end for i in range(depth)]
+        shared = config.get("moe_num_shared_experts") or 0
+        options: dict[str, Any] = dict(router_bias=True, normalize=True,
+                                       shared_hidden=hidden * shared or None)
+        top_k = config.get("moe_k", 6)
+    else:  # MiniMax-M2: q/k norms over all heads, sigmoid scores
+        kwargs = _llama_config(dict(config, model_type="llama"))
+        kwargs.update(qk_norm=True, qk_norm_scope="all")
+        experts, hidden = config.get("num_local_experts", 256), config["intermediate_size"]
+        sparse = [True] * depth
+        options = dict(scoring="sigmoid", router_bias=True, normalize=True)
+        top_k = config.get("num_experts_per_tok", 8)
+    if not any(sparse):
+        raise ValueError(f"config's mixture layers ({kind}) leave no layer a mixture")
+    kwargs.update(experts=experts, top_k=top_k, expert_hidden=hidden, moe_options=options,
+                  layer_experts=None if all(sparse) else sparse)
+    return kwargs
+
+
+def routed_moe_from_hf(config: Mapping[str, Any],
+                       state_dict: Mapping[str, Tensor] | None = None, **overrides: Any
+                       ) -> tuple[TransformerEncoder, dict[str, Tensor] | None,
+                                  dict[str, Tensor] | None]:
+    """The ``TransformerEncoder`` of a Hugging Face ERNIE 4.5 MoE (``"ernie4_5_moe"``) or
+    MiniMax-M2 (``"minimax_m2"``) ``config``, and the params and router state of its
+    ``state_dict``.
+
+    Both choose their experts by scores plus a learned selection bias
+    (``e_score_correction_bias``: router state, ``blocks.i.mlp.router_bias``, as
+    DeepSeek-V3's) and weigh them by the unbiased scores, renormalised. ERNIE 4.5 scores by
+    softmax, has shared experts and dense layers outside ``moe_layer_start_index`` ..
+    ``moe_layer_end_index`` (every ``moe_layer_interval``-th), and ERNIE 4.5's
+    interleaved rotary pairs; MiniMax-M2 scores by sigmoid, normalises queries and keys
+    over all heads and rotates part of each head (``rotary_dim``). Multi-token-prediction
+    tensors are skipped. Tested against ``transformers`` 5 on logits, both caches,
+    greedy generation and the round trip.
+
+    Args:
+        config: the checkpoint's ``config.json`` as a dict.
+        state_dict: its tensors under Hugging Face's names, or None for the module alone.
+        overrides: other ``TransformerEncoder`` arguments (``attend``, ``remat``, ...).
+
+    Returns:
+        ``(module, params, state)``; ``params`` and ``state`` are None without a
+        ``state_dict``.
+
+    Example::
+
+        >>> import torch
+        >>> import torchfn
+        >>> from torchfn.models import routed_moe_from_hf
+        >>> config = {"model_type": "minimax_m2", "hidden_size": 16, "num_attention_heads": 2,
+        ...           "head_dim": 8, "num_hidden_layers": 1, "intermediate_size": 12,
+        ...           "vocab_size": 10, "num_local_experts": 4, "num_experts_per_tok": 2}
+        >>> module, _, _ = routed_moe_from_hf(config)
+        >>> model = torchfn.Model(module)
+        >>> sorted(model.init_state())
+        ['blocks.0.mlp.router_bias']
+    """
+    kwargs = _config(config)
+    kwargs.update(overrides)
+    check_state_dict(state_dict)
+    module = TransformerEncoder(**kwargs)
+    if state_dict is None:
+        return module, None, None
+    kind = config["model_type"]
+    names, router, bias, expert_name, stacked = _NAMES[kind]
+    names = _COMMON | names
+    params: dict[str, Tensor] = {}
+    state: dict[str, Tensor] = {}
+    pieces: dict[str, dict[Any, Tensor]] = {}
+    unknown = []
+    for name, tensor in state_dict.items():
+        layer = _LAYER.fullmatch(name)
+        at, rest = (f"blocks.{layer[1]}.", layer[2]) if layer else ("", "")
+        expert = layer and expert_name.fullmatch(rest)
+        if name in GLOBAL_NAMES:
+            if name != "lm_head.weight" or not kwargs["tie_embeddings"]:
+                params[GLOBAL_NAMES[name]] = tensor
+        elif layer and rest in names:
+            params[at + names[rest]] = tensor
+        elif layer and rest == router:
+            params[at + "mlp.router.weight"] = tensor
+        elif layer and rest == bias:
+            state[at + "mlp.router_bias"] = tensor.reshape(-1)  # ERNIE's is (1, E)
+        elif layer and rest in _QKV:
+            pieces.setdefault(at + _QKV[rest], {})[rest[10]] = tensor
+        elif expert:
+            pieces.setdefault(f"{at}mlp.{stacked[expert[2]]}", {})[int(expert[1])] = tensor
+        elif not _SKIPPED.fullmatch(name):
+            unknown.append(name)
+    check_known(unknown, kind)
+    for name, parts in pieces.items():
+        if name.endswith((".qkv.weight", ".qkv.bias")):
+            if len(parts) == 3:
+                params[name] = torch.cat([parts[p] for p in "qkv"])
+        elif sorted(parts) == list(range(kwargs["experts"])):
+            params[name] = torch.stack([parts[j] for j in range(len(parts))])
+    check_fit(param_shapes(module), params, "state_dict (params)")
+    check_fit({n: tuple(b.shape) for n, b in module.named_buffers()
+               if n.endswith("router_bias")}, state, "state_dict (state)")
+    return module, params, state
+
+
+def routed_moe_to_hf(config: Mapping[str, Any], params: Mapping[str, Tensor],
+                     state: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """``params`` and router ``state`` of the model ``routed_moe_from_hf(config)`` builds,
+    under a Hugging Face checkpoint's names: q, k and v apart, the experts one matrix
+    each (copies), the selection bias back in its place and shape. The inverse of
+    :func:`routed_moe_from_hf`, bit for bit.
+
+    Example::
+
+        >>> import torchfn
+        >>> from torchfn.models import routed_moe_from_hf, routed_moe_to_hf
+        >>> config = {"model_type": "minimax_m2", "hidden_size": 16, "num_attention_heads": 2,
+        ...           "head_dim": 8, "num_hidden_layers": 1, "intermediate_size": 12,
+        ...           "vocab_size": 10, "num_local_experts": 4, "num_experts_per_tok": 2}
+        >>> model = torchfn.Model(routed_moe_from_hf(config)[0])
+        >>> sd = routed_moe_to_hf(config, model.init(torchfn.random.key(0)), model.init_state())
+        >>> sd["model.layers.0.block_sparse_moe.experts.3.w2.weight"].shape
+        torch.Size([16, 12])
+    """
+    kwargs = _config(config)
+    kind = config["model_type"]
+    names, router, bias, _, stacked = _NAMES[kind]
+    back = {ours: hf for hf, ours in (_COMMON | names).items()}
+    hf_expert = {ours: hf for hf, ours in stacked.items()}
+    hd = kwargs["head_dim"]
+    sizes = [kwargs["heads"] * hd] + [kwargs["kv_heads"] * hd] * 2
+    hf_global = {ours: hf for hf, ours in GLOBAL_NAMES.items()}
+    out: dict[str, Tensor] = {}
+    for name, t in {**params, **state}.items():
+        if name in hf_global:
+            out[hf_global[name]] = t
+            continue
+        i, rest = name.split(".", 2)[1:]
+        at = f"model.layers.{i}."
+        if rest == "mlp.router.weight":
+            out[at + router] = t
+        elif rest == "mlp.router_bias":
+            out[at + bias] = t.reshape(1, -1) if kind == "ernie4_5_moe" else t
+        elif rest in ("attn.qkv.weight", "attn.qkv.bias"):
+            for p, part in zip("qkv", t.split(sizes)):
+                out[f"{at}self_attn.{p}_proj.{rest.rsplit('.', 1)[1]}"] = part.clone()
+        elif rest in ("mlp.gate", "mlp.up", "mlp.down"):  # stacked experts (E, ...)
+            hf = hf_expert[rest[4:]]
+            for j, part in enumerate(t.unbind(0)):
+                out[at + _expert(kind, j, hf)] = part.clone()
+        else:
+            out[at + back[rest]] = t
+    return out
+
+
+def _expert(kind: str, j: int, which: str) -> str:
+    """Expert ``j``'s matrix ``which`` (HF's ``gate`` / ``w1`` ...) under its layer."""
+    if kind == "minimax_m2":
+        return f"block_sparse_moe.experts.{j}.{which}.weight"
+    return f"mlp.experts.{j}.{which}_proj.weight"
