@@ -32,6 +32,11 @@ CASES = {
                          moe_num_shared_experts=2, head_dim=8),
     # sigmoid scores, q/k norms over all heads, half of each head rotated
     "minimax_m2": dict(num_local_experts=4, num_experts_per_tok=2, head_dim=8, rotary_dim=4),
+    # EXAONE 4's attention (windows of 4 on three layers of four, NoPE on the fourth) in
+    # pre-norm blocks; V3's router: 2 groups of 2 experts, 1 chosen, scaled weights
+    "exaone_moe": dict(num_hidden_layers=4, sliding_window=4, num_experts=4,
+                       num_experts_per_tok=2, moe_intermediate_size=12, n_group=2,
+                       topk_group=1, routed_scaling_factor=2.5, head_dim=8),
 }
 ATOL = 5e-6  # transformers routes in float32 and normalises in float32, even in float64
 
@@ -55,8 +60,8 @@ def checkpoint(kind, folder):
 def test_a_transformers_checkpoint_gives_the_same_logits_caches_and_tokens(kind, tmp_path):
     hf, config, sd = checkpoint(kind, tmp_path)
     module, params, state = routed_moe_from_hf(config, sd)
-    assert sorted(state) == [f"blocks.{i}.mlp.router_bias"
-                             for i in (range(1, 3) if kind == "ernie4_5_moe" else range(3))]
+    layers = {"ernie4_5_moe": range(1, 3), "minimax_m2": range(3), "exaone_moe": range(1, 4)}
+    assert sorted(state) == [f"blocks.{i}.mlp.router_bias" for i in layers[kind]]
     assert_same_logits_caches_and_tokens(hf, module, params, ATOL, state=state)
 
 
@@ -86,7 +91,7 @@ def test_the_selection_bias_matters_and_errors_are_named(tmp_path):
     assert not torch.allclose(model.apply(params, tokens, state=state),
                               model.apply(params, tokens, state=zero), atol=1e-3)
     with pytest.raises(ValueError, match=r"model_type'\] must be one of \('ernie4_5_moe', "
-                                         r"'minimax_m2'\), got 'mixtral'"):
+                                         r"'minimax_m2', 'exaone_moe'\), got 'mixtral'"):
         routed_moe_from_hf(dict(config, model_type="mixtral"))
     with pytest.raises(ValueError, match=r"use_bias'\] = True is not supported"):
         routed_moe_from_hf(dict(config, use_bias=True))

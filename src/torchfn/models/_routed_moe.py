@@ -1,6 +1,7 @@
 """Hugging Face checkpoints whose mixtures choose experts with a selection bias (router
 state) behind Llama-like attention, as a ``TransformerEncoder``, its params and its
-state, and back: ERNIE 4.5 MoE (``ernie4_5_moe``) and MiniMax-M2 (``minimax_m2``)."""
+state, and back: ERNIE 4.5 MoE (``ernie4_5_moe``), MiniMax-M2 (``minimax_m2``) and
+K-EXAONE (``exaone_moe``)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from torchfn.models._transformer import TransformerEncoder
 
 __all__ = ["routed_moe_from_hf", "routed_moe_to_hf"]
 
-_TYPES = ("ernie4_5_moe", "minimax_m2")
+_TYPES = ("ernie4_5_moe", "minimax_m2", "exaone_moe")
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 _COMMON = {"input_layernorm.weight": "ln1.weight",
            "post_attention_layernorm.weight": "ln2.weight",
@@ -38,6 +39,10 @@ _NAMES = {  # model_type -> (a layer's other names, the router's, the bias', one
         re.compile(r"block_sparse_moe\.experts\.(\d+)\.(w[123])\.weight"),
         {"w1": "gate", "w3": "up", "w2": "down"}),
 }
+_NAMES["exaone_moe"] = (
+    {**_NAMES["ernie4_5_moe"][0], "self_attn.q_norm.weight": "attn.q_norm.weight",
+     "self_attn.k_norm.weight": "attn.k_norm.weight"},
+    "mlp.gate.weight", "mlp.e_score_correction_bias") + _NAMES["ernie4_5_moe"][3:]
 _SKIPPED = re.compile(r"(model\.)?mtp.*")  # ERNIE's multi-token prediction: not used here
 
 
@@ -65,6 +70,24 @@ def _config(config: Mapping[str, Any]) -> dict[str, Any]:
         options: dict[str, Any] = dict(router_bias=True, normalize=True,
                                        shared_hidden=hidden * shared or None)
         top_k = config.get("moe_k", 6)
+    elif kind == "exaone_moe":  # EXAONE 4's attention in pre-norm blocks, V3's router
+        kwargs = _llama_config(dict(config, model_type="exaone4"))
+        kwargs.update(pre_norms=True, post_norms=False)
+        experts, hidden = config.get("num_experts", 64), config["moe_intermediate_size"]
+        first = config.get("first_k_dense_replace", 1)
+        types = config.get("mlp_layer_types") or ["dense" if i < first else "sparse"
+                                                  for i in range(depth)]
+        if len(types) != depth or not set(types) <= {"dense", "sparse"}:
+            raise ValueError(f"config['mlp_layer_types'] must list 'dense' or 'sparse' for "
+                             f"each of {depth} layers, got {types!r}")
+        sparse = [t == "sparse" for t in types]
+        shared = config.get("num_shared_experts") or 0
+        options = dict(scoring="sigmoid", router_bias=True,
+                       normalize=bool(config.get("norm_topk_prob", True)),
+                       routed_scale=float(config.get("routed_scaling_factor", 1.0)),
+                       groups=config.get("n_group") or 1, topk_groups=config.get("topk_group") or 1,
+                       shared_hidden=hidden * shared or None)
+        top_k = config.get("num_experts_per_tok", 8)
     else:  # MiniMax-M2: q/k norms over all heads, sigmoid scores
         kwargs = _llama_config(dict(config, model_type="llama"))
         kwargs.update(qk_norm=True, qk_norm_scope="all")
@@ -84,8 +107,8 @@ def routed_moe_from_hf(config: Mapping[str, Any],
                        ) -> tuple[TransformerEncoder, dict[str, Tensor] | None,
                                   dict[str, Tensor] | None]:
     """The ``TransformerEncoder`` of a Hugging Face ERNIE 4.5 MoE (``"ernie4_5_moe"``) or
-    MiniMax-M2 (``"minimax_m2"``) ``config``, and the params and router state of its
-    ``state_dict``.
+    MiniMax-M2 (``"minimax_m2"``) or K-EXAONE (``"exaone_moe"``) ``config``, and the params
+    and router state of its ``state_dict``.
 
     Both choose their experts by scores plus a learned selection bias
     (``e_score_correction_bias``: router state, ``blocks.i.mlp.router_bias``, as
@@ -93,7 +116,10 @@ def routed_moe_from_hf(config: Mapping[str, Any],
     softmax, has shared experts and dense layers outside ``moe_layer_start_index`` ..
     ``moe_layer_end_index`` (every ``moe_layer_interval``-th), and ERNIE 4.5's
     interleaved rotary pairs; MiniMax-M2 scores by sigmoid, normalises queries and keys
-    over all heads and rotates part of each head (``rotary_dim``). Multi-token-prediction
+    over all heads and rotates part of each head (``rotary_dim``); K-EXAONE has EXAONE 4's
+    attention (q/k norms per head, windows on three layers of four, no rotary on the
+    fourth) in pre-norm blocks and DeepSeek-V3's router (sigmoid scores, expert groups,
+    ``routed_scaling_factor``, shared experts). Multi-token-prediction
     tensors are skipped. Tested against ``transformers`` 5 on logits, both caches,
     greedy generation and the round trip.
 
