@@ -37,6 +37,11 @@ CASES = {
     "exaone_moe": dict(num_hidden_layers=4, sliding_window=4, num_experts=4,
                        num_experts_per_tok=2, moe_intermediate_size=12, n_group=2,
                        topk_group=1, routed_scaling_factor=2.5, head_dim=8),
+    # Arcee Trinity: sandwich norms, gated attention, windows of 4 but on the fourth layer
+    # (no rotary there), sigmoid scores times route_scale, muP embeddings
+    "afmoe": dict(num_hidden_layers=4, sliding_window=4, num_experts=4, num_experts_per_tok=2,
+                  moe_intermediate_size=12, num_shared_experts=1, route_scale=2.0,
+                  mup_enabled=True, head_dim=8),
 }
 ATOL = 5e-6  # transformers routes in float32 and normalises in float32, even in float64
 
@@ -60,7 +65,8 @@ def checkpoint(kind, folder):
 def test_a_transformers_checkpoint_gives_the_same_logits_caches_and_tokens(kind, tmp_path):
     hf, config, sd = checkpoint(kind, tmp_path)
     module, params, state = routed_moe_from_hf(config, sd)
-    layers = {"ernie4_5_moe": range(1, 3), "minimax_m2": range(3), "exaone_moe": range(1, 4)}
+    layers = {"ernie4_5_moe": range(1, 3), "minimax_m2": range(3), "exaone_moe": range(1, 4),
+              "afmoe": range(1, 4)}
     assert sorted(state) == [f"blocks.{i}.mlp.router_bias" for i in layers[kind]]
     assert_same_logits_caches_and_tokens(hf, module, params, ATOL, state=state)
 
@@ -91,7 +97,8 @@ def test_the_selection_bias_matters_and_errors_are_named(tmp_path):
     assert not torch.allclose(model.apply(params, tokens, state=state),
                               model.apply(params, tokens, state=zero), atol=1e-3)
     with pytest.raises(ValueError, match=r"model_type'\] must be one of \('ernie4_5_moe', "
-                                         r"'minimax_m2', 'exaone_moe'\), got 'mixtral'"):
+                                         r"'minimax_m2', 'exaone_moe', 'afmoe'\), got "
+                                         r"'mixtral'"):
         routed_moe_from_hf(dict(config, model_type="mixtral"))
     with pytest.raises(ValueError, match=r"use_bias'\] = True is not supported"):
         routed_moe_from_hf(dict(config, use_bias=True))

@@ -186,7 +186,8 @@ def from_pretrained(folder: str | os.PathLike, *, dtype: torch.dtype | None = No
                                dict[str, Any]]:
     """Any model folder torchfn reads, whatever its family, as ``(module, params, state,
     config)``: DeepSeek-V2 / V3 and GLM-4.5 through :func:`deepseek_from_pretrained`,
-    Nemotron-H, Kimi Linear, LFM2, LFM2-MoE, ERNIE 4.5 MoE and MiniMax-M2 through
+    Nemotron-H, Kimi Linear, LFM2, LFM2-MoE, ERNIE 4.5 MoE, MiniMax-M2, K-EXAONE and Arcee
+    Trinity through
     :func:`nemotron_h_from_hf` / :func:`kimi_linear_from_hf` / :func:`lfm2_from_hf` /
     :func:`routed_moe_from_hf` (``state``: their routers' biases),
     GPT-NeoX (Pythia), Phi-2, Llama 4, Qwen3-Next and Qwen3.5, Falcon-H1, Mamba, Mamba-2,

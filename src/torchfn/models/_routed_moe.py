@@ -1,7 +1,7 @@
 """Hugging Face checkpoints whose mixtures choose experts with a selection bias (router
 state) behind Llama-like attention, as a ``TransformerEncoder``, its params and its
-state, and back: ERNIE 4.5 MoE (``ernie4_5_moe``), MiniMax-M2 (``minimax_m2``) and
-K-EXAONE (``exaone_moe``)."""
+state, and back: ERNIE 4.5 MoE (``ernie4_5_moe``), MiniMax-M2 (``minimax_m2``), K-EXAONE
+(``exaone_moe``) and Arcee Trinity (``afmoe``)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from torchfn.models._transformer import TransformerEncoder
 
 __all__ = ["routed_moe_from_hf", "routed_moe_to_hf"]
 
-_TYPES = ("ernie4_5_moe", "minimax_m2", "exaone_moe")
+_TYPES = ("ernie4_5_moe", "minimax_m2", "exaone_moe", "afmoe")
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 _COMMON = {"input_layernorm.weight": "ln1.weight",
            "post_attention_layernorm.weight": "ln2.weight",
@@ -43,6 +43,11 @@ _NAMES["exaone_moe"] = (
     {**_NAMES["ernie4_5_moe"][0], "self_attn.q_norm.weight": "attn.q_norm.weight",
      "self_attn.k_norm.weight": "attn.k_norm.weight"},
     "mlp.gate.weight", "mlp.e_score_correction_bias") + _NAMES["ernie4_5_moe"][3:]
+_NAMES["afmoe"] = (  # sandwich norms, an output gate; its router and bias named apart
+    {**_NAMES["exaone_moe"][0], "post_attention_layernorm.weight": "post_ln1.weight",
+     "pre_mlp_layernorm.weight": "ln2.weight", "post_mlp_layernorm.weight": "post_ln2.weight",
+     "self_attn.gate_proj.weight": "attn.gate.weight"},
+    "mlp.router.gate.weight", "mlp.expert_bias") + _NAMES["ernie4_5_moe"][3:]
 _SKIPPED = re.compile(r"(model\.)?mtp.*")  # ERNIE's multi-token prediction: not used here
 
 
@@ -88,6 +93,26 @@ def _config(config: Mapping[str, Any]) -> dict[str, Any]:
                        groups=config.get("n_group") or 1, topk_groups=config.get("topk_group") or 1,
                        shared_hidden=hidden * shared or None)
         top_k = config.get("num_experts_per_tok", 8)
+    elif kind == "afmoe":  # Arcee Trinity: Llama's attention, gated, sandwich-normed
+        kwargs = _llama_config(dict(config, model_type="llama"))
+        types = config.get("layer_types") or [
+            "full_attention" if (i + 1) % config.get("global_attn_every_n_layers", 4) == 0
+            else "sliding_attention" for i in range(depth)]
+        w = config.get("sliding_window")
+        windows = [(w - 1, None) if t == "sliding_attention" and w else None for t in types]
+        kwargs.pop("window", None)
+        kwargs.update(qk_norm=True, post_norms=True, attn_gate=True, layer_windows=windows,
+                      layer_rotary=[None if t == "sliding_attention" else False
+                                    for t in types])  # no rotary on the global layers
+        if config.get("mup_enabled"):
+            kwargs["embed_scale"] = config["hidden_size"] ** 0.5
+        experts, hidden = config.get("num_experts", 64), config["moe_intermediate_size"]
+        sparse = [i >= (config.get("num_dense_layers") or 0) for i in range(depth)]
+        shared = config.get("num_shared_experts") or 0
+        options = dict(scoring="sigmoid", router_bias=True, normalize=True,
+                       normalize_eps=1e-20, routed_scale=float(config.get("route_scale", 1.0)),
+                       shared_hidden=hidden * shared or None)
+        top_k = config.get("num_experts_per_tok", 6)
     else:  # MiniMax-M2: q/k norms over all heads, sigmoid scores
         kwargs = _llama_config(dict(config, model_type="llama"))
         kwargs.update(qk_norm=True, qk_norm_scope="all")
@@ -107,7 +132,8 @@ def routed_moe_from_hf(config: Mapping[str, Any],
                        ) -> tuple[TransformerEncoder, dict[str, Tensor] | None,
                                   dict[str, Tensor] | None]:
     """The ``TransformerEncoder`` of a Hugging Face ERNIE 4.5 MoE (``"ernie4_5_moe"``) or
-    MiniMax-M2 (``"minimax_m2"``) or K-EXAONE (``"exaone_moe"``) ``config``, and the params
+    MiniMax-M2 (``"minimax_m2"``), K-EXAONE (``"exaone_moe"``) or Arcee Trinity
+    (``"afmoe"``) ``config``, and the params
     and router state of its ``state_dict``.
 
     Both choose their experts by scores plus a learned selection bias
@@ -119,7 +145,10 @@ def routed_moe_from_hf(config: Mapping[str, Any],
     over all heads and rotates part of each head (``rotary_dim``); K-EXAONE has EXAONE 4's
     attention (q/k norms per head, windows on three layers of four, no rotary on the
     fourth) in pre-norm blocks and DeepSeek-V3's router (sigmoid scores, expert groups,
-    ``routed_scaling_factor``, shared experts). Multi-token-prediction
+    ``routed_scaling_factor``, shared experts); Arcee Trinity (``"afmoe"``) has norms
+    before and after each sublayer, gated attention with q/k norms per head, windows on
+    all but every ``global_attn_every_n_layers``-th layer (which has no rotary), and
+    sigmoid scores scaled by ``route_scale``. Multi-token-prediction
     tensors are skipped. Tested against ``transformers`` 5 on logits, both caches,
     greedy generation and the round trip.
 
