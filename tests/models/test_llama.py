@@ -207,7 +207,7 @@ def test_bad_checkpoints_and_configs_are_named():
         llama_from_hf(dict(CONFIG, hidden_act="gelu"))
     with pytest.raises(ValueError, match=r"config\['clip_qkv'\] = 8.0 is not supported here "
                                          r"\(needs None\)"):
-        llama_from_hf(dict(CONFIG, model_type="olmoe", clip_qkv=8.0))
+        llama_from_hf(dict(CONFIG, model_type="olmo2", clip_qkv=8.0))
     with pytest.raises(ValueError, match=r"config\['use_bias'\] = False is not supported here "
                                          r"\(needs True\)"):  # its LayerNorms have biases
         llama_from_hf(dict(CONFIG, model_type="starcoder2", use_bias=False))

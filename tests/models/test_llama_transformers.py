@@ -83,6 +83,9 @@ CASES = {
     # pre-norm blocks, q/k norms over all heads, a mixture (softmax top-k, not renormalised)
     "olmoe": ("olmoe", dict(num_experts=4, num_experts_per_tok=2, pad_token_id=0,
                             eos_token_id=1)),
+    # OLMoE's clamp of the projected (and q/k-normed) queries, keys and values, binding
+    "olmoe-clip": ("olmoe", dict(num_experts=4, num_experts_per_tok=2, pad_token_id=0,
+                                 eos_token_id=1, clip_qkv=0.3)),
     # one bias-free LayerNorm for both parallel sublayers, interleaved rotary pairs,
     # scaled and tied logits; Cohere2: rotary and a window on the sliding layers only
     "cohere": ("cohere", dict(logit_scale=0.5, pad_token_id=0)),

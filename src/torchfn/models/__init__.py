@@ -3,6 +3,7 @@
 from torchfn.models._aggregate import GINConv, SAGEConv, aggregate_neighbours
 from torchfn.models._beam_search import beam_search
 from torchfn.models._cnn import BasicBlock, ConvNet, ResNet
+from torchfn.models._dbrx import dbrx_from_hf, dbrx_to_hf
 from torchfn.models._deepseek import deepseek_from_hf, deepseek_to_hf
 from torchfn.models._delta_net import GatedDeltaNet
 from torchfn.models._denoiser import MLPDenoiser, fourier_features, timestep_embedding
@@ -131,6 +132,8 @@ __all__ = [
     "xlstm_to_hf",
     "routed_moe_from_hf",
     "routed_moe_to_hf",
+    "dbrx_from_hf",
+    "dbrx_to_hf",
     "nemotron_h_from_hf",
     "nemotron_h_to_hf",
     "llama4_to_hf",

@@ -99,6 +99,8 @@ class MultiHeadAttention(nn.Module):
     call's tokens suffices (a ring buffer, as for a window).
     ``output_gate=True``: the heads' outputs are multiplied by ``sigmoid(x W_gate)`` before
     the output projection (gated attention, Qiu et al. 2025; Qwen3-Next, Qwen3.5).
+    ``qkv_clip=c`` clamps the projected queries, keys and values to ``[-c, c]`` (after
+    q/k norms over all heads; OLMo, OLMoE and DBRX's ``clip_qkv``).
     ``temperature=(floor_scale, attn_scale)``: the queries at position ``p`` are scaled by
     ``1 + attn_scale * log(1 + floor((p + 1) / floor_scale))`` (Llama 4's attention
     temperature tuning on its NoPE layers; Nakanishi 2025, "Scalable-Softmax"), so the
@@ -137,7 +139,7 @@ class MultiHeadAttention(nn.Module):
                  sinks: bool = False, out_bias: bool | None = None,
                  rotary_interleaved: bool = False, chunk: int | None = None,
                  temperature: tuple[float, float] | None = None, output_gate: bool = False,
-                 attend: AttendFn | None = None) -> None:
+                 qkv_clip: float | None = None, attend: AttendFn | None = None) -> None:
         super().__init__()
         _check_dims(dim=dim, heads=heads)
         self.rotary_interleaved = rotary_interleaved
@@ -152,6 +154,10 @@ class MultiHeadAttention(nn.Module):
                              f"> 0 (and an offset in [0, 1]), or None; got {temperature!r}")
         self.chunk = chunk
         self.temperature = None if temperature is None else tuple(map(float, temperature))
+        if qkv_clip is not None and (isinstance(qkv_clip, bool) or not isinstance(
+                qkv_clip, (int, float)) or not qkv_clip > 0):
+            raise ValueError(f"qkv_clip must be a number > 0 or None, got {qkv_clip!r}")
+        self.qkv_clip = None if qkv_clip is None else float(qkv_clip)
         if head_dim is None and dim % heads:
             raise ValueError(f"dim must be divisible by heads, got dim={dim}, heads={heads} "
                              "(or give head_dim)")
@@ -245,6 +251,8 @@ class MultiHeadAttention(nn.Module):
         q, k, v = self.qkv(x).split([hq, self.kv_heads * hd, self.kv_heads * hd], dim=-1)
         if self.qk_norm and self.qk_norm_scope == "all":
             q, k = self.q_norm(q), self.k_norm(k)  # (B, N, H D), (B, N, Hkv D)
+        if self.qkv_clip is not None:  # OLMo's and DBRX's clamp
+            q, k, v = (t.clamp(-self.qkv_clip, self.qkv_clip) for t in (q, k, v))
         q = q.reshape(b, n, self.heads, hd).transpose(1, 2)  # (B, H, N, D)
         k = k.reshape(b, n, self.kv_heads, hd).transpose(1, 2)  # (B, Hkv, N, D)
         v = v.reshape(b, n, self.kv_heads, hd).transpose(1, 2)  # (B, Hkv, N, D)

@@ -350,7 +350,8 @@ def _config(config: Mapping[str, Any]) -> dict[str, Any]:
         "attention_bias": (config.get("attention_bias", False), kind == "gpt_oss" or (
             _EITHER if kind in _BIASED else False)),
         "mlp_bias": (config.get("mlp_bias", False), _EITHER if kind in _BIASED else False),
-        "clip_qkv": (config.get("clip_qkv"), None),  # OLMo's clamp of q, k and v
+        "clip_qkv": (config.get("clip_qkv"), _EITHER if kind == "olmoe" else None),  # the
+        # clamp of q, k and v, which transformers applies in OLMoE alone
     }
     if kind in ("starcoder2", "jais2"):  # LayerNorms with a bias: every projection has one
         key = "use_bias" if kind == "starcoder2" else "mlp_bias"
@@ -400,7 +401,9 @@ def _config(config: Mapping[str, Any]) -> dict[str, Any]:
         if kind == "exaone4" and config.get("sliding_window") is not None else {}) | (
         _ungated(config, kind) if kind in _UNGATED else {}) | (
         _hunyuan(config, head_dim) if kind.startswith("hunyuan") else {}) | (
-        _ministral3(config) if kind == "ministral3" else {})
+        _ministral3(config) if kind == "ministral3" else {}) | (
+        dict(layer_attention=[{"qkv_clip": config["clip_qkv"]}] * config["num_hidden_layers"])
+        if kind == "olmoe" and config.get("clip_qkv") is not None else {})
 
 
 _EITHER = object()  # a config check's "any value"

@@ -27,7 +27,8 @@ from torchfn.models._short_conv import ShortConv
 
 __all__ = ["TransformerEncoder", "TransformerBlock", "MultiHeadAttention"]
 
-_ATTN_OPTIONS = {"chunk", "temperature", "qk_norm", "softcap", "scale"}  # per-block overrides
+_ATTN_OPTIONS = {"chunk", "temperature", "qk_norm", "softcap", "scale",
+                 "qkv_clip"}  # per-block overrides
 _MIXER_SCALES = ("attn_in", "attn_out", "linear_in", "linear_out")  # parallel_linear's
 _LINEAR = {"gated_deltanet": GatedDeltaNet, "mamba2": Mamba2, "mamba": Mamba,
            "kda": KimiDeltaAttention, "short_conv": ShortConv,
