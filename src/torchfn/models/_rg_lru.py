@@ -18,13 +18,6 @@ __all__ = ["RGLRU"]
 _C = 8.0  # Griffin's fixed scale of the log decay: a = sigmoid(.)^(8 softplus(Lambda))
 
 
-def _compose(first: tuple[Tensor, Tensor], second: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
-    """Two steps of ``h -> a h + u`` as one: ``(a1 a2, a2 u1 + u2)``."""
-    a1, u1 = first
-    a2, u2 = second
-    return a1 * a2, a2 * u1 + u2
-
-
 def _sqrt(x: Tensor, bound: float | None) -> Tensor:
     """``sqrt(x)``; with ``bound``, its derivative capped at ``bound`` (Griffin's, so
     ``a -> 1`` does not blow the gradient up), the cap's own derivative taken as 0."""
@@ -154,10 +147,10 @@ class RGLRU(nn.Module):
         decay = torch.where(reset, 0.0, torch.exp(log_a))
         if n == 1 and state is not None:  # decoding: one step
             h = decay * state[:, None].to(work) + write.to(work)
-        else:
-            from torchfn.core.associative_scan import associative_scan
+        else:  # Mamba's linear recurrence h -> a h + u, as an associative scan
+            from torchfn.kernels._selective_scan import _scan
 
-            carried, h = associative_scan(_compose, (decay, write.to(work)), dim=1)
+            carried, h = _scan(decay, write.to(work))
             if state is not None:
                 h = h + carried * state[:, None].to(work)  # (B, N, W)
         out = self.out(h.to(x.dtype) * y)  # (B, N, dim)
