@@ -99,7 +99,7 @@ class MLSTM(nn.Module):
                 cache: KVCache | StaticKVCache | None = None) -> Tensor | tuple:
         from torchfn.kernels import mlstm
 
-        x, keep, runs, cache, _, packed = recurrent_inputs(
+        x, keep, _, cache, _, packed = recurrent_inputs(  # (the kernel reads segment_ids)
             "MLSTM", x, key_padding_mask, segment_ids, cache)
         b, n, _ = x.shape
         dk, dv = self.qk_dim // self.heads, self.v_dim // self.heads
