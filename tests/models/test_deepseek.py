@@ -121,7 +121,7 @@ def test_save_and_from_pretrained_round_trip_any_family(kind, tmp_path):
 
 def test_deepseek_errors_are_named():
     with pytest.raises(ValueError, match=r"model_type'\] must be one of \('deepseek_v2', "
-                                         r"'deepseek_v3', 'glm4_moe', .*\), got 'llama'"):
+                                         r"'deepseek_v3', 'deepseek_v32', .*\), got 'llama'"):
         deepseek_from_hf(dict(CONFIG, model_type="llama"))
     with pytest.raises(ValueError, match=r"config\['model_type'\] = 'deepseek_v3' is not "
                                          r"supported here \(use deepseek_from_hf\)"):
@@ -130,6 +130,9 @@ def test_deepseek_errors_are_named():
         deepseek_from_hf({k: v for k, v in CONFIG.items() if k != "kv_lora_rank"})
     with pytest.raises(ValueError, match=r"config\['hidden_act'\] = 'gelu' is not supported"):
         deepseek_from_hf(dict(CONFIG, hidden_act="gelu"))
+    with pytest.raises(ValueError, match=r"indexer_types'\] = \['full', 'shared'\] is not "
+                                         r"supported here \(needs 'full' in each of 2 layers"):
+        deepseek_from_hf(dict(CONFIG, model_type="glm_moe_dsa", indexer_types=["full", "shared"]))
     v2 = dict(CONFIG, model_type="deepseek_v2")
     with pytest.raises(ValueError, match=r"topk_method'\] = 'noaux_tc' is not supported for "
                                          r"deepseek_v2"):

@@ -52,6 +52,13 @@ CASES = {
     "v3-yarn": ("deepseek_v3", dict(n_group=2, topk_group=1, rope_scaling=dict(
         rope_type="yarn", factor=4.0, original_max_position_embeddings=16, beta_fast=8,
         beta_slow=1, mscale=0.707, mscale_all_dim=1.0))),
+    # DeepSeek Sparse Attention: past 6 keys each query sees its indexer's top 6 only
+    # (8 indexer heads: an exact tie in the indexer's ReLU scores is unlikely)
+    "v32": ("deepseek_v32", dict(n_group=2, topk_group=1, index_topk=6, index_head_dim=16,
+                                 index_n_heads=8)),
+    # GLM-5: the indexer's rotary pairs interleaved, one group
+    "glm-dsa": ("glm_moe_dsa", dict(n_group=1, topk_group=1, index_topk=6,
+                                    index_head_dim=12, index_n_heads=8)),
     "v2": ("deepseek_v2", dict(topk_method="greedy", routed_scaling_factor=1.5)),
     # V2's groups, ranked by their best score
     "v2-groups": ("deepseek_v2", dict(topk_method="group_limited_greedy", n_group=4,
@@ -119,7 +126,7 @@ def test_a_transformers_checkpoint_gives_the_same_logits(case, tmp_path):
 
 
 
-@pytest.mark.parametrize("case", ["v3", "v2-groups", "glm4-moe"])
+@pytest.mark.parametrize("case", ["v3", "v2-groups", "glm4-moe", "v32"])
 def test_greedy_generation_equals_transformers(case, tmp_path):
     """``generate`` (latent cache, absorbed decoding) against transformers' ``generate``
     (its cache of latents, expanded each step), and the same from a StaticKVCache."""
@@ -146,7 +153,7 @@ def test_deepseek_to_hf_gives_back_the_checkpoint(case, tmp_path):
     assert set(back) == set(sd)
     for name in sd:
         assert torch.equal(back[name], sd[name]), name
-    if case not in ("v3", "v2-groups", "glm4-moe", "glm4-moe-lite", "dots1"):
+    if case not in ("v3", "v2-groups", "glm4-moe", "glm4-moe-lite", "dots1", "glm-dsa"):
         return
     for read in (deepseek_from_pretrained, from_pretrained):
         _, from_folder, folder_state, _ = read(tmp_path)

@@ -8,6 +8,7 @@ from torchfn.models._deepseek import deepseek_from_hf, deepseek_to_hf
 from torchfn.models._delta_net import GatedDeltaNet
 from torchfn.models._denoiser import MLPDenoiser, fourier_features, timestep_embedding
 from torchfn.models._dequantize import dequantize_fp8, dequantize_mxfp4
+from torchfn.models._dsa import LightningIndexer
 from torchfn.models._energy import MLPEnergy
 from torchfn.models._falcon_h1 import falcon_h1_from_hf, falcon_h1_to_hf
 from torchfn.models._from_transformers import from_transformers
@@ -88,6 +89,7 @@ __all__ = [
     "TransformerBlock",
     "MultiHeadAttention",
     "LatentAttention",
+    "LightningIndexer",
     "GatedDeltaNet",
     "KimiDeltaAttention",
     "ShortConv",

@@ -1,6 +1,7 @@
 """A Hugging Face checkpoint with DeepSeek's mixture of experts as a ``TransformerEncoder``,
 its params and its router state, and back: DeepSeek-V2 / V3 (latent attention; Kimi K2 is
-a ``deepseek_v3``), GLM-4.7-Flash (``glm4_moe_lite``) and Youtu-LLM (``youtu``, dense) with
+a ``deepseek_v3``), DeepSeek-V3.2 and GLM-5 (``glm_moe_dsa``: V3 with DeepSeek Sparse
+Attention), GLM-4.7-Flash (``glm4_moe_lite``) and Youtu-LLM (``youtu``, dense) with
 V3's attention, and GLM-4.5 / 4.6 (``glm4_moe``), Solar-Open (``solar_open``) and dots.llm1
 (``dots1``) with grouped-query attention."""
 
@@ -21,11 +22,14 @@ from torchfn.models._transformer import TransformerEncoder
 
 __all__ = ["deepseek_from_hf", "deepseek_to_hf"]
 
-_TYPES = ("deepseek_v2", "deepseek_v3", "glm4_moe", "glm4_moe_lite", "youtu", "solar_open",
-          "dots1")
+_TYPES = ("deepseek_v2", "deepseek_v3", "deepseek_v32", "glm_moe_dsa", "glm4_moe",
+          "glm4_moe_lite", "youtu", "solar_open", "dots1")
 _GQA = ("glm4_moe", "solar_open", "dots1")  # q/k/v projections (joined into one qkv here),
 # not latent attention
-_INTERLEAVED = ("deepseek_v3", "glm4_moe_lite", "youtu")  # rope_interleave, default True
+_INTERLEAVED = ("deepseek_v3", "deepseek_v32", "glm_moe_dsa", "glm4_moe_lite", "youtu")
+# (rope_interleave, default True); DeepSeek Sparse Attention: the lightning indexer's heads
+# and HF's default count of them; GLM-5's indexer rotates interleaved pairs too, V3.2's not
+_DSA = {"deepseek_v32": 64, "glm_moe_dsa": 32}
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 _EXPERT = re.compile(r"mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight")
 _NAMES = {  # a layer's HF names -> ours, but the experts
@@ -40,6 +44,11 @@ _NAMES = {  # a layer's HF names -> ours, but the experts
     "self_attn.kv_b_proj.weight": "attn.kv_b.weight",
     "self_attn.o_proj.weight": "attn.out.weight",
     "self_attn.o_proj.bias": "attn.out.bias",  # (dots1's, with attention_bias)
+    "self_attn.indexer.wq_b.weight": "attn.indexer.q.weight",  # DSA's lightning indexer
+    "self_attn.indexer.wk.weight": "attn.indexer.k.weight",
+    "self_attn.indexer.k_norm.weight": "attn.indexer.k_norm.weight",
+    "self_attn.indexer.k_norm.bias": "attn.indexer.k_norm.bias",
+    "self_attn.indexer.weights_proj.weight": "attn.indexer.weights.weight",
     "mlp.gate_proj.weight": "mlp.gate.weight",  # a dense layer
     "mlp.up_proj.weight": "mlp.up.weight",
     "mlp.down_proj.weight": "mlp.down.weight",
@@ -54,6 +63,8 @@ _QK_NORMS = {"self_attn.q_norm.weight": "attn.q_norm.weight",
 _BIAS = "mlp.gate.e_score_correction_bias"  # V3's selection bias: our state
 _HF_GLOBAL = {ours: hf for hf, ours in GLOBAL_NAMES.items()}
 _ROTATED = ("attn.q.weight", "attn.q_b.weight", "attn.kv_a.weight")  # rows with rotary parts
+_INDEXER_ROTATED = ("attn.indexer.q.weight", "attn.indexer.k.weight",  # [rope | rest] rows
+                    "attn.indexer.k_norm.weight", "attn.indexer.k_norm.bias")
 
 
 def _config(config: Mapping[str, Any]) -> dict[str, Any]:
@@ -108,6 +119,8 @@ def _config(config: Mapping[str, Any]) -> dict[str, Any]:
         kwargs.update(attn_scale=scale, latent_attention=dict(
             kv_rank=config["kv_lora_rank"], rope_dim=rope, nope_dim=nope,
             v_dim=config["v_head_dim"], q_rank=config.get("q_lora_rank")))
+        if kind in _DSA:
+            kwargs["latent_attention"]["indexer"] = _indexer(config, kind, depth)
     experts = config.get("n_routed_experts")
     first = config.get("first_k_dense_replace") or 0
     sparse = [experts is not None and i >= first for i in range(depth)]
@@ -125,6 +138,19 @@ def _config(config: Mapping[str, Any]) -> dict[str, Any]:
                       moe_options=_routing(config, kind),
                       layer_experts=None if all(sparse) else sparse)
     return kwargs
+
+
+def _indexer(config: Mapping[str, Any], kind: str, depth: int) -> dict[str, int]:
+    """``LatentAttention``'s ``indexer``: DeepSeek Sparse Attention's lightning indexer
+    (``index_n_heads``, ``index_head_dim``, ``index_topk``) in every layer."""
+    types = config.get("indexer_types")
+    if types is not None and any(t != "full" for t in types):
+        raise ValueError(f"config['indexer_types'] = {list(types)!r} is not supported here "
+                         f"(needs 'full' in each of {depth} layers: layers that reuse an "
+                         f"earlier layer's choice of keys are not built here)")
+    return dict(heads=config.get("index_n_heads", _DSA[kind]),
+                head_dim=config.get("index_head_dim", 128),
+                topk=config.get("index_topk", 2048))
 
 
 def _routing(config: Mapping[str, Any], kind: str) -> dict[str, Any]:
@@ -182,6 +208,28 @@ def _rotary_rows(config: Mapping[str, Any], ours: str, rows: int) -> Tensor:
     return order
 
 
+def _indexer_rows(config: Mapping[str, Any], ours: str, rows: int) -> Tensor:
+    """For GLM-5's indexer matrices (and its key norm), the order that takes each head's
+    interleaved rotary pairs (its first ``qk_rope_head_dim`` rows) to the half-split
+    layout; the other rows stay."""
+    rope = config["qk_rope_head_dim"]
+    per = config.get("index_head_dim", 128)
+    pairs = torch.cat((torch.arange(0, rope, 2), torch.arange(1, rope, 2)))  # (dr,)
+    order = torch.arange(rows)
+    for h in range(rows // per):
+        order[h * per:h * per + rope] = h * per + pairs
+    return order
+
+
+def _rows(config: Mapping[str, Any], ours: str, rows: int) -> Tensor | None:
+    """The order that takes a checkpoint matrix's rows to ours, or None: as they are."""
+    if ours in _ROTATED and _interleaved(config):
+        return _rotary_rows(config, ours, rows)
+    if ours in _INDEXER_ROTATED and config.get("model_type") == "glm_moe_dsa":
+        return _indexer_rows(config, ours, rows)
+    return None
+
+
 def deepseek_from_hf(config: Mapping[str, Any], state_dict: Mapping[str, Tensor] | None = None,
                      **overrides: Any,
                      ) -> tuple[TransformerEncoder, dict[str, Tensor] | None,
@@ -198,7 +246,13 @@ def deepseek_from_hf(config: Mapping[str, Any], state_dict: Mapping[str, Tensor]
     layer; dots.llm1 (``"dots1"``) with q/k norms always and ``attention_bias`` on the
     output too. GLM-4.7-Flash (``"glm4_moe_lite"``) is DeepSeek-V3 with its dense and
     sparse layers listed (``mlp_layer_types``), Youtu-LLM (``"youtu"``) V3's attention with
-    a dense MLP in every layer. The rest of this paragraph is DeepSeek's.
+    a dense MLP in every layer. DeepSeek-V3.2 (``"deepseek_v32"``) and GLM-5
+    (``"glm_moe_dsa"``) are V3 with DeepSeek Sparse Attention: a lightning indexer
+    (``index_n_heads``, ``index_head_dim``, ``index_topk``; ``LatentAttention(indexer=)``)
+    picks each query's keys; GLM-5's indexer rows are permuted from interleaved pairs as
+    the attention's are, and its layers that share an earlier layer's choice
+    (``indexer_types`` ``"shared"``) are refused. The rest of this paragraph is
+    DeepSeek's.
 
     Attention is :class:`LatentAttention` (``kv_lora_rank``, ``q_lora_rank``,
     ``qk_rope_head_dim``, ``qk_nope_head_dim``, ``v_head_dim``); its rotary rows are
@@ -282,9 +336,8 @@ def deepseek_from_hf(config: Mapping[str, Any], state_dict: Mapping[str, Tensor]
                 params[at + _QK_NORMS[rest]] = tensor
             elif rest in _NAMES:
                 ours = _NAMES[rest]
-                if ours in _ROTATED and _interleaved(config):
-                    tensor = tensor[_rotary_rows(config, ours, tensor.shape[0])]
-                params[at + ours] = tensor
+                order = _rows(config, ours, tensor.shape[0])
+                params[at + ours] = tensor if order is None else tensor[order]
             elif rest == _BIAS and kind != "deepseek_v2":
                 state[at + "mlp.router_bias"] = tensor
             elif expert:  # expert j's matrix -> row j of the stacked one
@@ -362,8 +415,7 @@ def deepseek_to_hf(config: Mapping[str, Any], params: Mapping[str, Tensor],
                 for j, part in enumerate(t.unbind(0)):
                     out[f"{at}mlp.experts.{j}.{rest[4:]}_proj.weight"] = part.clone()
             else:
-                if rest in _ROTATED and _interleaved(config):
-                    t = t[torch.argsort(_rotary_rows(config, rest, t.shape[0]))]
-                out[at + hf_name[rest]] = t
+                order = _rows(config, rest, t.shape[0])
+                out[at + hf_name[rest]] = t if order is None else t[torch.argsort(order)]
     return out
 

@@ -9,6 +9,7 @@ import torch
 from torch import Tensor, nn
 
 from torchfn.models._attention import _extra, _fused_attention, _write_static, token_positions
+from torchfn.models._dsa import LightningIndexer
 from torchfn.models._kv_cache import KVCache, StaticKVCache, check_cache
 from torchfn.models._mlp import _check_dims
 from torchfn.models._rotary import RotaryTable, apply_rotary, rotary_table
@@ -51,6 +52,13 @@ class LatentAttention(nn.Module):
     (Kimi Linear's NoPE latent attention). ``window``, ``softcap`` and ``attend`` as
     :class:`MultiHeadAttention`'s.
 
+    ``indexer=dict(heads=, head_dim=, topk=)`` makes it DeepSeek Sparse Attention
+    (DeepSeek-V3.2, GLM-5): a :class:`LightningIndexer` (param ``indexer``, which needs
+    ``q_rank``) scores the keys from the query latent, and each query attends to its
+    ``topk`` best only (with no more keys than ``topk``, to all: the plain attention, and
+    the indexer is not run). The cache then also holds each token's indexer key, after
+    its rotary key part: values ``(B, 1, L, rope_dim + head_dim)``.
+
     Example::
 
         >>> import torch
@@ -75,6 +83,7 @@ class LatentAttention(nn.Module):
                  rotary_base: float = 10000.0, rotary_scaling: dict | None = None,
                  latent_eps: float = 1e-6, scale: float | None = None,
                  absorb: bool | None = None, rotary: bool = True,
+                 indexer: dict | None = None,
                  attend: Callable[..., Tensor] | None = None) -> None:
         super().__init__()
         _check_dims(dim=dim, heads=heads, kv_rank=kv_rank, rope_dim=rope_dim,
@@ -114,6 +123,14 @@ class LatentAttention(nn.Module):
         self.kv_norm = nn.RMSNorm(kv_rank, eps=latent_eps)
         self.kv_b = nn.Linear(kv_rank, heads * (nope_dim + v_dim), bias=False)  # per head
         self.out = nn.Linear(heads * v_dim, dim, bias=False)  # [k_nope | v]
+        self.indexer = None
+        if indexer is not None:
+            if not isinstance(indexer, dict) or set(indexer) != {"heads", "head_dim", "topk"}:
+                raise ValueError(f"indexer must be a dict of heads, head_dim and topk, got "
+                                 f"{indexer!r}")
+            if q_rank is None:
+                raise ValueError("indexer needs q_rank: it reads the query latent")
+            self.indexer = LightningIndexer(dim, q_rank, rope_dim=rope_dim, **indexer)
 
     def rotary_table(self, positions: Tensor, dtype: torch.dtype) -> RotaryTable:
         """The cos / sin table of ``positions`` for the ``rope_dim`` rotary features."""
@@ -124,7 +141,11 @@ class LatentAttention(nn.Module):
         """The shapes of this layer's cached keys (the latents) and values (the rotary
         key parts), for :meth:`StaticKVCache.allocate`."""
         return ((batch_size, 1, capacity, self.kv_rank),
-                (batch_size, 1, capacity, self.rope_dim))
+                (batch_size, 1, capacity, self._value_dim()))
+
+    def _value_dim(self) -> int:
+        """The cached values' features: the rotary key part, then any indexer key."""
+        return self.rope_dim + (0 if self.indexer is None else self.indexer.head_dim)
 
     def forward(self, x: Tensor, key_padding_mask: Tensor | None = None,
                 segment_ids: Tensor | None = None, positions: Tensor | None = None,
@@ -140,17 +161,20 @@ class LatentAttention(nn.Module):
                 raise ValueError("LatentAttention: cache does not take segment_ids (decode "
                                  "one document per row)")
             if cache.keys and (cache.keys[0].shape[-1], cache.values[0].shape[-1]) != (
-                    self.kv_rank, dr):
+                    self.kv_rank, self._value_dim()):
                 raise ValueError(f"LatentAttention: cache must hold latents (B, 1, L, "
-                                 f"{self.kv_rank}) and rotary keys (B, 1, L, {dr}), got "
+                                 f"{self.kv_rank}) and rotary keys (B, 1, L, "
+                                 f"{self._value_dim()}), got "
                                  f"{tuple(cache.keys[0].shape)} and "
                                  f"{tuple(cache.values[0].shape)}")
-        q = self.q(x) if self.q_rank is None else self.q_b(self.q_norm(self.q_a(x)))
+        q_latent = None if self.q_rank is None else self.q_norm(self.q_a(x))  # (B, N, q_rank)
+        q = self.q(x) if q_latent is None else self.q_b(q_latent)
         q = q.unflatten(-1, (h, dn + dr)).transpose(1, 2)  # (B, H, N, dn + dr)
         latent, k_rope = self.kv_a(x).split([self.kv_rank, dr], dim=-1)
         latent = self.kv_norm(latent)[:, None]  # (B, 1, N, r)
         k_rope = k_rope[:, None]  # (B, 1, N, dr)
         q_nope, q_rope = q[..., :dn], q[..., dn:]
+        table = None
         if self.rotary:  # (without: NoPE, the "rope" parts shared but not rotated: Kimi Linear)
             if positions is None:
                 start = 0 if cache is None else cache.length
@@ -158,6 +182,8 @@ class LatentAttention(nn.Module):
             table = positions if isinstance(positions, RotaryTable) else \
                 self.rotary_table(positions, x.dtype)
             q_rope, k_rope = apply_rotary(q_rope, table), apply_rotary(k_rope, table)
+        if self.indexer is not None:  # cached with the rotary key parts: (B, 1, N, dr + Di)
+            k_rope = torch.cat((k_rope, self.indexer.keys(x, table).to(k_rope.dtype)), -1)
         mask = None
         if isinstance(cache, StaticKVCache):
             latent, k_rope, cache, mask = _write_static(cache, latent, k_rope, self.window)
@@ -166,6 +192,11 @@ class LatentAttention(nn.Module):
                 latent = torch.cat((cache.keys[0], latent), dim=2)  # (B, 1, L + N, r)
                 k_rope = torch.cat((cache.values[0], k_rope), dim=2)  # (B, 1, L + N, dr)
             cache = KVCache((latent,), (k_rope,))
+        select = None
+        if self.indexer is not None:
+            k_rope, k_index = k_rope[..., :dr], k_rope[..., dr:]
+            select = self._select(x, q_latent, k_index, table, mask, key_padding_mask,
+                                  segment_ids)
         drop = self.attn_dropout if self.training else 0.0
         absorb = self._absorb_cheaper(n, latent.shape[2]) if self.absorb is None else self.absorb
         if absorb and (drop > 0 or segment_ids is not None):
@@ -174,7 +205,7 @@ class LatentAttention(nn.Module):
                                  "dropout nor segment_ids")
             absorb = False
         if absorb:
-            o = self._absorbed(q_nope, q_rope, latent, k_rope, key_padding_mask, mask)
+            o = self._absorbed(q_nope, q_rope, latent, k_rope, key_padding_mask, mask, select)
         else:
             kv = self.kv_b(latent[:, 0]).unflatten(-1, (h, dn + self.v_dim)).transpose(1, 2)
             k_nope, v = kv.split([dn, self.v_dim], dim=-1)  # (B, H, L, dn), (B, H, L, dv)
@@ -182,14 +213,38 @@ class LatentAttention(nn.Module):
             q = torch.cat((q_nope, q_rope), dim=-1)  # (B, H, N, dn + dr)
             if mask is not None:
                 o = self.attend(q, k, v, key_padding_mask=key_padding_mask, causal=False,
-                                mask=mask, **_extra(None, None, self.softcap, drop, self.scale))
+                                mask=mask if select is None else mask & select,
+                                **_extra(None, None, self.softcap, drop, self.scale))
             else:
                 o = self.attend(q, k, v, key_padding_mask=key_padding_mask,
                                 causal=self.causal,
+                                **({} if select is None else {"mask": select}),
                                 **_extra(self.window, segment_ids, self.softcap, drop,
                                          self.scale))
         out = self.out(o.transpose(1, 2).reshape(b, n, h * self.v_dim))  # (B, N, dim)
         return out if cache is None else (out, cache)
+
+    def _select(self, x: Tensor, q_latent: Tensor, k_index: Tensor,
+                table: RotaryTable | None, mask: Tensor | None,
+                key_padding_mask: Tensor | None, segment_ids: Tensor | None) -> Tensor | None:
+        """The indexer's choice of keys ``(B, 1, N, L)`` among those each query may see
+        (a static cache's ``mask``, else causal and the window; padding; documents), or
+        None where there are no more than ``topk`` keys (all kept)."""
+        from torchfn.kernels._dispatch import _normalize_window
+        from torchfn.kernels._reference import band
+
+        n, length = x.shape[1], k_index.shape[2]
+        if length <= self.indexer.topk:
+            return None
+        allowed = mask if mask is not None else band(
+            n, length, self.causal, _normalize_window(self.window, self.causal, n, length),
+            x.device)  # (N, L), (B | 1, 1, N, L) or None: all
+        limits = [] if key_padding_mask is None else [key_padding_mask[:, None, None, :]]
+        if segment_ids is not None:  # (no cache: the keys are the queries)
+            limits.append(segment_ids[:, None, :, None] == segment_ids[:, None, None, :])
+        for limit in limits:
+            allowed = limit.to(torch.bool) if allowed is None else allowed & limit.to(torch.bool)
+        return self.indexer.select(x, q_latent, k_index, table, allowed)
 
     def _absorb_cheaper(self, n: int, keys: int) -> bool:
         """Multiply-adds per head of the two ways: expanding ``keys`` latents into keys
@@ -201,14 +256,15 @@ class LatentAttention(nn.Module):
         return absorb < expand
 
     def _absorbed(self, q_nope: Tensor, q_rope: Tensor, latent: Tensor, k_rope: Tensor,
-                  key_padding_mask: Tensor | None, mask: Tensor | None) -> Tensor:
+                  key_padding_mask: Tensor | None, mask: Tensor | None,
+                  select: Tensor | None = None) -> Tensor:
         """Attention in the latent space: ``q_nope`` ``(B, H, N, dn)`` through ``W_k^h``
         to ``(B, H, N, r)``, scores against the latents ``(B, 1, L, r)`` plus the rotary
         parts', the weighted latents out through ``W_v^h``: ``(B, H, N, dv)``. The
         scores are materialised, ``(B, H, N, L)``: this runs for few queries (decoding).
         Masks as :func:`torchfn.kernels.attention`'s: causal aligned bottom-right,
-        ``key_padding_mask`` ``(B, L)``, a static cache's ``mask``; a row with no key
-        gives 0."""
+        ``key_padding_mask`` ``(B, L)``, a static cache's ``mask`` (else the band), the
+        indexer's ``select``; a row with no key gives 0."""
         from torchfn.kernels._dispatch import _normalize_window
         from torchfn.kernels._reference import band
 
@@ -229,6 +285,8 @@ class LatentAttention(nn.Module):
             allowed = band(n, length, self.causal,
                            _normalize_window(self.window, self.causal, n, length), scores.device)
             keep = keep if allowed is None else keep & allowed
+        if select is not None:
+            keep = keep & select
         if key_padding_mask is not None:
             keep = keep & key_padding_mask[:, None, None, :].to(torch.bool)
         scores = scores.masked_fill(~keep, float("-inf"))
