@@ -39,6 +39,13 @@ CASES = {  # kind, config, atol (transformers normalises in float32 even in floa
     "deepseek_v3": ("deepseek_v3", dict(MLA, n_routed_experts=4, moe_intermediate_size=16,
                                         first_k_dense_replace=1, n_group=1, topk_group=1),
                     5e-6),
+    "deepseek_v32": ("deepseek_v32", dict(MLA, n_routed_experts=4, moe_intermediate_size=16,
+                                          first_k_dense_replace=1, n_group=1, topk_group=1,
+                                          q_lora_rank=24, index_topk=4, index_head_dim=16,
+                                          index_n_heads=8), 5e-6),  # sparse past 4 keys
+    "mimo_v2_flash": ("mimo_v2_flash", dict(n_routed_experts=4, moe_intermediate_size=16,
+                                            head_dim=24, v_head_dim=12, sliding_window=4),
+                      5e-6),  # sinks in memory as self_attn.sinks
     "granitemoehybrid": ("granitemoehybrid", dict(num_local_experts=4, mamba_n_heads=4,
                                                   mamba_d_head=16, mamba_d_state=8,
                                                   layer_types=["mamba", "attention"]), 5e-6),

@@ -42,6 +42,21 @@ CASES = {
     "afmoe": dict(num_hidden_layers=4, sliding_window=4, num_experts=4, num_experts_per_tok=2,
                   moe_intermediate_size=12, num_shared_experts=1, route_scale=2.0,
                   mup_enabled=True, head_dim=8),
+    # MiMo-V2-Flash: windows of 4 (twice the kv heads, sinks) between two global layers,
+    # values 12 wide (of 24) and scaled, q/k/v biases, a rotated fraction per layer type
+    # (8 and 12 of 24, one base: the two need their own rotary tables), V3's router without
+    # shared experts, the first layer dense
+    "mimo_v2_flash": dict(
+        num_hidden_layers=4, sliding_window=4, head_dim=24, v_head_dim=12,
+        attention_bias=True, attention_value_scale=0.707, n_routed_experts=4,
+        num_experts_per_tok=2, moe_intermediate_size=12, n_group=2, topk_group=1,
+        routed_scaling_factor=2.0,
+        layer_types=["full_attention", "sliding_attention", "sliding_attention",
+                     "full_attention"],
+        rope_parameters={"full_attention": dict(rope_type="default", rope_theta=5e6,
+                                                partial_rotary_factor=0.334),
+                         "sliding_attention": dict(rope_type="default", rope_theta=5e6,
+                                                   partial_rotary_factor=0.5)}),
 }
 ATOL = 5e-6  # transformers routes in float32 and normalises in float32, even in float64
 
@@ -66,7 +81,7 @@ def test_a_transformers_checkpoint_gives_the_same_logits_caches_and_tokens(kind,
     hf, config, sd = checkpoint(kind, tmp_path)
     module, params, state = routed_moe_from_hf(config, sd)
     layers = {"ernie4_5_moe": range(1, 3), "minimax_m2": range(3), "exaone_moe": range(1, 4),
-              "afmoe": range(1, 4)}
+              "afmoe": range(1, 4), "mimo_v2_flash": range(1, 4)}
     assert sorted(state) == [f"blocks.{i}.mlp.router_bias" for i in layers[kind]]
     assert_same_logits_caches_and_tokens(hf, module, params, ATOL, state=state)
 
@@ -97,7 +112,8 @@ def test_the_selection_bias_matters_and_errors_are_named(tmp_path):
     assert not torch.allclose(model.apply(params, tokens, state=state),
                               model.apply(params, tokens, state=zero), atol=1e-3)
     with pytest.raises(ValueError, match=r"model_type'\] must be one of \('ernie4_5_moe', "
-                                         r"'minimax_m2', 'exaone_moe', 'afmoe'\), got "
+                                         r"'minimax_m2', 'exaone_moe', 'afmoe', "
+                                         r"'mimo_v2_flash'\), got "
                                          r"'mixtral'"):
         routed_moe_from_hf(dict(config, model_type="mixtral"))
     with pytest.raises(ValueError, match=r"use_bias'\] = True is not supported"):

@@ -107,6 +107,11 @@ class MultiHeadAttention(nn.Module):
     scores sharpen as the context grows; ``(floor_scale, attn_scale, offset)`` puts
     ``p + offset`` in the floor (Ministral 3: ``floor(p / floor_scale)``, offset 0).
 
+    ``v_dim`` sets the value heads' width apart from ``head_dim`` (MiMo-V2-Flash: 192 for
+    queries and keys, 128 for values); the output projection then maps ``heads * v_dim``.
+    ``value_scale=c`` multiplies the values by ``c`` (MiMo-V2-Flash's
+    ``attention_value_scale``).
+
     ``forward(x, key_padding_mask, segment_ids, positions, cache)``: ``positions`` may
     also be the layer's :meth:`rotary_table` of them, made once for several layers. With a
     :class:`KVCache` (``KVCache()`` to start), the queries attend over the cached keys too
@@ -139,7 +144,8 @@ class MultiHeadAttention(nn.Module):
                  sinks: bool = False, out_bias: bool | None = None,
                  rotary_interleaved: bool = False, chunk: int | None = None,
                  temperature: tuple[float, float] | None = None, output_gate: bool = False,
-                 qkv_clip: float | None = None, attend: AttendFn | None = None) -> None:
+                 qkv_clip: float | None = None, v_dim: int | None = None,
+                 value_scale: float | None = None, attend: AttendFn | None = None) -> None:
         super().__init__()
         _check_dims(dim=dim, heads=heads)
         self.rotary_interleaved = rotary_interleaved
@@ -162,7 +168,12 @@ class MultiHeadAttention(nn.Module):
             raise ValueError(f"dim must be divisible by heads, got dim={dim}, heads={heads} "
                              "(or give head_dim)")
         hd = dim // heads if head_dim is None else head_dim
-        _check_dims(head_dim=hd)
+        vd = hd if v_dim is None else v_dim
+        _check_dims(head_dim=hd, v_dim=vd)
+        if value_scale is not None and (isinstance(value_scale, bool) or not isinstance(
+                value_scale, (int, float)) or not value_scale > 0):
+            raise ValueError(f"value_scale must be a number > 0 or None, got {value_scale!r}")
+        self.value_scale = None if value_scale is None else float(value_scale)
         kv_heads = heads if kv_heads is None else kv_heads
         _check_dims(kv_heads=kv_heads)
         if heads % kv_heads:
@@ -188,12 +199,13 @@ class MultiHeadAttention(nn.Module):
             rotary_frequencies(rot, self.rotary_base, rotary_scaling)
         self.attn_dropout = attn_dropout
         self.attend = attend or _fused_attention
-        self.head_dim = hd
+        self.head_dim, self.v_dim = hd, vd
         qkv_bias = bias if qkv_bias is None else qkv_bias
-        self.qkv = nn.Linear(dim, (heads + 2 * kv_heads) * hd, bias=qkv_bias)  # [q | k | v]
-        self.out = nn.Linear(heads * hd, dim, bias=bias if out_bias is None else out_bias)
+        self.qkv = nn.Linear(dim, (heads + kv_heads) * hd + kv_heads * vd,
+                             bias=qkv_bias)  # [q | k | v]
+        self.out = nn.Linear(heads * vd, dim, bias=bias if out_bias is None else out_bias)
         # Qwen3-Next / Qwen3.5's gated attention: o * sigmoid(x W_gate), per head and feature
-        self.gate = nn.Linear(dim, heads * hd, bias=qkv_bias) if output_gate else None
+        self.gate = nn.Linear(dim, heads * vd, bias=qkv_bias) if output_gate else None
         if sinks:  # gpt-oss: a logit per head that every query may attend instead of a key
             self.sinks = nn.Parameter(torch.zeros(heads))
         else:
@@ -220,8 +232,9 @@ class MultiHeadAttention(nn.Module):
 
     def cache_shapes(self, batch_size: int, capacity: int) -> tuple[tuple, tuple]:
         """The shapes of this layer's cached keys and values, ``(B, Hkv, capacity, D)``
-        each, for :meth:`StaticKVCache.allocate`."""
-        return ((batch_size, self.kv_heads, capacity, self.head_dim),) * 2
+        and ``(B, Hkv, capacity, Dv)``, for :meth:`StaticKVCache.allocate`."""
+        return ((batch_size, self.kv_heads, capacity, self.head_dim),
+                (batch_size, self.kv_heads, capacity, self.v_dim))
 
     def reset_parameters(self) -> None:
         """The sinks start at 0 (the projections are their own modules)."""
@@ -248,14 +261,17 @@ class MultiHeadAttention(nn.Module):
             if segment_ids is not None:
                 raise ValueError("MultiHeadAttention: cache does not take segment_ids "
                                  "(decode one document per row)")
-        q, k, v = self.qkv(x).split([hq, self.kv_heads * hd, self.kv_heads * hd], dim=-1)
+        vd = self.v_dim
+        q, k, v = self.qkv(x).split([hq, self.kv_heads * hd, self.kv_heads * vd], dim=-1)
         if self.qk_norm and self.qk_norm_scope == "all":
             q, k = self.q_norm(q), self.k_norm(k)  # (B, N, H D), (B, N, Hkv D)
         if self.qkv_clip is not None:  # OLMo's and DBRX's clamp
             q, k, v = (t.clamp(-self.qkv_clip, self.qkv_clip) for t in (q, k, v))
         q = q.reshape(b, n, self.heads, hd).transpose(1, 2)  # (B, H, N, D)
         k = k.reshape(b, n, self.kv_heads, hd).transpose(1, 2)  # (B, Hkv, N, D)
-        v = v.reshape(b, n, self.kv_heads, hd).transpose(1, 2)  # (B, Hkv, N, D)
+        v = v.reshape(b, n, self.kv_heads, vd).transpose(1, 2)  # (B, Hkv, N, Dv)
+        if self.value_scale is not None:
+            v = v * self.value_scale
         if self.qk_norm and self.qk_norm_scope == "head":
             q, k = self.q_norm(q), self.k_norm(k)
         if (self.rotary or self.needs_positions) and positions is None:
@@ -293,7 +309,7 @@ class MultiHeadAttention(nn.Module):
             o = self.attend(q, k, v, key_padding_mask=key_padding_mask, causal=self.causal,
                             **_extra(self.window, segment_ids, self.softcap, drop, self.scale,
                                      self.sinks))
-        o = o.transpose(1, 2).reshape(b, n, hq)  # (B, N, H D)
+        o = o.transpose(1, 2).reshape(b, n, self.heads * vd)  # (B, N, H Dv)
         if self.gate is not None:
             o = o * torch.sigmoid(self.gate(x))
         out = self.out(o)  # (B, N, dim)

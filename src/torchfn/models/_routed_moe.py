@@ -1,7 +1,7 @@
 """Hugging Face checkpoints whose mixtures choose experts with a selection bias (router
 state) behind Llama-like attention, as a ``TransformerEncoder``, its params and its
 state, and back: ERNIE 4.5 MoE (``ernie4_5_moe``), MiniMax-M2 (``minimax_m2``), K-EXAONE
-(``exaone_moe``) and Arcee Trinity (``afmoe``)."""
+(``exaone_moe``), Arcee Trinity (``afmoe``) and MiMo-V2-Flash (``mimo_v2_flash``)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from torchfn.models._transformer import TransformerEncoder
 
 __all__ = ["routed_moe_from_hf", "routed_moe_to_hf"]
 
-_TYPES = ("ernie4_5_moe", "minimax_m2", "exaone_moe", "afmoe")
+_TYPES = ("ernie4_5_moe", "minimax_m2", "exaone_moe", "afmoe", "mimo_v2_flash")
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 _COMMON = {"input_layernorm.weight": "ln1.weight",
            "post_attention_layernorm.weight": "ln2.weight",
@@ -48,6 +48,11 @@ _NAMES["afmoe"] = (  # sandwich norms, an output gate; its router and bias named
      "pre_mlp_layernorm.weight": "ln2.weight", "post_mlp_layernorm.weight": "post_ln2.weight",
      "self_attn.gate_proj.weight": "attn.gate.weight"},
     "mlp.router.gate.weight", "mlp.expert_bias") + _NAMES["ernie4_5_moe"][3:]
+_NAMES["mimo_v2_flash"] = (  # attention sinks on its windowed layers; no shared experts
+    {**{f"mlp.{p}_proj.weight": f"mlp.{p}.weight" for p in ("gate", "up", "down")},
+     "self_attn.sinks": "attn.sinks",  # (in memory; the checkpoint's name last: written back)
+     "self_attn.attention_sink_bias": "attn.sinks"},
+    "mlp.gate.weight", "mlp.gate.e_score_correction_bias") + _NAMES["ernie4_5_moe"][3:]
 _SKIPPED = re.compile(r"(model\.)?mtp.*")  # ERNIE's multi-token prediction: not used here
 
 
@@ -113,6 +118,14 @@ def _config(config: Mapping[str, Any]) -> dict[str, Any]:
                        normalize_eps=1e-20, routed_scale=float(config.get("route_scale", 1.0)),
                        shared_hidden=hidden * shared or None)
         top_k = config.get("num_experts_per_tok", 6)
+    elif kind == "mimo_v2_flash":
+        kwargs, sparse = _mimo(config, depth)
+        experts, hidden = config.get("n_routed_experts", 256), config["moe_intermediate_size"]
+        options = dict(scoring="sigmoid", router_bias=True,
+                       normalize=bool(config.get("norm_topk_prob", True)),
+                       routed_scale=float(config.get("routed_scaling_factor") or 1.0),
+                       groups=config.get("n_group") or 1, topk_groups=config.get("topk_group") or 1)
+        top_k = config.get("num_experts_per_tok", 8)
     else:  # MiniMax-M2: q/k norms over all heads, sigmoid scores
         kwargs = _llama_config(dict(config, model_type="llama"))
         kwargs.update(qk_norm=True, qk_norm_scope="all")
@@ -127,13 +140,57 @@ def _config(config: Mapping[str, Any]) -> dict[str, Any]:
     return kwargs
 
 
+def _mimo(config: Mapping[str, Any], depth: int) -> tuple[dict[str, Any], list[bool]]:
+    """MiMo-V2-Flash's attention (``TransformerEncoder`` keywords) and which layers are
+    mixtures: windowed layers (all but the first and every sixth) with twice the
+    key/value heads and attention sinks, queries and keys ``head_dim`` wide and values
+    ``v_head_dim`` (times ``attention_value_scale``), q/k/v biases with
+    ``attention_bias``, a rotary base and rotated fraction per layer type."""
+    types = config.get("layer_types") or [
+        "full_attention" if i == 0 or (i + 1) % 6 == 0 else "sliding_attention"
+        for i in range(depth)]
+    if len(types) != depth or not set(types) <= {"full_attention", "sliding_attention"}:
+        raise ValueError(f"config['layer_types'] must list 'full_attention' or "
+                         f"'sliding_attention' for each of {depth} layers, got {types!r}")
+    config = dict(config, layer_types=types, sliding_window=config.get("sliding_window", 129))
+    kwargs = _llama_config(dict(config, model_type="llama", attention_bias=False))
+    kwargs.update(qkv_bias=bool(config.get("attention_bias", False)), out_bias=False)
+    head_dim, kv = kwargs["head_dim"], kwargs["kv_heads"]
+    ropes = config.get("rope_parameters") or {}
+    scale = config.get("attention_value_scale", 0.707)
+    layers = []
+    for t in types:
+        # transformers rotates 2 * ceil(int(head_dim * factor) / 2) features
+        rot = int(head_dim * (ropes.get(t) or {}).get("partial_rotary_factor", 0.334))
+        layer = dict(rotary_dim=min(head_dim, rot + rot % 2),
+                     v_dim=config.get("v_head_dim", 128),
+                     value_scale=None if scale is None else float(scale))
+        if t == "sliding_attention":
+            layer.update(kv_heads=2 * kv, sinks=True)
+        layers.append(layer)
+    kwargs["layer_attention"] = layers
+    mlp_types = config.get("mlp_layer_types") or ["dense"] + ["sparse"] * (depth - 1)
+    if len(mlp_types) != depth or not set(mlp_types) <= {"dense", "sparse"}:
+        raise ValueError(f"config['mlp_layer_types'] must list 'dense' or 'sparse' for each "
+                         f"of {depth} layers, got {mlp_types!r}")
+    return kwargs, [t == "sparse" for t in mlp_types]
+
+
+def _qkv_sizes(kwargs: Mapping[str, Any], i: int) -> list[int]:
+    """Block ``i``'s rows of q, k and v in its joined ``qkv``."""
+    layer = (kwargs.get("layer_attention") or [None] * (i + 1))[i] or {}
+    hd = kwargs["head_dim"]
+    kv = layer.get("kv_heads", kwargs["kv_heads"])
+    return [kwargs["heads"] * hd, kv * hd, kv * layer.get("v_dim", hd)]
+
+
 def routed_moe_from_hf(config: Mapping[str, Any],
                        state_dict: Mapping[str, Tensor] | None = None, **overrides: Any
                        ) -> tuple[TransformerEncoder, dict[str, Tensor] | None,
                                   dict[str, Tensor] | None]:
-    """The ``TransformerEncoder`` of a Hugging Face ERNIE 4.5 MoE (``"ernie4_5_moe"``) or
-    MiniMax-M2 (``"minimax_m2"``), K-EXAONE (``"exaone_moe"``) or Arcee Trinity
-    (``"afmoe"``) ``config``, and the params
+    """The ``TransformerEncoder`` of a Hugging Face ERNIE 4.5 MoE (``"ernie4_5_moe"``),
+    MiniMax-M2 (``"minimax_m2"``), K-EXAONE (``"exaone_moe"``), Arcee Trinity (``"afmoe"``)
+    or MiMo-V2-Flash (``"mimo_v2_flash"``) ``config``, and the params
     and router state of its ``state_dict``.
 
     Both choose their experts by scores plus a learned selection bias
@@ -145,7 +202,10 @@ def routed_moe_from_hf(config: Mapping[str, Any],
     over all heads and rotates part of each head (``rotary_dim``); K-EXAONE has EXAONE 4's
     attention (q/k norms per head, windows on three layers of four, no rotary on the
     fourth) in pre-norm blocks and DeepSeek-V3's router (sigmoid scores, expert groups,
-    ``routed_scaling_factor``, shared experts); Arcee Trinity (``"afmoe"``) has norms
+    ``routed_scaling_factor``, shared experts); MiMo-V2-Flash (``"mimo_v2_flash"``) has
+    V3's router without shared experts behind windowed layers with twice the key/value
+    heads and attention sinks, values narrower than the heads and scaled, and a rotated
+    fraction per layer type; Arcee Trinity (``"afmoe"``) has norms
     before and after each sublayer, gated attention with q/k norms per head, windows on
     all but every ``global_attn_every_n_layers``-th layer (which has no rotary), and
     sigmoid scores scaled by ``route_scale``. Multi-token-prediction
@@ -243,8 +303,6 @@ def routed_moe_to_hf(config: Mapping[str, Any], params: Mapping[str, Tensor],
     names, router, bias, _, stacked = _NAMES[kind]
     back = {ours: hf for hf, ours in (_COMMON | names).items()}
     hf_expert = {ours: hf for hf, ours in stacked.items()}
-    hd = kwargs["head_dim"]
-    sizes = [kwargs["heads"] * hd] + [kwargs["kv_heads"] * hd] * 2
     hf_global = {ours: hf for hf, ours in GLOBAL_NAMES.items()}
     out: dict[str, Tensor] = {}
     for name, t in {**params, **state}.items():
@@ -258,7 +316,7 @@ def routed_moe_to_hf(config: Mapping[str, Any], params: Mapping[str, Tensor],
         elif rest == "mlp.router_bias":
             out[at + bias] = t.reshape(1, -1) if kind == "ernie4_5_moe" else t
         elif rest in ("attn.qkv.weight", "attn.qkv.bias"):
-            for p, part in zip("qkv", t.split(sizes)):
+            for p, part in zip("qkv", t.split(_qkv_sizes(kwargs, int(i)))):
                 out[f"{at}self_attn.{p}_proj.{rest.rsplit('.', 1)[1]}"] = part.clone()
         elif rest in ("mlp.gate", "mlp.up", "mlp.down"):  # stacked experts (E, ...)
             hf = hf_expert[rest[4:]]

@@ -27,8 +27,8 @@ from torchfn.models._short_conv import ShortConv
 
 __all__ = ["TransformerEncoder", "TransformerBlock", "MultiHeadAttention"]
 
-_ATTN_OPTIONS = {"chunk", "temperature", "qk_norm", "softcap", "scale",
-                 "qkv_clip"}  # per-block overrides
+_ATTN_OPTIONS = {"chunk", "temperature", "qk_norm", "softcap", "scale", "qkv_clip",
+                 "kv_heads", "sinks", "rotary_dim", "v_dim", "value_scale"}  # per block
 _MIXER_SCALES = ("attn_in", "attn_out", "linear_in", "linear_out")  # parallel_linear's
 _LINEAR = {"gated_deltanet": GatedDeltaNet, "mamba2": Mamba2, "mamba": Mamba,
            "kda": KimiDeltaAttention, "short_conv": ShortConv,
@@ -400,7 +400,8 @@ class TransformerEncoder(nn.Module):
         expert_hidden: the experts' width (default ``mlp_hidden``).
         layer_attention: per block, a dict of :class:`MultiHeadAttention` keywords that
             override the encoder's in that block (None: none): ``chunk``, ``temperature``,
-            ``qk_norm``, ``softcap``, ``scale``. Llama 4 chunks three layers of four and
+            ``qk_norm``, ``softcap``, ``scale``, ``qkv_clip``, ``kv_heads``, ``sinks``,
+            ``rotary_dim``, ``v_dim``, ``value_scale``. Llama 4 chunks three layers of four and
             tunes the temperature of the fourth: ``[{"chunk": 8192, "qk_norm":
             "rms_plain"}] * 3 + [{"temperature": (8192, 0.1)}]``, repeated.
         layer_parts: per block, ``"both"`` (default: a token mixer, then an MLP),
@@ -629,8 +630,6 @@ class TransformerEncoder(nn.Module):
                              f"{layer_rotary!r}")
         ropes = [(rotary_base, rotary_scaling) if r is None else False if r is False
                  else tuple(r) for r in layer_rotary]  # False: no rotary in that block
-        # blocks with the same rotary settings share one cos / sin table per forward
-        self._rope_first = [ropes.index(r) for r in ropes]
         for name, value in (("embed_scale", embed_scale), ("logit_softcap", logit_softcap),
                             ("logit_scale", logit_scale)):
             if value is not None and (isinstance(value, bool) or not isinstance(
@@ -714,6 +713,10 @@ class TransformerEncoder(nn.Module):
                 layer_windows, ropes, self._sparse, layer_attention, layer_linear, layer_parts,
                 residuals, pres, posts)
         )
+        # blocks with the same rotary settings (and rotated width) share one cos / sin
+        # table per forward
+        ropes = [(r, getattr(b.attn, "rotary_dim", None)) for r, b in zip(ropes, self.blocks)]
+        self._rope_first = [ropes.index(r) for r in ropes]
         # each block's cache entries (start, stop): one a token mixer, in order
         ends = list(accumulate(b.cache_entries for b in self.blocks))
         self._slots = {i: (end - b.cache_entries, end) for i, (b, end) in enumerate(
