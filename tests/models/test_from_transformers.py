@@ -24,6 +24,7 @@ CASES = {  # kind, config, atol (transformers normalises in float32 even in floa
     # the recurrent rules and routers too in some: more)
     "llama": ("llama", {}, 5e-6),
     "mixtral": ("mixtral", dict(num_local_experts=4), 5e-6),
+    "phimoe": ("phimoe", dict(num_local_experts=4, router_jitter_noise=0.5), 5e-6),
     "qwen2_moe": ("qwen2_moe", dict(num_experts=4, moe_intermediate_size=16,
                                     shared_expert_intermediate_size=16), 5e-6),
     "jamba": ("jamba", dict(num_experts=4, attn_layer_period=2, attn_layer_offset=1,

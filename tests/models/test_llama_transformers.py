@@ -79,6 +79,15 @@ CASES = {
                                    rope_scaling=dict(type="longrope",
                                                      short_factor=[1.0, 1.5],
                                                      long_factor=[2.0, 5.0]))),
+    # Phi-3.5-MoE: SparseMixer's top-2 (a wide eps: several experts share each softmax),
+    # LayerNorms with biases, biases on q/k/v/o and the head; LongRoPE with its own
+    # short_mscale (the 20 tokens here stay within the original 32)
+    "phimoe": ("phimoe", dict(num_local_experts=4, router_jitter_noise=0.5,
+                              attention_bias=True, lm_head_bias=True, sliding_window=None,
+                              rope_parameters=dict(
+                                  rope_type="longrope", rope_theta=1e4, short_factor=[1.5] * 4,
+                                  long_factor=[3.0] * 4, short_mscale=1.25, long_mscale=1.5,
+                                  original_max_position_embeddings=32))),
     "olmo2": ("olmo2", dict(pad_token_id=0, eos_token_id=1)),
     # pre-norm blocks, q/k norms over all heads, a mixture (softmax top-k, not renormalised)
     "olmoe": ("olmoe", dict(num_experts=4, num_experts_per_tok=2, pad_token_id=0,
@@ -209,7 +218,7 @@ def test_a_transformers_checkpoint_gives_the_same_logits(case, tmp_path):
 @pytest.mark.parametrize("case", ["llama", "mistral-window", "qwen2-moe", "qwen3-wide-heads",
                                   "gemma2", "gemma3", "olmo2", "olmoe", "gpt-oss", "smollm3",
                                   "cohere2", "olmo3", "glm4", "starcoder2", "exaone4",
-                                  "ministral3"])
+                                  "ministral3", "phimoe"])
 def test_greedy_generation_from_left_padded_prompts_equals_transformers(case, tmp_path):
     """Rows of different prompt lengths, padded on the left: ``generate`` with
     ``prompt_mask`` against transformers' ``generate`` on each row alone, unpadded.
@@ -245,7 +254,8 @@ def test_llama_to_hf_gives_back_the_checkpoint(case, tmp_path):
     if case not in ("llama-tied", "mixtral", "qwen2-moe", "qwen3-wide-heads", "gemma3", "phi3",
                     "olmo2", "olmoe", "qwen3-moe-every-other", "gpt-oss", "cohere2", "glm4",
                     "vaultgemma", "starcoder2", "arcee", "seed-oss", "exaone4", "hunyuan",
-                    "ministral3", "apertus", "flex-olmo", "hunyuan-moe", "granitemoeshared"):
+                    "ministral3", "apertus", "flex-olmo", "hunyuan-moe", "granitemoeshared",
+                    "phimoe"):
         return  # the loading below once per kind of name mapping
     moved = {n: t + 0.01 * torch.randn(t.shape, dtype=t.dtype,
                                        generator=torch.Generator().manual_seed(3))

@@ -252,6 +252,50 @@ def test_normalize_eps_divides_by_the_sum_plus_it():
         MoE(4, 8, 6, normalize_eps=-1)
 
 
+@pytest.mark.parametrize("top_k", [2, 3])
+def test_sparsemixer_routing_equals_its_rule_token_by_token(top_k, path):
+    """Phi-3.5-MoE's SparseMixer at inference, written out per token: round r takes the
+    best expert left and weighs it by its softmax among the experts left whose logits lie
+    within a relative 2 eps of that best; on both paths, and its gradient (through the
+    softmaxes) equals the loop's."""
+    eps = 0.3  # wide enough that several experts share each softmax
+    moe = MoE(8, 12, 6, top_k, scoring="sparsemixer", sparsemixer_eps=eps)
+    model = torchfn.Model(moe)
+    params = {n: p.double() for n, p in model.init(random.key(5)).items()}
+    x = random.normal(random.key(6), (3, 5, 8), torch.float64)
+
+    def by_rule(params, x):
+        out = []
+        for t in x.reshape(-1, 8):
+            logits = params["router.weight"] @ t  # (E,)
+            left, acc, shared = logits.clone(), torch.zeros_like(t), 0
+            for _ in range(top_k):
+                e = int(left.argmax())
+                best = left[e]
+                near = [j for j in range(6) if left[j] > float("-inf")
+                        and (best - logits[j]) / max(abs(logits[j]), best) <= 2 * eps]
+                shared += len(near) > 1
+                w = torch.softmax(logits[near], 0)[near.index(e)]
+                h = torch.nn.functional.silu(params["gate"][e] @ t) * (params["up"][e] @ t)
+                acc = acc + w * (params["down"][e] @ h)
+                left = left.index_fill(0, torch.tensor([e]), float("-inf"))
+            out.append(acc)
+        return torch.stack(out).reshape(x.shape), shared
+
+    want, shared = by_rule(params, x)
+    assert shared > 0  # the softmaxes are over more than one expert somewhere
+    torch.testing.assert_close(model.apply(params, x), want, rtol=0, atol=1e-12)
+    grads = torch.func.grad(lambda p: model.apply(p, x).square().sum())(params)
+    loop = torch.func.grad(lambda p: by_rule(p, x)[0].square().sum())(params)
+    for name in params:
+        torch.testing.assert_close(grads[name], loop[name], rtol=1e-10, atol=1e-12)
+    with pytest.raises(ValueError, match="sparsemixer_eps must be a number >= 0, got -1"):
+        MoE(4, 8, 6, scoring="sparsemixer", sparsemixer_eps=-1)
+    with pytest.raises(ValueError, match="scoring='sparsemixer' takes neither groups nor "
+                                         "router_bias"):
+        MoE(4, 8, 6, scoring="sparsemixer", router_bias=True)
+
+
 def test_layer_experts_mix_dense_and_mixture_blocks():
     """Only the chosen blocks route (their logits, in order, are what
     ``return_router_logits`` gives); the others keep a dense MLP of ``mlp_hidden``."""
@@ -360,7 +404,8 @@ def test_bad_input_is_named():
     for bad in (0, -1.0, True):
         with pytest.raises(ValueError, match="capacity_factor must be a number > 0 or None"):
             MoE(8, 16, 4, capacity_factor=bad)
-    with pytest.raises(ValueError, match="scoring must be 'softmax' or 'sigmoid', got 'relu'"):
+    with pytest.raises(ValueError, match="scoring must be 'softmax', 'sigmoid' or "
+                                         "'sparsemixer', got 'relu'"):
         MoE(8, 16, 4, scoring="relu")
     with pytest.raises(ValueError, match="give groups and topk_groups together"):
         MoE(8, 16, 4, groups=2)

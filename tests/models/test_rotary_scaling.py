@@ -132,3 +132,20 @@ def test_longrope_divides_each_frequency_by_its_factor_and_checks_their_count():
     with pytest.raises(ValueError, match=r"short_factor'\] must hold rotary_dim / 2 = 2 "
                                          r"factors, got 3"):
         rotary_frequencies(4, 100.0, scaling)
+
+
+def test_longrope_mscales_go_with_their_factors():
+    """Phi-3.5-MoE's ``short_mscale`` / ``long_mscale`` scale cos and sin with the short
+    factors for a call within the original context and with the long ones past it."""
+    from torchfn.models._rotary import rotary_table
+
+    scaling = {"rope_type": "longrope", "short_factor": [1.0, 2.0], "long_factor": [3.0, 5.0],
+               "original_max_position_embeddings": 16, "factor": 8.0,
+               "short_mscale": 1.25, "long_mscale": 1.5}
+    for n, factors, mscale in ((10, [1.0, 2.0], 1.25), (20, [3.0, 5.0], 1.5)):
+        pos = torch.arange(n, dtype=torch.float64)
+        angles = pos[:, None] * plain(4, 100.0) / torch.tensor(factors, dtype=torch.float64)
+        table = rotary_table(torch.arange(n), 4, base=100.0, scaling=scaling,
+                             dtype=torch.float64)
+        torch.testing.assert_close(table.cos, mscale * angles.cos(), rtol=0, atol=1e-14)
+        torch.testing.assert_close(table.sin, mscale * angles.sin(), rtol=0, atol=1e-14)

@@ -1,8 +1,8 @@
 """A Hugging Face Llama-family checkpoint (Llama, Mistral, Ministral, Ministral 3, Mixtral,
-Qwen2, Qwen2-MoE, Qwen3, Qwen3-MoE, Phi-3, OLMo 2 and 3, OLMoE, FlexOlmo, gpt-oss, SmolLM3,
-Cohere, Cohere2, Granite, GraniteMoe, Hunyuan, Hunyuan-MoE, Seed-OSS, Helium, ERNIE 4.5,
-EXAONE 4, GLM, GLM-4, Arcee, Jais2, StarCoder2, Apertus, Gemma, Gemma 2, Gemma 3,
-VaultGemma) as a ``TransformerEncoder`` and its params."""
+Phi-3.5-MoE, Qwen2, Qwen2-MoE, Qwen3, Qwen3-MoE, Phi-3, OLMo 2 and 3, OLMoE, FlexOlmo,
+gpt-oss, SmolLM3, Cohere, Cohere2, Granite, GraniteMoe, Hunyuan, Hunyuan-MoE, Seed-OSS,
+Helium, ERNIE 4.5, EXAONE 4, GLM, GLM-4, Arcee, Jais2, StarCoder2, Apertus, Gemma, Gemma 2,
+Gemma 3, VaultGemma) as a ``TransformerEncoder`` and its params."""
 
 from __future__ import annotations
 
@@ -21,7 +21,8 @@ __all__ = ["llama_from_hf"]
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 GLOBAL_NAMES = {"model.embed_tokens.weight": "embed.weight", "model.norm.weight": "ln.weight",
                 "model.norm.bias": "ln.bias",  # (StarCoder2's and Jais2's LayerNorm)
-                "lm_head.weight": "head.weight"}  # outside the layers: HF -> ours
+                "lm_head.weight": "head.weight",
+                "lm_head.bias": "head.bias"}  # (PhiMoE's lm_head_bias) outside the layers
 _NAMES = {  # a layer's HF names -> ours, but for q/k/v (one qkv matrix here)
     "input_layernorm.weight": "ln1.weight",
     "post_attention_layernorm.weight": "ln2.weight",
@@ -51,6 +52,7 @@ _MOE = {  # model_type -> (router, one expert's matrices, their stacked names, s
                    **{f"mlp.shared_expert.{p}_proj.weight": f"mlp.shared.{p}.weight"
                       for p in ("gate", "up", "down")}}),
 }
+_MOE["phimoe"] = _MOE["mixtral"]  # Mixtral's names; SparseMixer's routing
 _MOE["qwen3_moe"] = _MOE["olmoe"] = _MOE["flex_olmo"] = _MOE["qwen2_moe"][:3] + ({},)  # no
 # shared expert; Hunyuan's router under its own name, an ungated shared MLP
 _MOE["hunyuan_v1_moe"] = ("mlp.gate.wg.weight",) + _MOE["qwen2_moe"][1:3] + (
@@ -71,7 +73,7 @@ _UNGATED = {  # model_type -> (hidden_act, its MLP's two projections): act(x W_u
 XIELU_CONSTANTS = {"mlp.act_fn.beta": 0.5, "mlp.act_fn.eps": -1e-6}  # Apertus's buffers
 _FUSED_MLP = ("phi3", "glm", "glm4")  # gate and up in one gate_up_proj
 _TYPES = ("llama", "mistral", "ministral", "ministral3", "hunyuan_v1_dense", "hunyuan_v1_moe",
-          "flex_olmo", "granitemoe", "granitemoeshared", "mixtral",
+          "flex_olmo", "granitemoe", "granitemoeshared", "mixtral", "phimoe",
           "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "phi3", "olmo2", "olmo3", "olmoe",
           "gpt_oss", "smollm3", "cohere", "cohere2", "granite", "seed_oss", "helium",
           "ernie4_5", "exaone4", "glm", "glm4",
@@ -296,6 +298,11 @@ def _moe(config: Mapping[str, Any], kind: str) -> dict[str, Any]:
     if kind == "mixtral":
         return dict(experts=config.get("num_local_experts", 8),
                     top_k=config.get("num_experts_per_tok", 2))
+    if kind == "phimoe":  # Phi-3.5-MoE: SparseMixer's top-2, LayerNorms with biases
+        return dict(experts=config.get("num_local_experts", 16), top_k=2,
+                    norm="layer", moe_options=dict(
+                        scoring="sparsemixer",
+                        sparsemixer_eps=float(config.get("router_jitter_noise", 0.01))))
     if kind in _GRANITE_MOE:  # Mixtral's routing; GraniteMoeShared's ungated shared MLP
         shared = config.get("shared_intermediate_size") or 0
         return dict(experts=config.get("num_local_experts", 8),
@@ -409,7 +416,7 @@ def _config(config: Mapping[str, Any]) -> dict[str, Any]:
 _EITHER = object()  # a config check's "any value"
 _DEEPSEEK_HINT = ("deepseek_v2", "deepseek_v3", "glm4_moe", "glm4_moe_lite", "youtu",
                   "solar_open", "dots1")  # deepseek_from_hf's
-_BIASED = ("llama", "mistral", "ministral", "seed_oss", "helium", "arcee", "jais2", "glm",
+_BIASED = ("llama", "phimoe", "mistral", "ministral", "seed_oss", "helium", "arcee", "jais2", "glm",
            "glm4", "exaone4", "hunyuan_v1_dense", "hunyuan_v1_moe")  # attention_bias /
 # mlp_bias read
 _TIED = ("ernie4_5", "starcoder2")  # tied embeddings unless the config says otherwise
@@ -435,7 +442,10 @@ def _biases(config: Mapping[str, Any], kind: str) -> dict[str, Any]:
         attention, out = True, False
     elif kind == "gpt_oss":
         attention = out = True
-    return dict(bias=mlp, qkv_bias=attention, out_bias=out, head_bias=False)
+    if kind == "phimoe":  # its LayerNorms' biases (no dense MLP to take one)
+        mlp = True
+    return dict(bias=mlp, qkv_bias=attention, out_bias=out,
+                head_bias=bool(config.get("lm_head_bias", False)))
 
 
 def _hunyuan(config: Mapping[str, Any], head_dim: int) -> dict[str, Any]:
@@ -559,7 +569,11 @@ def llama_from_hf(config: Mapping[str, Any], state_dict: Mapping[str, Tensor] | 
     mixture), Hunyuan-MoE (``"hunyuan_v1_moe"``: Mixtral's routing and an ungated shared
     MLP), GraniteMoe and GraniteMoeShared (``"granitemoe"``, ``"granitemoeshared"``:
     Granite's multipliers, experts fused on disk as ``input_linear`` / ``output_linear``,
-    split and joined here). Llama's own ``attention_bias`` and
+    split and joined here), Phi-3.5-MoE (``"phimoe"``: SparseMixer's top-2 routing,
+    ``MoE(scoring="sparsemixer")``; LayerNorms with biases, biases on q/k/v/o and the head;
+    LongRoPE with ``short_mscale`` / ``long_mscale``. Past the original context it takes
+    the long factors, as Phi-3.5-MoE's own code does; transformers' port keeps the short
+    ones there while switching to ``long_mscale``). Llama's own ``attention_bias`` and
     ``mlp_bias`` are read (biases on q, k, v and the output, on the MLP).
     The q, k and v projections become one ``qkv`` matrix. The checkpoint's tensors are
     used as they are (nothing is copied but ``qkv`` and the stacked experts), so

@@ -29,6 +29,7 @@ _BLOCK = re.compile(r"blocks\.(\d+)\.(.+)")
 _HF_GLOBAL = {ours: hf for hf, ours in GLOBAL_NAMES.items()}
 _EXPERT = {  # model_type -> one expert's matrix name, from its index and kind
     "mixtral": "block_sparse_moe.experts.{j}.{w}.weight",
+    "phimoe": "block_sparse_moe.experts.{j}.{w}.weight",
     "qwen2_moe": "mlp.experts.{j}.{w}_proj.weight",
     "qwen3_moe": "mlp.experts.{j}.{w}_proj.weight",
     "olmoe": "mlp.experts.{j}.{w}_proj.weight",

@@ -58,6 +58,14 @@ class MoE(nn.Module):
     router's logits, ``router.bias``); its softmax over the top-k logits is the default
     routing (renormalised top-k probabilities are the same numbers).
 
+    ``scoring="sparsemixer"``: Phi-3.5-MoE's choice (SparseMixer, Liu et al. 2024) as it
+    runs at inference: the best expert by logit, weighted by its softmax over the experts
+    whose logits lie within a relative ``2 * sparsemixer_eps`` of the best (``(best - l)
+    / max(|l|, best) <= 2 eps``); then the best of the rest, weighted the same way among
+    the rest, and so on for ``top_k`` rounds; not renormalised. The training-time
+    estimator (Gumbel sampling and Heun's third-order gradient) is not reproduced: the
+    same deterministic choice runs in training, differentiable through its softmaxes.
+
     ``weights_on="input"``: the routing weight scales each expert's input instead of its
     output, ``sum_e f_e(w_e x)`` for ``sum_e w_e f_e(x)`` (Llama 4, with
     ``scoring="sigmoid", normalize=False`` and one expert a token).
@@ -99,7 +107,8 @@ class MoE(nn.Module):
                  routed_scale: float = 1.0, router_bias: bool = False,
                  logit_bias: bool = False, expert_bias: bool = False,
                  swiglu_limit: float = 7.0, swiglu_alpha: float = 1.702,
-                 weights_on: str = "output", normalize_eps: float = 0.0) -> None:
+                 weights_on: str = "output", normalize_eps: float = 0.0,
+                 sparsemixer_eps: float = 0.01) -> None:
         super().__init__()
         if isinstance(normalize_eps, bool) or not isinstance(normalize_eps, (int, float)) \
                 or not normalize_eps >= 0:
@@ -130,8 +139,15 @@ class MoE(nn.Module):
             raise ValueError(f"capacity_factor must be a number > 0 or None, got "
                              f"{capacity_factor!r}")
         self.capacity_factor = capacity_factor
-        if scoring not in ("softmax", "sigmoid"):
-            raise ValueError(f"scoring must be 'softmax' or 'sigmoid', got {scoring!r}")
+        if scoring not in ("softmax", "sigmoid", "sparsemixer"):
+            raise ValueError(f"scoring must be 'softmax', 'sigmoid' or 'sparsemixer', got "
+                             f"{scoring!r}")
+        if isinstance(sparsemixer_eps, bool) or not isinstance(sparsemixer_eps, (int, float)) \
+                or not sparsemixer_eps >= 0:
+            raise ValueError(f"sparsemixer_eps must be a number >= 0, got {sparsemixer_eps!r}")
+        if scoring == "sparsemixer" and (groups is not None or router_bias):
+            raise ValueError("scoring='sparsemixer' takes neither groups nor router_bias")
+        self.sparsemixer_eps = float(sparsemixer_eps)
         if (groups is None) != (topk_groups is None):
             raise ValueError(f"give groups and topk_groups together, got groups={groups!r}, "
                              f"topk_groups={topk_groups!r}")
@@ -206,6 +222,8 @@ class MoE(nn.Module):
         experts of the ``topk_groups`` groups whose two best scores sum highest
         (``group_score="max"``: whose best score is highest, DeepSeek-V2) compete."""
         scores = logits.to(torch.promote_types(logits.dtype, torch.float32))
+        if self.scoring == "sparsemixer":
+            return self._sparsemixer(scores)
         scores = scores.softmax(-1) if self.scoring == "softmax" else scores.sigmoid()
         bias = self.router_bias if bias is None else bias
         choice = scores if bias is None else scores + bias
@@ -222,6 +240,21 @@ class MoE(nn.Module):
             total = weights.sum(-1, keepdim=True)
             weights = weights / (total + self.normalize_eps if self.normalize_eps else total)
         return weights * self.routed_scale, chosen
+
+    def _sparsemixer(self, logits: Tensor) -> tuple[Tensor, Tensor]:
+        """SparseMixer's inference routing of ``logits`` ``(T, E)``: ``top_k`` rounds,
+        each taking the best expert left and weighting it by its softmax among the experts
+        left within ``2 * sparsemixer_eps`` of that best (relative)."""
+        left = logits  # (T, E): -inf at the experts already taken
+        weights, chosen = [], []
+        for _ in range(self.top_k):
+            best, pick = left.max(-1, keepdim=True)  # (T, 1)
+            far = (best - logits) / logits.abs().clamp(min=best) > 2 * self.sparsemixer_eps
+            gates = left.masked_fill(far, float("-inf")).softmax(-1)  # (T, E)
+            weights.append(gates.gather(-1, pick))
+            chosen.append(pick)
+            left = left.scatter(-1, pick, float("-inf"))
+        return torch.cat(weights, -1) * self.routed_scale, torch.cat(chosen, -1)
 
     def _expert(self, x: Tensor, e: int | None = None) -> Tensor:
         """Expert ``e`` on ``x`` ``(T, dim)``, or every expert (``e=None``) on ``x``

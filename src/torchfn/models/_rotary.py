@@ -114,14 +114,17 @@ def rotary_table(positions: Tensor, rotary_dim: int, *, base: float = 10000.0,
     if scaling is not None and scaling.get("rope_type", scaling.get("type")) == "longrope":
         # LongRoPE: the long factors for a call that reaches past the original context
         # (decided on the tensor, as Hugging Face does: no sync, traceable, vmap-able)
-        long_freq, _ = _frequencies(rotary_dim, base, scaling, device, long=True)
+        long_freq, long_scale = _frequencies(rotary_dim, base, scaling, device, long=True)
         past = pos.max() + 1 > scaling["original_max_position_embeddings"]
         inv_freq = torch.where(past, long_freq, inv_freq)
+        if long_scale != scale:  # (Phi-3.5-MoE's short_mscale / long_mscale)
+            scale = torch.where(past, torch.tensor(long_scale, dtype=torch.float64, device=device),
+                                torch.tensor(scale, dtype=torch.float64, device=device))
     if pos.dim() > 1:
         pos = pos.unsqueeze(-2)  # (B, 1, N): shared by the heads
     angles = pos[..., None] * inv_freq  # (..., N, rot/2)
     cos, sin = angles.cos(), angles.sin()
-    if scale != 1.0:  # YaRN's attention factor
+    if isinstance(scale, Tensor) or scale != 1.0:  # YaRN's attention factor
         cos, sin = cos * scale, sin * scale
     return RotaryTable(cos.to(work), sin.to(work))
 

@@ -21,7 +21,7 @@ _KEYS = {
     "yarn": {"factor", "original_max_position_embeddings", "beta_fast", "beta_slow",
              "attention_factor", "mscale", "mscale_all_dim", "truncate"},
     "longrope": {"short_factor", "long_factor", "original_max_position_embeddings", "factor",
-                 "attention_factor"},
+                 "attention_factor", "short_mscale", "long_mscale"},
 }
 _REQUIRED = {"linear": {"factor"}, "ntk": {"factor"},
              "llama3": _KEYS["llama3"], "yarn": {"factor", "original_max_position_embeddings"},
@@ -82,7 +82,9 @@ def rotary_frequencies(rotary_dim: int, base: float = 10000.0,
       (``long=True``; :func:`rotary_table` decides from the positions) and from
       ``short_factor`` otherwise; cos and sin scaled by ``attention_factor``, by default
       ``sqrt(1 + ln(factor) / ln(original))`` (``factor``: the context's stretch,
-      Hugging Face's ``max_position_embeddings / original_max_position_embeddings``).
+      Hugging Face's ``max_position_embeddings / original_max_position_embeddings``), or
+      by ``short_mscale`` / ``long_mscale`` where given, with the factors they go with
+      (Phi-3.5-MoE).
 
     Example::
 
@@ -112,7 +114,7 @@ def rotary_frequencies(rotary_dim: int, base: float = 10000.0,
             raise ValueError(f"scaling['{'long' if long else 'short'}_factor'] must hold "
                              f"rotary_dim / 2 = {d // 2} factors, got {len(ext)}")
         original = opts["original_max_position_embeddings"]
-        scale = opts.get("attention_factor")
+        scale = opts.get("long_mscale" if long else "short_mscale", opts.get("attention_factor"))
         if scale is None:
             scale = math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1 else 1.0
         return inv_freq / torch.tensor(ext, dtype=torch.float64, device=device), float(scale)
