@@ -235,3 +235,29 @@ def test_bad_checkpoints_and_configs_are_named():
                                            torch.ones(4)}))
     with pytest.raises(ValueError, match=r"config lacks \['vocab_size'\]"):
         llama_from_hf({k: v for k, v in CONFIG.items() if k != "vocab_size"})
+
+
+def test_mellum_rotates_its_own_fraction_per_layer_type():
+    """Mellum's ``partial_rotary_factor`` per layer type becomes each block's
+    ``rotary_dim`` (transformers 5.24 builds the narrower table but rotates the whole
+    head with it, which fails; so this is checked on the module alone): the full layer
+    rotates half its head, the sliding ones all of it, in windows of 4."""
+    config = dict(model_type="mellum", hidden_size=32, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=8, num_hidden_layers=3,
+                  intermediate_size=24, vocab_size=50, num_experts=4, num_experts_per_tok=2,
+                  moe_intermediate_size=12, sliding_window=4,
+                  layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                  rope_parameters={"full_attention": dict(rope_theta=5e5,
+                                                          partial_rotary_factor=0.5),
+                                   "sliding_attention": dict(rope_theta=1e4)})
+    module, _ = llama_from_hf(config)
+    attn = [b.attn for b in module.blocks]
+    assert [a.rotary_dim for a in attn] == [8, 4, 8]
+    assert [a.window for a in attn] == [(3, None), None, (3, None)]
+    assert [a.rotary_base for a in attn] == [1e4, 5e5, 1e4]
+    assert all(a.qk_norm for a in attn)
+    model = torchfn.Model(module)
+    tokens = torch.randint(0, 50, (2, 9), generator=torch.Generator().manual_seed(0))
+    params = model.init(torchfn.random.key(0))
+    torch.testing.assert_close(logits_through_cache(model, params, tokens, 4),
+                               model.apply(params, tokens), rtol=1e-5, atol=1e-5)

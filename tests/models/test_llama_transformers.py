@@ -88,6 +88,18 @@ CASES = {
                                   rope_type="longrope", rope_theta=1e4, short_factor=[1.5] * 4,
                                   long_factor=[3.0] * 4, short_mscale=1.25, long_mscale=1.5,
                                   original_max_position_embeddings=32))),
+    # Mellum: Qwen3-MoE's heads and mixture, its dense and sparse layers listed, windows
+    # of 4 on the sliding layers, a rotary base per layer type
+    "mellum": ("mellum", dict(num_hidden_layers=3, num_experts=4, num_experts_per_tok=2,
+                              moe_intermediate_size=12, head_dim=8, sliding_window=4,
+                              norm_topk_prob=True, pad_token_id=0,
+                              layer_types=["sliding_attention", "full_attention",
+                                           "sliding_attention"],
+                              mlp_layer_types=["dense", "sparse", "sparse"],
+                              rope_parameters={
+                                  "full_attention": dict(rope_type="default", rope_theta=5e5),
+                                  "sliding_attention": dict(rope_type="default",
+                                                            rope_theta=1e4)})),
     "olmo2": ("olmo2", dict(pad_token_id=0, eos_token_id=1)),
     # pre-norm blocks, q/k norms over all heads, a mixture (softmax top-k, not renormalised)
     "olmoe": ("olmoe", dict(num_experts=4, num_experts_per_tok=2, pad_token_id=0,
@@ -218,7 +230,7 @@ def test_a_transformers_checkpoint_gives_the_same_logits(case, tmp_path):
 @pytest.mark.parametrize("case", ["llama", "mistral-window", "qwen2-moe", "qwen3-wide-heads",
                                   "gemma2", "gemma3", "olmo2", "olmoe", "gpt-oss", "smollm3",
                                   "cohere2", "olmo3", "glm4", "starcoder2", "exaone4",
-                                  "ministral3", "phimoe"])
+                                  "ministral3", "phimoe", "mellum"])
 def test_greedy_generation_from_left_padded_prompts_equals_transformers(case, tmp_path):
     """Rows of different prompt lengths, padded on the left: ``generate`` with
     ``prompt_mask`` against transformers' ``generate`` on each row alone, unpadded.
@@ -255,7 +267,7 @@ def test_llama_to_hf_gives_back_the_checkpoint(case, tmp_path):
                     "olmo2", "olmoe", "qwen3-moe-every-other", "gpt-oss", "cohere2", "glm4",
                     "vaultgemma", "starcoder2", "arcee", "seed-oss", "exaone4", "hunyuan",
                     "ministral3", "apertus", "flex-olmo", "hunyuan-moe", "granitemoeshared",
-                    "phimoe"):
+                    "phimoe", "mellum"):
         return  # the loading below once per kind of name mapping
     moved = {n: t + 0.01 * torch.randn(t.shape, dtype=t.dtype,
                                        generator=torch.Generator().manual_seed(3))

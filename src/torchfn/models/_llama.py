@@ -1,5 +1,5 @@
 """A Hugging Face Llama-family checkpoint (Llama, Mistral, Ministral, Ministral 3, Mixtral,
-Phi-3.5-MoE, Qwen2, Qwen2-MoE, Qwen3, Qwen3-MoE, Phi-3, OLMo 2 and 3, OLMoE, FlexOlmo,
+Phi-3.5-MoE, Mellum, Qwen2, Qwen2-MoE, Qwen3, Qwen3-MoE, Phi-3, OLMo 2 and 3, OLMoE, FlexOlmo,
 gpt-oss, SmolLM3, Cohere, Cohere2, Granite, GraniteMoe, Hunyuan, Hunyuan-MoE, Seed-OSS,
 Helium, ERNIE 4.5, EXAONE 4, GLM, GLM-4, Arcee, Jais2, StarCoder2, Apertus, Gemma, Gemma 2,
 Gemma 3, VaultGemma) as a ``TransformerEncoder`` and its params."""
@@ -53,7 +53,8 @@ _MOE = {  # model_type -> (router, one expert's matrices, their stacked names, s
                       for p in ("gate", "up", "down")}}),
 }
 _MOE["phimoe"] = _MOE["mixtral"]  # Mixtral's names; SparseMixer's routing
-_MOE["qwen3_moe"] = _MOE["olmoe"] = _MOE["flex_olmo"] = _MOE["qwen2_moe"][:3] + ({},)  # no
+_MOE["qwen3_moe"] = _MOE["olmoe"] = _MOE["flex_olmo"] = _MOE["mellum"] = \
+    _MOE["qwen2_moe"][:3] + ({},)  # no
 # shared expert; Hunyuan's router under its own name, an ungated shared MLP
 _MOE["hunyuan_v1_moe"] = ("mlp.gate.wg.weight",) + _MOE["qwen2_moe"][1:3] + (
     {f"mlp.shared_mlp.{p}_proj.weight": f"mlp.shared.{p}.weight" for p in ("gate", "up", "down")},)
@@ -73,7 +74,7 @@ _UNGATED = {  # model_type -> (hidden_act, its MLP's two projections): act(x W_u
 XIELU_CONSTANTS = {"mlp.act_fn.beta": 0.5, "mlp.act_fn.eps": -1e-6}  # Apertus's buffers
 _FUSED_MLP = ("phi3", "glm", "glm4")  # gate and up in one gate_up_proj
 _TYPES = ("llama", "mistral", "ministral", "ministral3", "hunyuan_v1_dense", "hunyuan_v1_moe",
-          "flex_olmo", "granitemoe", "granitemoeshared", "mixtral", "phimoe",
+          "flex_olmo", "granitemoe", "granitemoeshared", "mixtral", "phimoe", "mellum",
           "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "phi3", "olmo2", "olmo3", "olmoe",
           "gpt_oss", "smollm3", "cohere", "cohere2", "granite", "seed_oss", "helium",
           "ernie4_5", "exaone4", "glm", "glm4",
@@ -224,6 +225,8 @@ def _layer_types(config: Mapping[str, Any], kind: str) -> list[str]:
     if w is None or kind == "gemma":
         return ["full_attention"] * depth
     types = config.get("layer_types")
+    if types is None and kind == "mellum":  # (its windows only where layer_types says)
+        types = ["full_attention"] * depth
     if types is None:
         if kind == "qwen2_moe":
             raise ValueError("config['use_sliding_window'] = True without 'layer_types' is "
@@ -319,10 +322,12 @@ def _moe(config: Mapping[str, Any], kind: str) -> dict[str, Any]:
         return dict(experts=counts["num_experts"], top_k=counts["moe_topk"],
                     expert_hidden=config["intermediate_size"],
                     moe_options=dict(shared_hidden=config["intermediate_size"]))
-    if kind not in ("qwen2_moe", "qwen3_moe", "olmoe", "flex_olmo"):
+    if kind not in ("qwen2_moe", "qwen3_moe", "olmoe", "flex_olmo", "mellum"):
         return {}
     step, dense = config.get("decoder_sparse_step") or 1, config.get("mlp_only_layers") or []
     sparse = [i not in dense and (i + 1) % step == 0 for i in range(config["num_hidden_layers"])]
+    if kind == "mellum":  # its dense and sparse layers listed
+        sparse = _listed_mlps(config)
     if not any(sparse):
         raise ValueError(f"config['decoder_sparse_step'] = {step!r} and config["
                          f"'mlp_only_layers'] = {dense!r} leave no layer a mixture of experts")
@@ -334,6 +339,30 @@ def _moe(config: Mapping[str, Any], kind: str) -> dict[str, Any]:
     return dict(experts=experts, top_k=config.get("num_experts_per_tok", 4),
                 expert_hidden=config.get("moe_intermediate_size", config["intermediate_size"]),
                 moe_options=options, layer_experts=None if all(sparse) else sparse)
+
+
+def _listed_mlps(config: Mapping[str, Any]) -> list[bool]:
+    """Which layers are mixtures, from ``mlp_layer_types`` (``"dense"`` / ``"sparse"``;
+    default all sparse)."""
+    depth = config["num_hidden_layers"]
+    types = config.get("mlp_layer_types") or ["sparse"] * depth
+    if len(types) != depth or not set(types) <= {"dense", "sparse"}:
+        raise ValueError(f"config['mlp_layer_types'] must list 'dense' or 'sparse' for each "
+                         f"of {depth} layers, got {types!r}")
+    return [t == "sparse" for t in types]
+
+
+def _type_rotary(config: Mapping[str, Any], types: list[str], head_dim: int
+                 ) -> dict[str, Any]:
+    """Mellum's rotated fraction per layer type (``rope_parameters[type]
+    ["partial_rotary_factor"]``) as each block's ``rotary_dim``; nothing where every
+    layer rotates all of its head."""
+    params = config.get("rope_parameters") or {}
+    dims = [int(head_dim * ((params.get(t) or {}).get("partial_rotary_factor") or 1.0))
+            for t in types]
+    if all(d == head_dim for d in dims):
+        return {}
+    return dict(layer_attention=[{"rotary_dim": d} for d in dims])
 
 
 def _config(config: Mapping[str, Any]) -> dict[str, Any]:
@@ -381,7 +410,7 @@ def _config(config: Mapping[str, Any]) -> dict[str, Any]:
         position_embedding="rotary", norm="rms", mlp="swiglu",
         mlp_hidden=config["intermediate_size"], norm_eps=float(config.get("rms_norm_eps", 1e-6)),
         tie_embeddings=bool(config.get("tie_word_embeddings", kind in _TIED)),
-        qk_norm=kind.startswith("qwen3") or kind == "apertus",  # RMSNorm on each head's q, k
+        qk_norm=kind.startswith("qwen3") or kind in ("apertus", "mellum"),  # on each head
         rotary_dim=None if partial == 1 else int(head_dim * partial),
     ) | _biases(config, kind) | _ropes(config, types) | _windows(config, types) | _moe(
         config, kind) | (_gemma(config, kind, head_dim) if kind in _GEMMA else {}) | (
@@ -409,6 +438,7 @@ def _config(config: Mapping[str, Any]) -> dict[str, Any]:
         _ungated(config, kind) if kind in _UNGATED else {}) | (
         _hunyuan(config, head_dim) if kind.startswith("hunyuan") else {}) | (
         _ministral3(config) if kind == "ministral3" else {}) | (
+        _type_rotary(config, types, head_dim) if kind == "mellum" else {}) | (
         dict(layer_attention=[{"qkv_clip": config["clip_qkv"]}] * config["num_hidden_layers"])
         if kind == "olmoe" and config.get("clip_qkv") is not None else {})
 
@@ -573,7 +603,9 @@ def llama_from_hf(config: Mapping[str, Any], state_dict: Mapping[str, Tensor] | 
     ``MoE(scoring="sparsemixer")``; LayerNorms with biases, biases on q/k/v/o and the head;
     LongRoPE with ``short_mscale`` / ``long_mscale``. Past the original context it takes
     the long factors, as Phi-3.5-MoE's own code does; transformers' port keeps the short
-    ones there while switching to ``long_mscale``). Llama's own ``attention_bias`` and
+    ones there while switching to ``long_mscale``), Mellum (``"mellum"``: Qwen3-MoE's heads
+    and mixture, ``mlp_layer_types``, windows where ``layer_types`` says, a rotary base and
+    rotated fraction per layer type). Llama's own ``attention_bias`` and
     ``mlp_bias`` are read (biases on q, k, v and the output, on the MLP).
     The q, k and v projections become one ``qkv`` matrix. The checkpoint's tensors are
     used as they are (nothing is copied but ``qkv`` and the stacked experts), so
