@@ -100,6 +100,21 @@ CASES = {
                                   "full_attention": dict(rope_type="default", rope_theta=5e5),
                                   "sliding_attention": dict(rope_type="default",
                                                             rope_theta=1e4)})),
+    # Cohere2-MoE: Cohere2's parallel blocks (rotary and windows of 4 on the sliding
+    # layers), a dense global first layer (rotary too), 2 shared experts averaged with the
+    # routed ones (softmax over the top-2 logits)
+    "cohere2-moe": ("cohere2_moe", dict(num_hidden_layers=4, num_experts=4, head_dim=8,
+                                        intermediate_size=12, num_shared_experts=2,
+                                        first_k_dense_replace=1, sliding_window=4,
+                                        prefix_dense_intermediate_size=40, logit_scale=0.25,
+                                        pad_token_id=0, eos_token_id=1, bos_token_id=2)),
+    # RMSNorm, sigmoid scores renormalised, shared experts added, every layer a mixture
+    "cohere2-moe-rms": ("cohere2_moe", dict(num_hidden_layers=2, num_experts=4, head_dim=8,
+                                            intermediate_size=12, num_shared_experts=1,
+                                            rms_norm_eps=1e-5, expert_selection_fn="sigmoid",
+                                            shared_expert_combination_strategy="sum",
+                                            sliding_window=4, pad_token_id=0, eos_token_id=1,
+                                            bos_token_id=2)),
     "olmo2": ("olmo2", dict(pad_token_id=0, eos_token_id=1)),
     # pre-norm blocks, q/k norms over all heads, a mixture (softmax top-k, not renormalised)
     "olmoe": ("olmoe", dict(num_experts=4, num_experts_per_tok=2, pad_token_id=0,
@@ -230,7 +245,7 @@ def test_a_transformers_checkpoint_gives_the_same_logits(case, tmp_path):
 @pytest.mark.parametrize("case", ["llama", "mistral-window", "qwen2-moe", "qwen3-wide-heads",
                                   "gemma2", "gemma3", "olmo2", "olmoe", "gpt-oss", "smollm3",
                                   "cohere2", "olmo3", "glm4", "starcoder2", "exaone4",
-                                  "ministral3", "phimoe", "mellum"])
+                                  "ministral3", "phimoe", "mellum", "cohere2-moe"])
 def test_greedy_generation_from_left_padded_prompts_equals_transformers(case, tmp_path):
     """Rows of different prompt lengths, padded on the left: ``generate`` with
     ``prompt_mask`` against transformers' ``generate`` on each row alone, unpadded.
@@ -267,7 +282,7 @@ def test_llama_to_hf_gives_back_the_checkpoint(case, tmp_path):
                     "olmo2", "olmoe", "qwen3-moe-every-other", "gpt-oss", "cohere2", "glm4",
                     "vaultgemma", "starcoder2", "arcee", "seed-oss", "exaone4", "hunyuan",
                     "ministral3", "apertus", "flex-olmo", "hunyuan-moe", "granitemoeshared",
-                    "phimoe", "mellum"):
+                    "phimoe", "mellum", "cohere2-moe"):
         return  # the loading below once per kind of name mapping
     moved = {n: t + 0.01 * torch.randn(t.shape, dtype=t.dtype,
                                        generator=torch.Generator().manual_seed(3))

@@ -296,6 +296,17 @@ def test_sparsemixer_routing_equals_its_rule_token_by_token(top_k, path):
         MoE(4, 8, 6, scoring="sparsemixer", router_bias=True)
 
 
+def test_an_averaged_shared_expert_is_half_the_sum(path):
+    """Cohere2-MoE's ``shared_combine="average"``: ``(routed + shared) / 2``, on both
+    paths; any other combination is named."""
+    model, params, x = setup(shared_hidden=6, shared_combine="average")
+    torch.testing.assert_close(model.apply(params, x), 0.5 * loop_reference(params, x, 2),
+                               rtol=0, atol=1e-12)
+    with pytest.raises(ValueError, match="shared_combine must be 'sum' or 'average', got "
+                                         "'max'"):
+        MoE(4, 8, 6, shared_hidden=4, shared_combine="max")
+
+
 def test_layer_experts_mix_dense_and_mixture_blocks():
     """Only the chosen blocks route (their logits, in order, are what
     ``return_router_logits`` gives); the others keep a dense MLP of ``mlp_hidden``."""

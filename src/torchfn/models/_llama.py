@@ -1,8 +1,8 @@
 """A Hugging Face Llama-family checkpoint (Llama, Mistral, Ministral, Ministral 3, Mixtral,
 Phi-3.5-MoE, Mellum, Qwen2, Qwen2-MoE, Qwen3, Qwen3-MoE, Phi-3, OLMo 2 and 3, OLMoE, FlexOlmo,
-gpt-oss, SmolLM3, Cohere, Cohere2, Granite, GraniteMoe, Hunyuan, Hunyuan-MoE, Seed-OSS,
-Helium, ERNIE 4.5, EXAONE 4, GLM, GLM-4, Arcee, Jais2, StarCoder2, Apertus, Gemma, Gemma 2,
-Gemma 3, VaultGemma) as a ``TransformerEncoder`` and its params."""
+gpt-oss, SmolLM3, Cohere, Cohere2, Cohere2-MoE, Granite, GraniteMoe, Hunyuan, Hunyuan-MoE,
+Seed-OSS, Helium, ERNIE 4.5, EXAONE 4, GLM, GLM-4, Arcee, Jais2, StarCoder2, Apertus, Gemma,
+Gemma 2, Gemma 3, VaultGemma) as a ``TransformerEncoder`` and its params."""
 
 from __future__ import annotations
 
@@ -58,6 +58,9 @@ _MOE["qwen3_moe"] = _MOE["olmoe"] = _MOE["flex_olmo"] = _MOE["mellum"] = \
 # shared expert; Hunyuan's router under its own name, an ungated shared MLP
 _MOE["hunyuan_v1_moe"] = ("mlp.gate.wg.weight",) + _MOE["qwen2_moe"][1:3] + (
     {f"mlp.shared_mlp.{p}_proj.weight": f"mlp.shared.{p}.weight" for p in ("gate", "up", "down")},)
+_MOE["cohere2_moe"] = _MOE["qwen2_moe"][:3] + ({
+    f"mlp.shared_experts.{p}_proj.weight": f"mlp.shared.{p}.weight"
+    for p in ("gate", "up", "down")},)  # its shared expert ungated
 _GRANITE_MOE = ("granitemoe", "granitemoeshared")
 _NO_MATCH = re.compile(r"(?!)")
 _MOE.update({kind: ("block_sparse_moe.router.layer.weight", _NO_MATCH, {}, {})
@@ -75,6 +78,7 @@ XIELU_CONSTANTS = {"mlp.act_fn.beta": 0.5, "mlp.act_fn.eps": -1e-6}  # Apertus's
 _FUSED_MLP = ("phi3", "glm", "glm4")  # gate and up in one gate_up_proj
 _TYPES = ("llama", "mistral", "ministral", "ministral3", "hunyuan_v1_dense", "hunyuan_v1_moe",
           "flex_olmo", "granitemoe", "granitemoeshared", "mixtral", "phimoe", "mellum",
+          "cohere2_moe",
           "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "phi3", "olmo2", "olmo3", "olmoe",
           "gpt_oss", "smollm3", "cohere", "cohere2", "granite", "seed_oss", "helium",
           "ernie4_5", "exaone4", "glm", "glm4",
@@ -187,6 +191,10 @@ def _ropes(config: Mapping[str, Any], types: list[str]) -> dict[str, Any]:
     nope = config.get("no_rope_layers")  # SmolLM3: 1 for a rotary layer, 0 for NoPE
     if config.get("model_type") == "cohere2":  # rotary on the windowed layers only
         nope = [int(t == "sliding_attention") for t in types]
+    if config.get("model_type") == "cohere2_moe":  # and on a dense prefix of global layers
+        dense = [not s for s in _listed_mlps(config)]
+        force = config.get("prefix_dense_sliding_window_pattern", 1) == 1
+        nope = [int(t == "sliding_attention" or (force and d)) for t, d in zip(types, dense)]
     if nope is not None and not all(nope):
         if len(nope) != len(types):
             raise ValueError(f"config['no_rope_layers'] must have one entry per layer "
@@ -278,13 +286,17 @@ def _gemma(config: Mapping[str, Any], kind: str, head_dim: int) -> dict[str, Any
 
 
 def _cohere(config: Mapping[str, Any]) -> dict[str, Any]:
-    """Cohere (Command R) and Cohere2 (Command R7B): one LayerNorm without bias for both
-    parallel sublayers, rotary pairs interleaved, tied embeddings, logits scaled."""
+    """Cohere (Command R), Cohere2 (Command R7B) and Cohere2-MoE: one LayerNorm without
+    bias (Cohere2-MoE: an RMSNorm where ``rms_norm_eps`` is set) for both parallel
+    sublayers, rotary pairs interleaved, tied embeddings, logits scaled."""
     if config.get("use_qk_norm"):
         raise ValueError("config['use_qk_norm'] = True is not supported here (Cohere's q/k "
                          "norms have a weight per head)")
-    return dict(norm="layer", parallel_residual="shared", rotary_interleaved=True,
-                norm_eps=float(config.get("layer_norm_eps", 1e-5)),
+    rms = config.get("model_type") == "cohere2_moe" and config.get("rms_norm_eps") is not None
+    return dict(norm="rms" if rms else "layer", parallel_residual="shared",
+                rotary_interleaved=True, bias=False,
+                norm_eps=float(config["rms_norm_eps"] if rms else
+                               config.get("layer_norm_eps", 1e-5)),
                 tie_embeddings=bool(config.get("tie_word_embeddings", True)),
                 logit_scale=float(config.get("logit_scale", 1.0)))
 
@@ -301,6 +313,24 @@ def _moe(config: Mapping[str, Any], kind: str) -> dict[str, Any]:
     if kind == "mixtral":
         return dict(experts=config.get("num_local_experts", 8),
                     top_k=config.get("num_experts_per_tok", 2))
+    if kind == "cohere2_moe":  # softmax over the top-k logits, or sigmoid; dense prefix
+        combine = config.get("shared_expert_combination_strategy", "average")
+        if combine not in ("sum", "average"):
+            raise ValueError(f"config['shared_expert_combination_strategy'] = {combine!r} is "
+                             f"not supported here (needs 'sum' or 'average')")
+        select = config.get("expert_selection_fn", "softmax")
+        if select not in ("softmax", "sigmoid"):
+            raise ValueError(f"config['expert_selection_fn'] = {select!r} is not supported "
+                             f"here (needs 'softmax' or 'sigmoid')")
+        hidden, shared = config["intermediate_size"], config.get("num_shared_experts") or 0
+        sparse = _listed_mlps(config)
+        return dict(experts=config.get("num_experts", 8),
+                    top_k=config.get("num_experts_per_tok", 2), expert_hidden=hidden,
+                    mlp_hidden=config.get("prefix_dense_intermediate_size") or hidden,
+                    layer_experts=None if all(sparse) else sparse, moe_options=dict(
+                        scoring=select, normalize=select == "softmax" or bool(
+                            config.get("norm_topk_prob", True)),
+                        shared_hidden=hidden * shared or None, shared_combine=combine))
     if kind == "phimoe":  # Phi-3.5-MoE: SparseMixer's top-2, LayerNorms with biases
         return dict(experts=config.get("num_local_experts", 16), top_k=2,
                     norm="layer", moe_options=dict(
@@ -408,7 +438,7 @@ def _config(config: Mapping[str, Any]) -> dict[str, Any]:
         max_len=config.get("max_position_embeddings", 2048),
         kv_heads=config.get("num_key_value_heads") or heads, head_dim=head_dim,
         position_embedding="rotary", norm="rms", mlp="swiglu",
-        mlp_hidden=config["intermediate_size"], norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+        mlp_hidden=config["intermediate_size"], norm_eps=float(config.get("rms_norm_eps") or 1e-6),
         tie_embeddings=bool(config.get("tie_word_embeddings", kind in _TIED)),
         qk_norm=kind.startswith("qwen3") or kind in ("apertus", "mellum"),  # on each head
         rotary_dim=None if partial == 1 else int(head_dim * partial),
@@ -446,8 +476,9 @@ def _config(config: Mapping[str, Any]) -> dict[str, Any]:
 _EITHER = object()  # a config check's "any value"
 _DEEPSEEK_HINT = ("deepseek_v2", "deepseek_v3", "glm4_moe", "glm4_moe_lite", "youtu",
                   "solar_open", "dots1")  # deepseek_from_hf's
-_BIASED = ("llama", "phimoe", "mistral", "ministral", "seed_oss", "helium", "arcee", "jais2", "glm",
-           "glm4", "exaone4", "hunyuan_v1_dense", "hunyuan_v1_moe")  # attention_bias /
+_BIASED = ("llama", "phimoe", "cohere2_moe", "mistral", "ministral", "seed_oss", "helium",
+           "arcee", "jais2", "glm", "glm4", "exaone4", "hunyuan_v1_dense",
+           "hunyuan_v1_moe")  # attention_bias /
 # mlp_bias read
 _TIED = ("ernie4_5", "starcoder2")  # tied embeddings unless the config says otherwise
 
@@ -605,7 +636,11 @@ def llama_from_hf(config: Mapping[str, Any], state_dict: Mapping[str, Tensor] | 
     the long factors, as Phi-3.5-MoE's own code does; transformers' port keeps the short
     ones there while switching to ``long_mscale``), Mellum (``"mellum"``: Qwen3-MoE's heads
     and mixture, ``mlp_layer_types``, windows where ``layer_types`` says, a rotary base and
-    rotated fraction per layer type). Llama's own ``attention_bias`` and
+    rotated fraction per layer type), Cohere2-MoE (``"cohere2_moe"``: Cohere2's parallel
+    blocks, an RMSNorm where ``rms_norm_eps`` is set, a dense prefix of
+    ``prefix_dense_intermediate_size`` that also rotates, softmax over the top-k logits or
+    sigmoid scores, shared experts added or averaged, ``MoE(shared_combine=)``). Llama's
+    own ``attention_bias`` and
     ``mlp_bias`` are read (biases on q, k, v and the output, on the MLP).
     The q, k and v projections become one ``qkv`` matrix. The checkpoint's tensors are
     used as they are (nothing is copied but ``qkv`` and the stacked experts), so

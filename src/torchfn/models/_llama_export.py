@@ -33,6 +33,7 @@ _EXPERT = {  # model_type -> one expert's matrix name, from its index and kind
     "qwen2_moe": "mlp.experts.{j}.{w}_proj.weight",
     "qwen3_moe": "mlp.experts.{j}.{w}_proj.weight",
     "mellum": "mlp.experts.{j}.{w}_proj.weight",
+    "cohere2_moe": "mlp.experts.{j}.{w}_proj.weight",
     "olmoe": "mlp.experts.{j}.{w}_proj.weight",
     "flex_olmo": "mlp.experts.{j}.{w}_proj.weight",
     "hunyuan_v1_moe": "mlp.experts.{j}.{w}_proj.weight",

@@ -72,7 +72,8 @@ class MoE(nn.Module):
 
     ``shared_hidden``: also one shared expert of that width that every token goes
     through, added to the routed experts' output (DeepSeekMoE, Qwen-MoE); with
-    ``shared_gate=True`` it is scaled by ``sigmoid(w . x)`` per token (Qwen2-MoE).
+    ``shared_gate=True`` it is scaled by ``sigmoid(w . x)`` per token (Qwen2-MoE);
+    ``shared_combine="average"`` averages the two instead of adding them (Cohere2-MoE).
 
     Two exact computations of the same function. In eager mode (also under ``grad``,
     ``jvp``, ``jacrev``), tokens are sorted by expert and each expert runs on its own
@@ -108,7 +109,7 @@ class MoE(nn.Module):
                  logit_bias: bool = False, expert_bias: bool = False,
                  swiglu_limit: float = 7.0, swiglu_alpha: float = 1.702,
                  weights_on: str = "output", normalize_eps: float = 0.0,
-                 sparsemixer_eps: float = 0.01) -> None:
+                 sparsemixer_eps: float = 0.01, shared_combine: str = "sum") -> None:
         super().__init__()
         if isinstance(normalize_eps, bool) or not isinstance(normalize_eps, (int, float)) \
                 or not normalize_eps >= 0:
@@ -118,6 +119,10 @@ class MoE(nn.Module):
             raise ValueError(f"weights_on must be 'output' or 'input', got {weights_on!r}")
         self.weights_on = weights_on
         _check_dims(dim=dim, hidden=hidden, experts=experts, top_k=top_k)
+        if shared_combine not in ("sum", "average"):
+            raise ValueError(f"shared_combine must be 'sum' or 'average', got "
+                             f"{shared_combine!r}")
+        self.shared_combine = shared_combine
         if shared_hidden is not None:
             _check_dims(shared_hidden=shared_hidden)
         elif shared_gate:
@@ -296,7 +301,7 @@ class MoE(nn.Module):
             shared = self.shared(tokens)  # (T, dim)
             if self.shared_gate:
                 shared = torch.sigmoid(self.gate_shared(tokens)) * shared
-            out = out + shared
+            out = out + shared if self.shared_combine == "sum" else (out + shared) / 2
         out = out.reshape(shape)
         return (out, logits.reshape(*shape[:-1], self.experts)) if return_router_logits else out
 
