@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 from _cached import logits_through_cache
+from _transforms import check_vmap_grad_and_jvp
 
 import torchfn
 from torchfn import random
@@ -127,22 +128,9 @@ def test_per_sample_gradients_and_jvp_go_through_the_choice():
     the choice is discrete); ``jvp`` equals a central difference (the choice does not
     move under a small enough step)."""
     model, params, x = dsa()
-
-    def loss(p, xi):
-        return model.apply(p, xi[None]).square().mean()
-
-    per = torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0))(params, x)
-    for i in range(x.shape[0]):
-        one = torch.func.grad(loss)(params, x[i])
-        for name in params:
-            torch.testing.assert_close(per[name][i], one[name], rtol=1e-10, atol=1e-12)
+    per = check_vmap_grad_and_jvp(model, params, x, eps=1e-7)
     assert all(per[n].abs().max() == 0 for n in params if n.startswith("indexer."))
     assert per["q_b.weight"].abs().max() > 0
-    v = random.normal(random.key(9), x.shape, dtype=torch.float64)
-    _, tangent = torch.func.jvp(lambda y: model.apply(params, y), (x,), (v,))
-    eps = 1e-7
-    diff = (model.apply(params, x + eps * v) - model.apply(params, x - eps * v)) / (2 * eps)
-    torch.testing.assert_close(tangent, diff, rtol=1e-6, atol=1e-7)
 
 
 def test_bad_indexer_options_are_named():

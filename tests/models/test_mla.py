@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from _cached import logits_through_cache
+from _transforms import check_vmap_grad_and_jvp
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -107,20 +108,7 @@ def test_the_latent_cache_equals_the_whole_sequence(absorb, window):
 def test_per_sample_gradients_and_jvp_through_either_path(absorb):
     """``vmap(grad)`` equals a loop of ``grad``; ``jvp`` equals a central difference."""
     model, params, x = mla(absorb=absorb)
-
-    def loss(p, xi):
-        return model.apply(p, xi[None]).square().mean()
-
-    per = torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0))(params, x)
-    for i in range(x.shape[0]):
-        one = torch.func.grad(loss)(params, x[i])
-        for name in params:
-            torch.testing.assert_close(per[name][i], one[name], rtol=1e-10, atol=1e-12)
-    v = random.normal(random.key(9), x.shape, dtype=torch.float64)
-    _, tangent = torch.func.jvp(lambda y: model.apply(params, y), (x,), (v,))
-    eps = 1e-6
-    diff = (model.apply(params, x + eps * v) - model.apply(params, x - eps * v)) / (2 * eps)
-    torch.testing.assert_close(tangent, diff, rtol=1e-6, atol=1e-7)
+    check_vmap_grad_and_jvp(model, params, x)
 
 
 def test_per_sample_gradients_of_a_deepseek_style_lm_equal_the_loop():
