@@ -47,6 +47,10 @@ CASES = {  # kind, config, atol (transformers normalises in float32 even in floa
     "mimo_v2_flash": ("mimo_v2_flash", dict(n_routed_experts=4, moe_intermediate_size=16,
                                             head_dim=24, v_head_dim=12, sliding_window=4),
                       5e-6),  # sinks in memory as self_attn.sinks
+    "bailing_hybrid": ("bailing_hybrid", dict(MLA, num_local_experts=4, moe_intermediate_size=16,
+                                              head_dim=8, q_lora_rank=24, layer_group_size=2,
+                                              first_k_dense_replace=1, n_group=2,
+                                              topk_group=1), 5e-5),
     "granitemoehybrid": ("granitemoehybrid", dict(num_local_experts=4, mamba_n_heads=4,
                                                   mamba_d_head=16, mamba_d_state=8,
                                                   layer_types=["mamba", "attention"]), 5e-6),

@@ -22,6 +22,7 @@ from torchfn.models import (
     GatedDeltaNet,
     KimiDeltaAttention,
     KVCache,
+    LatentAttention,
     LightningAttention,
     Mamba,
     Mamba2,
@@ -38,6 +39,9 @@ LAYERS = {
     "mamba": lambda: Mamba(32, 48, state_dim=4, dt_rank=3, bias=True, chunk=8),
     # a decay per key channel; chunks of 24: a 16-token sub-chunk and the pairs across
     "kda": lambda: KimiDeltaAttention(32, 4, head_dim=6, chunk=24),
+    # Ling 3's: full-rank gates, the decay bounded below
+    "kda_full_rank": lambda: KimiDeltaAttention(32, 4, head_dim=6, chunk=24,
+                                                low_rank_gates=False, lower_bound=-5.0),
     # LFM2's gated short convolution: no state, the window alone; biases
     "short_conv": lambda: ShortConv(32, kernel=4, bias=True),
     # MiniMax's lightning attention: a fixed decay per head, no convolution
@@ -135,6 +139,15 @@ def test_bad_input_is_named(layer):
     entries = getattr(net, "_entries", 1)  # the encoder: 2 a parallel block
     with pytest.raises(ValueError, match=f"cache must hold 0 or {entries} layers"):
         model.apply(params, x, cache=KVCache((x, x), (x, x)))
+
+
+def test_bad_gate_options_are_named():
+    with pytest.raises(ValueError, match="lower_bound must be a number < 0 or None, got 1"):
+        KimiDeltaAttention(32, 4, head_dim=6, lower_bound=1)
+    with pytest.raises(ValueError, match="low_rank_gates must be a bool, got 'no'"):
+        KimiDeltaAttention(32, 4, head_dim=6, low_rank_gates="no")
+    with pytest.raises(ValueError, match="head_gate must be a bool, got 1"):
+        LatentAttention(32, 4, kv_rank=8, rope_dim=4, nope_dim=4, v_dim=4, head_gate=1)
 
 
 def test_left_padded_static_decoding_of_a_model_without_attention():

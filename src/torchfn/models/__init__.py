@@ -1,6 +1,7 @@
 """Model definitions (plain nn.Modules; make them pure with torchfn.Model)."""
 
 from torchfn.models._aggregate import GINConv, SAGEConv, aggregate_neighbours
+from torchfn.models._bailing_hybrid import bailing_hybrid_from_hf, bailing_hybrid_to_hf
 from torchfn.models._beam_search import beam_search
 from torchfn.models._cnn import BasicBlock, ConvNet, ResNet
 from torchfn.models._dbrx import dbrx_from_hf, dbrx_to_hf
@@ -121,6 +122,8 @@ __all__ = [
     "falcon_h1_from_hf",
     "falcon_h1_to_hf",
     "kimi_linear_from_hf",
+    "bailing_hybrid_from_hf",
+    "bailing_hybrid_to_hf",
     "kimi_linear_to_hf",
     "lfm2_from_hf",
     "lfm2_to_hf",

@@ -31,6 +31,11 @@ class KimiDeltaAttention(nn.Module):
     another low-rank projection, ``RMSNorm(o) * sigmoid(g_b(g_a(x)))``, then projected
     back.
 
+    ``low_rank_gates=False``: the decay's and the output gate's projections full rank,
+    ``f`` and ``g`` ``(heads head_dim, dim)`` each (Ling 3's ``bailing_hybrid``);
+    ``lower_bound=b`` (< 0): the decay ``g = b sigmoid(exp(A_log) (f(x) + dt_bias))`` in
+    ``(b, 0)`` instead (its "safe gate").
+
     Caches as :class:`GatedDeltaNet`'s: an entry holds the convolution's window
     ``(B, 3 heads head_dim, K - 1)`` and the state ``(B, heads, head_dim, head_dim)``.
     ``key_padding_mask`` keeps padded tokens out of both; ``segment_ids`` packs documents.
@@ -52,7 +57,8 @@ class KimiDeltaAttention(nn.Module):
     """
 
     def __init__(self, dim: int, heads: int, *, head_dim: int = 128, conv_kernel: int = 4,
-                 norm_eps: float = 1e-5, chunk: int = 64) -> None:
+                 norm_eps: float = 1e-5, chunk: int = 64, low_rank_gates: bool = True,
+                 lower_bound: float | None = None) -> None:
         super().__init__()
         _check_dims(dim=dim, heads=heads, head_dim=head_dim, conv_kernel=conv_kernel,
                     chunk=chunk)
@@ -63,13 +69,26 @@ class KimiDeltaAttention(nn.Module):
         self.qkv = nn.Linear(dim, self.channels, bias=False)
         self.conv = nn.Conv1d(self.channels, self.channels, conv_kernel, groups=self.channels,
                               bias=False)  # causal here: padded with the cached window
-        self.f_a = nn.Linear(dim, head_dim, bias=False)  # the decays' low-rank projection
-        self.f_b = nn.Linear(head_dim, inner, bias=False)
+        if not isinstance(low_rank_gates, bool):
+            raise ValueError(f"low_rank_gates must be a bool, got {low_rank_gates!r}")
+        if lower_bound is not None and (isinstance(lower_bound, bool) or not isinstance(
+                lower_bound, (int, float)) or not lower_bound < 0):
+            raise ValueError(f"lower_bound must be a number < 0 or None, got {lower_bound!r}")
+        self.low_rank_gates = low_rank_gates
+        self.lower_bound = None if lower_bound is None else float(lower_bound)
+        if low_rank_gates:  # through head_dim features (Kimi Linear)
+            self.f_a = nn.Linear(dim, head_dim, bias=False)  # the decays' projection
+            self.f_b = nn.Linear(head_dim, inner, bias=False)
+        else:
+            self.f = nn.Linear(dim, inner, bias=False)
         self.dt_bias = nn.Parameter(torch.empty(inner))
         self.A_log = nn.Parameter(torch.empty(heads))
         self.beta = nn.Linear(dim, heads, bias=False)
-        self.g_a = nn.Linear(dim, head_dim, bias=False)  # the output gate's
-        self.g_b = nn.Linear(head_dim, inner, bias=False)
+        if low_rank_gates:
+            self.g_a = nn.Linear(dim, head_dim, bias=False)  # the output gate's
+            self.g_b = nn.Linear(head_dim, inner, bias=False)
+        else:
+            self.g = nn.Linear(dim, inner, bias=False)
         self.norm = nn.Parameter(torch.empty(head_dim))
         self.norm_eps = norm_eps
         self.out = nn.Linear(inner, dim, bias=False)
@@ -97,19 +116,23 @@ class KimiDeltaAttention(nn.Module):
                 cache: KVCache | StaticKVCache | None = None) -> Tensor | tuple:
         x, _, runs, cache, window, state = recurrent_inputs(
             "KimiDeltaAttention", x, key_padding_mask, segment_ids, cache)  # padding zeroed
-        h, window = causal_conv(self.qkv(x).transpose(1, 2), self.conv.weight, None, window,
-                                runs)
+        conv = self.conv.weight.to(x.dtype)  # (a checkpoint may keep it in float32)
+        h, window = causal_conv(self.qkv(x).transpose(1, 2), conv, None, window, runs)
         h = nn.functional.silu(h).transpose(1, 2)  # (B, N, C)
         q, k, v = (t.unflatten(-1, (self.heads, self.head_dim)).transpose(1, 2)
                    for t in h.chunk(3, -1))  # (B, H, N, D) each
         q, k = _l2_normalize(q), _l2_normalize(k)
         work = torch.promote_types(x.dtype, torch.float32)
-        rate = nn.functional.softplus(self.f_b(self.f_a(x)).to(work) + self.dt_bias)
-        g = -self.A_log.to(work).exp()[:, None] * rate.unflatten(-1, (self.heads, -1))
+        f = self.f_b(self.f_a(x)) if self.low_rank_gates else self.f(x)  # (B, N, H D)
+        f = (f.to(work) + self.dt_bias).unflatten(-1, (self.heads, -1))  # (B, N, H, D)
+        a = self.A_log.to(work).exp()[:, None]  # (H, 1)
+        g = -a * nn.functional.softplus(f) if self.lower_bound is None else \
+            self.lower_bound * torch.sigmoid(a * f)  # log decays in (lower_bound, 0)
         beta = torch.sigmoid(self.beta(x)).transpose(1, 2)  # (B, H, N)
         o, state = _delta_rule(q, k, v.to(work), g.transpose(1, 2), beta, state, self.chunk,
                                runs)  # o (B, H, N, D); g (B, H, N, D): log decays <= 0
-        gate = self.g_b(self.g_a(x)).unflatten(-1, (self.heads, self.head_dim))  # (B, N, H, D)
+        gate = self.g_b(self.g_a(x)) if self.low_rank_gates else self.g(x)
+        gate = gate.unflatten(-1, (self.heads, self.head_dim))  # (B, N, H, D)
         o = nn.functional.rms_norm(o.transpose(1, 2).to(work), (self.head_dim,),
                                    eps=self.norm_eps) * self.norm.to(work)
         o = o * torch.sigmoid(gate.to(work))

@@ -52,6 +52,9 @@ class LatentAttention(nn.Module):
     (Kimi Linear's NoPE latent attention). ``window``, ``softcap`` and ``attend`` as
     :class:`MultiHeadAttention`'s.
 
+    ``head_gate=True``: each head's output is scaled by ``sigmoid(x W_gate)``, one gate
+    per head and token (param ``gate`` ``(heads, dim)``; Ling 3's ``bailing_hybrid``).
+
     ``indexer=dict(heads=, head_dim=, topk=)`` makes it DeepSeek Sparse Attention
     (DeepSeek-V3.2, GLM-5): a :class:`LightningIndexer` (param ``indexer``, which needs
     ``q_rank``) scores the keys from the query latent, and each query attends to its
@@ -83,7 +86,7 @@ class LatentAttention(nn.Module):
                  rotary_base: float = 10000.0, rotary_scaling: dict | None = None,
                  latent_eps: float = 1e-6, scale: float | None = None,
                  absorb: bool | None = None, rotary: bool = True,
-                 indexer: dict | None = None,
+                 indexer: dict | None = None, head_gate: bool = False,
                  attend: Callable[..., Tensor] | None = None) -> None:
         super().__init__()
         _check_dims(dim=dim, heads=heads, kv_rank=kv_rank, rope_dim=rope_dim,
@@ -123,6 +126,9 @@ class LatentAttention(nn.Module):
         self.kv_norm = nn.RMSNorm(kv_rank, eps=latent_eps)
         self.kv_b = nn.Linear(kv_rank, heads * (nope_dim + v_dim), bias=False)  # per head
         self.out = nn.Linear(heads * v_dim, dim, bias=False)  # [k_nope | v]
+        if not isinstance(head_gate, bool):
+            raise ValueError(f"head_gate must be a bool, got {head_gate!r}")
+        self.gate = nn.Linear(dim, heads, bias=False) if head_gate else None
         self.indexer = None
         if indexer is not None:
             if not isinstance(indexer, dict) or set(indexer) != {"heads", "head_dim", "topk"}:
@@ -221,7 +227,11 @@ class LatentAttention(nn.Module):
                                 **({} if select is None else {"mask": select}),
                                 **_extra(self.window, segment_ids, self.softcap, drop,
                                          self.scale))
-        out = self.out(o.transpose(1, 2).reshape(b, n, h * self.v_dim))  # (B, N, dim)
+        o = o.transpose(1, 2)  # (B, N, H, dv)
+        if self.gate is not None:
+            o = o * torch.sigmoid(self.gate(x).to(torch.promote_types(x.dtype, torch.float32))
+                                  ).to(o.dtype)[..., None]
+        out = self.out(o.reshape(b, n, h * self.v_dim))  # (B, N, dim)
         return out if cache is None else (out, cache)
 
     def _select(self, x: Tensor, q_latent: Tensor, k_index: Tensor,

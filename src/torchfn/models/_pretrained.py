@@ -15,6 +15,7 @@ from torch import Tensor
 
 from torchfn.core.checkpoint import _fsync_dir, atomic_write
 from torchfn.core.module import Model
+from torchfn.models._bailing_hybrid import bailing_hybrid_from_hf, bailing_hybrid_to_hf
 from torchfn.models._dbrx import dbrx_from_hf, dbrx_to_hf
 from torchfn.models._deepseek import _TYPES as _DEEPSEEK_TYPES
 from torchfn.models._deepseek import deepseek_from_hf, deepseek_to_hf
@@ -55,6 +56,7 @@ _OTHERS = {"gpt_neox": (neox_from_hf, neox_to_hf), "phi": (phi_from_hf, phi_to_h
            **{t: (mamba_hybrid_from_hf, mamba_hybrid_to_hf) for t in _MAMBA_HYBRID_TYPES}}
 _STATEFUL = {"nemotron_h": (nemotron_h_from_hf, nemotron_h_to_hf),  # router state too
              "kimi_linear": (kimi_linear_from_hf, kimi_linear_to_hf),
+             "bailing_hybrid": (bailing_hybrid_from_hf, bailing_hybrid_to_hf),
              **{t: (lfm2_from_hf, lfm2_to_hf) for t in ("lfm2", "lfm2_moe")},
              **{t: (routed_moe_from_hf, routed_moe_to_hf) for t in _ROUTED_TYPES}}
 _WEIGHTS, _INDEX, _CONFIG = "model.safetensors", "model.safetensors.index.json", "config.json"
@@ -187,9 +189,10 @@ def from_pretrained(folder: str | os.PathLike, *, dtype: torch.dtype | None = No
                                dict[str, Any]]:
     """Any model folder torchfn reads, whatever its family, as ``(module, params, state,
     config)``: DeepSeek-V2 / V3 and GLM-4.5 through :func:`deepseek_from_pretrained`,
-    Nemotron-H, Kimi Linear, LFM2, LFM2-MoE, ERNIE 4.5 MoE, MiniMax-M2, K-EXAONE and Arcee
-    Trinity through
-    :func:`nemotron_h_from_hf` / :func:`kimi_linear_from_hf` / :func:`lfm2_from_hf` /
+    Nemotron-H, Kimi Linear, Ling 3 hybrids, LFM2, LFM2-MoE, ERNIE 4.5 MoE, MiniMax-M2,
+    K-EXAONE, Arcee Trinity and MiMo-V2-Flash through
+    :func:`nemotron_h_from_hf` / :func:`kimi_linear_from_hf` /
+    :func:`bailing_hybrid_from_hf` / :func:`lfm2_from_hf` /
     :func:`routed_moe_from_hf` (``state``: their routers' biases),
     GPT-NeoX (Pythia), Phi-2, Llama 4, Qwen3-Next and Qwen3.5, Falcon-H1, Mamba, Mamba-2,
     Bamba, Granite 4.0-H, Jamba, MiniMax-01, OLMo Hybrid, RecurrentGemma and xLSTM through
