@@ -13,6 +13,8 @@ rotary position embeddings. CPU, float32.
   indexed per call. torchfn builds its table from float64 angles on every call.
 * ``test_generate_deepseek_vs_transformers``: DeepSeek-V3's latent attention and
   mixture, decoding with its latent cache, absorbed and expanded, against transformers.
+* ``test_generate_deepseek_v32_vs_transformers``: the same model with DeepSeek Sparse
+  Attention (a lightning indexer, each query's best 128 keys), from 512-token prompts.
 * ``test_llama4_prefill_vs_transformers``: a Llama 4 (chunks of 512 on three layers of
   four) on one 4096-token sequence, forward and forward+backward, against transformers
   (SDPA given its chunked causal mask as a dense (N, N) bool tensor).
@@ -164,18 +166,22 @@ def test_generate_llama_vs_transformers(benchmark, how):
     assert out.shape == (4, 192)
 
 
-def hf_deepseek(tmp_path, seed=0):
+def hf_deepseek(tmp_path, seed=0, sparse=False):
     """A float32 transformers DeepSeek-V3 of the bench's width (dim 256, 8 heads, 4 blocks,
     latent rank 128, query rank 192, head dims 64 + 32 and 64; the last 3 blocks a mixture
     of 8 experts of 128, 2 chosen, and a shared one), saved and read back through
-    ``deepseek_from_pretrained``."""
+    ``deepseek_from_pretrained``. ``sparse``: DeepSeek-V3.2, the same with a lightning
+    indexer of 8 heads of 64 in every block, each query attending to its best 128 keys."""
     transformers = pytest.importorskip("transformers", reason="the peer of this bench")
-    config = transformers.DeepseekV3Config(
+    kind = transformers.DeepseekV32Config if sparse else transformers.DeepseekV3Config
+    extra = dict(index_n_heads=8, index_head_dim=64, index_topk=128) if sparse else {}
+    config = kind(
         hidden_size=256, num_attention_heads=8, num_key_value_heads=8, num_hidden_layers=4,
         intermediate_size=688, moe_intermediate_size=128, n_routed_experts=8,
         num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, n_group=2,
         topk_group=1, kv_lora_rank=128, q_lora_rank=192, qk_rope_head_dim=32,
-        qk_nope_head_dim=64, v_head_dim=64, vocab_size=V, max_position_embeddings=1024)
+        qk_nope_head_dim=64, v_head_dim=64, vocab_size=V, max_position_embeddings=1024,
+        **extra)
     torch.manual_seed(seed)
     hf = transformers.AutoModelForCausalLM.from_config(config).eval()
     hf.save_pretrained(tmp_path)
@@ -206,6 +212,27 @@ def test_generate_deepseek_vs_transformers(benchmark, how, prompt_len, tmp_path)
     with torch.no_grad():
         out = benchmark.pedantic(run, rounds=3, iterations=1, warmup_rounds=1)
     assert out.shape == (4, prompt_len + 64)
+
+
+@pytest.mark.parametrize("how", ["torchfn", "transformers"])
+def test_generate_deepseek_v32_vs_transformers(benchmark, how, tmp_path):
+    """Greedy decoding of one DeepSeek-V3.2 (DeepSeek Sparse Attention: past 128 keys the
+    indexer picks each query's best 128), 4 prompts of 512 tokens, 64 new tokens.
+    ``torchfn``: ``generate`` with the latent cache (the indexer's keys in it too), each
+    step absorbed; ``transformers``: its ``generate`` (its cache of latents and indexer
+    keys, SDPA attention through the indexer's mask)."""
+    hf, module, params, state = hf_deepseek(tmp_path, sparse=True)
+    model = torchfn.Model(module)
+    prompt = random.randint(random.key(1), (4, 512), 0, V)
+    if how == "torchfn":
+        step = lambda p, *a, **k: model.apply(p, *a, state=state, **k)  # noqa: E731
+        run = lambda: generate(step, params, prompt, 64)  # noqa: E731
+    else:
+        run = lambda: hf.generate(prompt, max_new_tokens=64, min_new_tokens=64,  # noqa: E731
+                                  do_sample=False, pad_token_id=0, eos_token_id=None)
+    with torch.no_grad():
+        out = benchmark.pedantic(run, rounds=3, iterations=1, warmup_rounds=1)
+    assert out.shape == (4, 576)
 
 
 def hf_llama4(seed=0, moe=True):

@@ -84,6 +84,10 @@ def test_each_query_attends_to_the_keys_a_loop_of_the_indexer_picks(absorb):
     assert keep.sum(-1).tolist() == [[min(t + 1, 4) for t in range(11)]] * 2
     want = attention_over(params, x, keep)
     torch.testing.assert_close(model.apply(params, x), want, rtol=1e-10, atol=1e-12)
+    blocked = LatentAttention(24, 3, **DIMS, indexer=INDEXER, absorb=absorb).double()
+    blocked.indexer.query_block = 3  # the scores 3 queries at a time: the same choice
+    torch.testing.assert_close(torchfn.Model(blocked).apply(params, x), want, rtol=1e-10,
+                               atol=1e-12)
     dense = attention_over(params, x, torch.ones(11, 11, dtype=torch.bool).tril()[None])
     assert (dense[:, 4:] - want[:, 4:]).abs().max() > 1e-3
     torch.testing.assert_close(dense[:, :4], want[:, :4], rtol=1e-10, atol=1e-12)

@@ -26,6 +26,11 @@ class LightningIndexer(nn.Module):
     highest score among those it may see at all (causal, window, padding, documents);
     with no more keys than ``topk`` every key is kept and nothing is scored.
 
+    The scores are taken a block of queries at a time (``query_block`` rows, by default
+    as many as keep the block's ``(B, heads, rows, L)`` scores under 2^26 numbers), so
+    their memory stays O(L) per query however long the sequence; each row's choice is
+    its own, so the blocks give the unblocked result exactly.
+
     The choice is discrete: no gradient reaches the indexer through it (the model's loss
     leaves its params at zero gradient; DeepSeek trains them with a separate KL loss
     against the attention's own distribution). Scores run in float32 or wider.
@@ -57,6 +62,7 @@ class LightningIndexer(nn.Module):
             raise ValueError(f"indexer head_dim must be >= the rotary rope_dim {rope_dim}, "
                              f"got {head_dim}")
         self.heads, self.head_dim, self.topk, self.rope_dim = heads, head_dim, topk, rope_dim
+        self.query_block: int | None = None  # None: from the sizes (see above)
         self.q = nn.Linear(q_rank, heads * head_dim, bias=False)
         self.k = nn.Linear(dim, head_dim, bias=False)
         self.k_norm = nn.LayerNorm(head_dim, eps=1e-6)
@@ -81,10 +87,19 @@ class LightningIndexer(nn.Module):
         if table is not None:
             q = apply_rotary(q, table)  # (B, Hi, N, Di)
         work = torch.promote_types(x.dtype, torch.float32)
-        scores = (q.to(work) @ keys.to(work).transpose(-1, -2)) * self.head_dim ** -0.5
         w = self.weights(x).to(work) * self.heads ** -0.5  # (B, N, Hi)
-        index = torch.einsum("bhnl,bnh->bnl", scores.relu(), w)[:, None]  # (B, 1, N, L)
+        keys = keys.to(work).transpose(-1, -2)  # (B, 1, Di, L)
+        length = keys.shape[-1]
+        rows = self.query_block or max(1, (1 << 26) // (b * self.heads * length))
         if allowed is not None:
-            index = index.masked_fill(~allowed, float("-inf"))
-        top = index.topk(self.topk, dim=-1).indices  # (B, 1, N, topk)
-        return torch.zeros_like(index, dtype=torch.bool).scatter(-1, top, True)
+            allowed = allowed.expand(*allowed.shape[:-2], n, length)  # (.., N, L)
+        keep = []
+        for start in range(0, n, rows):
+            part = slice(start, start + rows)
+            scores = (q[:, :, part].to(work) @ keys) * self.head_dim ** -0.5  # (B, Hi, r, L)
+            index = torch.einsum("bhnl,bnh->bnl", scores.relu(), w[:, part])[:, None]
+            if allowed is not None:
+                index = index.masked_fill(~allowed[..., part, :], float("-inf"))
+            top = index.topk(self.topk, dim=-1).indices  # (B, 1, r, topk)
+            keep.append(torch.zeros_like(index, dtype=torch.bool).scatter(-1, top, True))
+        return torch.cat(keep, dim=-2)  # (B, 1, N, L)
