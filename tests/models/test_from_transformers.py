@@ -51,6 +51,7 @@ CASES = {  # kind, config, atol (transformers normalises in float32 even in floa
                                               head_dim=8, q_lora_rank=24, layer_group_size=2,
                                               first_k_dense_replace=1, n_group=2,
                                               topk_group=1), 5e-5),
+    "jetmoe": ("jetmoe", dict(kv_channels=8, num_local_experts=4), 5e-6),
     "granitemoehybrid": ("granitemoehybrid", dict(num_local_experts=4, mamba_n_heads=4,
                                                   mamba_d_head=16, mamba_d_state=8,
                                                   layer_types=["mamba", "attention"]), 5e-6),

@@ -17,6 +17,7 @@ from torchfn.models._gan import ConvCritic, ConvGenerator
 from torchfn.models._gat import GATConv
 from torchfn.models._generate import generate, sample_logits
 from torchfn.models._graph import GraphAttention, GraphConv
+from torchfn.models._jetmoe import jetmoe_from_hf, jetmoe_to_hf
 from torchfn.models._kda import KimiDeltaAttention
 from torchfn.models._kimi_linear import kimi_linear_from_hf, kimi_linear_to_hf
 from torchfn.models._kv_cache import KVCache, StaticKVCache
@@ -42,6 +43,7 @@ from torchfn.models._minimax import minimax_from_hf, minimax_to_hf
 from torchfn.models._mla import LatentAttention
 from torchfn.models._mlp import MLP, XIELU, SwiGLU
 from torchfn.models._mlstm import MLSTM
+from torchfn.models._moa import MixtureOfAttention
 from torchfn.models._moe import MoE, moe_bias_update
 from torchfn.models._nemotron_h import nemotron_h_from_hf, nemotron_h_to_hf
 from torchfn.models._neox import neox_from_hf, neox_to_hf
@@ -91,6 +93,7 @@ __all__ = [
     "MultiHeadAttention",
     "LatentAttention",
     "LightningIndexer",
+    "MixtureOfAttention",
     "GatedDeltaNet",
     "KimiDeltaAttention",
     "ShortConv",
@@ -139,6 +142,8 @@ __all__ = [
     "routed_moe_to_hf",
     "dbrx_from_hf",
     "dbrx_to_hf",
+    "jetmoe_from_hf",
+    "jetmoe_to_hf",
     "nemotron_h_from_hf",
     "nemotron_h_to_hf",
     "llama4_to_hf",

@@ -201,11 +201,7 @@ class MultiHeadAttention(nn.Module):
         self.attend = attend or _fused_attention
         self.head_dim, self.v_dim = hd, vd
         qkv_bias = bias if qkv_bias is None else qkv_bias
-        self.qkv = nn.Linear(dim, (heads + kv_heads) * hd + kv_heads * vd,
-                             bias=qkv_bias)  # [q | k | v]
-        self.out = nn.Linear(heads * vd, dim, bias=bias if out_bias is None else out_bias)
-        # Qwen3-Next / Qwen3.5's gated attention: o * sigmoid(x W_gate), per head and feature
-        self.gate = nn.Linear(dim, heads * vd, bias=qkv_bias) if output_gate else None
+        self._projections(dim, qkv_bias, bias if out_bias is None else out_bias, output_gate)
         if sinks:  # gpt-oss: a logit per head that every query may attend instead of a key
             self.sinks = nn.Parameter(torch.zeros(heads))
         else:
@@ -223,6 +219,31 @@ class MultiHeadAttention(nn.Module):
             every = qk_norm_scope == "all"  # OLMo 2: over all heads' features at once
             self.q_norm = make_norm(kind, heads * hd if every else hd, eps=norm_eps)
             self.k_norm = make_norm(kind, kv_heads * hd if every else hd, eps=norm_eps)
+
+    def _projections(self, dim: int, qkv_bias: bool, out_bias: bool,
+                     output_gate: bool) -> None:
+        """The input and output projections (a subclass may make its own): ``qkv``,
+        ``out`` and the output gate."""
+        heads, kv_heads, hd, vd = self.heads, self.kv_heads, self.head_dim, self.v_dim
+        self.qkv = nn.Linear(dim, (heads + kv_heads) * hd + kv_heads * vd,
+                             bias=qkv_bias)  # [q | k | v]
+        self.out = nn.Linear(heads * vd, dim, bias=out_bias)
+        # Qwen3-Next / Qwen3.5's gated attention: o * sigmoid(x W_gate), per head and feature
+        self.gate = nn.Linear(dim, heads * vd, bias=qkv_bias) if output_gate else None
+
+    def _project(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor, object]:
+        """``x`` ``(B, N, dim)`` -> queries ``(B, N, H D)``, keys ``(B, N, Hkv D)``, values
+        ``(B, N, Hkv Dv)``, and what :meth:`_output` needs besides (nothing here)."""
+        hd, vd = self.head_dim, self.v_dim
+        q, k, v = self.qkv(x).split([self.heads * hd, self.kv_heads * hd, self.kv_heads * vd],
+                                    dim=-1)
+        return q, k, v, None
+
+    def _output(self, o: Tensor, x: Tensor, context: object) -> Tensor:
+        """The heads' outputs ``o`` ``(B, N, H Dv)`` back to ``(B, N, dim)``."""
+        if self.gate is not None:
+            o = o * torch.sigmoid(self.gate(x))
+        return self.out(o)
 
     @property
     def needs_positions(self) -> bool:
@@ -252,7 +273,7 @@ class MultiHeadAttention(nn.Module):
                 segment_ids: Tensor | None = None, positions: Tensor | None = None,
                 cache: KVCache | None = None) -> Tensor | tuple[Tensor, KVCache]:
         b, n, dim = x.shape
-        hd, hq = self.head_dim, self.heads * self.head_dim
+        hd = self.head_dim
         if cache is not None:
             cache = check_cache(cache, 1, "MultiHeadAttention")
             if not self.causal:
@@ -262,7 +283,7 @@ class MultiHeadAttention(nn.Module):
                 raise ValueError("MultiHeadAttention: cache does not take segment_ids "
                                  "(decode one document per row)")
         vd = self.v_dim
-        q, k, v = self.qkv(x).split([hq, self.kv_heads * hd, self.kv_heads * vd], dim=-1)
+        q, k, v, context = self._project(x)
         if self.qk_norm and self.qk_norm_scope == "all":
             q, k = self.q_norm(q), self.k_norm(k)  # (B, N, H D), (B, N, Hkv D)
         if self.qkv_clip is not None:  # OLMo's and DBRX's clamp
@@ -310,9 +331,7 @@ class MultiHeadAttention(nn.Module):
                             **_extra(self.window, segment_ids, self.softcap, drop, self.scale,
                                      self.sinks))
         o = o.transpose(1, 2).reshape(b, n, self.heads * vd)  # (B, N, H Dv)
-        if self.gate is not None:
-            o = o * torch.sigmoid(self.gate(x))
-        out = self.out(o)  # (B, N, dim)
+        out = self._output(o, x, context)  # (B, N, dim)
         return out if cache is None else (out, cache)
 
 

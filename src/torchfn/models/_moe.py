@@ -74,6 +74,8 @@ class MoE(nn.Module):
     through, added to the routed experts' output (DeepSeekMoE, Qwen-MoE); with
     ``shared_gate=True`` it is scaled by ``sigmoid(w . x)`` per token (Qwen2-MoE);
     ``shared_combine="average"`` averages the two instead of adding them (Cohere2-MoE).
+    ``output_bias=True``: a bias ``out_bias`` ``(dim,)`` added to the mixture's output
+    (JetMoE).
 
     Two exact computations of the same function. In eager mode (also under ``grad``,
     ``jvp``, ``jacrev``), tokens are sorted by expert and each expert runs on its own
@@ -109,7 +111,8 @@ class MoE(nn.Module):
                  logit_bias: bool = False, expert_bias: bool = False,
                  swiglu_limit: float = 7.0, swiglu_alpha: float = 1.702,
                  weights_on: str = "output", normalize_eps: float = 0.0,
-                 sparsemixer_eps: float = 0.01, shared_combine: str = "sum") -> None:
+                 sparsemixer_eps: float = 0.01, shared_combine: str = "sum",
+                 output_bias: bool = False) -> None:
         super().__init__()
         if isinstance(normalize_eps, bool) or not isinstance(normalize_eps, (int, float)) \
                 or not normalize_eps >= 0:
@@ -194,10 +197,14 @@ class MoE(nn.Module):
                               nn.Linear(shared_hidden, dim, bias=False))
             if shared_gate:
                 self.gate_shared = nn.Linear(dim, 1, bias=False)
+        self.out_bias = nn.Parameter(torch.empty(dim)) if output_bias else None
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        """Each expert's matrices as ``nn.Linear``'s: uniform in ``±1/sqrt(fan_in)``."""
+        """Each expert's matrices as ``nn.Linear``'s: uniform in ``±1/sqrt(fan_in)``; the
+        output bias 0."""
+        if getattr(self, "out_bias", None) is not None:
+            nn.init.zeros_(self.out_bias)
         for w in (self.up, getattr(self, "gate", None), self.down):
             if w is not None:
                 bound = 1 / math.sqrt(w.shape[-1])
@@ -302,6 +309,8 @@ class MoE(nn.Module):
             if self.shared_gate:
                 shared = torch.sigmoid(self.gate_shared(tokens)) * shared
             out = out + shared if self.shared_combine == "sum" else (out + shared) / 2
+        if self.out_bias is not None:
+            out = out + self.out_bias
         out = out.reshape(shape)
         return (out, logits.reshape(*shape[:-1], self.experts)) if return_router_logits else out
 

@@ -20,6 +20,7 @@ from torchfn.models._dbrx import dbrx_from_hf, dbrx_to_hf
 from torchfn.models._deepseek import _TYPES as _DEEPSEEK_TYPES
 from torchfn.models._deepseek import deepseek_from_hf, deepseek_to_hf
 from torchfn.models._falcon_h1 import falcon_h1_from_hf, falcon_h1_to_hf
+from torchfn.models._jetmoe import jetmoe_from_hf, jetmoe_to_hf
 from torchfn.models._kimi_linear import kimi_linear_from_hf, kimi_linear_to_hf
 from torchfn.models._lfm2 import lfm2_from_hf, lfm2_to_hf
 from torchfn.models._llama import llama_from_hf
@@ -50,6 +51,7 @@ _OTHERS = {"gpt_neox": (neox_from_hf, neox_to_hf), "phi": (phi_from_hf, phi_to_h
            "olmo_hybrid": (olmo_hybrid_from_hf, olmo_hybrid_to_hf),
            "recurrent_gemma": (recurrent_gemma_from_hf, recurrent_gemma_to_hf),
            "xlstm": (xlstm_from_hf, xlstm_to_hf), "dbrx": (dbrx_from_hf, dbrx_to_hf),
+           "jetmoe": (jetmoe_from_hf, jetmoe_to_hf),
            "llama4_text": (llama4_from_hf, llama4_to_hf), "llama4": (llama4_from_hf, llama4_to_hf),
            **{t: (qwen3_next_from_hf, qwen3_next_to_hf)
               for t in _QWEN3_NEXT_TYPES + _QWEN3_5_MULTIMODAL},
@@ -199,8 +201,8 @@ def from_pretrained(folder: str | os.PathLike, *, dtype: torch.dtype | None = No
     :func:`neox_from_hf` / :func:`phi_from_hf` / :func:`llama4_from_hf` /
     :func:`qwen3_next_from_hf` / :func:`falcon_h1_from_hf` / :func:`mamba_hybrid_from_hf` /
     :func:`minimax_from_hf` / :func:`olmo_hybrid_from_hf` /
-    :func:`recurrent_gemma_from_hf` / :func:`xlstm_from_hf` (and DBRX through
-    :func:`dbrx_from_hf`), the
+    :func:`recurrent_gemma_from_hf` / :func:`xlstm_from_hf` (and DBRX and JetMoE through
+    :func:`dbrx_from_hf` / :func:`jetmoe_from_hf`), the
     others (Llama, Mistral, Mixtral, Qwen, Phi-3, OLMo 2 and 3, gpt-oss, SmolLM3, GLM, EXAONE 4,
     StarCoder2, Gemma, ...)
     through :func:`llama_from_pretrained`, with their ``state`` (persistent buffers,

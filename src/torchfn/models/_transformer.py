@@ -18,6 +18,7 @@ from torchfn.models._mamba2 import Mamba2
 from torchfn.models._mla import LatentAttention
 from torchfn.models._mlp import XIELU, SquaredReLU, SwiGLU, _check_dims
 from torchfn.models._mlstm import MLSTM
+from torchfn.models._moa import MixtureOfAttention
 from torchfn.models._moe import MoE
 from torchfn.models._norm import make_norm
 from torchfn.models._remat_block import call_remat, remat_policy
@@ -161,6 +162,7 @@ class TransformerBlock(nn.Module):
                  rotary_interleaved: bool = False, residual_scale: float | None = None,
                  attn_options: dict | None = None, linear_attention: dict | None = None,
                  attn_gate: bool = False, mixer: bool = True,
+                 attn_experts: dict | None = None,
                  parallel_linear: bool | dict = False,
                  mlp_scales: tuple[float, float] | None = None,
                  normed_residual: tuple | None = None,
@@ -257,7 +259,19 @@ class TransformerBlock(nn.Module):
                 output_gate=attn_gate, attend=attend) | (attn_options or {})
             if options["qk_norm"] is True:  # of the blocks' kind
                 options["qk_norm"] = norm if norm != "layer" else "rms"
-            self.attn = MultiHeadAttention(dim, heads, **options)
+            if attn_experts is None:
+                self.attn = MultiHeadAttention(dim, heads, **options)
+            else:  # JetMoE: query and output projections as experts; heads per expert
+                if not isinstance(attn_experts, dict) or set(attn_experts) - {
+                        "experts", "top_k", "out_bias"} or "experts" not in attn_experts:
+                    raise ValueError(f"attn_experts must be a dict of experts (and top_k, "
+                                     f"out_bias), got {attn_experts!r}")
+                if options.pop("kv_heads") not in (None, heads):
+                    raise ValueError("attn_experts: the experts share heads keys and values "
+                                     f"(kv_heads None or {heads}), got kv_heads={kv_heads}")
+                options.pop("qkv_bias")
+                options.pop("out_bias")
+                self.attn = MixtureOfAttention(dim, heads, **attn_experts, **options)
         # a parallel block's linear mixer, registered after its attention (cache order)
         self.linear = linear if self.mixer_scales is not None else None
         self.ln2 = nn.Identity() if self.shared_norm or not pre_norms or mlp == "none" else \
@@ -424,6 +438,9 @@ class TransformerEncoder(nn.Module):
         attn_gate: gate the attention's output by ``sigmoid(x W_gate)`` before its
             projection (Qwen3-Next, Qwen3.5; :class:`MultiHeadAttention`'s
             ``output_gate``).
+        attn_experts: ``dict(experts=, top_k=, out_bias=)``: every attention block a
+            :class:`MixtureOfAttention` (JetMoE), ``heads`` heads per expert sharing as
+            many key/value heads.
         normed_residual: MiniMax-01's blocks, each sublayer added to its normalised
             input (:class:`TransformerBlock`'s): a dict of ``(alpha, beta)`` for the
             ``"attention"`` blocks' mixer, the ``"linear"`` ones' and the ``"mlp"``
@@ -573,6 +590,7 @@ class TransformerEncoder(nn.Module):
         layer_linear: Sequence[bool] | None = None,
         layer_parts: Sequence[str] | None = None,
         attn_gate: bool = False,
+        attn_experts: dict | None = None,
         parallel_linear: bool | dict = False,
         mlp_scales: tuple[float, float] | None = None,
         normed_residual: dict | None = None,
@@ -708,7 +726,8 @@ class TransformerEncoder(nn.Module):
                              linear_attention=_block_linear(linear_attention, linear),
                              parallel_linear=parallel_linear if linear is not False else False,
                              mlp_scales=None if sparse or part == "mixer" else mlp_scales,
-                             normed_residual=residual, attn_gate=attn_gate)
+                             normed_residual=residual, attn_gate=attn_gate,
+                             attn_experts=attn_experts)
             for layer_window, rope, sparse, options, linear, part, residual, pre, post in zip(
                 layer_windows, ropes, self._sparse, layer_attention, layer_linear, layer_parts,
                 residuals, pres, posts)
