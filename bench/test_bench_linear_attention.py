@@ -289,6 +289,21 @@ HYBRIDS = {  # float32, dim 256, 4 blocks, vocab 1000, as Granite's above
     # xLSTM 7B's blocks: mLSTM (4 heads, keys 32, values 64), SwiGLU 704
     "xlstm": dict(hidden_size=256, num_hidden_layers=4, num_heads=4, vocab_size=1000,
                   chunk_size=64, pad_token_id=0, eos_token_id=2),
+    # Ling 3: KDA with full-rank gates and the bounded decay (8 heads of 32) but block 3
+    # rotary latent attention gated per head; block 0 SwiGLU 688, the others mixtures of 8
+    # experts of 128 (2 chosen, 2 groups) and a shared one
+    "bailing_hybrid": dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=8,
+                           num_key_value_heads=8, head_dim=32, intermediate_size=688,
+                           moe_intermediate_size=128, vocab_size=1000, num_local_experts=8,
+                           num_experts_per_tok=2, n_group=2, topk_group=1, kv_lora_rank=64,
+                           q_lora_rank=96, qk_rope_head_dim=16, qk_nope_head_dim=32,
+                           v_head_dim=32, first_k_dense_replace=1, layer_group_size=4,
+                           pad_token_id=0, eos_token_id=2),
+    # JetMoE (not a hybrid): attention as 8 experts of 4 heads of 32 sharing their keys and
+    # values, 2 chosen; mixtures of 8 SwiGLU experts of 256, 2 chosen
+    "jetmoe": dict(hidden_size=256, num_hidden_layers=4, num_key_value_heads=4,
+                   kv_channels=32, intermediate_size=256, vocab_size=1000,
+                   num_local_experts=8, num_experts_per_tok=2),
 }
 
 
