@@ -56,10 +56,16 @@ def test_jetmoe_to_hf_gives_back_the_checkpoint_and_loads_in_transformers(tmp_pa
                                  config, ATOL, experts_implementation="eager")
 
 
-def test_mixture_of_attention_equals_a_loop_and_composes():
+@pytest.mark.parametrize("path", ["sorted", "dense"])
+def test_mixture_of_attention_equals_a_loop_and_composes(path, monkeypatch):
     """Token by token: its 2 best experts' queries (softmax of their logits as weights)
     attend causally over the shared keys and values, each expert's output projection
-    weighted, plus the bias; and ``vmap(grad)`` / ``jvp`` go through the routing."""
+    weighted, plus the bias, on both computations (``dense``: every expert on every
+    token, as under ``vmap``); and ``vmap(grad)`` / ``jvp`` go through the routing."""
+    from torchfn.models import _moa
+
+    if path == "dense":
+        monkeypatch.setattr(_moa, "_batched_transform_active", lambda: True)
     moa = MixtureOfAttention(16, 2, experts=3, top_k=2, head_dim=4, causal=True).double()
     model = torchfn.Model(moa)
     params = {n: t.double() + 0.1 * random.normal(random.key(i), t.shape, torch.float64)

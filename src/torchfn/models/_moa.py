@@ -10,6 +10,7 @@ from torch import Tensor, nn
 
 from torchfn.models._attention import MultiHeadAttention
 from torchfn.models._mlp import _check_dims
+from torchfn.models._moe import _batched_transform_active
 
 __all__ = ["MixtureOfAttention"]
 
@@ -28,9 +29,11 @@ class MixtureOfAttention(MultiHeadAttention):
     (``out_bias=False``: none). The cache holds the ``heads`` keys and values, as a
     :class:`MultiHeadAttention` with ``heads`` key/value heads: routing adds nothing to it.
 
-    The projections run for every expert and the chosen ones are kept: ``experts /
-    top_k`` times the query and output projections' work, the same code in eager mode,
-    under ``vmap`` and under ``torch.compile``. Other keywords (``causal``, ``window``,
+    Two exact computations of the same projections, as :class:`MoE`'s: in eager mode
+    (also under ``grad`` and ``jvp``) the (token, slot) pairs are sorted by expert and
+    each expert projects its own; under ``vmap`` and ``torch.compile``, where the groups'
+    sizes cannot depend on the data, every expert projects every token and the chosen
+    ones are kept (``experts / top_k`` times the work). Other keywords (``causal``, ``window``,
     ``rotary``, ...) are :class:`MultiHeadAttention`'s.
 
     Example::
@@ -102,8 +105,12 @@ class MixtureOfAttention(MultiHeadAttention):
         """Each token's queries from its chosen experts, ordered so that query head
         ``j * top_k + s`` (slot ``s``, head ``j``) reads key/value head ``j``."""
         _, weights, chosen = self.route(x)
-        q = torch.einsum("bnd,eod->bneo", x, self.q_experts)  # (B, N, E, heads D)
-        q = q.gather(2, chosen[..., None].expand(-1, -1, -1, q.shape[-1]))  # (B, N, k, h D)
+        if _batched_transform_active():  # every expert on every token, the chosen kept
+            q = torch.einsum("bnd,eod->bneo", x, self.q_experts)  # (B, N, E, heads D)
+            q = q.gather(2, chosen[..., None].expand(-1, -1, -1, q.shape[-1]))  # (B,N,k,hD)
+        else:  # each (token, slot) through its own expert
+            rows = x.unsqueeze(2).expand(-1, -1, self.top_k, -1)  # (B, N, k, dim)
+            q = _by_expert(rows, chosen, self.q_experts)  # (B, N, k, h D)
         q = q.unflatten(-1, (self.expert_heads, -1)).transpose(2, 3)  # (B, N, h, k, D)
         k, v = self.kv(x).chunk(2, dim=-1)  # (B, N, h D) each
         return q.flatten(2), k, v, (weights, chosen)
@@ -114,6 +121,9 @@ class MixtureOfAttention(MultiHeadAttention):
         b, n, _ = o.shape
         o = o.unflatten(-1, (self.expert_heads, self.top_k, -1)).transpose(2, 3)  # (B,N,k,h,D)
         o = (weights[..., None, None] * o).flatten(3)  # (B, N, k, h D)
+        if not _batched_transform_active():  # each slot through its own expert, summed
+            out = _by_expert(o, chosen, self.out_experts).sum(2)  # (B, N, dim)
+            return out if self.out_bias is None else out + self.out_bias
         mix = o.new_zeros(b, n, self.experts, o.shape[-1]).scatter_add(
             2, chosen[..., None].expand(-1, -1, -1, o.shape[-1]), o)  # (B, N, E, h D)
         out = torch.einsum("bneo,edo->bnd", mix, self.out_experts)  # (B, N, dim)
@@ -122,3 +132,15 @@ class MixtureOfAttention(MultiHeadAttention):
     def extra_repr(self) -> str:
         return (f"heads={self.expert_heads}, head_dim={self.head_dim}, "
                 f"experts={self.experts}, top_k={self.top_k}")
+
+
+def _by_expert(rows: Tensor, chosen: Tensor, weight: Tensor) -> Tensor:
+    """``rows`` ``(..., i)`` each through its expert's matrix ``weight[chosen]`` ``(o,
+    i)``: ``(..., o)``, the rows sorted by expert and each expert's multiplied at once
+    (eager mode: the groups' sizes are read)."""
+    flat, expert = rows.reshape(-1, rows.shape[-1]), chosen.reshape(-1)  # (R, i), (R,)
+    order = expert.argsort(stable=True)
+    counts = torch.bincount(expert, minlength=weight.shape[0]).tolist()
+    parts = flat[order].split(counts)
+    out = torch.cat([p @ weight[e].T for e, p in enumerate(parts)])  # (R, o), sorted
+    return out[order.argsort()].reshape(*rows.shape[:-1], weight.shape[1])
