@@ -12,9 +12,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from torchfn.models._deepseek import _check, _rotary_rows, _routing
-from torchfn.models._fit import check_known, check_state_dict
-from torchfn.models._kimi_linear import _get
+from torchfn.models._deepseek import _check, _rotary_rows
+from torchfn.models._fit import check_known, check_state_dict, stack_experts
+from torchfn.models._kimi_linear import _get, v3_mixture
 from torchfn.models._llama import _ropes
 from torchfn.models._rotary_scaling import yarn_mscale
 from torchfn.models._transformer import TransformerEncoder
@@ -110,20 +110,7 @@ def _config(config: Mapping[str, Any]) -> dict[str, Any]:
             norm_eps=eps, low_rank_gates=False,
             lower_bound=float(config.get("kda_lower_bound", -5.0)) if safe else None),
         layer_linear=[t == "linear_attention" for t in types])
-    if "sparse" in mlps:
-        deepseek = {  # DeepSeek-V3's names for the same router
-            "moe_intermediate_size": config["moe_intermediate_size"],
-            "n_shared_experts": _get(config, ("num_shared_experts", "n_shared_experts"), 1),
-            "routed_scaling_factor": config.get("routed_scaling_factor", 1.0),
-            "norm_topk_prob": _get(config, ("moe_renormalize", "norm_topk_prob"), True),
-            "n_group": _get(config, ("num_expert_group", "n_group"), 1),
-            "topk_group": config.get("topk_group") or 1}
-        kwargs.update(experts=_get(config, ("num_experts", "num_local_experts"), 256),
-                      top_k=_get(config, ("num_experts_per_token", "num_experts_per_tok"), 8),
-                      expert_hidden=config["moe_intermediate_size"],
-                      moe_options=_routing(deepseek, "deepseek_v3"),
-                      layer_experts=None if set(mlps) == {"sparse"} else
-                      [t == "sparse" for t in mlps])
+    kwargs.update(v3_mixture(config, mlps))
     return kwargs
 
 
@@ -180,7 +167,8 @@ def bailing_hybrid_from_hf(config: Mapping[str, Any],
     linear = kwargs["layer_linear"]
     params: dict[str, Tensor] = {}
     state: dict[str, Tensor] = {}
-    pieces: dict[str, dict[Any, Tensor]] = {}  # our joined or stacked name -> its parts
+    joined: dict[str, dict[str, Tensor]] = {}  # our qkv / conv -> the q, k, v parts
+    experts: dict[str, dict[int, Tensor]] = {}  # our stacked name -> expert j's matrix
     unknown = []
     for name, tensor in state_dict.items():
         layer = _LAYER.fullmatch(name)
@@ -202,19 +190,17 @@ def bailing_hybrid_from_hf(config: Mapping[str, Any],
                 tensor = tensor[_rotary_rows(config, ours, tensor.shape[0])]
             params[at + ours] = tensor
         elif kda and rest in _JOINED:  # rows [q | k | v]
-            pieces.setdefault(at + _JOINED[rest], {})[rest[10]] = tensor
+            joined.setdefault(at + _JOINED[rest], {})[rest[10]] = tensor
         elif rest == _BIAS:
             state[at + "mlp.router_bias"] = tensor
         elif expert:  # expert j's matrix -> row j of the stacked one
-            pieces.setdefault(f"{at}mlp.{expert[2]}", {})[int(expert[1])] = tensor
+            experts.setdefault(f"{at}mlp.{expert[2]}", {})[int(expert[1])] = tensor
         else:
             unknown.append(name)
     check_known(unknown, "bailing_hybrid")
-    for name, parts in pieces.items():
-        if set(parts) == set("qkv"):
-            params[name] = torch.cat([parts[p] for p in "qkv"])
-        elif sorted(parts) == list(range(kwargs.get("experts") or 0)):
-            params[name] = torch.stack([parts[j] for j in range(len(parts))])  # (E, ...)
+    params.update({name: torch.cat([parts[p] for p in "qkv"])
+                   for name, parts in joined.items() if set(parts) == set("qkv")})
+    stack_experts(params, experts, kwargs.get("experts"))
     _check(module, params, state)
     return module, params, state
 

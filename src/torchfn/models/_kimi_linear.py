@@ -121,22 +121,29 @@ def _config(config: Mapping[str, Any]) -> dict[str, Any]:
     if len(types) != depth or not set(types) <= {"dense", "sparse"}:
         raise ValueError(f"config['mlp_layer_types'] must list 'dense' or 'sparse' for each "
                          f"of {depth} layers, got {types!r}")
-    if "sparse" in types:
-        experts = _get(config, ("num_experts", "num_local_experts"), 256)
-        deepseek = {  # DeepSeek-V3's names for the same router
-            "moe_intermediate_size": config["moe_intermediate_size"],
-            "n_shared_experts": _get(config, ("num_shared_experts", "n_shared_experts"), 1),
-            "routed_scaling_factor": config.get("routed_scaling_factor", 1.0),
-            "norm_topk_prob": _get(config, ("moe_renormalize", "norm_topk_prob"), True),
-            "n_group": _get(config, ("num_expert_group", "n_group"), 1),
-            "topk_group": config.get("topk_group") or 1}
-        kwargs.update(experts=experts,
-                      top_k=_get(config, ("num_experts_per_token", "num_experts_per_tok"), 8),
-                      expert_hidden=config["moe_intermediate_size"],
-                      moe_options=_routing(deepseek, "deepseek_v3"),
-                      layer_experts=None if set(types) == {"sparse"} else
-                      [t == "sparse" for t in types])
+    kwargs.update(v3_mixture(config, types))
     return kwargs
+
+
+def v3_mixture(config: Mapping[str, Any], types: list[str]) -> dict[str, Any]:
+    """``TransformerEncoder``'s mixture keywords for DeepSeek-V3's router under the names
+    Kimi Linear's and Ling's configs use (or DeepSeek's), in the layers ``types`` marks
+    ``"sparse"``; nothing where none is."""
+    if "sparse" not in types:
+        return {}
+    deepseek = {  # DeepSeek-V3's names for the same router
+        "moe_intermediate_size": config["moe_intermediate_size"],
+        "n_shared_experts": _get(config, ("num_shared_experts", "n_shared_experts"), 1),
+        "routed_scaling_factor": config.get("routed_scaling_factor", 1.0),
+        "norm_topk_prob": _get(config, ("moe_renormalize", "norm_topk_prob"), True),
+        "n_group": _get(config, ("num_expert_group", "n_group"), 1),
+        "topk_group": config.get("topk_group") or 1}
+    return dict(experts=_get(config, ("num_experts", "num_local_experts"), 256),
+                top_k=_get(config, ("num_experts_per_token", "num_experts_per_tok"), 8),
+                expert_hidden=config["moe_intermediate_size"],
+                moe_options=_routing(deepseek, "deepseek_v3"),
+                layer_experts=None if set(types) == {"sparse"} else
+                [t == "sparse" for t in types])
 
 
 def kimi_linear_from_hf(config: Mapping[str, Any],
