@@ -7,7 +7,7 @@ import importlib.util
 import json
 
 NO_PLOT = [] if importlib.util.find_spec("matplotlib") else ["--no-plot"]
-SMALL = ["--steps", "300", "--batch", "128", "--hidden", "64", "--depth", "2",
+SMALL = ["--steps", "240", "--batch", "128", "--hidden", "64", "--depth", "2",
          "--calls", "1", "2", "32", "--samples", "500", "--nll-points", "200", "--seed", "0"]
 
 
