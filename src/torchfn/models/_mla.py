@@ -196,7 +196,7 @@ class LatentAttention(nn.Module):
         elif cache is not None:
             if cache.keys:
                 latent = torch.cat((cache.keys[0], latent), dim=2)  # (B, 1, L + N, r)
-                k_rope = torch.cat((cache.values[0], k_rope), dim=2)  # (B, 1, L + N, dr)
+                k_rope = torch.cat((cache.values[0], k_rope), dim=2)  # (B, 1, L + N, dr [+ Di])
             cache = KVCache((latent,), (k_rope,))
         select = None
         if self.indexer is not None:
