@@ -12,8 +12,8 @@ from _cached import logits_through_cache
 from _transforms import check_vmap_grad_and_jvp
 
 import torchfn
-from torchfn import random
-from torchfn.models import KVCache, LatentAttention, StaticKVCache
+from torchfn import optim, random
+from torchfn.models import KVCache, LatentAttention, StaticKVCache, TransformerEncoder
 from torchfn.models._rotary import apply_rotary, rotary_table
 
 DIMS = dict(kv_rank=12, rope_dim=6, nope_dim=4, v_dim=10, q_rank=16)
@@ -28,9 +28,9 @@ def dsa(seed=0, **kw):
     return model, params, x
 
 
-def chosen_by_loop(params, x, topk):
-    """``(B, N, N)`` bool: for each query ``t`` the ``topk`` keys ``s <= t`` of highest
-    ``sum_j w_j relu(q_j . k_s / sqrt(D))``, one query and one head at a time."""
+def index_scores(params, x):
+    """``(B, N, N)``: the indexer's score ``sum_j w_j relu(q_j . k_s / sqrt(D))`` of
+    every query ``t`` and key ``s``, one query, key and head at a time."""
     p = {n.removeprefix("indexer."): t for n, t in params.items() if n.startswith("indexer.")}
     b, n, _ = x.shape
     heads, d = p["weights.weight"].shape[0], p["k.weight"].shape[0]
@@ -43,18 +43,27 @@ def chosen_by_loop(params, x, topk):
                                        p["k_norm.bias"], eps=1e-6)
     k = apply_rotary(k, table)  # (B, N, D)
     w = (x @ p["weights.weight"].T) * heads ** -0.5  # (B, N, Hi)
+    return torch.stack([torch.stack([torch.stack([
+        sum(w[i, t, j] * torch.relu(q[i, j, t] @ k[i, s] / d ** 0.5) for j in range(heads))
+        for s in range(n)]) for t in range(n)]) for i in range(b)])
+
+
+def chosen_by_loop(params, x, topk):
+    """``(B, N, N)`` bool: for each query ``t`` the ``topk`` keys ``s <= t`` of highest
+    indexer score."""
+    scores = index_scores(params, x)
+    b, n, _ = x.shape
     keep = torch.zeros(b, n, n, dtype=torch.bool)
     for i in range(b):
         for t in range(n):
-            score = [sum(w[i, t, j] * torch.relu(q[i, j, t] @ k[i, s] / d ** 0.5)
-                         for j in range(heads)) for s in range(t + 1)]
-            keep[i, t, torch.tensor(score).argsort(descending=True)[:topk]] = True
+            keep[i, t, scores[i, t, :t + 1].argsort(descending=True)[:topk]] = True
     return keep
 
 
-def attention_over(params, x, keep):
+def attention_over(params, x, keep, probabilities=False):
     """The latent attention of ``x`` with each query seeing the keys ``keep`` marks:
-    softmax over those keys alone, in float64, by hand."""
+    softmax over those keys alone, in float64, by hand (or its probabilities ``(B, H,
+    N, N)``)."""
     h, (dn, dr, dv, r) = 3, (DIMS["nope_dim"], DIMS["rope_dim"], DIMS["v_dim"],
                              DIMS["kv_rank"])
     n = x.shape[1]
@@ -70,6 +79,8 @@ def attention_over(params, x, keep):
     q = torch.cat((q[..., :dn], apply_rotary(q[..., dn:], table)), -1)
     scores = (q @ k.transpose(-1, -2)) * (dn + dr) ** -0.5  # (B, H, N, N)
     p = scores.masked_fill(~keep[:, None], float("-inf")).softmax(-1)
+    if probabilities:
+        return p
     o = p @ kv[..., dn:]  # (B, H, N, dv)
     return o.transpose(1, 2).flatten(2) @ params["out.weight"].T
 
@@ -153,3 +164,107 @@ def test_bad_indexer_options_are_named():
                     (torch.zeros(2, 1, 3, 6, dtype=torch.float64),))  # no indexer keys
     with pytest.raises(ValueError, match=r"rotary keys \(B, 1, L, 16\), got \(2, 1, 3, 12\)"):
         model.apply(params, x, cache=plain)
+
+
+def kl_by_loop(params, x, keep):
+    """The indexer loss by hand: the mean over query rows of ``KL(p || softmax(I))`` over
+    the row's ``keep`` keys, ``p`` the attention's probabilities averaged over heads."""
+    p = attention_over(params, x, keep, probabilities=True).mean(1)  # (B, N, N)
+    scores = index_scores(params, x)
+    kls = [(p[i, t, k] * (p[i, t, k].log() - scores[i, t, k].log_softmax(-1))).sum()
+           for i in range(x.shape[0]) for t in range(x.shape[1])
+           for k in [keep[i, t]] if k.any()]
+    return torch.stack(kls).mean()
+
+
+@pytest.mark.parametrize("absorb", [True, False])
+def test_indexer_loss_is_the_kl_a_loop_computes(absorb):
+    """``return_indexer_loss=True``: the KL of the heads' mean attention against the
+    indexer's softmax, over each query's chosen keys (sparse stage), or over every key it
+    may see when ``topk`` covers them (dense warm-up: the same params); blocked scores
+    give the same loss."""
+    model, params, x = dsa(absorb=absorb)
+    out, loss = model.apply(params, x, return_indexer_loss=True)
+    torch.testing.assert_close(out, model.apply(params, x), rtol=0, atol=0)
+    torch.testing.assert_close(loss, kl_by_loop(params, x, chosen_by_loop(params, x, 4)),
+                               rtol=1e-10, atol=0)
+    dense = LatentAttention(24, 3, **DIMS, indexer=dict(INDEXER, topk=11), absorb=absorb)
+    dense.double().indexer.query_block = 3
+    _, warm = torchfn.Model(dense).apply(params, x, return_indexer_loss=True)
+    causal = torch.ones(11, 11, dtype=torch.bool).tril().expand(2, 11, 11)
+    torch.testing.assert_close(warm, kl_by_loop(params, x, causal), rtol=1e-10, atol=0)
+
+
+def test_indexer_loss_trains_the_indexer_alone():
+    """Its gradient reaches the indexer's params only (its input is detached);
+    ``vmap(grad)`` equals a loop; a left-padded row's loss is the unpadded row's (rows
+    without keys drop out); and a few Adam steps of the dense warm-up cut it 5x."""
+    model, params, x = dsa()
+
+    def loss(p, xs, *args, **kw):
+        return model.apply(p, xs, *args, return_indexer_loss=True, **kw)[1]
+
+    g = torch.func.grad(loss)(params, x)
+    assert all((g[n].abs().max() > 0) == n.startswith("indexer.") for n in params)
+    per = torch.func.vmap(torch.func.grad(lambda p, xi: loss(p, xi[None])),
+                          in_dims=(None, 0))(params, x)
+    for i in range(2):
+        one = torch.func.grad(loss)(params, x[i:i + 1])
+        for n in params:
+            torch.testing.assert_close(per[n][i], one[n], rtol=1e-10, atol=1e-12)
+    pad = torch.ones(1, 11, dtype=torch.bool)
+    pad[0, :3] = False
+    positions = (torch.arange(11) - 3).clamp_min(0)[None]
+    torch.testing.assert_close(loss(params, x[1:], pad, positions=positions),
+                               loss(params, x[1:, 3:]), rtol=1e-10, atol=0)
+    warm = torchfn.Model(LatentAttention(24, 3, **DIMS, indexer=dict(INDEXER, topk=11)).double())
+    ix = {n: t for n, t in params.items() if n.startswith("indexer.")}
+    rest = {n: t for n, t in params.items() if n not in ix}
+
+    def warm_loss(ix):
+        return warm.apply({**rest, **ix}, x, return_indexer_loss=True)[1]
+
+    opt = optim.adam(2e-2)
+    state, start = opt.init(ix), warm_loss(ix)
+    for _ in range(20):
+        updates, state = opt.update(torch.func.grad(warm_loss)(ix), state, ix)
+        ix = optim.apply_updates(ix, updates)
+    assert warm_loss(ix) < start / 5
+
+
+def test_encoder_returns_each_indexed_blocks_loss():
+    """``TransformerEncoder(return_indexer_loss=True)``: one loss per indexed block, each
+    its attention's on the block's normalised input; after the router logits with both;
+    the same under remat; named errors without an indexer or with a cache."""
+    latent = dict(DIMS, indexer=INDEXER)
+    kw = dict(vocab_size=13, dim=24, depth=2, heads=3, mlp_hidden=16, norm="rms",
+              position_embedding="rotary", latent_attention=latent, causal=True)
+    model = torchfn.Model(TransformerEncoder(**kw, experts=4, top_k=2).double())
+    params = model.init(random.key(0))
+    tokens = torch.randint(0, 13, (2, 11), generator=torch.Generator().manual_seed(0))
+    out, losses = model.apply(params, tokens, return_indexer_loss=True)
+    torch.testing.assert_close(out, model.apply(params, tokens), rtol=0, atol=0)
+    assert len(losses) == 2 and all(loss > 0 for loss in losses)
+    h = params["embed.weight"][tokens]
+    block0 = {n.removeprefix("blocks.0.attn."): t for n, t in params.items()
+              if n.startswith("blocks.0.attn.")}
+    n1 = torch.nn.functional.rms_norm(h, (24,), params["blocks.0.ln1.weight"])
+    layer = torchfn.Model(LatentAttention(24, 3, **latent).double())
+    torch.testing.assert_close(losses[0], layer.apply(block0, n1, return_indexer_loss=True)[1],
+                               rtol=1e-10, atol=0)
+    _, logits, both = model.apply(params, tokens, return_router_logits=True,
+                                  return_indexer_loss=True)
+    assert len(logits) == 2 and logits[0].shape == (2, 11, 4)
+    torch.testing.assert_close(both, losses, rtol=0, atol=0)
+    remat = torchfn.Model(TransformerEncoder(**kw, experts=4, top_k=2, remat=True).double())
+    grads = [torch.func.grad(lambda p, m=m: sum(m.apply(p, tokens, return_indexer_loss=True)[1])
+                             )(params) for m in (model, remat)]
+    for n in params:
+        torch.testing.assert_close(grads[1][n], grads[0][n], rtol=1e-10, atol=1e-14)
+    dense = torchfn.Model(TransformerEncoder(**dict(kw, latent_attention=DIMS)).double())
+    with pytest.raises(ValueError, match="return_indexer_loss needs a latent attention with "
+                                         "an indexer"):
+        dense.apply(dense.init(random.key(0)), tokens, return_indexer_loss=True)
+    with pytest.raises(ValueError, match="return_indexer_loss needs an indexer and no cache"):
+        torchfn.Model(LatentAttention(24, 3, **latent).double()).apply(
+            block0, n1, cache=KVCache(), return_indexer_loss=True)

@@ -4,6 +4,8 @@ keys only."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor, nn
 
@@ -32,8 +34,11 @@ class LightningIndexer(nn.Module):
     its own, so the blocks give the unblocked result exactly.
 
     The choice is discrete: no gradient reaches the indexer through it (the model's loss
-    leaves its params at zero gradient; DeepSeek trains them with a separate KL loss
-    against the attention's own distribution). Scores run in float32 or wider.
+    leaves its params at zero gradient). DeepSeek trains them with a separate KL loss
+    against the attention's own distribution, :meth:`loss` (``LatentAttention``'s
+    ``return_indexer_loss=True``): first a dense warm-up over every key (the same
+    params with ``topk`` at least the sequence length), then over the chosen keys.
+    Scores run in float32 or wider.
 
     Params: ``q`` ``(heads * head_dim, q_rank)``, ``k`` ``(head_dim, dim)``, ``k_norm``
     (LayerNorm with bias, eps 1e-6), ``weights`` ``(heads, dim)``; no biases.
@@ -82,24 +87,65 @@ class LightningIndexer(nn.Module):
         the queries' tokens, ``keys`` ``(B, 1, L, head_dim)`` from :meth:`keys`. A query
         with fewer than ``topk`` allowed keys keeps some others too: the attention's own
         mask removes them."""
-        b, n, _ = x.shape
-        q = self.q(q_latent).unflatten(-1, (self.heads, self.head_dim)).transpose(1, 2)
-        if table is not None:
-            q = apply_rotary(q, table)  # (B, Hi, N, Di)
-        work = torch.promote_types(x.dtype, torch.float32)
-        w = self.weights(x).to(work) * self.heads ** -0.5  # (B, N, Hi)
-        keys = keys.to(work).transpose(-1, -2)  # (B, 1, Di, L)
-        length = keys.shape[-1]
-        rows = self.query_block or max(1, (1 << 26) // (b * self.heads * length))
+        q, w, keys = self._prepare(x, q_latent, keys, table)
+        n, length = x.shape[1], keys.shape[-1]
         if allowed is not None:
             allowed = allowed.expand(*allowed.shape[:-2], n, length)  # (.., N, L)
         keep = []
-        for start in range(0, n, rows):
-            part = slice(start, start + rows)
-            scores = (q[:, :, part].to(work) @ keys) * self.head_dim ** -0.5  # (B, Hi, r, L)
-            index = torch.einsum("bhnl,bnh->bnl", scores.relu(), w[:, part])[:, None]
+        for part in self._blocks(x.shape[0], n, length):
+            index = self._score(q, w, keys, part)  # (B, 1, r, L)
             if allowed is not None:
                 index = index.masked_fill(~allowed[..., part, :], float("-inf"))
             top = index.topk(self.topk, dim=-1).indices  # (B, 1, r, topk)
             keep.append(torch.zeros_like(index, dtype=torch.bool).scatter(-1, top, True))
         return torch.cat(keep, dim=-2)  # (B, 1, N, L)
+
+    def loss(self, x: Tensor, q_latent: Tensor, table: RotaryTable | None, keep: Tensor,
+             target: Callable[[slice], Tensor]) -> Tensor:
+        """DeepSeek-V3.2's indexer training loss: the mean over query rows of ``KL(p_t ||
+        softmax(I_t))``, both over the keys row ``t`` ``keep`` s (``(B | 1, 1, N, L)``
+        bool: the attention's own mask and the indexer's choice, for the sparse stage; or
+        every key the query may see, for the dense warm-up). ``target(rows)`` gives the
+        attention's probabilities of those query rows, ``(B, 1, r, L)``, summed over its
+        heads and normalised (each row sums to 1 over ``keep``); it is taken as a
+        constant. ``x`` and ``q_latent`` (the queries' and, without a cache, the keys'
+        tokens) are detached: the loss trains the indexer alone, as the model's loss
+        trains the rest. Rows with no key in ``keep`` (padding) do not count. Blocked
+        over query rows as :meth:`select`, so memory stays O(L) a row."""
+        x, q_latent = x.detach(), q_latent.detach()
+        q, w, keys = self._prepare(x, q_latent, self.keys(x, table), table)
+        n, length = x.shape[1], keys.shape[-1]
+        keep = keep.expand(*keep.shape[:-2], n, length)  # (.., N, L)
+        total, rows = q.new_zeros(()), q.new_zeros(())
+        for part in self._blocks(x.shape[0], n, length):
+            kept = keep[..., part, :]
+            index = self._score(q, w, keys, part)  # (B, 1, r, L)
+            # the lowest finite score, not -inf: a row with no key stays finite (and drops)
+            log_q = index.masked_fill(~kept, torch.finfo(index.dtype).min).log_softmax(-1)
+            p = target(part).detach().to(log_q.dtype)  # (B, 1, r, L)
+            kl = torch.where(kept, torch.xlogy(p, p) - p * log_q, 0.0).sum(-1)  # (B, 1, r)
+            some = kept.any(-1).expand_as(kl)
+            total = total + torch.where(some, kl, 0.0).sum()
+            rows = rows + some.sum()
+        return total / rows.clamp_min(1)
+
+    def _prepare(self, x: Tensor, q_latent: Tensor, keys: Tensor, table: RotaryTable | None
+                 ) -> tuple[Tensor, Tensor, Tensor]:
+        """The queries ``(B, Hi, N, Di)``, head weights ``(B, N, Hi)`` and keys ``(B, 1,
+        Di, L)``, in float32 or wider."""
+        q = self.q(q_latent).unflatten(-1, (self.heads, self.head_dim)).transpose(1, 2)
+        if table is not None:
+            q = apply_rotary(q, table)  # (B, Hi, N, Di)
+        work = torch.promote_types(x.dtype, torch.float32)
+        w = self.weights(x).to(work) * self.heads ** -0.5  # (B, N, Hi)
+        return q.to(work), w, keys.to(work).transpose(-1, -2)  # keys (B, 1, Di, L)
+
+    def _blocks(self, b: int, n: int, length: int) -> list[slice]:
+        """The query rows scored at once (``query_block``, or under 2^26 scores)."""
+        rows = self.query_block or max(1, (1 << 26) // (b * self.heads * length))
+        return [slice(start, start + rows) for start in range(0, n, rows)]
+
+    def _score(self, q: Tensor, w: Tensor, keys: Tensor, part: slice) -> Tensor:
+        """``I(t, s)`` of the query rows ``part``: ``(B, 1, r, L)``."""
+        scores = (q[:, :, part] @ keys) * self.head_dim ** -0.5  # (B, Hi, r, L)
+        return torch.einsum("bhnl,bnh->bnl", scores.relu(), w[:, part])[:, None]

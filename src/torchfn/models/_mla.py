@@ -60,7 +60,11 @@ class LatentAttention(nn.Module):
     ``q_rank``) scores the keys from the query latent, and each query attends to its
     ``topk`` best only (with no more keys than ``topk``, to all: the plain attention, and
     the indexer is not run). The cache then also holds each token's indexer key, after
-    its rotary key part: values ``(B, 1, L, rope_dim + head_dim)``.
+    its rotary key part: values ``(B, 1, L, rope_dim + head_dim)``. Without a cache,
+    ``forward(..., return_indexer_loss=True)`` returns ``(out, loss)``: the indexer's
+    training loss (:meth:`LightningIndexer.loss`, DeepSeek-V3.2's KL of the heads' mean
+    attention against the indexer's softmax, over the chosen keys), whose gradient
+    reaches the indexer alone.
 
     Example::
 
@@ -155,9 +159,14 @@ class LatentAttention(nn.Module):
 
     def forward(self, x: Tensor, key_padding_mask: Tensor | None = None,
                 segment_ids: Tensor | None = None, positions: Tensor | None = None,
-                cache: KVCache | None = None) -> Tensor | tuple[Tensor, KVCache]:
+                cache: KVCache | None = None, return_indexer_loss: bool = False
+                ) -> Tensor | tuple[Tensor, KVCache] | tuple[Tensor, Tensor]:
         b, n, _ = x.shape
         h, dn, dr = self.heads, self.nope_dim, self.rope_dim
+        if return_indexer_loss and (self.indexer is None or cache is not None):
+            raise ValueError(f"LatentAttention: return_indexer_loss needs an indexer and no "
+                             f"cache; got indexer={self.indexer is not None}, cache="
+                             f"{type(cache).__name__ if cache is not None else None}")
         if cache is not None:
             cache = check_cache(cache, 1, "LatentAttention")
             if not self.causal:
@@ -232,6 +241,14 @@ class LatentAttention(nn.Module):
             o = o * torch.sigmoid(self.gate(x).to(torch.promote_types(x.dtype, torch.float32))
                                   ).to(o.dtype)[..., None]
         out = self.out(o.reshape(b, n, h * self.v_dim))  # (B, N, dim)
+        if return_indexer_loss:
+            keep = self._allowed(n, latent.shape[2], None, key_padding_mask, segment_ids,
+                                 x.device)
+            keep = select if keep is None else keep if select is None else keep & select
+            if keep is None:
+                keep = torch.ones(1, 1, n, latent.shape[2], dtype=torch.bool, device=x.device)
+            target = self._head_probabilities(q_nope, q_rope, latent, k_rope, keep)
+            return out, self.indexer.loss(x, q_latent, table, keep, target)
         return out if cache is None else (out, cache)
 
     def _select(self, x: Tensor, q_latent: Tensor, k_index: Tensor,
@@ -240,21 +257,55 @@ class LatentAttention(nn.Module):
         """The indexer's choice of keys ``(B, 1, N, L)`` among those each query may see
         (a static cache's ``mask``, else causal and the window; padding; documents), or
         None where there are no more than ``topk`` keys (all kept)."""
-        from torchfn.kernels._dispatch import _normalize_window
-        from torchfn.kernels._reference import band
-
         n, length = x.shape[1], k_index.shape[2]
         if length <= self.indexer.topk:
             return None
+        allowed = self._allowed(n, length, mask, key_padding_mask, segment_ids, x.device)
+        return self.indexer.select(x, q_latent, k_index, table, allowed)
+
+    def _allowed(self, n: int, length: int, mask: Tensor | None,
+                 key_padding_mask: Tensor | None, segment_ids: Tensor | None,
+                 device: torch.device) -> Tensor | None:
+        """The keys each of ``n`` queries may see among ``length``, ``(B | 1, 1, N, L)``
+        bool (or ``(N, L)``), None for all: a static cache's ``mask``, else causal
+        (aligned bottom-right) and the window; ``key_padding_mask`` ``(B, L)``;
+        ``segment_ids`` ``(B, N)`` (no cache: the keys are the queries)."""
+        from torchfn.kernels._dispatch import _normalize_window
+        from torchfn.kernels._reference import band
+
         allowed = mask if mask is not None else band(
             n, length, self.causal, _normalize_window(self.window, self.causal, n, length),
-            x.device)  # (N, L), (B | 1, 1, N, L) or None: all
+            device)  # (N, L), (B | 1, 1, N, L) or None: all
         limits = [] if key_padding_mask is None else [key_padding_mask[:, None, None, :]]
-        if segment_ids is not None:  # (no cache: the keys are the queries)
+        if segment_ids is not None:
             limits.append(segment_ids[:, None, :, None] == segment_ids[:, None, None, :])
         for limit in limits:
             allowed = limit.to(torch.bool) if allowed is None else allowed & limit.to(torch.bool)
-        return self.indexer.select(x, q_latent, k_index, table, allowed)
+        return allowed
+
+    def _head_probabilities(self, q_nope: Tensor, q_rope: Tensor, latent: Tensor,
+                            k_rope: Tensor, keep: Tensor) -> Callable[[slice], Tensor]:
+        """For the indexer's loss: ``rows -> (B, 1, r, L)``, the attention's probabilities
+        of those query rows over the keys in ``keep`` (softcapped, no dropout), averaged
+        over the heads (so each row sums to 1; a row with no key is 0); from the queries
+        ``(B, H, N, dn | dr)``, latents ``(B, 1, L, r)`` and rotary keys ``(B, 1, L, dr)``
+        as in :meth:`_absorbed`, without gradients."""
+        w_k = self.kv_b.weight.detach().unflatten(0, (self.heads, -1))[:, :self.nope_dim]
+        work = torch.promote_types(q_nope.dtype, torch.float32)
+        q_lat = q_nope.detach().to(work) @ w_k.to(work)  # (B, H, N, r)
+        q_rope, latent, k_rope = (t.detach().to(work) for t in (q_rope, latent, k_rope))
+
+        def target(rows: slice) -> Tensor:
+            scores = q_lat[:, :, rows] @ latent.transpose(-1, -2) \
+                + q_rope[:, :, rows] @ k_rope.transpose(-1, -2)
+            scores = scores * self.scale  # (B, H, r, L)
+            if self.softcap is not None:
+                scores = self.softcap * torch.tanh(scores / self.softcap)
+            kept = keep[..., rows, :]
+            scores = scores.masked_fill(~kept, torch.finfo(work).min)
+            p = scores.softmax(-1) * kept  # a row with no key: 0
+            return p.mean(1, keepdim=True)  # (B, 1, r, L)
+        return target
 
     def _absorb_cheaper(self, n: int, keys: int) -> bool:
         """Multiply-adds per head of the two ways: expanding ``keys`` latents into keys
@@ -275,9 +326,6 @@ class LatentAttention(nn.Module):
         Masks as :func:`torchfn.kernels.attention`'s: causal aligned bottom-right,
         ``key_padding_mask`` ``(B, L)``, a static cache's ``mask`` (else the band), the
         indexer's ``select``; a row with no key gives 0."""
-        from torchfn.kernels._dispatch import _normalize_window
-        from torchfn.kernels._reference import band
-
         h, dn, dv = self.heads, self.nope_dim, self.v_dim
         n, length = q_nope.shape[2], latent.shape[2]
         w = self.kv_b.weight.unflatten(0, (h, dn + dv))  # (H, dn + dv, r)
@@ -289,16 +337,10 @@ class LatentAttention(nn.Module):
         if self.softcap is not None:
             scores = self.softcap * torch.tanh(scores / self.softcap)
         keep = torch.ones(1, 1, n, length, dtype=torch.bool, device=scores.device)
-        if mask is not None:
-            keep = keep & mask
-        else:
-            allowed = band(n, length, self.causal,
-                           _normalize_window(self.window, self.causal, n, length), scores.device)
-            keep = keep if allowed is None else keep & allowed
+        allowed = self._allowed(n, length, mask, key_padding_mask, None, scores.device)
+        keep = keep if allowed is None else keep & allowed
         if select is not None:
             keep = keep & select
-        if key_padding_mask is not None:
-            keep = keep & key_padding_mask[:, None, None, :].to(torch.bool)
         scores = scores.masked_fill(~keep, float("-inf"))
         top = scores.amax(-1, keepdim=True).clamp_min(torch.finfo(work).min)
         p = torch.exp(scores - top)  # rows with no key: all 0

@@ -125,7 +125,10 @@ class TransformerBlock(nn.Module):
     ``key_padding_mask`` ``(B, N)`` bool marks real tokens (True). ``positions`` and
     ``cache`` go to :class:`MultiHeadAttention`; with a cache it returns ``(out, cache)``.
     With ``experts`` the MLP is a :class:`MoE`, and ``return_router_logits=True`` returns
-    ``(out, logits)`` with its router's logits ``(B, N, E)``.
+    ``(out, logits)`` with its router's logits ``(B, N, E)``. With a
+    :class:`LatentAttention` that has an indexer, ``return_indexer_loss=True`` returns
+    ``(out, loss)`` (after the logits, with both): the indexer's training loss
+    (:meth:`LightningIndexer.loss`).
 
     Example::
 
@@ -304,13 +307,19 @@ class TransformerBlock(nn.Module):
 
     def forward(self, x: Tensor, key_padding_mask: Tensor | None = None,
                 segment_ids: Tensor | None = None, positions: Tensor | None = None,
-                cache: KVCache | None = None,
-                return_router_logits: bool = False) -> Tensor | tuple:
-        a, h = 0, x  # without a mixer: the MLP alone
+                cache: KVCache | None = None, return_router_logits: bool = False,
+                return_indexer_loss: bool = False) -> Tensor | tuple:
+        a, h, index_loss = 0, x, None  # without a mixer: the MLP alone
+        if return_indexer_loss and getattr(self.attn, "indexer", None) is None:
+            raise ValueError("TransformerBlock: return_indexer_loss needs a LatentAttention "
+                             "with an indexer")
         if self.attn is not None:
             n1 = self.ln1(x)
             if self.linear is not None:  # Falcon-H1: attention and the linear mixer, side by side
                 a, cache = self._parallel(n1, key_padding_mask, segment_ids, positions, cache)
+            elif return_indexer_loss:  # DeepSeek Sparse Attention's indexer loss (no cache)
+                a, index_loss = self.attn(n1, key_padding_mask, segment_ids, positions, cache,
+                                          return_indexer_loss=True)
             else:
                 a = self.attn(n1, key_padding_mask, segment_ids, positions, cache)
                 if cache is not None:
@@ -326,6 +335,8 @@ class TransformerBlock(nn.Module):
             if self.shared_norm:  # Phi, GPT-J: one norm for both sublayers
                 h = n1
         if self.mlp is None:  # a mixer alone
+            if index_loss is not None:
+                return h, index_loss
             return h if cache is None else (h, cache)
         logits = None
         n2 = self.ln2(h)
@@ -343,8 +354,9 @@ class TransformerBlock(nn.Module):
             x = alpha * n2 + beta * m
         else:
             x = x + a + m if self.parallel else h + m  # (B, N, dim)
-        if logits is not None:
-            return x, logits
+        aux = tuple(t for t in (logits, index_loss) if t is not None)
+        if aux:
+            return (x, *aux)
         return x if cache is None else (x, cache)
 
     @property
@@ -511,7 +523,11 @@ class TransformerEncoder(nn.Module):
             ``position_embedding="rotary"`` and leaves ``kv_heads``, ``head_dim``,
             ``qk_norm``, ``rotary_dim``, ``qkv_bias``, ``attn_sinks``, ``out_bias`` and
             ``rotary_interleaved`` unset. The cache then holds each token's latent and
-            rotary key.
+            rotary key. With ``indexer`` (DeepSeek Sparse Attention) the forward's
+            ``return_indexer_loss=True`` returns ``(out, losses)`` (``(out, logits,
+            losses)`` with ``return_router_logits``): each indexed block's
+            :meth:`LightningIndexer.loss`, a scalar, which trains the indexers alone (add
+            their sum to the model's loss).
         attn_sinks: a learned attention sink per head in every block (gpt-oss).
         out_bias: the attention output projection's bias alone (default ``bias``).
         parallel_residual: each block adds attention and MLP of its input side by side
@@ -751,11 +767,17 @@ class TransformerEncoder(nn.Module):
 
     def forward(self, x: Tensor, key_padding_mask: Tensor | None = None,
                 segment_ids: Tensor | None = None, positions: Tensor | None = None,
-                cache: KVCache | None = None,
-                return_router_logits: bool = False) -> Tensor | tuple:
+                cache: KVCache | None = None, return_router_logits: bool = False,
+                return_indexer_loss: bool = False) -> Tensor | tuple:
         if return_router_logits and (self.experts is None or cache is not None):
             raise ValueError("TransformerEncoder: return_router_logits needs experts and no "
                              f"cache; got experts={self.experts}, cache="
+                             f"{type(cache).__name__ if cache is not None else None}")
+        indexed = [getattr(b.attn, "indexer", None) is not None for b in self.blocks]
+        if return_indexer_loss and (not any(indexed) or cache is not None):
+            raise ValueError("TransformerEncoder: return_indexer_loss needs a latent attention "
+                             "with an indexer (latent_attention=dict(indexer=...)) and no "
+                             f"cache; got {sum(indexed)} indexed blocks, cache="
                              f"{type(cache).__name__ if cache is not None else None}")
         one = x.dim() == (1 if self.tokens else 2)  # a single example: add a batch dim
         if one:
@@ -796,7 +818,7 @@ class TransformerEncoder(nn.Module):
         h = self.drop(h)
         tables: dict[int, RotaryTable] = {}  # one cos / sin table per rotary setting
         rotary = self.position_embedding == "rotary"
-        new_keys, new_values, router_logits = [], [], []
+        new_keys, new_values, router_logits, index_losses = [], [], [], []
         for i, block in enumerate(self.blocks):
             block_positions = None
             if getattr(block.attn, "needs_positions", False):  # chunks, temperature
@@ -818,15 +840,20 @@ class TransformerEncoder(nn.Module):
                 continue
             args = (h, key_padding_mask, segment_ids, block_positions)
             routed = return_router_logits and self._sparse[i]
-            if routed:
-                args += (None, True)
+            index = return_indexer_loss and indexed[i]
+            if routed or index:
+                args += (None, routed, index)
             if self.remat is None:
                 h = block(*args)
             else:
                 h = call_remat(block, self.remat, *args, stochastic=self._stochastic)
+            if routed or index:
+                h, *aux = h
             if routed:
-                h, logits = h  # logits (B, N, E)
+                logits = aux.pop(0)  # (B, N, E)
                 router_logits.append(logits.squeeze(0) if one else logits)
+            if index:
+                index_losses.append(aux.pop(0))  # a scalar
         h = self.ln(h)
         out = h @ self.embed.weight.T if self.tied else self.head(h)  # (B, N, out_dim)
         if self.logit_scale is not None:  # Cohere: the logits times a constant
@@ -834,8 +861,10 @@ class TransformerEncoder(nn.Module):
         if self.logit_softcap is not None:  # Gemma 2: cap * tanh(logits / cap)
             out = torch.tanh(out / self.logit_softcap) * self.logit_softcap
         out = out.squeeze(0) if one else out
-        if return_router_logits:
-            return out, tuple(router_logits)
+        aux = ((tuple(router_logits),) if return_router_logits else ()) \
+            + ((tuple(index_losses),) if return_indexer_loss else ())
+        if aux:
+            return (out, *aux)
         if cache is None:
             return out
         if static:
