@@ -284,6 +284,7 @@ def test_plain_eager_calls_fun_and_transforms_call_the_rules():
 
 
 # -- torch.compile ---------------------------------------------------------------------
+# (aot_eager: the rules live in dynamo and AOT autograd; inductor adds only its C++ build)
 
 @pytest.mark.parametrize("fullgraph", [False, True])
 def test_compile_with_backward_uses_the_rules(fullgraph, fresh_dynamo):
@@ -292,7 +293,7 @@ def test_compile_with_backward_uses_the_rules(fullgraph, fresh_dynamo):
     for f, want in ((lambda x: reverse_gradient(x, 0.5).sum(), -0.5 * torch.ones_like(x)),
                     (lambda x: sp(x * 1000).sum(), 1000 * torch.sigmoid(1000 * x))):
         xr = x.clone().requires_grad_()
-        torch.compile(f, fullgraph=fullgraph)(xr).backward()
+        torch.compile(f, fullgraph=fullgraph, backend="aot_eager")(xr).backward()
         torch.testing.assert_close(xr.grad, want)
 
 
@@ -313,7 +314,7 @@ def test_fullgraph_compile_with_tensor_residuals(residuals, fresh_dynamo):
                         lambda r, g: (2 * g * r[0].expand(r[2]),
                                       2 * g * r[1][:, None].expand(r[1].shape[0], 2)))
     x, w = normal(40, 3, 4).clone().requires_grad_(), normal(41, 4, 2).clone().requires_grad_()
-    out = torch.compile(bilinear, fullgraph=True)(x, w)
+    out = torch.compile(bilinear, fullgraph=True, backend="aot_eager")(x, w)
     out.backward()
     torch.testing.assert_close(out.detach(), (x @ w).sum().detach())
     torch.testing.assert_close(x.grad, 2 * w.detach().sum(1).expand(3, 4))
@@ -326,11 +327,13 @@ def test_compile_of_func_transforms_uses_the_rules(fresh_dynamo):
     """Dynamo drops an autograd.Function's backward and jvp inside torch.func transforms
     (pytorch#193279, #192985); the call then runs eagerly and stays right."""
     x = normal(14, 5)
-    g = torch.compile(grad(lambda x: reverse_gradient(x, 0.5).sum()))(x)
+    g = torch.compile(grad(lambda x: reverse_gradient(x, 0.5).sum()), backend="aot_eager")(x)
     torch.testing.assert_close(g, -0.5 * torch.ones_like(x))
-    g = torch.compile(vmap(grad(lambda x: softplus(1000 * x).sum())))(x[:, None])
+    g = torch.compile(vmap(grad(lambda x: softplus(1000 * x).sum())), backend="aot_eager")(
+        x[:, None])
     torch.testing.assert_close(g, 1000 * torch.sigmoid(1000 * x[:, None]))
-    t = torch.compile(lambda x: jvp(lambda x: round_ste(x), (x,), (x,))[1])(x)
+    t = torch.compile(lambda x: jvp(lambda x: round_ste(x), (x,), (x,))[1],
+                      backend="aot_eager")(x)
     torch.testing.assert_close(t, x)
 
 

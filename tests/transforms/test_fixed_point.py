@@ -145,7 +145,7 @@ def test_pytree_state():
 def test_compile_of_grad_equals_eager(fresh_dynamo):
     p = deq_problem(4)
     f = grad(lambda x: loss(solve({**p, "x": x}, "anderson", f=deq_layer)))
-    close(torch.compile(f)(p["x"]), f(p["x"]))
+    close(torch.compile(f, backend="aot_eager")(p["x"]), f(p["x"]))  # (dynamo's part)
 
 
 def test_compile_with_backward_solves_once(fresh_dynamo):
@@ -166,7 +166,7 @@ def test_compile_with_backward_solves_once(fresh_dynamo):
     eager, want = len(calls), x.grad
     calls.clear()
     x = p["x"].clone().requires_grad_()
-    torch.compile(run)(x).backward()
+    torch.compile(run, backend="aot_eager")(x).backward()  # graph breaks: dynamo's part
     assert len(calls) == eager
     close(x.grad, want)
 
