@@ -30,7 +30,7 @@ the progression, and of the progressions continued without a single error.
 
     python examples/packed_lm.py --steps 300 --seed 0 [--optimizer muon] [--remat dots]
         [--positions rotary] [--kv-heads 1] [--draft-dim 32] [--dim 256 --depth 4]
-        [--experts 4 [--routing deepseek]] [--latent-attention]
+        [--experts 4 [--routing deepseek]] [--latent-attention [--sparse-topk 8]]
         [--mixer gated_deltanet | mamba2 | mamba]
 
 ``--experts 4`` makes every block's MLP a mixture of 4 experts, each token routed to
@@ -44,6 +44,10 @@ step toward balanced loads, ``--bias-rate`` a step, with no load-balancing loss
 (``--aux-weight`` defaults to 0 there). ``--latent-attention`` gives every block
 DeepSeek's multi-head latent attention (``models.LatentAttention``: keys and values from
 one small latent per token, which is all the KV cache holds; rotary positions).
+``--sparse-topk 8`` makes it DeepSeek Sparse Attention (DeepSeek-V3.2): a lightning
+indexer (``models.LightningIndexer``) picks each query's 8 keys, and its own loss (the KL
+of the attention's distribution against the indexer's, ``return_indexer_loss=True``),
+added to the model's, trains it alone; the report gives that loss's first and last.
 
 ``--mixer gated_deltanet`` (or ``mamba2``, ``mamba``) makes every block but the last a
 linear-attention block with a fixed-size state (``models.GatedDeltaNet``, Qwen3-Next's;
@@ -121,6 +125,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="--routing deepseek: the selection bias's step per training step")
     p.add_argument("--latent-attention", action="store_true",
                    help="DeepSeek's multi-head latent attention in every block")
+    p.add_argument("--sparse-topk", type=int, default=0,
+                   help="--latent-attention: DeepSeek Sparse Attention, each query's keys "
+                        "picked by a trained indexer; 0: dense")
+    p.add_argument("--index-weight", type=float, default=1.0,
+                   help="--sparse-topk: the indexer loss's weight (0: the indexer untrained)")
     p.add_argument("--mixer", choices=["attention", "gated_deltanet", "mamba2", "mamba"],
                    default="attention", help="the token mixer of every block but the last")
     p.add_argument("--seed", type=int, default=0)
@@ -196,6 +205,8 @@ def main(argv: list[str] | None = None) -> dict:
     aux_weight = args.aux_weight if args.aux_weight is not None else 0.0 if deepseek else 0.02
     if args.latent_attention and args.positions != "rotary":
         raise ValueError("--latent-attention needs --positions rotary")
+    if args.sparse_topk and not args.latent_attention:
+        raise ValueError("--sparse-topk needs --latent-attention")
     if args.mixer != "attention" and (args.latent_attention or args.draft_dim):
         raise ValueError("--mixer takes neither --latent-attention nor --draft-dim (a "
                          "recurrent state cannot drop a draft's rejected tokens)")
@@ -214,22 +225,32 @@ def main(argv: list[str] | None = None) -> dict:
         position_embedding=args.positions, experts=args.experts or None,
         moe_options=dict(scoring="sigmoid", router_bias=True) if deepseek else None,
         latent_attention=dict(kv_rank=args.dim // 2, rope_dim=8, nope_dim=args.dim // 4,
-                              v_dim=args.dim // 4) if args.latent_attention else None,
+                              v_dim=args.dim // 4,
+                              **(dict(q_rank=args.dim // 2, indexer=dict(
+                                  heads=4, head_dim=16, topk=args.sparse_topk))
+                                 if args.sparse_topk else {}))
+        if args.latent_attention else None,
         linear_attention=linear,
         layer_linear=[i < args.depth - 1 for i in range(args.depth)] if linear else None)
     model = torchfn.Model(net)
     params, state = model.init(init_key), model.init_state()  # state: the routers' biases
+    initial = params  # (updates make new dicts: this one stays as it was)
     run = functools.partial(model.apply, state=state) if state else model
 
-    def loss_and_acc(params, tokens, ids, model=model, moe=args.experts > 0, state=state):
-        aux, router = 0.0, ()  # tokens, ids: (R, N)
+    def loss_and_acc(params, tokens, ids, model=model, moe=args.experts > 0, state=state,
+                     sparse=bool(args.sparse_topk)):
+        aux, router, index = 0.0, (), 0.0  # tokens, ids: (R, N)
+        logits, *extra = model.apply(params, tokens, segment_ids=ids, state=state or None,
+                                     return_router_logits=moe, return_indexer_loss=sparse) \
+            if moe or sparse else (model.apply(params, tokens, segment_ids=ids,
+                                               state=state or None),)
         if moe:  # the routers' logits (R, N, E) per block, for balancing
-            logits, router = model.apply(params, tokens, segment_ids=ids, state=state,
-                                         return_router_logits=True)
+            router = extra.pop(0)
             if aux_weight:
                 aux = aux_weight * losses.moe_load_balance(router, 2, mask=ids != PAD)
-        else:
-            logits = model.apply(params, tokens, segment_ids=ids, state=state or None)
+        if sparse:  # the indexers' KL losses, one per block: they train the indexers alone
+            index = sum(extra.pop(0))
+            aux = aux + args.index_weight * index
         logits = logits[:, :-1]  # (R, N - 1, V)
         target = tokens[:, 1:]
         # predict the next token of the same document, from its third token on (the step
@@ -239,7 +260,8 @@ def main(argv: list[str] | None = None) -> dict:
         loss = F.cross_entropy(logits.transpose(1, 2), target, reduction="none")
         loss = (loss * same).sum() / same.sum() + aux
         acc = ((logits.argmax(-1) == target) & third).sum() / third.sum()
-        return loss, (acc, tuple(r.detach() for r in router))
+        index = index.detach() if sparse else torch.zeros(())
+        return loss, (acc, tuple(r.detach() for r in router), index)
 
     grad_fn = torch.func.grad_and_value(loss_and_acc, has_aux=True)
     draft = None
@@ -250,16 +272,18 @@ def main(argv: list[str] | None = None) -> dict:
         d_params = draft.init(random.fold_in(init_key, 1))
         d_opt = optim.adam(args.lr)
         d_state = d_opt.init(d_params)
-        draft_grad = torch.func.grad(lambda *a, **k: loss_and_acc(*a, **k, state={}),
+        draft_grad = torch.func.grad(lambda *a, **k: loss_and_acc(*a, **k, state={},
+                                                                  sparse=False),
                                      has_aux=True)
     opt = OPTIMIZERS[args.optimizer](args.lr)
     opt_state = opt.init(params)
-    history, tokens_seen, start = [], 0, time.perf_counter()
+    history, index_losses, tokens_seen, start = [], [], 0, time.perf_counter()
     pbar = tqdm(range(args.steps), desc="packed_lm", mininterval=0.5)
     for step in pbar:
         docs = documents(random.fold_in(data_key, step), 8 * args.rows * args.row_len // 23)
         tokens, ids, used = pack(docs, args.rows, args.row_len)
-        grads, (loss, (acc, router)) = grad_fn(params, tokens, ids)
+        grads, (loss, (acc, router, index)) = grad_fn(params, tokens, ids)
+        index_losses.append(float(index))
         updates, opt_state = opt.update(grads, opt_state, params)
         params = optim.apply_updates(params, updates)
         if deepseek:  # each expert's load this step moves its bias (no gradient)
@@ -271,7 +295,7 @@ def main(argv: list[str] | None = None) -> dict:
             d_grads, _ = draft_grad(d_params, tokens, ids, model=draft, moe=False)
             d_updates, d_state = d_opt.update(d_grads, d_state, d_params)
             d_params = optim.apply_updates(d_params, d_updates)
-        history.append((float(loss), float(acc)))
+        history.append((float(loss) - args.index_weight * index_losses[-1], float(acc)))
         tokens_seen += int((ids != PAD).sum())
         pbar.set_postfix(loss=f"{float(loss):.3f}", acc=f"{float(acc):.3f}", docs=used)
         if step % args.log_every == 0 or step == args.steps - 1:
@@ -285,7 +309,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.optimizer == "schedule_free":  # evaluate at the average x, not at y
         params = optim.schedule_free_eval_params(opt_state, params)
     with torch.no_grad():
-        _, (test_acc, _) = loss_and_acc(params, tokens, ids)
+        _, (test_acc, _, _) = loss_and_acc(params, tokens, ids)
     seconds = time.perf_counter() - start
     shares = []
     if args.experts:  # each expert's share of the held-out tokens' first choices, per block
@@ -297,6 +321,15 @@ def main(argv: list[str] | None = None) -> dict:
                 f"blocks.{i}.mlp.router_bias"))[1][:, 0]
             shares.append(torch.bincount(first, minlength=args.experts).div(
                 len(first)).tolist())
+    index_report = {}
+    if args.sparse_topk:  # the held-out KL, trained indexers against their initial params
+        untrained = {**params, **{n: t for n, t in initial.items() if ".indexer." in n}}
+        with torch.no_grad():
+            for name, p in (("index_loss_held_out", params),
+                            ("index_loss_held_out_untrained", untrained)):
+                index_report[name] = float(sum(model.apply(
+                    p, tokens, segment_ids=ids, state=state or None,
+                    return_indexer_loss=True)[-1]))
     token_acc, whole_acc = continuation_accuracy(run, params, random.fold_in(data_key, -1))
     spec = {}
     if draft is not None:
@@ -308,6 +341,11 @@ def main(argv: list[str] | None = None) -> dict:
           f"{float(test_acc):.3f}; {tokens_seen / seconds:,.0f} real tokens/s")
     print(f"greedy continuations (16 tokens, KV cache): {token_acc:.3f} of tokens right, "
           f"{whole_acc:.3f} of progressions without an error")
+    if args.sparse_topk:
+        print(f"indexer loss (KL, summed over blocks): {index_losses[0]:.4f} -> "
+              f"{sum(index_losses[-k:]) / k:.4f}; held out "
+              f"{index_report['index_loss_held_out']:.4f} (the untrained indexers: "
+              f"{index_report['index_loss_held_out_untrained']:.4f})")
     for i, share in enumerate(shares):
         print(f"block {i}: experts' shares of the tokens' first choices "
               f"{', '.join(f'{x:.2f}' for x in share)}")
@@ -320,6 +358,8 @@ def main(argv: list[str] | None = None) -> dict:
     return {"loss_first": first, "loss_last": last, "test_accuracy": float(test_acc),
             "continuation_accuracy": token_acc, "continuation_exact": whole_acc,
             "expert_shares": shares, "router_bias": {n: t.tolist() for n, t in state.items()},
+            "index_loss_first": index_losses[0],
+            "index_loss_last": sum(index_losses[-k:]) / k, **index_report,
             **spec}
 
 

@@ -107,6 +107,21 @@ def test_deepseek_style_lm_with_latent_attention_and_loss_free_balancing(example
         assert len(shares) == 4 and min(shares) > 0.05 and abs(sum(shares) - 1) < 1e-6
 
 
+def test_deepseek_sparse_attention_lm_learns_and_trains_its_indexers(example):
+    """--sparse-topk 8: each query attends to the 8 keys a lightning indexer picks; the
+    model learns the progressions and decodes them through the cache, and the indexers'
+    own loss (added to the model's, their gradient alone) halves their held-out KL
+    against the attention, compared with the same model's untrained indexers."""
+    result = example("packed_lm").main([
+        "--steps", "60", "--rows", "4", "--seed", "0", "--positions", "rotary",
+        "--experts", "4", "--routing", "deepseek", "--bias-rate", "0.01",
+        "--latent-attention", "--sparse-topk", "8"])
+    assert result["loss_last"] < result["loss_first"] / 3
+    assert result["test_accuracy"] > 0.9
+    assert result["continuation_accuracy"] > 0.9
+    assert 0 < result["index_loss_held_out"] < result["index_loss_held_out_untrained"] / 1.5
+
+
 @pytest.mark.parametrize("mixer", ["gated_deltanet", "mamba2", "mamba"])
 def test_hybrid_lm_with_linear_attention_learns_each_document(example, mixer):
     """--mixer: a linear-attention block (Gated DeltaNet, Mamba-2 or Mamba) then attention. The
