@@ -97,3 +97,27 @@ def assert_same_logits_caches_and_tokens(hf, module, params, atol, steps=10, use
     assert torch.equal(generate(model, params, tokens[:, :6], steps), greedy)
     static = StaticKVCache.allocate(module, 2, 6 + steps, dtype=torch.float64)
     assert torch.equal(generate(model, params, tokens[:, :6], steps, cache=static), greedy)
+
+
+def assert_router_logits_and_aux_loss_match(hf, module, params, top_k, atol=1e-6):
+    """``return_router_logits=True`` gives transformers' ``router_logits`` (each router's,
+    in its order, on the real tokens of left-padded rows), and ``losses.moe_load_balance``
+    over them with the padding masked is its ``aux_loss`` (its routers run in float32:
+    ``atol``)."""
+    from torchfn import losses
+
+    tokens = torch.randint(3, 50, (2, 9), generator=torch.Generator().manual_seed(5))
+    mask = torch.ones(2, 9, dtype=torch.bool)
+    mask[1, :4] = False
+    positions = (mask.cumsum(-1) - 1).clamp_min(0)
+    with torch.no_grad():
+        out = hf(tokens, attention_mask=mask.long(), position_ids=positions,
+                 output_router_logits=True)
+        _, logits = torchfn.Model(module).apply(params, tokens, mask, positions=positions,
+                                                return_router_logits=True)
+    assert len(logits) == len(out.router_logits)
+    for ours, theirs in zip(logits, out.router_logits):
+        torch.testing.assert_close(ours[mask], theirs.reshape(ours.shape)[mask].to(ours.dtype),
+                                   rtol=0, atol=atol)
+    torch.testing.assert_close(losses.moe_load_balance(logits, top_k, mask=mask),
+                               out.aux_loss.to(torch.float64), rtol=1e-6, atol=0)

@@ -10,6 +10,7 @@ import torch
 from _hf_checks import (
     assert_left_padded_generation_matches,
     assert_round_trip_and_reload,
+    assert_router_logits_and_aux_loss_match,
     assert_same_logits_caches_and_tokens,
     hf_checkpoint,
 )
@@ -47,6 +48,15 @@ def test_greedy_generation_from_left_padded_prompts_equals_transformers(tmp_path
     hf, config, sd = checkpoint(tmp_path)
     module, params = jetmoe_from_hf(config, sd)
     assert_left_padded_generation_matches(hf, torchfn.Model(module), params)
+
+
+def test_router_logits_of_both_mixtures_and_the_aux_loss_equal_transformers(tmp_path):
+    """Each block's attention router's logits, then its MLP router's, as transformers
+    records them; the load-balancing loss over all of them (padding masked) is its
+    ``aux_loss``."""
+    hf, config, sd = checkpoint(tmp_path)
+    module, params = jetmoe_from_hf(config, sd)
+    assert_router_logits_and_aux_loss_match(hf, module, params, CONFIG["num_experts_per_tok"])
 
 
 def test_jetmoe_to_hf_gives_back_the_checkpoint_and_loads_in_transformers(tmp_path):

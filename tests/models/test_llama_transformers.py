@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 from _cached import logits_through_cache
+from _hf_checks import assert_router_logits_and_aux_loss_match
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file
@@ -240,6 +241,15 @@ def test_a_transformers_checkpoint_gives_the_same_logits(case, tmp_path):
     torch.testing.assert_close(model.apply(params, tokens), want, rtol=0, atol=2e-6)
     torch.testing.assert_close(logits_through_cache(model, params, tokens, 12), want, rtol=0,
                                atol=2e-6)  # and from the KV cache
+
+
+@pytest.mark.parametrize("case", ["mixtral", "qwen3-moe"])
+def test_router_logits_and_the_aux_loss_equal_transformers(case, tmp_path):
+    """``return_router_logits=True`` gives transformers' ``router_logits``, and
+    ``losses.moe_load_balance`` over them its ``aux_loss`` (padding masked)."""
+    hf, config, sd = hf_checkpoint(*CASES[case], tmp_path)
+    module, params = llama_from_hf(config, sd)
+    assert_router_logits_and_aux_loss_match(hf, module, params, config["num_experts_per_tok"])
 
 
 @pytest.mark.parametrize("case", ["llama", "mistral-window", "qwen2-moe", "qwen3-wide-heads",

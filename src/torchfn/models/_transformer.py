@@ -125,7 +125,8 @@ class TransformerBlock(nn.Module):
     ``key_padding_mask`` ``(B, N)`` bool marks real tokens (True). ``positions`` and
     ``cache`` go to :class:`MultiHeadAttention`; with a cache it returns ``(out, cache)``.
     With ``experts`` the MLP is a :class:`MoE`, and ``return_router_logits=True`` returns
-    ``(out, logits)`` with its router's logits ``(B, N, E)``. With a
+    ``(out, logits)`` with its router's logits ``(B, N, E)`` (with ``attn_experts``, the
+    attention's router's first: ``(out, attn_logits[, mlp_logits])``). With a
     :class:`LatentAttention` that has an indexer, ``return_indexer_loss=True`` returns
     ``(out, loss)`` (after the logits, with both): the indexer's training loss
     (:meth:`LightningIndexer.loss`).
@@ -309,7 +310,9 @@ class TransformerBlock(nn.Module):
                 segment_ids: Tensor | None = None, positions: Tensor | None = None,
                 cache: KVCache | None = None, return_router_logits: bool = False,
                 return_indexer_loss: bool = False) -> Tensor | tuple:
-        a, h, index_loss = 0, x, None  # without a mixer: the MLP alone
+        a, h, index_loss, routers = 0, x, None, []  # without a mixer: the MLP alone
+        if return_router_logits and not (self.moe or isinstance(self.attn, MixtureOfAttention)):
+            raise ValueError("TransformerBlock: return_router_logits needs experts")
         if return_indexer_loss and getattr(self.attn, "indexer", None) is None:
             raise ValueError("TransformerBlock: return_indexer_loss needs a LatentAttention "
                              "with an indexer")
@@ -324,6 +327,8 @@ class TransformerBlock(nn.Module):
                 a = self.attn(n1, key_padding_mask, segment_ids, positions, cache)
                 if cache is not None:
                     a, cache = a
+            if return_router_logits and isinstance(self.attn, MixtureOfAttention):
+                routers.append(self.attn.route(n1)[0])  # (B, N, E): JetMoE balances these too
             a = self.drop(self.post_ln1(a) if self.post_norms else a)
             if self.residual_scale is not None:  # Granite: each sublayer's output scaled
                 a = a * self.residual_scale
@@ -335,15 +340,14 @@ class TransformerBlock(nn.Module):
             if self.shared_norm:  # Phi, GPT-J: one norm for both sublayers
                 h = n1
         if self.mlp is None:  # a mixer alone
-            if index_loss is not None:
-                return h, index_loss
+            aux = (*routers, *(() if index_loss is None else (index_loss,)))
+            if aux:
+                return (h, *aux)
             return h if cache is None else (h, cache)
-        logits = None
         n2 = self.ln2(h)
-        if return_router_logits:
-            if not self.moe:
-                raise ValueError("TransformerBlock: return_router_logits needs experts")
+        if return_router_logits and self.moe:
             m, logits = self.mlp(n2, True)  # logits (B, N, E)
+            routers.append(logits)
         else:
             m = self.mlp(n2)
         m = self.drop(self.post_ln2(m) if self.post_norms else m)
@@ -354,7 +358,7 @@ class TransformerBlock(nn.Module):
             x = alpha * n2 + beta * m
         else:
             x = x + a + m if self.parallel else h + m  # (B, N, dim)
-        aux = tuple(t for t in (logits, index_loss) if t is not None)
+        aux = (*routers, *(() if index_loss is None else (index_loss,)))
         if aux:
             return (x, *aux)
         return x if cache is None else (x, cache)
@@ -452,7 +456,8 @@ class TransformerEncoder(nn.Module):
             ``output_gate``).
         attn_experts: ``dict(experts=, top_k=, out_bias=)``: every attention block a
             :class:`MixtureOfAttention` (JetMoE), ``heads`` heads per expert sharing as
-            many key/value heads.
+            many key/value heads. ``return_router_logits=True`` gives its router's
+            logits too, before the block's MLP's (JetMoE balances both).
         normed_residual: MiniMax-01's blocks, each sublayer added to its normalised
             input (:class:`TransformerBlock`'s): a dict of ``(alpha, beta)`` for the
             ``"attention"`` blocks' mixer, the ``"linear"`` ones' and the ``"mlp"``
@@ -769,7 +774,9 @@ class TransformerEncoder(nn.Module):
                 segment_ids: Tensor | None = None, positions: Tensor | None = None,
                 cache: KVCache | None = None, return_router_logits: bool = False,
                 return_indexer_loss: bool = False) -> Tensor | tuple:
-        if return_router_logits and (self.experts is None or cache is not None):
+        routers = [int(self._sparse[i]) + isinstance(b.attn, MixtureOfAttention)
+                   for i, b in enumerate(self.blocks)]  # each block's routers
+        if return_router_logits and (not any(routers) or cache is not None):
             raise ValueError("TransformerEncoder: return_router_logits needs experts and no "
                              f"cache; got experts={self.experts}, cache="
                              f"{type(cache).__name__ if cache is not None else None}")
@@ -839,7 +846,7 @@ class TransformerEncoder(nn.Module):
                 new_values += layer.values
                 continue
             args = (h, key_padding_mask, segment_ids, block_positions)
-            routed = return_router_logits and self._sparse[i]
+            routed = return_router_logits and routers[i] > 0
             index = return_indexer_loss and indexed[i]
             if routed or index:
                 args += (None, routed, index)
@@ -848,12 +855,11 @@ class TransformerEncoder(nn.Module):
             else:
                 h = call_remat(block, self.remat, *args, stochastic=self._stochastic)
             if routed or index:
-                h, *aux = h
-            if routed:
-                logits = aux.pop(0)  # (B, N, E)
-                router_logits.append(logits.squeeze(0) if one else logits)
-            if index:
-                index_losses.append(aux.pop(0))  # a scalar
+                h, *aux = h  # the routers' logits (B, N, E), then the indexer's loss
+                if routed:
+                    router_logits += [t.squeeze(0) if one else t for t in aux[:routers[i]]]
+                if index:
+                    index_losses.append(aux[-1])  # a scalar
         h = self.ln(h)
         out = h @ self.embed.weight.T if self.tied else self.head(h)  # (B, N, out_dim)
         if self.logit_scale is not None:  # Cohere: the logits times a constant
