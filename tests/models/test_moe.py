@@ -358,6 +358,41 @@ def test_load_balance_matches_its_definition_and_closed_forms():
     assert (g[..., busiest] > 0).float().mean() > 0.5
 
 
+def test_sequence_balance_matches_a_loop_and_the_pooled_form():
+    """DeepSeek-V3's sequence-wise loss equals a loop over the rows of its formula (sigmoid
+    scores, the choice with a selection bias, padding masked, an empty row dropped); for
+    one row of softmax scores it is the pooled loss over ``top_k``; a batch balanced as a
+    whole but not row by row is penalised by it and not by the pooled one; its gradient
+    (through ``P``) under vmap equals a loop."""
+    logits = [random.normal(random.key(i), (3, 6, 5), torch.float64) for i in range(2)]
+    mask = random.bernoulli(random.key(7), 0.7, (3, 6))
+    mask[2] = False  # a row of padding alone
+    bias = torch.tensor([0.3, -0.2, 0.0, 0.5, -0.1], dtype=torch.float64)
+    rows = []
+    for lg in logits:
+        for b in range(2):
+            s = lg[b][mask[b]].sigmoid()  # (T, E)
+            top = (s + bias).topk(2, dim=-1).indices
+            f = torch.stack([(top == e).any(-1).double().sum() for e in range(5)])
+            f = f * 5 / (2 * len(s))
+            rows.append((f * (s / s.sum(-1, keepdim=True)).mean(0)).sum())
+    got = losses.moe_sequence_balance(logits, 2, bias=bias, mask=mask)
+    torch.testing.assert_close(got, torch.stack(rows).mean())
+    one = logits[0][:1]
+    torch.testing.assert_close(losses.moe_sequence_balance(one, 2, scoring="softmax"),
+                               losses.moe_load_balance(one, 2) / 2)
+    # rows on experts {0, 1} and {2, 3}: balanced as a batch, not as sequences
+    halves = torch.stack([torch.eye(4)[[0, 1, 0, 1]], torch.eye(4)[[2, 3, 2, 3]]]) * 50
+    torch.testing.assert_close(losses.moe_load_balance(halves, 1), torch.tensor(1.0))
+    torch.testing.assert_close(losses.moe_sequence_balance(halves, 1, scoring="softmax"),
+                               torch.tensor(2.0))
+    per = torch.func.vmap(torch.func.grad(
+        lambda lg: losses.moe_sequence_balance(lg[None], 2)))(logits[0])
+    for b in range(3):
+        want = torch.func.grad(lambda lg: losses.moe_sequence_balance(lg[None], 2))(logits[0][b])
+        torch.testing.assert_close(per[b], want)
+
+
 def test_router_z_loss_matches_its_definition():
     logits = random.normal(random.key(3), (4, 7, 6), torch.float64) * 3
     mask = random.bernoulli(random.key(4), 0.5, (4, 7))
@@ -439,6 +474,15 @@ def test_bad_input_is_named():
         losses.router_z_loss(torch.zeros(3, 4), mask=torch.ones(4, dtype=torch.bool))
     with pytest.raises(TypeError, match="router_logits must be a float tensor"):
         losses.moe_load_balance(torch.zeros(3, 4, dtype=torch.long), 1)
+    with pytest.raises(ValueError, match="scoring must be 'sigmoid' or 'softmax', got 'relu'"):
+        losses.moe_sequence_balance(torch.zeros(2, 3, 4), 1, scoring="relu")
+    with pytest.raises(ValueError, match=r"router_logits must be \(B, T, E\) a layer, got "
+                                         r"\(3, 4\)"):
+        losses.moe_sequence_balance(torch.zeros(3, 4), 1)
+    with pytest.raises(ValueError, match=r"bias must be a tensor \(4,\), got torch.Size"):
+        losses.moe_sequence_balance(torch.zeros(2, 3, 4), 1, bias=torch.zeros(3))
+    with pytest.raises(ValueError, match="top_k must be an int >= 1, got 0"):
+        losses.moe_sequence_balance(torch.zeros(2, 3, 4), 0)
 
 
 @pytest.mark.parametrize("how", ["sparse", "dense", "capacity"])

@@ -1,5 +1,5 @@
-"""Auxiliary losses for mixture-of-experts routers: load balance (Switch, Mixtral) and
-the router z-loss (ST-MoE)."""
+"""Auxiliary losses for mixture-of-experts routers: load balance (Switch, Mixtral; and
+DeepSeek-V3's per sequence) and the router z-loss (ST-MoE)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["moe_load_balance", "router_z_loss"]
+__all__ = ["moe_load_balance", "moe_sequence_balance", "router_z_loss"]
 
 
 def _logits(router_logits: Tensor | Sequence[Tensor], mask: Tensor | None,
@@ -92,6 +92,79 @@ def moe_load_balance(router_logits: Tensor | Sequence[Tensor], top_k: int, *,
     f = _mean(one_hot, weight, dims)  # (k, E)
     p = _mean(probs, weight, dims)  # (E,)
     return experts * (f * p).sum()
+
+
+def moe_sequence_balance(router_logits: Tensor | Sequence[Tensor], top_k: int, *,
+                         scoring: str = "sigmoid", bias: Tensor | None = None,
+                         mask: Tensor | None = None) -> Tensor:
+    """DeepSeek-V3's complementary sequence-wise balance loss: within each sequence (row
+    of ``router_logits``), over its ``T`` tokens::
+
+        sum_e f[e] * P[e],   f[e] = E / (top_k T) * #{t : e among t's top_k},
+                             P[e] = mean_t s[t, e] / sum_j s[t, j]
+
+    with ``s`` the router's scores (``scoring``: ``"sigmoid"`` as DeepSeek-V3, or
+    ``"softmax"``), averaged over the sequences (and layers). A sequence whose tokens
+    spread evenly over the experts gives 1; all on ``top_k`` experts gives ``E /
+    top_k``. Unlike :func:`moe_load_balance`, which pools every token of the batch, it
+    penalises a sequence that leans on few experts even when the batch as a whole is
+    balanced. DeepSeek-V3 scales it by 1e-4 (balancing mainly with the selection bias,
+    :func:`torchfn.models.moe_bias_update`). ``f`` is not differentiable.
+
+    Args:
+        router_logits: ``(B, T, E)``, or one such tensor per layer.
+        top_k: the experts each token is sent to.
+        scoring: how the router scores the logits: ``"sigmoid"`` or ``"softmax"``.
+        bias: ``(E,)``, the selection bias the router adds before its top-k (the routed
+            choice is counted), or None: the top-k of the scores.
+        mask: ``(B, T)`` bool, True for the tokens that count (a row without any does
+            not count).
+
+    Returns:
+        A scalar.
+
+    Example::
+
+        >>> import torch
+        >>> from torchfn import losses
+        >>> even = 10 * torch.eye(4).repeat(1, 2, 1)   # (B, T, E): each expert twice
+        >>> losses.moe_sequence_balance(even, top_k=1, scoring="softmax")
+        tensor(1.)
+        >>> skewed = torch.cat([even[:, :4:2], even[:, 1:4:2]])  # experts 0, 2 | 1, 3
+        >>> losses.moe_sequence_balance(skewed, top_k=1, scoring="softmax")  # batch even
+        tensor(1.9998)
+        >>> losses.moe_load_balance(skewed, top_k=1)  # pooled over the batch: balanced
+        tensor(1.)
+    """
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
+        raise ValueError(f"moe_sequence_balance: top_k must be an int >= 1, got {top_k!r}")
+    if scoring not in ("sigmoid", "softmax"):
+        raise ValueError(f"moe_sequence_balance: scoring must be 'sigmoid' or 'softmax', "
+                         f"got {scoring!r}")
+    logits, weight = _logits(router_logits, mask, "moe_sequence_balance")  # (L, B, T, E)
+    if logits.dim() != 4:
+        raise ValueError(f"moe_sequence_balance: router_logits must be (B, T, E) a layer, "
+                         f"got {tuple(logits.shape[1:])}")
+    experts = logits.shape[-1]
+    if top_k > experts:
+        raise ValueError(f"moe_sequence_balance: top_k must be <= the {experts} experts, "
+                         f"got {top_k}")
+    if bias is not None and (not isinstance(bias, Tensor) or bias.shape != (experts,)):
+        raise ValueError(f"moe_sequence_balance: bias must be a tensor ({experts},), got "
+                         f"{getattr(bias, 'shape', bias)}")
+    scores = logits.sigmoid() if scoring == "sigmoid" else logits.softmax(-1)
+    share = scores / scores.sum(-1, keepdim=True).clamp_min(torch.finfo(scores.dtype).tiny)
+    pick = scores.detach() if bias is None else scores.detach() + bias.to(scores.dtype)
+    chosen = torch.zeros_like(scores).scatter(-1, pick.topk(top_k, dim=-1).indices, 1.0)
+    if weight is None:
+        weight = scores.new_ones(scores.shape[:-1])  # (L, B, T)
+    count = weight.sum(-1)  # (L, B): each sequence's real tokens
+    w = weight[..., None] / count.clamp_min(1)[..., None, None]  # (L, B, T, 1)
+    f = (chosen * w).sum(-2) * (experts / top_k)  # (L, B, E)
+    p = (share * w).sum(-2)  # (L, B, E)
+    per = (f * p).sum(-1)  # (L, B)
+    some = (count > 0).to(per.dtype)
+    return (per * some).sum() / some.sum().clamp_min(1)
 
 
 def router_z_loss(router_logits: Tensor | Sequence[Tensor], *,
