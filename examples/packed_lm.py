@@ -30,7 +30,7 @@ the progression, and of the progressions continued without a single error.
 
     python examples/packed_lm.py --steps 300 --seed 0 [--optimizer muon] [--remat dots]
         [--positions rotary] [--kv-heads 1] [--draft-dim 32] [--dim 256 --depth 4]
-        [--experts 4 [--routing deepseek]] [--latent-attention [--sparse-topk 8]]
+        [--experts 4 [--routing deepseek]] [--latent-attention [--sparse-topk 8]] [--mtp 1]
         [--mixer gated_deltanet | mamba2 | mamba]
 
 ``--experts 4`` makes every block's MLP a mixture of 4 experts, each token routed to
@@ -48,6 +48,11 @@ one small latent per token, which is all the KV cache holds; rotary positions).
 indexer (``models.LightningIndexer``) picks each query's 8 keys, and its own loss (the KL
 of the attention's distribution against the indexer's, ``return_indexer_loss=True``),
 added to the model's, trains it alone; the report gives that loss's first and last.
+
+``--mtp 1`` adds DeepSeek-V3's multi-token prediction: one more block
+(``models.MultiTokenPrediction``) predicts the token after next from the model's states
+and the next token's embedding, trained by ``losses.multi_token_prediction`` (weight
+``--mtp-weight``); the report gives its held-out accuracy.
 
 ``--mixer gated_deltanet`` (or ``mamba2``, ``mamba``) makes every block but the last a
 linear-attention block with a fixed-size state (``models.GatedDeltaNet``, Qwen3-Next's;
@@ -130,6 +135,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "picked by a trained indexer; 0: dense")
     p.add_argument("--index-weight", type=float, default=1.0,
                    help="--sparse-topk: the indexer loss's weight (0: the indexer untrained)")
+    p.add_argument("--mtp", type=int, default=0,
+                   help="DeepSeek-V3's multi-token prediction depth (needs --positions "
+                        "rotary)")
+    p.add_argument("--mtp-weight", type=float, default=0.3,
+                   help="--mtp: the multi-token prediction loss's weight (DeepSeek-V3: 0.3)")
     p.add_argument("--mixer", choices=["attention", "gated_deltanet", "mamba2", "mamba"],
                    default="attention", help="the token mixer of every block but the last")
     p.add_argument("--seed", type=int, default=0)
@@ -205,6 +215,8 @@ def main(argv: list[str] | None = None) -> dict:
     aux_weight = args.aux_weight if args.aux_weight is not None else 0.0 if deepseek else 0.02
     if args.latent_attention and args.positions != "rotary":
         raise ValueError("--latent-attention needs --positions rotary")
+    if args.mtp and args.positions != "rotary":
+        raise ValueError("--mtp needs --positions rotary")
     if args.sparse_topk and not args.latent_attention:
         raise ValueError("--sparse-topk needs --latent-attention")
     if args.mixer != "attention" and (args.latent_attention or args.draft_dim):
@@ -230,7 +242,7 @@ def main(argv: list[str] | None = None) -> dict:
                                   heads=4, head_dim=16, topk=args.sparse_topk))
                                  if args.sparse_topk else {}))
         if args.latent_attention else None,
-        linear_attention=linear,
+        linear_attention=linear, mtp=args.mtp,
         layer_linear=[i < args.depth - 1 for i in range(args.depth)] if linear else None)
     model = torchfn.Model(net)
     params, state = model.init(init_key), model.init_state()  # state: the routers' biases
@@ -238,12 +250,13 @@ def main(argv: list[str] | None = None) -> dict:
     run = functools.partial(model.apply, state=state) if state else model
 
     def loss_and_acc(params, tokens, ids, model=model, moe=args.experts > 0, state=state,
-                     sparse=bool(args.sparse_topk)):
+                     sparse=bool(args.sparse_topk), mtp=args.mtp > 0):
         aux, router, index = 0.0, (), 0.0  # tokens, ids: (R, N)
         logits, *extra = model.apply(params, tokens, segment_ids=ids, state=state or None,
-                                     return_router_logits=moe, return_indexer_loss=sparse) \
-            if moe or sparse else (model.apply(params, tokens, segment_ids=ids,
-                                               state=state or None),)
+                                     return_router_logits=moe, return_indexer_loss=sparse,
+                                     return_mtp=mtp) \
+            if moe or sparse or mtp else (model.apply(params, tokens, segment_ids=ids,
+                                                      state=state or None),)
         if moe:  # the routers' logits (R, N, E) per block, for balancing
             router = extra.pop(0)
             if aux_weight:
@@ -251,6 +264,14 @@ def main(argv: list[str] | None = None) -> dict:
         if sparse:  # the indexers' KL losses, one per block: they train the indexers alone
             index = sum(extra.pop(0))
             aux = aux + args.index_weight * index
+        mtp_acc = torch.zeros(())
+        if mtp:  # the depths' logits (R, N - k, V): position t predicts token t + k + 1
+            ahead = extra.pop(0)
+            aux = aux + args.mtp_weight * losses.multi_token_prediction(
+                ahead, tokens, mask=ids != PAD, segment_ids=ids)
+            counted = (ids[:, 2:] == ids[:, :-2]) & (ids[:, 2:] != PAD)  # t, t + 2: one doc
+            mtp_acc = ((ahead[0][:, :-1].argmax(-1) == tokens[:, 2:]) & counted).sum() \
+                / counted.sum()
         logits = logits[:, :-1]  # (R, N - 1, V)
         target = tokens[:, 1:]
         # predict the next token of the same document, from its third token on (the step
@@ -261,7 +282,7 @@ def main(argv: list[str] | None = None) -> dict:
         loss = (loss * same).sum() / same.sum() + aux
         acc = ((logits.argmax(-1) == target) & third).sum() / third.sum()
         index = index.detach() if sparse else torch.zeros(())
-        return loss, (acc, tuple(r.detach() for r in router), index)
+        return loss, (acc, tuple(r.detach() for r in router), index, mtp_acc)
 
     grad_fn = torch.func.grad_and_value(loss_and_acc, has_aux=True)
     draft = None
@@ -273,7 +294,7 @@ def main(argv: list[str] | None = None) -> dict:
         d_opt = optim.adam(args.lr)
         d_state = d_opt.init(d_params)
         draft_grad = torch.func.grad(lambda *a, **k: loss_and_acc(*a, **k, state={},
-                                                                  sparse=False),
+                                                                  sparse=False, mtp=False),
                                      has_aux=True)
     opt = OPTIMIZERS[args.optimizer](args.lr)
     opt_state = opt.init(params)
@@ -282,7 +303,7 @@ def main(argv: list[str] | None = None) -> dict:
     for step in pbar:
         docs = documents(random.fold_in(data_key, step), 8 * args.rows * args.row_len // 23)
         tokens, ids, used = pack(docs, args.rows, args.row_len)
-        grads, (loss, (acc, router, index)) = grad_fn(params, tokens, ids)
+        grads, (loss, (acc, router, index, _)) = grad_fn(params, tokens, ids)
         index_losses.append(float(index))
         updates, opt_state = opt.update(grads, opt_state, params)
         params = optim.apply_updates(params, updates)
@@ -309,7 +330,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.optimizer == "schedule_free":  # evaluate at the average x, not at y
         params = optim.schedule_free_eval_params(opt_state, params)
     with torch.no_grad():
-        _, (test_acc, _, _) = loss_and_acc(params, tokens, ids)
+        _, (test_acc, _, _, mtp_acc) = loss_and_acc(params, tokens, ids)
     seconds = time.perf_counter() - start
     shares = []
     if args.experts:  # each expert's share of the held-out tokens' first choices, per block
@@ -341,6 +362,9 @@ def main(argv: list[str] | None = None) -> dict:
           f"{float(test_acc):.3f}; {tokens_seen / seconds:,.0f} real tokens/s")
     print(f"greedy continuations (16 tokens, KV cache): {token_acc:.3f} of tokens right, "
           f"{whole_acc:.3f} of progressions without an error")
+    if args.mtp:
+        print(f"multi-token prediction: held-out accuracy of the token after next "
+              f"{float(mtp_acc):.3f}")
     if args.sparse_topk:
         print(f"indexer loss (KL, summed over blocks): {index_losses[0]:.4f} -> "
               f"{sum(index_losses[-k:]) / k:.4f}; held out "
@@ -360,6 +384,7 @@ def main(argv: list[str] | None = None) -> dict:
             "expert_shares": shares, "router_bias": {n: t.tolist() for n, t in state.items()},
             "index_loss_first": index_losses[0],
             "index_loss_last": sum(index_losses[-k:]) / k, **index_report,
+            "mtp_accuracy": float(mtp_acc),
             **spec}
 
 

@@ -122,6 +122,15 @@ def test_deepseek_sparse_attention_lm_learns_and_trains_its_indexers(example):
     assert 0 < result["index_loss_held_out"] < result["index_loss_held_out_untrained"] / 1.5
 
 
+def test_multi_token_prediction_learns_the_token_after_next(example):
+    """--mtp 1: DeepSeek-V3's multi-token prediction block, trained by its loss beside the
+    model's, predicts each document's token after next on held-out rows (chance 1/32)."""
+    result = example("packed_lm").main(["--steps", "40", "--rows", "4", "--seed", "0",
+                                        "--positions", "rotary", "--mtp", "1"])
+    assert result["test_accuracy"] > 0.9
+    assert result["mtp_accuracy"] > 0.9
+
+
 @pytest.mark.parametrize("mixer", ["gated_deltanet", "mamba2", "mamba"])
 def test_hybrid_lm_with_linear_attention_learns_each_document(example, mixer):
     """--mixer: a linear-attention block (Gated DeltaNet, Mamba-2 or Mamba) then attention. The

@@ -14,6 +14,7 @@ from torchfn.losses._gan import gan_losses, gradient_penalty, wgan_losses
 from torchfn.losses._linear_cross_entropy import linear_cross_entropy
 from torchfn.losses._mean_flow import mean_flow_loss
 from torchfn.losses._moe import moe_load_balance, moe_sequence_balance, router_z_loss
+from torchfn.losses._mtp import multi_token_prediction
 from torchfn.losses._regression import huber, l1, mse
 from torchfn.losses._scm import scm_loss
 from torchfn.losses._score_matching import score_matching
@@ -48,4 +49,6 @@ __all__ = [
     "moe_load_balance",
     "moe_sequence_balance",
     "router_z_loss",
+    # language models (_mtp)
+    "multi_token_prediction",
 ]

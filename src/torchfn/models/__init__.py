@@ -45,6 +45,7 @@ from torchfn.models._mlp import MLP, XIELU, SwiGLU
 from torchfn.models._mlstm import MLSTM
 from torchfn.models._moa import MixtureOfAttention
 from torchfn.models._moe import MoE, moe_bias_update
+from torchfn.models._mtp import MultiTokenPrediction
 from torchfn.models._nemotron_h import nemotron_h_from_hf, nemotron_h_to_hf
 from torchfn.models._neox import neox_from_hf, neox_to_hf
 from torchfn.models._nerf import NeRF
@@ -93,6 +94,7 @@ __all__ = [
     "MultiHeadAttention",
     "LatentAttention",
     "LightningIndexer",
+    "MultiTokenPrediction",
     "MixtureOfAttention",
     "GatedDeltaNet",
     "KimiDeltaAttention",

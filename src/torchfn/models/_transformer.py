@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Sequence
 from itertools import accumulate
 
@@ -20,6 +21,7 @@ from torchfn.models._mlp import XIELU, SquaredReLU, SwiGLU, _check_dims
 from torchfn.models._mlstm import MLSTM
 from torchfn.models._moa import MixtureOfAttention
 from torchfn.models._moe import MoE
+from torchfn.models._mtp import MultiTokenPrediction
 from torchfn.models._norm import make_norm
 from torchfn.models._remat_block import call_remat, remat_policy
 from torchfn.models._rg_lru import RGLRU
@@ -489,6 +491,13 @@ class TransformerEncoder(nn.Module):
             ``head.weight`` parameter. Needs ``vocab_size`` and ``out_dim == vocab_size``
             (``out_dim=None``, as for :func:`torchfn.losses.linear_cross_entropy` with
             ``params["embed.weight"]``, leaves the hidden states).
+        mtp: DeepSeek-V3's multi-token prediction depth ``D``: ``D``
+            :class:`MultiTokenPrediction` modules (params ``mtp.{k}.*``, each block a
+            fresh copy of the last block's design) sharing the embedding and the head.
+            The forward's ``return_mtp=True`` then also returns their logits, a tuple of
+            ``(B, N - k, V)`` for ``k = 1 .. D``, whose position ``t`` predicts token ``t +
+            k + 1`` (for :func:`torchfn.losses.multi_token_prediction`). Needs token input,
+            an output head and no learned positions.
         mlp_ratio, dropout, causal: block settings; ``causal`` masks future positions.
         mlp_hidden: the MLPs' width, instead of ``mlp_ratio * dim`` (Llama 3 8B: 14336
             for dim 4096).
@@ -625,6 +634,7 @@ class TransformerEncoder(nn.Module):
         attend: AttendFn | None = None,
         remat: bool | Callable[..., bool] = False,
         tie_embeddings: bool = False,
+        mtp: int = 0,
     ) -> None:
         super().__init__()
         _check_dims(dim=dim, heads=heads, depth=depth, max_len=max_len, mlp_ratio=mlp_ratio)
@@ -769,11 +779,25 @@ class TransformerEncoder(nn.Module):
         self.tied = tie_embeddings and out_dim is not None
         self.head = nn.Identity() if out_dim is None or self.tied else nn.Linear(
             dim, out_dim, bias=bias if head_bias is None else head_bias)
+        if isinstance(mtp, bool) or not isinstance(mtp, int) or mtp < 0:
+            raise ValueError(f"mtp must be an int >= 0, got {mtp!r}")
+        if mtp and (vocab_size is None or out_dim is None or position_embedding == "learned"):
+            raise ValueError(f"mtp needs token input, an output head and no learned positions; "
+                             f"got vocab_size={vocab_size}, out_dim={out_dim}, "
+                             f"position_embedding={position_embedding!r}")
+        self.mtp = nn.ModuleList(MultiTokenPrediction(
+            dim, copy.deepcopy(self.blocks[-1]), norm=norm, bias=bias, eps=norm_eps)
+            for _ in range(mtp))
 
     def forward(self, x: Tensor, key_padding_mask: Tensor | None = None,
                 segment_ids: Tensor | None = None, positions: Tensor | None = None,
                 cache: KVCache | None = None, return_router_logits: bool = False,
-                return_indexer_loss: bool = False) -> Tensor | tuple:
+                return_indexer_loss: bool = False, return_mtp: bool = False
+                ) -> Tensor | tuple:
+        if return_mtp and (not self.mtp or cache is not None):
+            raise ValueError(f"TransformerEncoder: return_mtp needs mtp >= 1 and no cache; got "
+                             f"mtp={len(self.mtp)}, cache="
+                             f"{type(cache).__name__ if cache is not None else None}")
         routers = [int(self._sparse[i]) + isinstance(b.attn, MixtureOfAttention)
                    for i, b in enumerate(self.blocks)]  # each block's routers
         if return_router_logits and (not any(routers) or cache is not None):
@@ -861,14 +885,13 @@ class TransformerEncoder(nn.Module):
                 if index:
                     index_losses.append(aux[-1])  # a scalar
         h = self.ln(h)
-        out = h @ self.embed.weight.T if self.tied else self.head(h)  # (B, N, out_dim)
-        if self.logit_scale is not None:  # Cohere: the logits times a constant
-            out = out * self.logit_scale
-        if self.logit_softcap is not None:  # Gemma 2: cap * tanh(logits / cap)
-            out = torch.tanh(out / self.logit_softcap) * self.logit_softcap
+        out = self._logits(h)  # (B, N, out_dim)
         out = out.squeeze(0) if one else out
         aux = ((tuple(router_logits),) if return_router_logits else ()) \
             + ((tuple(index_losses),) if return_indexer_loss else ())
+        if return_mtp:
+            mtp = self._mtp(h, x, key_padding_mask, segment_ids, positions)
+            aux += (tuple(t.squeeze(0) for t in mtp) if one else mtp,)
         if aux:
             return (out, *aux)
         if cache is None:
@@ -877,3 +900,38 @@ class TransformerEncoder(nn.Module):
             return out, StaticKVCache(tuple(new_keys), tuple(new_values), layer.length)
         return out, KVCache(tuple(new_keys), tuple(new_values))
 
+    def _logits(self, h: Tensor) -> Tensor:
+        """The head on normalised states ``(B, N, dim) -> (B, N, out_dim)``."""
+        out = h @ self.embed.weight.T if self.tied else self.head(h)
+        if self.logit_scale is not None:  # Cohere: the logits times a constant
+            out = out * self.logit_scale
+        if self.logit_softcap is not None:  # Gemma 2: cap * tanh(logits / cap)
+            out = torch.tanh(out / self.logit_softcap) * self.logit_softcap
+        return out
+
+    def _mtp(self, h: Tensor, x: Tensor, key_padding_mask: Tensor | None,
+             segment_ids: Tensor | None, positions: Tensor) -> tuple[Tensor, ...]:
+        """The multi-token prediction depths' logits ``(B, N - k, V)``, ``k = 1 .. D``,
+        from the final states ``h`` ``(B, N, dim)`` and the tokens ``x`` ``(B, N)``: depth
+        ``k`` reads ``h_{k-1}`` at ``t`` and the embedding of ``x[t + k]``."""
+        embedded = self.embed(x)  # (B, N, dim)
+        if self.embed_scale is not None:
+            embedded = embedded * torch.tensor(self.embed_scale, dtype=embedded.dtype,
+                                               device=embedded.device)
+        n, out = x.shape[1], []
+        for k, module in enumerate(self.mtp, start=1):
+            m = n - k  # the positions t whose token t + k exists
+            if m < 1:
+                raise ValueError(f"TransformerEncoder: return_mtp needs more than mtp = "
+                                 f"{len(self.mtp)} tokens, got {n}")
+            mask = None if key_padding_mask is None else \
+                key_padding_mask[:, :m] & key_padding_mask[:, k:]
+            at = positions[..., :m]
+            attn = module.block.attn
+            if self.position_embedding == "rotary" and getattr(attn, "rotary", False) \
+                    and not getattr(attn, "needs_positions", False):
+                at = attn.rotary_table(at, h.dtype)
+            h = module(h[:, :m], embedded[:, k:], mask,
+                       None if segment_ids is None else segment_ids[:, :m], at)
+            out.append(self._logits(module.norm(h)))  # (B, m, V)
+        return tuple(out)
