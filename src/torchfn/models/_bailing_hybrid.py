@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from torchfn.models._deepseek import _check, _rotary_rows
-from torchfn.models._fit import check_known, check_state_dict, stack_experts
+from torchfn.models._fit import check_state_dict, join_pieces, read_state, stack_experts
 from torchfn.models._kimi_linear import _get, v3_mixture
 from torchfn.models._llama import _ropes
 from torchfn.models._rotary_scaling import yarn_mscale
@@ -21,7 +21,6 @@ from torchfn.models._transformer import TransformerEncoder
 
 __all__ = ["bailing_hybrid_from_hf", "bailing_hybrid_to_hf"]
 
-_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 _EXPERT = re.compile(r"mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight")
 _GLOBAL = {"model.word_embeddings.weight": "embed.weight", "model.norm.weight": "ln.weight",
            "lm_head.weight": "head.weight"}
@@ -169,21 +168,12 @@ def bailing_hybrid_from_hf(config: Mapping[str, Any],
     state: dict[str, Tensor] = {}
     joined: dict[str, dict[str, Tensor]] = {}  # our qkv / conv -> the q, k, v parts
     experts: dict[str, dict[int, Tensor]] = {}  # our stacked name -> expert j's matrix
-    unknown = []
-    for name, tensor in state_dict.items():
-        layer = _LAYER.fullmatch(name)
-        if name in _GLOBAL:
-            if name != "lm_head.weight" or not kwargs["tie_embeddings"]:
-                params[_GLOBAL[name]] = tensor
-            continue
-        if layer is None or int(layer[1]) >= kwargs["depth"]:
-            if layer is None or not _get(config, ("num_nextn_predict_layers",
-                                                  "num_mtp_layers"), 0):
-                unknown.append(name)  # (else a multi-token-prediction layer: not used here)
-            continue
-        at, rest, kda = f"blocks.{layer[1]}.", layer[2], linear[int(layer[1])]
+
+    def read_layer(i: str, rest: str, tensor: Tensor) -> bool:
+        if int(i) >= kwargs["depth"]:  # a multi-token-prediction layer, if any: not used here
+            return bool(_get(config, ("num_nextn_predict_layers", "num_mtp_layers"), 0))
+        at, kda, expert = f"blocks.{i}.", linear[int(i)], _EXPERT.fullmatch(rest)
         names = _COMMON | (_KDA if kda else _MLA)
-        expert = _EXPERT.fullmatch(rest)
         if rest in names:
             ours = names[rest]
             if ours in _ROTATED and not kda:  # DeepSeek's interleaved rotary pairs
@@ -196,10 +186,12 @@ def bailing_hybrid_from_hf(config: Mapping[str, Any],
         elif expert:  # expert j's matrix -> row j of the stacked one
             experts.setdefault(f"{at}mlp.{expert[2]}", {})[int(expert[1])] = tensor
         else:
-            unknown.append(name)
-    check_known(unknown, "bailing_hybrid")
-    params.update({name: torch.cat([parts[p] for p in "qkv"])
-                   for name, parts in joined.items() if set(parts) == set("qkv")})
+            return False
+        return True
+
+    read_state(state_dict.items(), "bailing_hybrid", params, globals_=_GLOBAL,
+               tied=kwargs["tie_embeddings"], read_layer=read_layer)
+    join_pieces(params, joined)
     stack_experts(params, experts, kwargs.get("experts"))
     _check(module, params, state)
     return module, params, state

@@ -3,7 +3,6 @@ back: a mixture of experts in every block, bias-free LayerNorms, q/k/v clamped."
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -11,10 +10,10 @@ from torch import Tensor
 
 from torchfn.models._fit import (
     check_fit,
-    check_known,
     check_params_for,
     check_state_dict,
     param_shapes,
+    read_state,
 )
 from torchfn.models._transformer import TransformerEncoder
 
@@ -22,7 +21,6 @@ __all__ = ["dbrx_from_hf", "dbrx_to_hf"]
 
 _GLOBAL = {"transformer.wte.weight": "embed.weight", "transformer.norm_f.weight": "ln.weight",
            "lm_head.weight": "head.weight"}
-_LAYER = re.compile(r"transformer\.blocks\.(\d+)\.(.+)")
 _NAMES = {"norm_attn_norm.norm_1.weight": "ln1.weight",
           "norm_attn_norm.norm_2.weight": "ln2.weight",
           "norm_attn_norm.attn.Wqkv.weight": "attn.qkv.weight",
@@ -111,22 +109,21 @@ def dbrx_from_hf(config: Mapping[str, Any], state_dict: Mapping[str, Tensor] | N
         return module, None
     experts, hidden = kwargs["experts"], kwargs["expert_hidden"]
     params: dict[str, Tensor] = {}
-    unknown = []
-    for name, tensor in state_dict.items():
-        layer = _LAYER.fullmatch(name)
-        at, rest = (f"blocks.{layer[1]}.", layer[2]) if layer else ("", "")
-        if name in _GLOBAL:
-            if name != "lm_head.weight" or not kwargs["tie_embeddings"]:
-                params[_GLOBAL[name]] = tensor
-        elif layer and rest in _NAMES:
-            params[at + _NAMES[rest]] = tensor
-        elif layer and rest in _EXPERTS:
+
+    def read_layer(i: str, rest: str, tensor: Tensor) -> bool:
+        if rest in _NAMES:
+            params[f"blocks.{i}.{_NAMES[rest]}"] = tensor
+        elif rest in _EXPERTS:
             t = tensor.unflatten(0, (experts, hidden)) if tensor.shape[0] == experts * hidden \
                 else tensor  # (else a wrong size, reported below)
-            params[at + _EXPERTS[rest]] = t.transpose(1, 2) if rest.endswith("w2") else t
+            params[f"blocks.{i}.{_EXPERTS[rest]}"] = t.transpose(1, 2) if rest.endswith("w2") \
+                else t
         else:
-            unknown.append(name)
-    check_known(unknown, "dbrx")
+            return False
+        return True
+
+    read_state(state_dict.items(), "dbrx", params, globals_=_GLOBAL,
+               tied=kwargs["tie_embeddings"], read_layer=read_layer, layers="transformer.blocks.")
     check_fit(param_shapes(module), params, "state_dict")
     return module, params
 

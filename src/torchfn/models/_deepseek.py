@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from torchfn.models._dequantize import dequantize_fp8
-from torchfn.models._fit import check_fit, check_known, check_state_dict, param_shapes
+from torchfn.models._fit import check_fit, check_state_dict, join_pieces, param_shapes, read_state
 from torchfn.models._llama import GLOBAL_NAMES, _ropes, partial_rotary
 from torchfn.models._rotary_scaling import yarn_mscale
 from torchfn.models._transformer import TransformerEncoder
@@ -30,7 +30,6 @@ _INTERLEAVED = ("deepseek_v3", "deepseek_v32", "glm_moe_dsa", "glm4_moe_lite", "
 # (rope_interleave, default True); DeepSeek Sparse Attention: the lightning indexer's heads
 # and HF's default count of them; GLM-5's indexer rotates interleaved pairs too, V3.2's not
 _DSA = {"deepseek_v32": 64, "glm_moe_dsa": 32}
-_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 _EXPERT = re.compile(r"mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight")
 _NAMES = {  # a layer's HF names -> ours, but the experts
     "input_layernorm.weight": "ln1.weight",
@@ -316,43 +315,35 @@ def deepseek_from_hf(config: Mapping[str, Any], state_dict: Mapping[str, Tensor]
     stacks: dict[str, dict[int, Tensor]] = {}
     qkv: dict[str, dict[str, Tensor]] = {}  # GLM: our joined name -> q, k, v
     gqa = kind in _GQA
-    unknown = []
-    for name, tensor in state_dict.items():
-        layer = _LAYER.fullmatch(name)
-        if name in GLOBAL_NAMES:
-            if name != "lm_head.weight" or not kwargs["tie_embeddings"]:
-                params[GLOBAL_NAMES[name]] = tensor
-        elif layer is None:
-            unknown.append(name)
-        elif int(layer[1]) >= depth:
-            if not config.get("num_nextn_predict_layers") and kind != "glm4_moe_lite":
-                unknown.append(name)  # else a multi-token-prediction layer: not used here
+
+    def read_layer(i: str, rest: str, tensor: Tensor) -> bool:
+        if int(i) >= depth:  # a multi-token-prediction layer, if any: not used here
+            return bool(config.get("num_nextn_predict_layers")) or kind == "glm4_moe_lite"
+        at, expert = f"blocks.{i}.", _EXPERT.fullmatch(rest)
+        if gqa and rest in _QKV:
+            qkv.setdefault(at + _QKV[rest], {})[rest[10]] = tensor
+        elif gqa and rest in _QK_NORMS:
+            params[at + _QK_NORMS[rest]] = tensor
+        elif rest in _NAMES:
+            ours = _NAMES[rest]
+            order = _rows(config, ours, tensor.shape[0])
+            params[at + ours] = tensor if order is None else tensor[order]
+        elif rest == _BIAS and kind != "deepseek_v2":
+            state[at + "mlp.router_bias"] = tensor
+        elif expert:  # expert j's matrix -> row j of the stacked one
+            stacks.setdefault(f"{at}mlp.{expert[2]}", {})[int(expert[1])] = tensor
         else:
-            at, rest = f"blocks.{layer[1]}.", layer[2]
-            expert = _EXPERT.fullmatch(rest)
-            if gqa and rest in _QKV:
-                qkv.setdefault(at + _QKV[rest], {})[rest[10]] = tensor
-            elif gqa and rest in _QK_NORMS:
-                params[at + _QK_NORMS[rest]] = tensor
-            elif rest in _NAMES:
-                ours = _NAMES[rest]
-                order = _rows(config, ours, tensor.shape[0])
-                params[at + ours] = tensor if order is None else tensor[order]
-            elif rest == _BIAS and kind != "deepseek_v2":
-                state[at + "mlp.router_bias"] = tensor
-            elif expert:  # expert j's matrix -> row j of the stacked one
-                stacks.setdefault(f"{at}mlp.{expert[2]}", {})[int(expert[1])] = tensor
-            else:
-                unknown.append(name)
-    check_known(unknown, kind)
+            return False
+        return True
+
+    read_state(state_dict.items(), kind, params, globals_=GLOBAL_NAMES,
+               tied=kwargs["tie_embeddings"], read_layer=read_layer)
     for name, pieces in stacks.items():
         if sorted(pieces) != list(range(kwargs["experts"])):
             raise ValueError(f"state_dict holds experts {sorted(pieces)[:8]} for {name}, "
                              f"not 0..{kwargs['experts'] - 1}")
         params[name] = torch.stack([pieces[j] for j in range(len(pieces))])  # (E, ...)
-    for name, parts in qkv.items():
-        if len(parts) == 3:  # else reported missing below
-            params[name] = torch.cat([parts[p] for p in "qkv"])  # rows [q | k | v]
+    join_pieces(params, qkv)
     _check(module, params, state)
     return module, params, state
 

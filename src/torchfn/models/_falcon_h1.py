@@ -5,7 +5,6 @@ Falcon-H1's muP multipliers kept as the model's constants (not folded into weigh
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -13,18 +12,17 @@ from torch import Tensor
 
 from torchfn.models._fit import (
     check_fit,
-    check_known,
     check_params_for,
     check_state_dict,
     join_qkv,
     param_shapes,
+    read_state,
 )
 from torchfn.models._llama import _ropes, partial_rotary
 from torchfn.models._transformer import TransformerEncoder
 
 __all__ = ["falcon_h1_from_hf", "falcon_h1_to_hf"]
 
-_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 _NAMES = {  # a layer's Hugging Face names -> ours (q, k, v joined into attn.qkv after)
     "input_layernorm.weight": "ln1.weight", "pre_ff_layernorm.weight": "ln2.weight",
     **{f"self_attn.{p}_proj.{kind}": f"attn.{p}_proj.{kind}" for p in "qkv"
@@ -174,17 +172,14 @@ def falcon_h1_from_hf(config: Mapping[str, Any], state_dict: Mapping[str, Tensor
     if state_dict is None:
         return module, None
     params: dict[str, Tensor] = {}
-    unknown = []
-    for name, tensor in state_dict.items():
-        layer = _LAYER.fullmatch(name)
-        if name in _GLOBAL:
-            if name != "lm_head.weight" or not kwargs["tie_embeddings"]:
-                params[_GLOBAL[name]] = tensor
-        elif layer and layer[2] in _NAMES:
-            params[f"blocks.{layer[1]}.{_NAMES[layer[2]]}"] = tensor
-        else:
-            unknown.append(name)
-    check_known(unknown, "falcon_h1")
+
+    def read_layer(i: str, rest: str, tensor: Tensor) -> bool:
+        if rest in _NAMES:
+            params[f"blocks.{i}.{_NAMES[rest]}"] = tensor
+        return rest in _NAMES
+
+    read_state(state_dict.items(), "falcon_h1", params, globals_=_GLOBAL,
+               tied=kwargs["tie_embeddings"], read_layer=read_layer)
     join_qkv(params)
     check_fit(param_shapes(module), params, "state_dict")
     return module, params

@@ -1,17 +1,20 @@
 """The checks every checkpoint loader and exporter makes: a state dict that is one, the
 tensors a module has, no others, each of its shape; with errors that name what is
-missing, unused or misshapen. And the q, k and v projections joined into ``qkv``."""
+missing, unused or misshapen. And the reading they share: a checkpoint's tensors sorted into
+the global ones and each layer's (:func:`read_state`), and pieces joined: the q, k and v
+projections into ``qkv``, experts' matrices into one."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import re
+from collections.abc import Callable, Collection, Iterable, Mapping
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-__all__ = ["check_fit", "check_known", "check_params_for", "check_state_dict", "join_qkv",
-           "stack_experts"]
+__all__ = ["check_fit", "check_known", "check_params_for", "check_state_dict", "join_pieces",
+           "join_qkv", "read_state", "stack_experts"]
 
 
 def check_fit(want: Mapping[str, tuple], got: Mapping[str, Tensor], what: str) -> None:
@@ -74,4 +77,43 @@ def stack_experts(params: dict[str, Tensor], pieces: Mapping[str, Mapping[int, T
     missing."""
     for name, parts in pieces.items():
         if sorted(parts) == list(range(experts or 0)):
+            params[name] = torch.stack([parts[j] for j in range(len(parts))])
+
+
+def read_state(tensors: Iterable[tuple[str, Tensor]], family: str, params: dict[str, Tensor],
+               *, globals_: Mapping[str, str], tied: bool,
+               read_layer: Callable[[str, str, Tensor], bool], layers: str = "model.layers.",
+               ignore: Callable[[str], bool] | None = None,
+               head: Collection[str] = ("head.weight",)) -> None:
+    """A checkpoint's ``(name, tensor)`` pairs read into ``params`` (ours), in their order.
+
+    A name in ``globals_`` (the checkpoint's name -> ours) is put in ``params`` under ours,
+    but the head's (ours in ``head``) when ``tied``. A name ``{layers}{i}.{rest}`` goes to
+    ``read_layer(i, rest, tensor)``, ``i`` the layer's number as the name writes it: the
+    family's reader stores the tensor (in ``params``, or aside to join later) and returns
+    True, or returns False for a name it does not know. The names neither reads, but those
+    ``ignore`` says True of, are reported by :func:`check_known` under ``family``."""
+    layer = re.compile(re.escape(layers) + r"(\d+)\.(.+)")
+    unknown = []
+    for name, tensor in tensors:
+        match = layer.fullmatch(name)
+        if name in globals_:
+            if not (tied and globals_[name] in head):
+                params[globals_[name]] = tensor
+        elif not (match and read_layer(match[1], match[2], tensor)) and not (
+                ignore is not None and ignore(name)):
+            unknown.append(name)
+    check_known(unknown, family)
+
+
+def join_pieces(params: dict[str, Tensor], pieces: Mapping[str, Mapping[Any, Tensor]],
+                experts: int | None = None) -> None:
+    """Each of ``pieces``' names (ours) whose parts all came put in ``params`` as one tensor:
+    parts ``"q"``, ``"k"`` and ``"v"`` joined, rows ``[q | k | v]``; parts ``0 .. experts -
+    1`` (expert j's matrix) stacked, ``(E, ...)``. A name lacking some is left out, for
+    :func:`check_fit` to report missing."""
+    for name, parts in pieces.items():
+        if set(parts) == set("qkv"):
+            params[name] = torch.cat([parts[p] for p in "qkv"])
+        elif sorted(parts) == list(range(experts or 0)):
             params[name] = torch.stack([parts[j] for j in range(len(parts))])

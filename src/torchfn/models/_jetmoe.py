@@ -3,7 +3,6 @@ and back: a mixture of attention heads and a mixture of MLP experts in every blo
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -11,17 +10,16 @@ from torch import Tensor
 
 from torchfn.models._fit import (
     check_fit,
-    check_known,
     check_params_for,
     check_state_dict,
     param_shapes,
+    read_state,
 )
 from torchfn.models._llama import GLOBAL_NAMES, _ropes
 from torchfn.models._transformer import TransformerEncoder
 
 __all__ = ["jetmoe_from_hf", "jetmoe_to_hf"]
 
-_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 _NAMES = {  # a layer's HF names -> ours
     "input_layernorm.weight": "ln1.weight",
     "post_attention_layernorm.weight": "ln2.weight",
@@ -110,20 +108,19 @@ def jetmoe_from_hf(config: Mapping[str, Any], state_dict: Mapping[str, Tensor] |
     if state_dict is None:
         return module, None
     params: dict[str, Tensor] = {}
-    unknown = []
-    for name, tensor in state_dict.items():
-        layer = _LAYER.fullmatch(name)
-        at, rest = (f"blocks.{layer[1]}.", layer[2]) if layer else ("", "")
-        if name in GLOBAL_NAMES:
-            if name != "lm_head.weight" or not kwargs["tie_embeddings"]:
-                params[GLOBAL_NAMES[name]] = tensor
-        elif layer and rest in _NAMES:
+
+    def read_layer(i: str, rest: str, tensor: Tensor) -> bool:
+        at = f"blocks.{i}."
+        if rest in _NAMES:
             params[at + _NAMES[rest]] = tensor
-        elif layer and rest == _FUSED:  # (E, 2 hidden, dim) -> gate, up (E, hidden, dim)
+        elif rest == _FUSED:  # (E, 2 hidden, dim) -> gate, up (E, hidden, dim)
             params[at + "mlp.gate"], params[at + "mlp.up"] = tensor.chunk(2, dim=1)
         else:
-            unknown.append(name)
-    check_known(unknown, "jetmoe")
+            return False
+        return True
+
+    read_state(state_dict.items(), "jetmoe", params, globals_=GLOBAL_NAMES,
+               tied=kwargs["tie_embeddings"], read_layer=read_layer)
     check_fit(param_shapes(module), params, "state_dict")
     return module, params
 

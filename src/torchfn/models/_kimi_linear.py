@@ -8,17 +8,15 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-import torch
 from torch import Tensor
 
 from torchfn.models._deepseek import _check, _routing
-from torchfn.models._fit import check_known, check_state_dict
+from torchfn.models._fit import check_state_dict, join_pieces, read_state
 from torchfn.models._llama import GLOBAL_NAMES
 from torchfn.models._transformer import TransformerEncoder
 
 __all__ = ["kimi_linear_from_hf", "kimi_linear_to_hf"]
 
-_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 _EXPERT = re.compile(r"(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(w[123])\.weight")
 _W = {"w1": "gate", "w3": "up", "w2": "down"}  # an expert's matrices -> ours
 _COMMON = {"input_layernorm.weight": "ln1.weight",
@@ -202,37 +200,29 @@ def kimi_linear_from_hf(config: Mapping[str, Any],
     params: dict[str, Tensor] = {}
     state: dict[str, Tensor] = {}
     pieces: dict[str, dict[Any, Tensor]] = {}  # our joined or stacked name -> its parts
-    unknown = []
-    for name, tensor in state_dict.items():
-        layer = _LAYER.fullmatch(name)
-        if name in GLOBAL_NAMES:
-            if name != "lm_head.weight" or not kwargs["tie_embeddings"]:
-                params[GLOBAL_NAMES[name]] = tensor
-            continue
-        if layer is None or int(layer[1]) >= kwargs["depth"]:
-            unknown.append(name)
-            continue
-        at, rest = f"blocks.{layer[1]}.", layer[2]
-        names = _COMMON | _MLP | (_KDA if linear[int(layer[1])] else _MLA)
-        expert = _EXPERT.fullmatch(rest)
+
+    def read_layer(i: str, rest: str, tensor: Tensor) -> bool:
+        if int(i) >= kwargs["depth"]:
+            return False
+        at, kda, expert = f"blocks.{i}.", linear[int(i)], _EXPERT.fullmatch(rest)
+        names = _COMMON | _MLP | (_KDA if kda else _MLA)
         if rest in names:
             if rest == "self_attn.A_log":
                 tensor = tensor.reshape(-1)  # (1, 1, H, 1) -> (H,)
             params[at + names[rest]] = tensor
-        elif linear[int(layer[1])] and rest in _JOINED:  # rows [q | k | v]
+        elif kda and rest in _JOINED:  # rows [q | k | v]
             pieces.setdefault(at + _JOINED[rest], {})[rest[10]] = tensor
         elif rest in _BIAS:
             state[at + "mlp.router_bias"] = tensor
         elif expert:  # expert j's matrix -> row j of the stacked one
             pieces.setdefault(f"{at}mlp.{_W[expert[2]]}", {})[int(expert[1])] = tensor
         else:
-            unknown.append(name)
-    check_known(unknown, "kimi_linear")
-    for name, parts in pieces.items():
-        if set(parts) == set("qkv"):
-            params[name] = torch.cat([parts[p] for p in "qkv"])
-        elif sorted(parts) == list(range(kwargs.get("experts") or 0)):
-            params[name] = torch.stack([parts[j] for j in range(len(parts))])  # (E, ...)
+            return False
+        return True
+
+    read_state(state_dict.items(), "kimi_linear", params, globals_=GLOBAL_NAMES,
+               tied=kwargs["tie_embeddings"], read_layer=read_layer)
+    join_pieces(params, pieces, kwargs.get("experts"))
     _check(module, params, state)
     return module, params, state
 

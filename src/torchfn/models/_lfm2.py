@@ -12,13 +12,12 @@ import torch
 from torch import Tensor
 
 from torchfn.models._deepseek import _check
-from torchfn.models._fit import check_known, check_state_dict, join_qkv, stack_experts
+from torchfn.models._fit import check_state_dict, join_qkv, read_state, stack_experts
 from torchfn.models._llama import _ropes
 from torchfn.models._transformer import TransformerEncoder
 
 __all__ = ["lfm2_from_hf", "lfm2_to_hf"]
 
-_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 _COMMON = {"operator_norm.weight": "ln1.weight", "ffn_norm.weight": "ln2.weight",
            "feed_forward.w1.weight": "mlp.gate.weight", "feed_forward.w3.weight": "mlp.up.weight",
            "feed_forward.w2.weight": "mlp.down.weight"}
@@ -161,27 +160,26 @@ def lfm2_from_hf(config: Mapping[str, Any], state_dict: Mapping[str, Tensor] | N
     params: dict[str, Tensor] = {}
     state: dict[str, Tensor] = {}
     experts: dict[str, dict[int, Tensor]] = {}  # our stacked name -> expert j's matrix
-    unknown = []
-    for name, tensor in state_dict.items():
-        layer = _LAYER.fullmatch(name)
-        names = _COMMON | (_CONV if layer and conv[int(layer[1])] else _ATTN) if layer and \
-            int(layer[1]) < len(conv) else {}
-        expert = _EXPERT.fullmatch(layer[2]) if names else None
-        if name in _GLOBAL:
-            if name != "lm_head.weight" or not kwargs["tie_embeddings"]:
-                params[_GLOBAL[name]] = tensor
-        elif names and layer[2] in names:
-            params[f"blocks.{layer[1]}.{names[layer[2]]}"] = tensor
-        elif names and layer[2] == _ROUTER:
-            params[f"blocks.{layer[1]}.mlp.router.weight"] = tensor
-        elif names and layer[2] == _BIAS:
-            state[f"blocks.{layer[1]}.mlp.router_bias"] = tensor
+
+    def read_layer(i: str, rest: str, tensor: Tensor) -> bool:
+        if int(i) >= len(conv):
+            return False
+        at, expert = f"blocks.{i}.", _EXPERT.fullmatch(rest)
+        names = _COMMON | (_CONV if conv[int(i)] else _ATTN)
+        if rest in names:
+            params[at + names[rest]] = tensor
+        elif rest == _ROUTER:
+            params[at + "mlp.router.weight"] = tensor
+        elif rest == _BIAS:
+            state[at + "mlp.router_bias"] = tensor
         elif expert:
-            experts.setdefault(f"blocks.{layer[1]}.mlp.{_W[expert[2]]}", {})[
-                int(expert[1])] = tensor
+            experts.setdefault(f"{at}mlp.{_W[expert[2]]}", {})[int(expert[1])] = tensor
         else:
-            unknown.append(name)
-    check_known(unknown, config.get("model_type", "lfm2"))
+            return False
+        return True
+
+    read_state(state_dict.items(), config.get("model_type", "lfm2"), params, globals_=_GLOBAL,
+               tied=kwargs["tie_embeddings"], read_layer=read_layer)
     stack_experts(params, experts, kwargs.get("experts"))
     join_qkv(params)
     _check(module, params, state)

@@ -13,12 +13,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from torchfn.models._fit import check_known, check_state_dict
+from torchfn.models._fit import check_state_dict, read_state
 from torchfn.models._transformer import TransformerEncoder
 
 __all__ = ["llama_from_hf"]
 
-_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 GLOBAL_NAMES = {"model.embed_tokens.weight": "embed.weight", "model.norm.weight": "ln.weight",
                 "model.norm.bias": "ln.bias",  # (StarCoder2's and Jais2's LayerNorm)
                 "lm_head.weight": "head.weight",
@@ -684,45 +683,43 @@ def llama_from_hf(config: Mapping[str, Any], state_dict: Mapping[str, Tensor] | 
         state_dict = dequantize_mxfp4(state_dict)
     params: dict[str, Tensor] = {}
     parts: dict[str, dict[Any, Tensor]] = {}  # our name -> the pieces to join
-    unknown = []
     kind = config.get("model_type", "llama")
     router, expert_names, stacked, _ = _MOE.get(kind, (None, None, {}, {}))
     names = layer_names(kind)
-    for name, tensor in state_dict.items():
-        layer = _LAYER.fullmatch(name)
-        at, rest = (f"blocks.{layer[1]}.", layer[2]) if layer else ("", "")
-        expert = layer and router and expert_names.fullmatch(rest)
-        if name in GLOBAL_NAMES:
-            if name != "lm_head.weight" or not kwargs["tie_embeddings"]:
-                params[GLOBAL_NAMES[name]] = tensor
-        elif layer and rest in names:
+
+    def read_layer(i: str, rest: str, tensor: Tensor) -> bool:
+        at, expert = f"blocks.{i}.", router and expert_names.fullmatch(rest)
+        if rest in names:
             params[at + names[rest]] = tensor
-        elif layer and router and rest in _NAMES and rest.startswith("mlp.") and not \
-                (kwargs.get("layer_experts") or [True] * kwargs["depth"])[int(layer[1])]:
+        elif router and rest in _NAMES and rest.startswith("mlp.") and not \
+                (kwargs.get("layer_experts") or [True] * kwargs["depth"])[int(i)]:
             params[at + _NAMES[rest]] = tensor  # a dense layer of a mixture model
-        elif layer and rest == router:
+        elif rest == router:
             params[at + "mlp.router.weight"] = tensor
-        elif layer and rest in _QKV:  # q, k, v in that order
+        elif rest in _QKV:  # q, k, v in that order
             parts.setdefault(at + _QKV[rest], {})[rest[10]] = tensor
-        elif layer and kind == "gpt_oss" and rest in _GPT_OSS_EXPERTS:
+        elif kind == "gpt_oss" and rest in _GPT_OSS_EXPERTS:
             parts.setdefault(at + "gpt_oss", {})[rest] = tensor
-        elif layer and kind in _FUSED_MLP and rest in _PHI3:  # fused: [q | k | v], [gate | up]
+        elif kind in _FUSED_MLP and rest in _PHI3:  # fused: [q | k | v], [gate | up]
             if rest == "self_attn.qkv_proj.weight":
                 params[at + "attn.qkv.weight"] = tensor
             else:
                 params[at + "mlp.gate.weight"], params[at + "mlp.up.weight"] = tensor.chunk(2)
         elif expert:  # expert j's matrix -> row j of the stacked one
             parts.setdefault(at + stacked[expert[2]], {})[int(expert[1])] = tensor
-        elif layer and kind in _GRANITE_MOE and rest in GRANITE_FUSED:
+        elif kind in _GRANITE_MOE and rest in GRANITE_FUSED:
             params.update({at + n: t for n, t in _granite_unfuse(rest, tensor)})
-        elif layer and kind == "apertus" and rest in XIELU_CONSTANTS:
+        elif kind == "apertus" and rest in XIELU_CONSTANTS:
             want = torch.tensor(XIELU_CONSTANTS[rest], dtype=tensor.dtype)
             if tensor.shape != () or not torch.equal(tensor, want):  # (fixed here)
-                raise ValueError(f"state_dict's {name} = {tensor.tolist()!r} is not supported "
-                                 f"here (needs xIELU's {want.item()!r})")
-        elif not _IGNORED.fullmatch(name):
-            unknown.append(name)
-    check_known(unknown, kind.capitalize())
+                raise ValueError(f"state_dict's model.layers.{i}.{rest} = {tensor.tolist()!r} "
+                                 f"is not supported here (needs xIELU's {want.item()!r})")
+        else:
+            return False
+        return True
+
+    read_state(state_dict.items(), kind.capitalize(), params, globals_=GLOBAL_NAMES,
+               tied=kwargs["tie_embeddings"], read_layer=read_layer, ignore=_IGNORED.fullmatch)
     for name, pieces in parts.items():
         if name.endswith("gpt_oss"):
             if len(pieces) == len(_GPT_OSS_EXPERTS):  # else missing, reported below

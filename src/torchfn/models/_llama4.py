@@ -3,8 +3,7 @@
 
 from __future__ import annotations
 
-import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -12,10 +11,11 @@ from torch import Tensor
 
 from torchfn.models._fit import (
     check_fit,
-    check_known,
     check_params_for,
     check_state_dict,
+    join_pieces,
     param_shapes,
+    read_state,
 )
 from torchfn.models._llama import GLOBAL_NAMES, _ropes
 from torchfn.models._transformer import TransformerEncoder
@@ -23,7 +23,6 @@ from torchfn.models._transformer import TransformerEncoder
 __all__ = ["llama4_from_hf", "llama4_to_hf"]
 
 _TYPES = ("llama4_text", "llama4")
-_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 _VISION = ("vision_model.", "multi_modal_projector.")  # the multimodal checkpoint's other parts
 _NAMES = {  # a layer's HF names -> ours, but q/k/v (one qkv matrix) and the fused experts
     "input_layernorm.weight": "ln1.weight",
@@ -188,33 +187,30 @@ def llama4_from_hf(config: Mapping[str, Any], state_dict: Mapping[str, Tensor] |
         return module, None
     params: dict[str, Tensor] = {}
     qkv: dict[str, dict[str, Tensor]] = {}
-    unknown = []
-    for name, tensor in state_dict.items():
-        if config.get("model_type") == "llama4":
-            if name.startswith(_VISION):
-                continue  # the vision tower and its projector: not the text model's
-            name = name.removeprefix("language_model.")
-        layer = _LAYER.fullmatch(name)
-        at, rest = (f"blocks.{layer[1]}.", layer[2]) if layer else ("", "")
-        if name in GLOBAL_NAMES:
-            if name != "lm_head.weight" or not kwargs["tie_embeddings"]:
-                params[GLOBAL_NAMES[name]] = tensor
-        elif layer and rest in _NAMES:
+
+    def read_layer(i: str, rest: str, tensor: Tensor) -> bool:
+        at = f"blocks.{i}."
+        if rest in _NAMES:
             params[at + _NAMES[rest]] = tensor
-        elif layer and rest in _QKV:  # q, k, v in that order
+        elif rest in _QKV:  # q, k, v: joined below
             qkv.setdefault(at + _QKV[rest], {})[rest[10]] = tensor
-        elif layer and rest == _GATE_UP:  # (E, dim, 2 hidden): [gate | up] columns
+        elif rest == _GATE_UP:  # (E, dim, 2 hidden): [gate | up] columns
             gate, up = tensor.chunk(2, dim=-1)
             params[at + "mlp.gate"], params[at + "mlp.up"] = gate.transpose(1, 2), \
                 up.transpose(1, 2)  # (E, hidden, dim) each
-        elif layer and rest == _DOWN:  # (E, hidden, dim) -> (E, dim, hidden)
+        elif rest == _DOWN:  # (E, hidden, dim) -> (E, dim, hidden)
             params[at + "mlp.down"] = tensor.transpose(1, 2)
         else:
-            unknown.append(name)
-    check_known(unknown, "Llama 4")
-    for name, parts in qkv.items():
-        if len(parts) == 3:  # else reported missing below
-            params[name] = torch.cat([parts[p] for p in "qkv"])  # rows [q | k | v]
+            return False
+        return True
+
+    tensors: Iterable[tuple[str, Tensor]] = state_dict.items()
+    if config.get("model_type") == "llama4":  # the vision tower and its projector: not read
+        tensors = ((name.removeprefix("language_model."), t) for name, t in tensors
+                   if not name.startswith(_VISION))
+    read_state(tensors, "Llama 4", params, globals_=GLOBAL_NAMES,
+               tied=kwargs["tie_embeddings"], read_layer=read_layer)
+    join_pieces(params, qkv)
     check_fit(param_shapes(module), params, "state_dict")
     return module, params
 

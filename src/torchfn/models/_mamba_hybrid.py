@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -14,11 +14,11 @@ from torch import Tensor
 
 from torchfn.models._fit import (
     check_fit,
-    check_known,
     check_params_for,
     check_state_dict,
     join_qkv,
     param_shapes,
+    read_state,
     stack_experts,
 )
 from torchfn.models._llama import _ropes, partial_rotary
@@ -27,7 +27,6 @@ from torchfn.models._transformer import TransformerEncoder
 __all__ = ["mamba_hybrid_from_hf", "mamba_hybrid_to_hf"]
 
 _TYPES = ("mamba", "falcon_mamba", "mamba2", "bamba", "granitemoehybrid", "jamba")
-_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 _MAMBA = {f"mamba.{hf}.{kind}": f"attn.{ours}.{kind}" for hf, ours in (
     ("in_proj", "in_proj"), ("conv1d", "conv"), ("out_proj", "out")) for kind in ("weight", "bias")}
 _MAMBA |= {"mamba.dt_bias": "attn.dt_bias", "mamba.A_log": "attn.A_log", "mamba.D": "attn.D",
@@ -329,24 +328,24 @@ def mamba_hybrid_from_hf(config: Mapping[str, Any], state_dict: Mapping[str, Ten
             "lm_head.weight": "head.weight"}
     params: dict[str, Tensor] = {}
     experts: dict[str, dict[int, Tensor]] = {}  # Jamba's: our stacked name -> expert j's
-    unknown = []
-    for name, tensor in state_dict.items():
-        if kind in ("mamba", "falcon_mamba", "mamba2"):  # their names as the hybrids'
-            name = _renamed(name, _MAMBA2)
-        layer = _LAYER.fullmatch(name)
-        at, rest = (f"blocks.{layer[1]}.", layer[2]) if layer else ("", "")
-        if name in glob:
-            if name != "lm_head.weight" or not kwargs["tie_embeddings"]:
-                params[glob[name]] = tensor
-        elif layer and rest in names:
+
+    def read_layer(i: str, rest: str, tensor: Tensor) -> bool:
+        at = f"blocks.{i}."
+        if rest in names:
             params[at + names[rest]] = tensor
-        elif layer and rest in _FUSED and kind == "granitemoehybrid":
+        elif rest in _FUSED and kind == "granitemoehybrid":
             params.update({at + n: t for n, t in _unfuse(rest, tensor, "experts" in kwargs)})
-        elif layer and kind == "jamba" and (expert := _EXPERT.fullmatch(rest)):
+        elif kind == "jamba" and (expert := _EXPERT.fullmatch(rest)):
             experts.setdefault(f"{at}mlp.{expert[2]}", {})[int(expert[1])] = tensor
         else:
-            unknown.append(name)
-    check_known(unknown, kind)
+            return False
+        return True
+
+    tensors: Iterable[tuple[str, Tensor]] = state_dict.items()
+    if kind in ("mamba", "falcon_mamba", "mamba2"):  # their names as the hybrids'
+        tensors = ((_renamed(name, _MAMBA2), t) for name, t in tensors)
+    read_state(tensors, kind, params, globals_=glob, tied=kwargs["tie_embeddings"],
+               read_layer=read_layer)
     stack_experts(params, experts, kwargs.get("experts"))
     join_qkv(params)
     check_fit(param_shapes(module), params, "state_dict")

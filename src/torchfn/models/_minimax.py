@@ -14,11 +14,11 @@ from torch import Tensor
 
 from torchfn.models._fit import (
     check_fit,
-    check_known,
     check_params_for,
     check_state_dict,
     join_qkv,
     param_shapes,
+    read_state,
     stack_experts,
 )
 from torchfn.models._lightning import lightning_slopes
@@ -27,7 +27,6 @@ from torchfn.models._transformer import TransformerEncoder
 
 __all__ = ["minimax_from_hf", "minimax_to_hf"]
 
-_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 _EXPERT = re.compile(r"block_sparse_moe\.experts\.(\d+)\.(w[123])\.weight")
 _W = {"w1": "gate", "w3": "up", "w2": "down"}
 _COMMON = {"input_layernorm.weight": "ln1.weight",
@@ -134,17 +133,11 @@ def minimax_from_hf(config: Mapping[str, Any], state_dict: Mapping[str, Tensor] 
     linear = kwargs["layer_linear"]
     params: dict[str, Tensor] = {}
     experts: dict[str, dict[int, Tensor]] = {}
-    unknown = []
-    for name, tensor in state_dict.items():
-        layer = _LAYER.fullmatch(name)
-        if name in GLOBAL_NAMES:
-            if name != "lm_head.weight" or not kwargs["tie_embeddings"]:
-                params[GLOBAL_NAMES[name]] = tensor
-            continue
-        if layer is None or int(layer[1]) >= kwargs["depth"]:
-            unknown.append(name)
-            continue
-        i, rest = int(layer[1]), layer[2]
+
+    def read_layer(layer: str, rest: str, tensor: Tensor) -> bool:
+        i = int(layer)
+        if i >= kwargs["depth"]:
+            return False
         names = _COMMON | (_LIGHTNING if linear[i] is not False else _ATTN)
         expert = _EXPERT.fullmatch(rest)
         if rest in names:
@@ -154,14 +147,18 @@ def minimax_from_hf(config: Mapping[str, Any], state_dict: Mapping[str, Tensor] 
         elif linear[i] is not False and rest == "self_attn.slope_rate":
             want = torch.tensor(linear[i]["slopes"], dtype=torch.float64)
             if not torch.allclose(tensor.double().reshape(-1), want, rtol=1e-2, atol=0):
-                raise ValueError(f"state_dict's {name} = {tensor.reshape(-1).tolist()} is not "
-                                 f"MiniMax's slope for layer {i} of {kwargs['depth']} "
-                                 f"({want.tolist()}): not supported here")
+                raise ValueError(f"state_dict's model.layers.{layer}.{rest} = "
+                                 f"{tensor.reshape(-1).tolist()} is not MiniMax's slope for "
+                                 f"layer {i} of {kwargs['depth']} ({want.tolist()}): not "
+                                 "supported here")
         elif linear[i] is not False and rest.removeprefix("self_attn.") in _DECAYS:
             pass  # derived from the slopes and the block size
         else:
-            unknown.append(name)
-    check_known(unknown, "minimax")
+            return False
+        return True
+
+    read_state(state_dict.items(), "minimax", params, globals_=GLOBAL_NAMES,
+               tied=kwargs["tie_embeddings"], read_layer=read_layer)
     stack_experts(params, experts, kwargs["experts"])
     join_qkv(params)
     check_fit(param_shapes(module), params, "state_dict")

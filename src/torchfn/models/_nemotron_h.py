@@ -13,10 +13,10 @@ from torch import Tensor
 
 from torchfn.models._fit import (
     check_fit,
-    check_known,
     check_state_dict,
     join_qkv,
     param_shapes,
+    read_state,
     stack_experts,
 )
 from torchfn.models._mamba_hybrid import _MAMBA
@@ -25,7 +25,6 @@ from torchfn.models._transformer import TransformerEncoder
 __all__ = ["nemotron_h_from_hf", "nemotron_h_to_hf"]
 
 _TYPES = ("nemotron_h",)
-_LAYER = re.compile(r"backbone\.layers\.(\d+)\.(.+)")
 _EXPERT = re.compile(r"mixer\.experts\.(\d+)\.(up|down)_proj\.weight")
 _GLOBAL = {"backbone.embeddings.weight": "embed.weight", "backbone.norm_f.weight": "ln.weight",
            "lm_head.weight": "head.weight"}
@@ -158,19 +157,10 @@ def nemotron_h_from_hf(config: Mapping[str, Any], state_dict: Mapping[str, Tenso
     params: dict[str, Tensor] = {}
     state: dict[str, Tensor] = {}
     experts: dict[str, dict[int, Tensor]] = {}
-    unknown = []
-    for name, tensor in state_dict.items():
-        layer = _LAYER.fullmatch(name)
-        expert = layer and _EXPERT.fullmatch(layer[2])
-        if name in _GLOBAL:
-            if name != "lm_head.weight" or not kwargs["tie_embeddings"]:
-                params[_GLOBAL[name]] = tensor
-            continue
-        if not layer:
-            unknown.append(name)
-            continue
-        at, rest = f"blocks.{layer[1]}.", layer[2]
-        norm, names = _PART[types[int(layer[1])]]
+
+    def read_layer(i: str, rest: str, tensor: Tensor) -> bool:
+        at, expert = f"blocks.{i}.", _EXPERT.fullmatch(rest)
+        norm, names = _PART[types[int(i)]]
         if rest == "norm.weight":
             params[at + norm] = tensor
         elif rest in names:
@@ -180,8 +170,11 @@ def nemotron_h_from_hf(config: Mapping[str, Any], state_dict: Mapping[str, Tenso
         elif expert:  # expert j's matrix -> row j of the stacked one
             experts.setdefault(f"{at}mlp.{expert[2]}", {})[int(expert[1])] = tensor
         else:
-            unknown.append(name)
-    check_known(unknown, "Nemotron-H")
+            return False
+        return True
+
+    read_state(state_dict.items(), "Nemotron-H", params, globals_=_GLOBAL,
+               tied=kwargs["tie_embeddings"], read_layer=read_layer, layers="backbone.layers.")
     stack_experts(params, experts, kwargs.get("experts"))
     join_qkv(params)
     check_fit(param_shapes(module), params, "state_dict (params)")

@@ -12,17 +12,16 @@ from torch import Tensor
 
 from torchfn.models._fit import (
     check_fit,
-    check_known,
     check_params_for,
     check_state_dict,
     param_shapes,
+    read_state,
 )
 from torchfn.models._llama import _ropes, partial_rotary
 from torchfn.models._transformer import TransformerEncoder
 
 __all__ = ["neox_from_hf", "neox_to_hf"]
 
-_LAYER = re.compile(r"gpt_neox\.layers\.(\d+)\.(.+)")
 _GLOBAL = {"gpt_neox.embed_in.weight": "embed.weight", "embed_out.weight": "head.weight",
            "gpt_neox.final_layer_norm.weight": "ln.weight",
            "gpt_neox.final_layer_norm.bias": "ln.bias"}
@@ -109,20 +108,18 @@ def neox_from_hf(config: Mapping[str, Any], state_dict: Mapping[str, Tensor] | N
     if state_dict is None:
         return module, None
     params: dict[str, Tensor] = {}
-    unknown = []
-    for name, tensor in state_dict.items():
-        layer = _LAYER.fullmatch(name)
-        if name in _GLOBAL:
-            if name != "embed_out.weight" or not kwargs["tie_embeddings"]:
-                params[_GLOBAL[name]] = tensor
-        elif layer and layer[2] in _NAMES:
-            ours = _NAMES[layer[2]]
-            if ours.startswith("attn.qkv"):
-                tensor = tensor[_per_head(tensor.shape[0], kwargs["heads"])]
-            params[f"blocks.{layer[1]}.{ours}"] = tensor
-        elif not _IGNORED.fullmatch(name):
-            unknown.append(name)
-    check_known(unknown, "GPT-NeoX")
+
+    def read_layer(i: str, rest: str, tensor: Tensor) -> bool:
+        if rest not in _NAMES:
+            return False
+        if _NAMES[rest].startswith("attn.qkv"):
+            tensor = tensor[_per_head(tensor.shape[0], kwargs["heads"])]
+        params[f"blocks.{i}.{_NAMES[rest]}"] = tensor
+        return True
+
+    read_state(state_dict.items(), "GPT-NeoX", params, globals_=_GLOBAL,
+               tied=kwargs["tie_embeddings"], read_layer=read_layer, layers="gpt_neox.layers.",
+               ignore=_IGNORED.fullmatch)
     check_fit(param_shapes(module), params, "state_dict")
     return module, params
 

@@ -4,27 +4,25 @@ its params, and back: Gated DeltaNet blocks (pre-norm) and OLMo 2's attention bl
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from typing import Any
 
-import torch
 from torch import Tensor
 
 from torchfn.models._fit import (
     check_fit,
-    check_known,
     check_params_for,
     check_state_dict,
+    join_pieces,
     join_qkv,
     param_shapes,
+    read_state,
 )
 from torchfn.models._llama import GLOBAL_NAMES, _ropes
 from torchfn.models._transformer import TransformerEncoder
 
 __all__ = ["olmo_hybrid_from_hf", "olmo_hybrid_to_hf"]
 
-_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 _MLP = {f"mlp.{p}_proj.weight": f"mlp.{p}.weight" for p in ("gate", "up", "down")}
 _ATTN = {  # an attention block's HF names -> ours (q, k, v: joined into attn.qkv)
     **_MLP,
@@ -175,32 +173,27 @@ def olmo_hybrid_from_hf(config: Mapping[str, Any], state_dict: Mapping[str, Tens
         return module, None
     linear = kwargs["layer_linear"]
     params: dict[str, Tensor] = {}
-    convs: dict[int, dict[str, Tensor]] = {}
-    unknown = []
-    for name, tensor in state_dict.items():
-        layer = _LAYER.fullmatch(name)
-        if name in GLOBAL_NAMES:
-            if name != "lm_head.weight" or not kwargs["tie_embeddings"]:
-                params[GLOBAL_NAMES[name]] = tensor
-            continue
-        if layer is None or int(layer[1]) >= len(linear):
-            unknown.append(name)
-            continue
-        i, rest = int(layer[1]), layer[2]
-        rest = _IN_MEMORY[linear[i]].get(rest, rest)
-        names = _LINEAR if linear[i] else _ATTN
+    convs: dict[str, dict[str, Tensor]] = {}  # q, k and v's: one over [q | k | v]
+
+    def read_layer(i: str, rest: str, tensor: Tensor) -> bool:
+        if int(i) >= len(linear):
+            return False
+        at, delta = f"blocks.{int(i)}.", linear[int(i)]  # (a Gated DeltaNet layer)
+        rest = _IN_MEMORY[delta].get(rest, rest)
+        names = _LINEAR if delta else _ATTN
         if rest in names:
-            params[f"blocks.{i}.{names[rest]}"] = tensor
-        elif linear[i] and rest in _CONVS:
-            convs.setdefault(i, {})[rest] = tensor
-        elif linear[i] and rest == "linear_attn.conv1d.weight":  # joined, as in memory
-            params[f"blocks.{i}.attn.conv.weight"] = tensor
+            params[at + names[rest]] = tensor
+        elif delta and rest in _CONVS:
+            convs.setdefault(at + "attn.conv.weight", {})[rest[12]] = tensor
+        elif delta and rest == "linear_attn.conv1d.weight":  # joined, as in memory
+            params[at + "attn.conv.weight"] = tensor
         else:
-            unknown.append(name)
-    check_known(unknown, "olmo_hybrid")
-    for i, pieces in convs.items():  # q, k and v's convolutions: one over [q | k | v]
-        if len(pieces) == 3:
-            params[f"blocks.{i}.attn.conv.weight"] = torch.cat([pieces[n] for n in _CONVS])
+            return False
+        return True
+
+    read_state(state_dict.items(), "olmo_hybrid", params, globals_=GLOBAL_NAMES,
+               tied=kwargs["tie_embeddings"], read_layer=read_layer)
+    join_pieces(params, convs)
     join_qkv(params)
     check_fit(param_shapes(module), params, "state_dict")
     return module, params

@@ -3,26 +3,24 @@
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from typing import Any
 
-import torch
 from torch import Tensor
 
 from torchfn.models._fit import (
     check_fit,
-    check_known,
     check_params_for,
     check_state_dict,
+    join_pieces,
     param_shapes,
+    read_state,
 )
 from torchfn.models._llama import _ropes, partial_rotary
 from torchfn.models._transformer import TransformerEncoder
 
 __all__ = ["phi_from_hf", "phi_to_hf"]
 
-_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 _GLOBAL = {"model.embed_tokens.weight": "embed.weight", "lm_head.weight": "head.weight",
            "lm_head.bias": "head.bias", "model.final_layernorm.weight": "ln.weight",
            "model.final_layernorm.bias": "ln.bias"}
@@ -103,23 +101,21 @@ def phi_from_hf(config: Mapping[str, Any], state_dict: Mapping[str, Tensor] | No
         return module, None
     params: dict[str, Tensor] = {}
     qkv: dict[str, dict[str, Tensor]] = {}
-    unknown = []
-    for name, tensor in state_dict.items():
-        layer = _LAYER.fullmatch(name)
-        rest = layer[2] if layer else ""
-        if name in _GLOBAL:
-            if not name.startswith("lm_head") or not kwargs["tie_embeddings"]:
-                params[_GLOBAL[name]] = tensor
-        elif layer and rest in _NAMES:
-            params[f"blocks.{layer[1]}.{_NAMES[rest]}"] = tensor
-        elif layer and rest in _QKV:  # q, k, v in that order
-            qkv.setdefault(f"blocks.{layer[1]}.{_QKV[rest]}", {})[rest[10]] = tensor
-        elif not name.endswith("rotary_emb.inv_freq"):
-            unknown.append(name)
-    check_known(unknown, "Phi")
-    for name, parts in qkv.items():
-        if len(parts) == 3:  # else reported missing below
-            params[name] = torch.cat([parts[p] for p in "qkv"])
+
+    def read_layer(i: str, rest: str, tensor: Tensor) -> bool:
+        if rest in _NAMES:
+            params[f"blocks.{i}.{_NAMES[rest]}"] = tensor
+        elif rest in _QKV:  # q, k, v: joined below
+            qkv.setdefault(f"blocks.{i}.{_QKV[rest]}", {})[rest[10]] = tensor
+        else:
+            return False
+        return True
+
+    read_state(state_dict.items(), "Phi", params, globals_=_GLOBAL,
+               tied=kwargs["tie_embeddings"], read_layer=read_layer,
+               ignore=lambda name: name.endswith("rotary_emb.inv_freq"),
+               head=("head.weight", "head.bias"))
+    join_pieces(params, qkv)
     check_fit(param_shapes(module), params, "state_dict")
     return module, params
 

@@ -4,7 +4,7 @@ its params, and back: hybrid stacks of Gated DeltaNet and gated attention."""
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -12,11 +12,11 @@ from torch import Tensor
 
 from torchfn.models._fit import (
     check_fit,
-    check_known,
     check_params_for,
     check_state_dict,
     join_qkv,
     param_shapes,
+    read_state,
     stack_experts,
 )
 from torchfn.models._llama import GLOBAL_NAMES, _ropes, partial_rotary
@@ -27,7 +27,6 @@ __all__ = ["qwen3_next_from_hf", "qwen3_next_to_hf"]
 _TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
 _MULTIMODAL = ("qwen3_5", "qwen3_5_moe")  # a text_config, and the text model's tensors
 _LANGUAGE, _VISION = "model.language_model.", "model.visual."  # under these names
-_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 _EXPERT = re.compile(r"mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight")
 _COMMON = {  # a layer's HF names -> ours, but the fused and stacked ones
     "input_layernorm.weight": "ln1.weight",
@@ -228,35 +227,31 @@ def qwen3_next_from_hf(config: Mapping[str, Any], state_dict: Mapping[str, Tenso
     params: dict[str, Tensor] = {}
     experts: dict[str, dict[int, Tensor]] = {}
     grouped: dict[str, dict[str, Tensor]] = {}
-    unknown = []
     heads, hd = kwargs["heads"], kwargs["head_dim"]
-    multimodal = config.get("model_type") in _MULTIMODAL
-    for name, tensor in state_dict.items():
-        if multimodal:
-            if name.startswith(_VISION):
-                continue  # the vision tower and its merger: not the text model's
-            name = "model." + name.removeprefix(_LANGUAGE) if name.startswith(_LANGUAGE) \
-                else name
-        layer = _LAYER.fullmatch(name)
-        at, rest = (f"blocks.{layer[1]}.", layer[2]) if layer else ("", "")
-        expert = layer and _EXPERT.fullmatch(rest)
-        if name in GLOBAL_NAMES:
-            if name != "lm_head.weight" or not kwargs["tie_embeddings"]:
-                params[GLOBAL_NAMES[name]] = tensor
-        elif layer and rest in _NAMES:
+
+    def read_layer(i: str, rest: str, tensor: Tensor) -> bool:
+        at, expert = f"blocks.{i}.", _EXPERT.fullmatch(rest)
+        if rest in _NAMES:
             params[at + _NAMES[rest]] = tensor
-        elif layer and rest in ("self_attn.q_proj.weight", "self_attn.q_proj.bias"):
+        elif rest in ("self_attn.q_proj.weight", "self_attn.q_proj.bias"):
             q, gate = tensor.unflatten(0, (heads, 2, hd)).unbind(1)  # per head [query | gate]
             kind = rest.rsplit(".", 1)[1]
             params[f"{at}attn.q_proj.{kind}"] = q.flatten(0, 1)
             params[f"{at}attn.gate.{kind}"] = gate.flatten(0, 1)
-        elif layer and rest in ("linear_attn.in_proj_qkvz.weight", "linear_attn.in_proj_ba.weight"):
+        elif rest in ("linear_attn.in_proj_qkvz.weight", "linear_attn.in_proj_ba.weight"):
             grouped.setdefault(at, {})[rest] = tensor
         elif expert:  # expert j's matrix -> row j of the stacked one
             experts.setdefault(f"{at}mlp.{expert[2]}", {})[int(expert[1])] = tensor
         else:
-            unknown.append(name)
-    check_known(unknown, _text(config)["model_type"])
+            return False
+        return True
+
+    tensors: Iterable[tuple[str, Tensor]] = state_dict.items()
+    if config.get("model_type") in _MULTIMODAL:  # the vision tower and its merger: not read
+        tensors = (("model." + name.removeprefix(_LANGUAGE) if name.startswith(_LANGUAGE)
+                    else name, t) for name, t in tensors if not name.startswith(_VISION))
+    read_state(tensors, _text(config)["model_type"], params, globals_=GLOBAL_NAMES,
+               tied=kwargs["tie_embeddings"], read_layer=read_layer)
     for at, pair in grouped.items():
         params.update({at + n: t for n, t in _ungroup(
             _text(config), pair.get("linear_attn.in_proj_qkvz.weight"),

@@ -4,7 +4,6 @@ local attention."""
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -13,11 +12,11 @@ from torch import Tensor
 
 from torchfn.models._fit import (
     check_fit,
-    check_known,
     check_params_for,
     check_state_dict,
     join_qkv,
     param_shapes,
+    read_state,
 )
 from torchfn.models._llama import _ropes
 from torchfn.models._transformer import TransformerEncoder
@@ -26,7 +25,6 @@ __all__ = ["recurrent_gemma_from_hf", "recurrent_gemma_to_hf"]
 
 _GLOBAL = {"model.embed_tokens.weight": "embed.weight", "model.final_norm.weight": "ln.weight",
            "lm_head.weight": "head.weight"}
-_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 _BOTH = {"temporal_pre_norm.weight": "ln1.weight", "channel_pre_norm.weight": "ln2.weight",
          **{f"mlp_block.{p}_proj.{kind}": f"mlp.{p}.{kind}" for p in ("gate", "up", "down")
             for kind in ("weight", "bias")}}
@@ -137,19 +135,17 @@ def recurrent_gemma_from_hf(config: Mapping[str, Any],
         return module, None
     linear = kwargs["layer_linear"]
     params: dict[str, Tensor] = {}
-    unknown = []
-    for name, tensor in state_dict.items():
-        layer = _LAYER.fullmatch(name)
-        if name in _GLOBAL:
-            if name != "lm_head.weight" or not kwargs["tie_embeddings"]:
-                params[_GLOBAL[name]] = tensor
-        elif layer and int(layer[1]) < len(linear) and layer[2] in (
-                _RECURRENT if linear[int(layer[1])] else _ATTN):
-            names = _RECURRENT if linear[int(layer[1])] else _ATTN
-            params[f"blocks.{layer[1]}.{names[layer[2]]}"] = tensor
-        else:
-            unknown.append(name)
-    check_known(unknown, "recurrent_gemma")
+
+    def read_layer(i: str, rest: str, tensor: Tensor) -> bool:
+        if int(i) >= len(linear):
+            return False
+        names = _RECURRENT if linear[int(i)] else _ATTN
+        if rest in names:
+            params[f"blocks.{i}.{names[rest]}"] = tensor
+        return rest in names
+
+    read_state(state_dict.items(), "recurrent_gemma", params, globals_=_GLOBAL,
+               tied=kwargs["tie_embeddings"], read_layer=read_layer)
     join_qkv(params)
     check_fit(param_shapes(module), params, "state_dict")
     return module, params

@@ -9,10 +9,15 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-import torch
 from torch import Tensor
 
-from torchfn.models._fit import check_fit, check_known, check_state_dict, param_shapes
+from torchfn.models._fit import (
+    check_fit,
+    check_state_dict,
+    join_pieces,
+    param_shapes,
+    read_state,
+)
 from torchfn.models._llama import _QKV, GLOBAL_NAMES
 from torchfn.models._llama import _config as _llama_config
 from torchfn.models._transformer import TransformerEncoder
@@ -20,7 +25,6 @@ from torchfn.models._transformer import TransformerEncoder
 __all__ = ["routed_moe_from_hf", "routed_moe_to_hf"]
 
 _TYPES = ("ernie4_5_moe", "minimax_m2", "exaone_moe", "afmoe", "mimo_v2_flash")
-_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 _COMMON = {"input_layernorm.weight": "ln1.weight",
            "post_attention_layernorm.weight": "ln2.weight",
            "self_attn.o_proj.weight": "attn.out.weight"}
@@ -245,34 +249,27 @@ def routed_moe_from_hf(config: Mapping[str, Any],
     names = _COMMON | names
     params: dict[str, Tensor] = {}
     state: dict[str, Tensor] = {}
-    pieces: dict[str, dict[Any, Tensor]] = {}
-    unknown = []
-    for name, tensor in state_dict.items():
-        layer = _LAYER.fullmatch(name)
-        at, rest = (f"blocks.{layer[1]}.", layer[2]) if layer else ("", "")
-        expert = layer and expert_name.fullmatch(rest)
-        if name in GLOBAL_NAMES:
-            if name != "lm_head.weight" or not kwargs["tie_embeddings"]:
-                params[GLOBAL_NAMES[name]] = tensor
-        elif layer and rest in names:
+    pieces: dict[str, dict[Any, Tensor]] = {}  # our joined or stacked name -> its parts
+
+    def read_layer(i: str, rest: str, tensor: Tensor) -> bool:
+        at, expert = f"blocks.{i}.", expert_name.fullmatch(rest)
+        if rest in names:
             params[at + names[rest]] = tensor
-        elif layer and rest == router:
+        elif rest == router:
             params[at + "mlp.router.weight"] = tensor
-        elif layer and rest == bias:
+        elif rest == bias:
             state[at + "mlp.router_bias"] = tensor.reshape(-1)  # ERNIE's is (1, E)
-        elif layer and rest in _QKV:
+        elif rest in _QKV:
             pieces.setdefault(at + _QKV[rest], {})[rest[10]] = tensor
         elif expert:
             pieces.setdefault(f"{at}mlp.{stacked[expert[2]]}", {})[int(expert[1])] = tensor
-        elif not _SKIPPED.fullmatch(name):
-            unknown.append(name)
-    check_known(unknown, kind)
-    for name, parts in pieces.items():
-        if name.endswith((".qkv.weight", ".qkv.bias")):
-            if len(parts) == 3:
-                params[name] = torch.cat([parts[p] for p in "qkv"])
-        elif sorted(parts) == list(range(kwargs["experts"])):
-            params[name] = torch.stack([parts[j] for j in range(len(parts))])
+        else:
+            return False
+        return True
+
+    read_state(state_dict.items(), kind, params, globals_=GLOBAL_NAMES,
+               tied=kwargs["tie_embeddings"], read_layer=read_layer, ignore=_SKIPPED.fullmatch)
+    join_pieces(params, pieces, kwargs["experts"])
     check_fit(param_shapes(module), params, "state_dict (params)")
     check_fit({n: tuple(b.shape) for n, b in module.named_buffers()
                if n.endswith("router_bias")}, state, "state_dict (state)")

@@ -3,7 +3,6 @@ params, and back: every block an mLSTM layer and a SwiGLU MLP."""
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -12,10 +11,10 @@ from torch import Tensor
 
 from torchfn.models._fit import (
     check_fit,
-    check_known,
     check_params_for,
     check_state_dict,
     param_shapes,
+    read_state,
 )
 from torchfn.models._transformer import TransformerEncoder
 
@@ -23,7 +22,6 @@ __all__ = ["xlstm_from_hf", "xlstm_to_hf"]
 
 _GLOBAL = {"backbone.embeddings.weight": "embed.weight", "backbone.out_norm.weight": "ln.weight",
            "lm_head.weight": "head.weight"}
-_LAYER = re.compile(r"backbone\.blocks\.(\d+)\.(.+)")
 _NAMES = {  # a block's HF names -> ours ("single" weights; "fused" ones split below)
     "norm_mlstm.weight": "ln1.weight", "norm_ffn.weight": "ln2.weight",
     **{f"mlstm_layer.{hf}.{kind}": f"attn.{ours}.{kind}" for hf, ours in (
@@ -124,27 +122,25 @@ def xlstm_from_hf(config: Mapping[str, Any], state_dict: Mapping[str, Tensor] | 
         return module, None
     shapes = param_shapes(module)
     params: dict[str, Tensor] = {}
-    unknown = []
-    for name, tensor in state_dict.items():
-        layer = _LAYER.fullmatch(name)
-        at, rest = (f"blocks.{layer[1]}.", layer[2]) if layer else ("", "")
+
+    def read_layer(i: str, rest: str, tensor: Tensor) -> bool:
         fused = rest.rsplit(".", 1)
-        if name in _GLOBAL:
-            if name != "lm_head.weight" or not kwargs["tie_embeddings"]:
-                params[_GLOBAL[name]] = tensor
-        elif layer and rest in _NAMES:
-            params[at + _NAMES[rest]] = tensor
-        elif layer and fused[0] in _FUSED and len(fused) == 2:
-            ours = [f"{at}{p}.{fused[1]}" for p in _FUSED[fused[0]]]
+        if rest in _NAMES:
+            params[f"blocks.{i}.{_NAMES[rest]}"] = tensor
+        elif fused[0] in _FUSED and len(fused) == 2:
+            ours = [f"blocks.{i}.{p}.{fused[1]}" for p in _FUSED[fused[0]]]
             sizes = [shapes.get(n, (0,))[0] for n in ours]
             if sum(sizes) != tensor.shape[0]:
-                raise ValueError(f"state_dict's {name} has {tensor.shape[0]} rows, not "
-                                 f"{sum(sizes)} ({' + '.join(map(str, sizes))} of "
-                                 f"{', '.join(ours)})")
+                raise ValueError(f"state_dict's backbone.blocks.{i}.{rest} has "
+                                 f"{tensor.shape[0]} rows, not {sum(sizes)} "
+                                 f"({' + '.join(map(str, sizes))} of {', '.join(ours)})")
             params.update(zip(ours, tensor.split(sizes)))
         else:
-            unknown.append(name)
-    check_known(unknown, "xlstm")
+            return False
+        return True
+
+    read_state(state_dict.items(), "xlstm", params, globals_=_GLOBAL,
+               tied=kwargs["tie_embeddings"], read_layer=read_layer, layers="backbone.blocks.")
     check_fit(shapes, params, "state_dict")
     return module, params
 
