@@ -9,12 +9,13 @@ scale or routing is off by ~1e-2."""
 
 from __future__ import annotations
 
+import copy
 import functools
 
 import pytest
 import torch
 from _cached import logits_through_cache
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 import torchfn
 from torchfn.models import (
@@ -172,3 +173,67 @@ def test_deepseek_to_hf_gives_back_the_checkpoint(case, tmp_path):
     with torch.no_grad():
         want = again(tokens).logits
     torch.testing.assert_close(run(moved, tokens), want, rtol=0, atol=2e-6)
+
+
+@pytest.mark.parametrize("case", ["v3", "glm4-moe"])
+def test_a_multi_token_prediction_layer_reads_as_transformers_runs_its_layer(case, tmp_path):
+    """A checkpoint's MTP layer (``num_nextn_predict_layers``: transformers builds none,
+    so its tensors are made here: the last layer's moved, its norms, ``eh_proj`` and the
+    embedding and head copies) read with ``mtp=1``: depth 1's logits are transformers'
+    own decoder layer, loaded with those tensors, run as DeepSeek's MTP (``eh_proj[enorm(E
+    x[t + 1]) | hnorm(h(t))]``, ``h`` the model's final states, then its shared head);
+    the round trip gives the checkpoint back; a head copy that is not the model's is
+    refused."""
+    kind, extra = CASES[case]
+    hf, config, sd = hf_checkpoint(kind, dict(extra, num_nextn_predict_layers=1), tmp_path)
+    n, dim = config["num_hidden_layers"], config["hidden_size"]
+    gen = torch.Generator().manual_seed(7)
+    noise = lambda t: t + 0.1 * torch.randn(t.shape, dtype=t.dtype, generator=gen)  # noqa: E731
+    layer = {name.replace(f"model.layers.{n - 1}.", ""): noise(t) for name, t in sd.items()
+             if name.startswith(f"model.layers.{n - 1}.")}
+    mine = {"enorm.weight": noise(torch.ones(dim, dtype=torch.float64)),
+            "hnorm.weight": noise(torch.ones(dim, dtype=torch.float64)),
+            "eh_proj.weight": noise(torch.zeros(dim, 2 * dim, dtype=torch.float64)),
+            "shared_head.norm.weight": noise(torch.ones(dim, dtype=torch.float64)),
+            "shared_head.head.weight": sd["lm_head.weight"],
+            "embed_tokens.weight": sd["model.embed_tokens.weight"]}
+    full = {**sd, **{f"model.layers.{n}.{k}": t for k, t in {**layer, **mine}.items()}}
+    module, params, state = deepseek_from_hf(config, full, mtp=1)
+    tokens = torch.randint(0, 50, (2, 12), generator=torch.Generator().manual_seed(1))
+    logits, (ahead,) = torchfn.Model(module).apply(params, tokens, state=state,
+                                                   return_mtp=True)
+    # transformers: the same layer as the (n + 1)-th of a deeper model, run by hand
+    cfg = copy.deepcopy(hf.config)
+    cfg.num_hidden_layers = n + 1
+    deeper = tmp_path / "deeper"
+    cfg.save_pretrained(deeper)
+    save_file({**sd, **{f"model.layers.{n}.{k}": t for k, t in layer.items()}},
+              deeper / "model.safetensors")
+    big = transformers.AutoModelForCausalLM.from_pretrained(
+        deeper, dtype=torch.float64, experts_implementation="eager",
+        attn_implementation="eager").eval()
+
+    def rms(x, w):
+        return x * (x.square().mean(-1, keepdim=True) + config["rms_norm_eps"]).rsqrt() * w
+
+    with torch.no_grad():
+        h = hf.model(tokens).last_hidden_state  # (B, N, dim), after the final norm
+        x = torch.cat((rms(hf.model.embed_tokens(tokens[:, 1:]), mine["enorm.weight"]),
+                       rms(h[:, :-1], mine["hnorm.weight"])), -1) @ mine["eh_proj.weight"].T
+        m = x.shape[1]
+        positions = torch.arange(m)[None].expand(2, -1)
+        mask = torch.full((m, m), torch.finfo(torch.float64).min, dtype=torch.float64).triu(1)
+        out = big.model.layers[n](x, attention_mask=mask[None, None],
+                                  position_ids=positions,
+                                  position_embeddings=big.model.rotary_emb(x, positions))
+        out = out[0] if isinstance(out, tuple) else out
+        want = rms(out, mine["shared_head.norm.weight"]) @ sd["lm_head.weight"].T
+    torch.testing.assert_close(logits, hf(tokens).logits, rtol=0, atol=2e-6)
+    torch.testing.assert_close(ahead, want, rtol=0, atol=2e-6)
+    back = deepseek_to_hf(config, params, state)
+    assert set(back) == set(full)
+    assert all(torch.equal(back[k], full[k]) for k in full)
+    bad = dict(full, **{f"model.layers.{n}.shared_head.head.weight": noise(sd["lm_head.weight"])})
+    with pytest.raises(ValueError, match=f"state_dict's model.layers.{n}.shared_head.head.weight "
+                                         "is not the model's head.weight"):
+        deepseek_from_hf(config, bad, mtp=1)

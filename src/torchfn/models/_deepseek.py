@@ -61,6 +61,11 @@ _QK_NORMS = {"self_attn.q_norm.weight": "attn.q_norm.weight",
              "self_attn.k_norm.weight": "attn.k_norm.weight"}
 _BIAS = "mlp.gate.e_score_correction_bias"  # V3's selection bias: our state
 _HF_GLOBAL = {ours: hf for hf, ours in GLOBAL_NAMES.items()}
+# a multi-token-prediction layer's own tensors (its block's are a layer's) -> ours, in mtp.{j}.
+_MTP = {"enorm.weight": "enorm.weight", "hnorm.weight": "hnorm.weight",
+        "eh_proj.weight": "proj.weight", "shared_head.norm.weight": "norm.weight"}
+# ... and its copies of the embedding and the head, which torchfn shares with the model
+_MTP_SHARED = {"embed_tokens.weight": "embed.weight", "shared_head.head.weight": "head.weight"}
 _ROTATED = ("attn.q.weight", "attn.q_b.weight", "attn.kv_a.weight")  # rows with rotary parts
 _INDEXER_ROTATED = ("attn.indexer.q.weight", "attn.indexer.k.weight",  # [rope | rest] rows
                     "attn.indexer.k_norm.weight", "attn.indexer.k_norm.bias")
@@ -267,7 +272,11 @@ def deepseek_from_hf(config: Mapping[str, Any], state_dict: Mapping[str, Tensor]
     ``Model.apply``'s ``state`` (to decode, bind it:
     ``generate(functools.partial(model.apply, state=state), params, prompt, n)``).
     Multi-token-prediction layers past
-    ``num_hidden_layers`` (DeepSeek-V3's layer 61) are skipped. An FP8 checkpoint
+    ``num_hidden_layers`` (DeepSeek-V3's layer 61) are skipped, or with ``mtp=D`` the
+    first ``D`` read as the model's :class:`MultiTokenPrediction` depths (``mtp.{j}.*``;
+    their copies of the embedding and head must be the model's, which they share;
+    tested against transformers' own decoder layer run as DeepSeek's MTP, and written
+    back by :func:`deepseek_to_hf`). An FP8 checkpoint
     (DeepSeek-V3's: e4m3 weights, each 128 x 128 block with its ``weight_scale_inv``) is
     dequantized to bfloat16 (:func:`dequantize_fp8`). Tested against
     ``transformers`` 5 on logits, cached decoding and the round trip.
@@ -314,12 +323,25 @@ def deepseek_from_hf(config: Mapping[str, Any], state_dict: Mapping[str, Tensor]
     state: dict[str, Tensor] = {}
     stacks: dict[str, dict[int, Tensor]] = {}
     qkv: dict[str, dict[str, Tensor]] = {}  # GLM: our joined name -> q, k, v
-    gqa = kind in _GQA
+    shared: dict[str, tuple[str, Tensor]] = {}  # the MTP layers' embedding and head copies
+    gqa, mtp = kind in _GQA, kwargs.get("mtp", 0)
 
     def read_layer(i: str, rest: str, tensor: Tensor) -> bool:
-        if int(i) >= depth:  # a multi-token-prediction layer, if any: not used here
+        j = int(i) - depth
+        if 0 <= j < mtp:  # a multi-token-prediction layer, read with mtp=
+            if rest in _MTP:
+                params[f"mtp.{j}.{_MTP[rest]}"] = tensor
+            elif rest in _MTP_SHARED:
+                shared[f"model.layers.{i}.{rest}"] = (_MTP_SHARED[rest], tensor)
+            else:
+                return read_block(f"mtp.{j}.block.", rest, tensor)
+            return True
+        if j >= 0:  # a multi-token-prediction layer, if any: not used here (mtp=0)
             return bool(config.get("num_nextn_predict_layers")) or kind == "glm4_moe_lite"
-        at, expert = f"blocks.{i}.", _EXPERT.fullmatch(rest)
+        return read_block(f"blocks.{i}.", rest, tensor)
+
+    def read_block(at: str, rest: str, tensor: Tensor) -> bool:
+        expert = _EXPERT.fullmatch(rest)
         if gqa and rest in _QKV:
             qkv.setdefault(at + _QKV[rest], {})[rest[10]] = tensor
         elif gqa and rest in _QK_NORMS:
@@ -344,6 +366,11 @@ def deepseek_from_hf(config: Mapping[str, Any], state_dict: Mapping[str, Tensor]
                              f"not 0..{kwargs['experts'] - 1}")
         params[name] = torch.stack([pieces[j] for j in range(len(pieces))])  # (E, ...)
     join_pieces(params, qkv)
+    for name, (ours, tensor) in shared.items():  # the model's own, or the model is not ours
+        ours = "embed.weight" if ours not in params else ours  # (tied: the head is it)
+        if ours in params and not torch.equal(tensor, params[ours]):
+            raise ValueError(f"state_dict's {name} is not the model's {ours}: torchfn's "
+                             f"multi-token prediction shares the model's")
     _check(module, params, state)
     return module, params, state
 
@@ -377,9 +404,10 @@ def deepseek_to_hf(config: Mapping[str, Any], params: Mapping[str, Tensor],
         >>> sd["model.layers.0.self_attn.kv_a_proj_with_mqa.weight"].shape  # [latent | rope]
         torch.Size([12, 16])
     """
-    module = TransformerEncoder(**_config(config))
     if not isinstance(params, Mapping):
         raise TypeError(f"params must be a dict of tensors, got {type(params).__name__}")
+    mtp = len({n.split(".")[1] for n in params if n.startswith("mtp.")})  # its depths
+    module = TransformerEncoder(**_config(config), mtp=mtp)
     state = {} if state is None else state
     if not isinstance(state, Mapping):
         raise TypeError(f"state must be a dict of tensors or None, got {type(state).__name__}")
@@ -391,22 +419,34 @@ def deepseek_to_hf(config: Mapping[str, Any], params: Mapping[str, Tensor],
         hd = kwargs["head_dim"]
         sizes = [kwargs["heads"] * hd, kwargs["kv_heads"] * hd, kwargs["kv_heads"] * hd]
     out: dict[str, Tensor] = {}
+    back = {ours: hf for hf, ours in _MTP.items()}
     for name, t in {**params, **state}.items():
         if name in _HF_GLOBAL:
             out[_HF_GLOBAL[name]] = t
+            continue
+        i, rest = name.split(".", 2)[1:]
+        if name.startswith("mtp."):  # depth j: the layer after the model's
+            i = str(kwargs["depth"] + int(i))
+            if rest in back:
+                out[f"model.layers.{i}.{back[rest]}"] = t
+                continue
+            rest = rest.removeprefix("block.")
+        at = f"model.layers.{i}."
+        if rest == "mlp.router_bias":
+            out[at + _BIAS] = t
+        elif rest in ("attn.qkv.weight", "attn.qkv.bias"):  # GLM: q, k, v apart
+            for p, part in zip("qkv", t.split(sizes)):
+                out[f"{at}self_attn.{p}_proj.{rest.rsplit('.', 1)[1]}"] = part.clone()
+        elif rest in ("mlp.gate", "mlp.up", "mlp.down"):  # stacked experts (E, ...)
+            for j, part in enumerate(t.unbind(0)):
+                out[f"{at}mlp.experts.{j}.{rest[4:]}_proj.weight"] = part.clone()
         else:
-            i, rest = name.split(".", 2)[1:]
-            at = f"model.layers.{i}."
-            if rest == "mlp.router_bias":
-                out[at + _BIAS] = t
-            elif rest in ("attn.qkv.weight", "attn.qkv.bias"):  # GLM: q, k, v apart
-                for p, part in zip("qkv", t.split(sizes)):
-                    out[f"{at}self_attn.{p}_proj.{rest.rsplit('.', 1)[1]}"] = part.clone()
-            elif rest in ("mlp.gate", "mlp.up", "mlp.down"):  # stacked experts (E, ...)
-                for j, part in enumerate(t.unbind(0)):
-                    out[f"{at}mlp.experts.{j}.{rest[4:]}_proj.weight"] = part.clone()
-            else:
-                order = _rows(config, rest, t.shape[0])
-                out[at + hf_name[rest]] = t if order is None else t[torch.argsort(order)]
+            order = _rows(config, rest, t.shape[0])
+            out[at + hf_name[rest]] = t if order is None else t[torch.argsort(order)]
+    for j in range(mtp):  # the MTP layers' copies of the embedding and the head
+        at = f"model.layers.{kwargs['depth'] + j}."
+        out[at + "embed_tokens.weight"] = params["embed.weight"].clone()
+        out[at + "shared_head.head.weight"] = params.get("head.weight",
+                                                         params["embed.weight"]).clone()
     return out
 
