@@ -10,7 +10,7 @@ import torch
 
 import torchfn
 from torchfn import losses, random
-from torchfn.models import TransformerEncoder
+from torchfn.models import StaticKVCache, TransformerEncoder, generate
 
 KW = dict(dim=16, heads=2, depth=2, vocab_size=11, out_dim=11, causal=True, norm="rms",
           position_embedding="rotary", mlp_hidden=24)
@@ -102,6 +102,19 @@ def test_loss_is_a_loop_of_cross_entropies_and_composes_with_vmap_grad():
     assert all(per[n].abs().max() > 0 for n in ("mtp.1.proj.weight", "embed.weight",
                                                 "head.weight"))
     assert per["blocks.0.attn.qkv.weight"].abs().max() > 0  # through h_0
+
+
+def test_decoding_ignores_the_depths():
+    """``generate`` with a growing or a static cache (which holds the model's blocks
+    alone) gives the tokens of the same model without its depths."""
+    model, params, tokens = lm()
+    plain = torchfn.Model(TransformerEncoder(**KW).double())
+    main = {n: t for n, t in params.items() if not n.startswith("mtp.")}
+    want = generate(plain, main, tokens[:, :4], 5)
+    assert torch.equal(generate(model, params, tokens[:, :4], 5), want)
+    cache = StaticKVCache.allocate(model, 2, 9, dtype=torch.float64)
+    assert len(cache.keys) == KW["depth"]
+    assert torch.equal(generate(model, params, tokens[:, :4], 5, cache=cache), want)
 
 
 def test_bad_input_is_named():

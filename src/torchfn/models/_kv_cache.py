@@ -126,7 +126,8 @@ class StaticKVCache(NamedTuple):
         keys, a recurrent layer's (``GatedDeltaNet``, ``KimiDeltaAttention``, ``Mamba``,
         ``Mamba2``, ``ShortConv``, ``LightningAttention``, ``RGLRU``, ``MLSTM``) its
         convolution window and state
-        (zeros: the start), whatever the capacity."""
+        (zeros: the start), whatever the capacity. The blocks of a
+        :class:`MultiTokenPrediction` run without a cache and get none."""
         from torchfn.models._attention import MultiHeadAttention
         from torchfn.models._delta_net import GatedDeltaNet
         from torchfn.models._kda import KimiDeltaAttention
@@ -135,6 +136,7 @@ class StaticKVCache(NamedTuple):
         from torchfn.models._mamba2 import Mamba2
         from torchfn.models._mla import LatentAttention
         from torchfn.models._mlstm import MLSTM
+        from torchfn.models._mtp import MultiTokenPrediction
         from torchfn.models._rg_lru import RGLRU
         from torchfn.models._short_conv import ShortConv
 
@@ -145,10 +147,11 @@ class StaticKVCache(NamedTuple):
         for name, n in (("batch_size", batch_size), ("capacity", capacity)):
             if isinstance(n, bool) or not isinstance(n, int) or n < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {n!r}")
-        layers = [m for m in module.modules()
-                  if isinstance(m, (MultiHeadAttention, LatentAttention, GatedDeltaNet, Mamba,
-                                    Mamba2, KimiDeltaAttention, ShortConv,
-                                    LightningAttention, RGLRU, MLSTM))]
+        uncached = {id(m) for mtp in module.modules() if isinstance(mtp, MultiTokenPrediction)
+                    for m in mtp.modules()}
+        kinds = (MultiHeadAttention, LatentAttention, GatedDeltaNet, Mamba, Mamba2,
+                 KimiDeltaAttention, ShortConv, LightningAttention, RGLRU, MLSTM)
+        layers = [m for m in module.modules() if id(m) not in uncached and isinstance(m, kinds)]
         if not layers:
             raise ValueError(f"module has no MultiHeadAttention, LatentAttention or recurrent "
                              f"layer to cache: {type(module).__name__}")
