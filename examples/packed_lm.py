@@ -52,7 +52,9 @@ added to the model's, trains it alone; the report gives that loss's first and la
 ``--mtp 1`` adds DeepSeek-V3's multi-token prediction: one more block
 (``models.MultiTokenPrediction``) predicts the token after next from the model's states
 and the next token's embedding, trained by ``losses.multi_token_prediction`` (weight
-``--mtp-weight``); the report gives its held-out accuracy.
+``--mtp-weight``); the report gives its held-out accuracy, and decodes with the depths
+drafting (``models.mtp_speculative_generate``, self-speculative decoding): the model's own
+greedy output, in fewer of its calls.
 
 ``--mixer gated_deltanet`` (or ``mamba2``, ``mamba``) makes every block but the last a
 linear-attention block with a fixed-size state (``models.GatedDeltaNet``, Qwen3-Next's;
@@ -78,7 +80,13 @@ from tqdm import tqdm
 
 import torchfn
 from torchfn import checkpoint_policies, losses, optim, random
-from torchfn.models import TransformerEncoder, generate, moe_bias_update, speculative_generate
+from torchfn.models import (
+    TransformerEncoder,
+    generate,
+    moe_bias_update,
+    mtp_speculative_generate,
+    speculative_generate,
+)
 
 VOCAB, PAD = 32, -1  # token ids; the segment id of a row's unused tail
 
@@ -192,7 +200,8 @@ def continuation_accuracy(model, params, key, n: int = 64, new: int = 16):
 
 def speculative_report(model, params, draft, d_params, key, n: int = 32, new: int = 16):
     """Greedy decoding of ``n`` progressions (prompts of 6 tokens) by the model alone and
-    with the draft proposing: whether they agree, the draft's acceptance, the times."""
+    with a draft proposing (``draft=None``: the model's own MTP depths, all of them): whether
+    they agree, the drafts' acceptance, the model's calls, the times."""
     k_start, k_step = random.split(key)
     start = random.randint(k_start, (n, 1), 0, VOCAB)
     step = random.randint(k_step, (n, 1), 1, 6)
@@ -201,8 +210,11 @@ def speculative_report(model, params, draft, d_params, key, n: int = 32, new: in
         t0 = time.perf_counter()
         plain = generate(model, params, prompt, new)
         t1 = time.perf_counter()
-        fast, info = speculative_generate(model, params, draft, d_params, prompt, new,
-                                          lookahead=4, return_stats=True)
+        if draft is None:
+            fast, info = mtp_speculative_generate(model, params, prompt, new, return_stats=True)
+        else:
+            fast, info = speculative_generate(model, params, draft, d_params, prompt, new,
+                                              lookahead=4, return_stats=True)
         t2 = time.perf_counter()
     return {"equal": bool(torch.equal(plain, fast)),
             "acceptance": info["accepted"] / info["proposed"],
@@ -355,6 +367,10 @@ def main(argv: list[str] | None = None) -> dict:
     spec = {}
     if draft is not None:
         spec = speculative_report(run, params, draft, d_params, random.fold_in(data_key, -2))
+    mtp_spec = {}
+    if args.mtp:  # the model's own MTP depths as the draft
+        mtp_spec = {f"mtp_{n}": v for n, v in speculative_report(
+            run, params, None, None, random.fold_in(data_key, -2)).items()}
     k = max(1, min(20, len(history) // 5))
     first = sum(h[0] for h in history[:k]) / k
     last = sum(h[0] for h in history[-k:]) / k
@@ -365,6 +381,11 @@ def main(argv: list[str] | None = None) -> dict:
     if args.mtp:
         print(f"multi-token prediction: held-out accuracy of the token after next "
               f"{float(mtp_acc):.3f}")
+        print(f"self-speculative decoding (its {args.mtp} MTP depth(s) drafting, greedy): "
+              f"{mtp_spec['mtp_acceptance']:.2f} of drafts accepted, "
+              f"{mtp_spec['mtp_target_calls']} model calls for 16 tokens, output equal to "
+              f"plain decoding: {mtp_spec['mtp_equal']}; {mtp_spec['mtp_seconds']:.2f} s "
+              f"against {mtp_spec['mtp_plain_seconds']:.2f} s")
     if args.sparse_topk:
         print(f"indexer loss (KL, summed over blocks): {index_losses[0]:.4f} -> "
               f"{sum(index_losses[-k:]) / k:.4f}; held out "
@@ -385,7 +406,7 @@ def main(argv: list[str] | None = None) -> dict:
             "index_loss_first": index_losses[0],
             "index_loss_last": sum(index_losses[-k:]) / k, **index_report,
             "mtp_accuracy": float(mtp_acc),
-            **spec}
+            **spec, **mtp_spec}
 
 
 if __name__ == "__main__":

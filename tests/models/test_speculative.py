@@ -3,16 +3,14 @@ continuations follow the target's exact (enumerated) distribution, not the draft
 
 from __future__ import annotations
 
-import itertools
-
 import pytest
 import torch
+from _sampling import target_distribution
 from scipy import stats
 
 import torchfn
 from torchfn import random
 from torchfn.models import TransformerEncoder, generate, speculative_generate
-from torchfn.models._generate import filter_logits
 
 V = 4
 
@@ -42,25 +40,13 @@ def test_greedy_equals_the_targets_greedy_decoding(lookahead):
     assert same["accepted"] == same["proposed"]
 
 
-def _target_distribution(model, params, prompt, n, temperature, **filters):
-    """P(continuation) for every continuation of n tokens, by enumeration (float64), each
-    step drawn from the filtered (top-k / top-p / min-p) conditional."""
-    conts = torch.tensor(list(itertools.product(range(V), repeat=n)))  # (V^n, n)
-    seqs = torch.cat((prompt.expand(len(conts), -1), conts), 1)
-    logits = filter_logits(model.apply(params, seqs[:, :-1]).double(), temperature, **filters)
-    logp = torch.log_softmax(logits, -1)
-    p = prompt.shape[-1]
-    picked = logp[:, p - 1:].gather(-1, conts[..., None])[..., 0]  # (V^n, n)
-    return conts, picked.sum(-1).exp()
-
-
 @pytest.mark.parametrize("temperature, lookahead, filters", [
     (1.0, 2, {}), (0.7, 3, {}), (1.3, 2, {"top_k": 3}), (5.0, 3, {"top_p": 0.9, "min_p": 0.05})])
 def test_samples_follow_the_targets_distribution(temperature, lookahead, filters):
     (big, pb), (small, ps) = lm(2, 0), lm(1, 5)
     prompt = torch.tensor([[1, 3]])
-    conts, want = _target_distribution(big, pb, prompt, 3, temperature, **filters)
-    _, draft_dist = _target_distribution(small, ps, prompt, 3, temperature, **filters)
+    conts, want = target_distribution(big, pb, prompt, 3, temperature, **filters)
+    _, draft_dist = target_distribution(small, ps, prompt, 3, temperature, **filters)
     assert 0.5 * (want - draft_dist).abs().sum() > 0.2  # the draft alone would be caught
     n = 20000
     out, info = speculative_generate(big, pb, small, ps, prompt.expand(n, -1), 3,

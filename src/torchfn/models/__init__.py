@@ -46,6 +46,7 @@ from torchfn.models._mlstm import MLSTM
 from torchfn.models._moa import MixtureOfAttention
 from torchfn.models._moe import MoE, moe_bias_update
 from torchfn.models._mtp import MultiTokenPrediction
+from torchfn.models._mtp_decode import mtp_speculative_generate
 from torchfn.models._nemotron_h import nemotron_h_from_hf, nemotron_h_to_hf
 from torchfn.models._neox import neox_from_hf, neox_to_hf
 from torchfn.models._nerf import NeRF
@@ -113,6 +114,7 @@ __all__ = [
     "generate",
     "sample_logits",
     "speculative_generate",
+    "mtp_speculative_generate",
     "beam_search",
     "from_pretrained",
     "save_pretrained",

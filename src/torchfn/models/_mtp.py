@@ -53,10 +53,11 @@ class MultiTokenPrediction(nn.Module):
         self.norm = make_norm(norm, dim, bias, eps)
 
     def forward(self, hidden: Tensor, embedded: Tensor, key_padding_mask: Tensor | None = None,
-                segment_ids: Tensor | None = None, positions: object = None) -> Tensor:
+                segment_ids: Tensor | None = None, positions: object = None,
+                cache: object = None) -> Tensor | tuple:
         """``hidden`` ``(B, n, dim)``: the previous depth's states at ``t``; ``embedded``
         ``(B, n, dim)``: the embeddings of tokens ``t + k``; the masks and positions (or
         rotary table) of ``t``, as the block takes them. Returns ``h_k`` ``(B, n, dim)``,
-        before :attr:`norm`."""
+        before :attr:`norm`, and with a ``cache`` (the block's), ``(h_k, cache)``."""
         joined = torch.cat((self.enorm(embedded), self.hnorm(hidden)), dim=-1)  # (B, n, 2dim)
-        return self.block(self.proj(joined), key_padding_mask, segment_ids, positions)
+        return self.block(self.proj(joined), key_padding_mask, segment_ids, positions, cache)

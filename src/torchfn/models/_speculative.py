@@ -25,27 +25,58 @@ class _Stream:
         self.model, self.params = model, params
         self.cache, self.valid = KVCache(), None
 
-    def feed(self, tokens: Tensor, ok: Tensor) -> Tensor:
-        """Run ``tokens`` (B, n) (``ok``: which are real) against the cache: logits."""
+    def feed(self, tokens: Tensor, ok: Tensor, **extra: Any) -> Any:
+        """Run ``tokens`` (B, n) (``ok``: which are real, a prefix of each row) against
+        the cache: the logits (and whatever else ``extra`` asks the model for)."""
         b = tokens.shape[0]
         before = self.valid if self.valid is not None else torch.zeros(
             b, 0, dtype=torch.bool, device=tokens.device)
         mask = torch.cat((before, ok), 1)  # (B, L + n)
         positions = (before.sum(1, keepdim=True) + ok.long().cumsum(1) - 1).clamp(min=0)
-        logits, self.cache = self.model(self.params, tokens, cache=self.cache,
-                                        key_padding_mask=mask, positions=positions)
+        *out, self.cache = self.model(self.params, tokens, cache=self.cache,
+                                      key_padding_mask=mask, positions=positions, **extra)
         if any(k.dim() != 4 for k in self.cache.keys):
             raise ValueError("speculative_generate: the model has recurrent layers "
                              "(GatedDeltaNet, KimiDeltaAttention, Mamba2, Mamba, RGLRU, ...), "
                              "whose state cannot drop the draft's rejected tokens once it has "
                              "read them; decode it with generate")
         self.valid = mask.clone()
-        return logits
+        return out[0] if len(out) == 1 else tuple(out)
 
 
 def _probs(logits: Tensor, filters: dict[str, Any]) -> Tensor:
     """The distribution a token is drawn from: ``sample_logits``' filters, in float64."""
     return torch.softmax(filter_logits(logits.double(), **filters), dim=-1)  # (..., V)
+
+
+def verify(logits: Tensor, drafted: Tensor, q: list[Tensor], key_accept: Tensor | None,
+           key_residual: Tensor | None, filters: dict[str, Any]) -> tuple[Tensor, Tensor]:
+    """The target's verdict on ``drafted`` (B, k): how many leading drafts each row keeps
+    ``n`` (B,), and the token after them ``nxt`` (B,).
+
+    ``logits`` (B, k + 1, V): the target's, at the token before the drafts and at each
+    draft. Greedy (``key_accept=None``): drafts are kept while they equal the target's
+    argmax, and ``nxt`` is the target's argmax after them. Sampling: ``q`` holds the
+    draft's distributions (B, V) for each draft; draft ``j`` is kept with probability
+    ``min(1, p_j / q_j)``, and ``nxt`` is drawn from ``max(0, p - q)`` renormalised at the
+    first rejection, or from ``p`` when all ``k`` were kept. ``k`` may be 0."""
+    b, k = drafted.shape
+    rows = torch.arange(b, device=drafted.device)
+    if key_accept is None:
+        best = logits.argmax(-1)  # (B, k + 1)
+        n = (best[:, :-1] == drafted).long().cumprod(1).sum(1)  # (B,)
+        return n, best[rows, n]
+    p = _probs(logits, filters)  # (B, k + 1, V)
+    qs = torch.stack(q, dim=1) if q else p[:, :0]  # (B, k, V)
+    p_tok = p[:, :-1].gather(-1, drafted[..., None])[..., 0]  # (B, k)
+    q_tok = qs.gather(-1, drafted[..., None])[..., 0]
+    accept = random.uniform(key_accept, (b, k), dtype=torch.float64) * q_tok < p_tok
+    n = accept.long().cumprod(1).sum(1)  # (B,)
+    p_n = p[rows, n]  # (B, V)
+    q_n = torch.cat((qs, torch.zeros_like(p[:, :1])), 1)[rows, n]  # 0 past k
+    resid = (p_n - q_n).clamp(min=0)
+    resid = torch.where(resid.sum(-1, keepdim=True) > 0, resid, p_n)
+    return n, random.categorical(key_residual, resid.log())
 
 
 def speculative_generate(
@@ -167,28 +198,9 @@ def speculative_generate(
         logits = target_state.feed(torch.cat((last, drafted), 1),
                                    torch.ones(b, k + 1, dtype=torch.bool, device=dev))
         stats["target_calls"] += 1
-        # 3. each row keeps its leading accepted drafts, n of them
-        if key is None:
-            best = logits.argmax(-1)  # (B, k + 1)
-            accept = best[:, :-1] == drafted
-        else:
-            p = _probs(logits, filters)  # (B, k + 1, V)
-            qs = torch.stack(q, dim=1)  # (B, k, V)
-            p_tok = p[:, :-1].gather(-1, drafted[..., None])[..., 0]  # (B, k)
-            q_tok = qs.gather(-1, drafted[..., None])[..., 0]
-            accept = random.uniform(ka, (b, k), dtype=torch.float64) * q_tok < p_tok
-        n = accept.long().cumprod(1).sum(1)  # (B,)
+        # 3-4. each row keeps its leading accepted drafts, n of them, and one more token
+        n, nxt = verify(logits, drafted, q, ka, kr, filters)
         rows = torch.arange(b, device=dev)
-        # 4. then one token: the residual max(0, p - q) where rejected, the target's
-        # own next token where all k were kept
-        if key is None:
-            nxt = best[rows, n]
-        else:
-            p_n = p[rows, n]  # (B, V)
-            q_n = torch.cat((qs, torch.zeros_like(qs[:, :1])), 1)[rows, n]  # 0 past k
-            resid = (p_n - q_n).clamp(min=0)
-            resid = torch.where(resid.sum(-1, keepdim=True) > 0, resid, p_n)
-            nxt = random.categorical(kr, resid.log())
         slots = torch.arange(k + 1, device=dev)
         block = torch.cat((drafted, drafted[:, :1]), 1).clone()
         block[rows, n] = nxt

@@ -409,7 +409,9 @@ class TransformerEncoder(nn.Module):
     ``(out, cache)``; passing that cache with the next tokens continues the sequence
     without recomputing the earlier ones, positions counting on from ``cache.length``.
     ``key_padding_mask`` then covers cached and new tokens, ``(B, L + N)``. See
-    :func:`generate`.
+    :func:`generate`. ``return_hidden=True`` also returns the final states ``(B, N, dim)``
+    (after the final norm, before the head), with or without a cache: ``(out, ...,
+    hidden)`` or ``(out, ..., hidden, cache)``.
 
     Args:
         dim: model width; heads: attention heads (``dim % heads == 0``); depth: blocks.
@@ -497,7 +499,12 @@ class TransformerEncoder(nn.Module):
             The forward's ``return_mtp=True`` then also returns their logits, a tuple of
             ``(B, N - k, V)`` for ``k = 1 .. D``, whose position ``t`` predicts token ``t +
             k + 1`` (for :func:`torchfn.losses.multi_token_prediction`). Needs token input,
-            an output head and no learned positions.
+            an output head and no learned positions. ``mtp_depth=k, mtp_hidden=h`` runs
+            depth ``k`` alone, as a draft model (``x``: the tokens ``t + k`` (B, n);
+            ``h``: depth ``k - 1``'s states at ``t`` (B, n, dim), from ``return_hidden``
+            for ``k = 1``); it returns ``(logits, h_k)``, and ``(logits, h_k, cache)``
+            with a ``KVCache`` of that depth's block: see
+            :func:`torchfn.models.mtp_speculative_generate`.
         mlp_ratio, dropout, causal: block settings; ``causal`` masks future positions.
         mlp_hidden: the MLPs' width, instead of ``mlp_ratio * dim`` (Llama 3 8B: 14336
             for dim 4096).
@@ -792,8 +799,16 @@ class TransformerEncoder(nn.Module):
     def forward(self, x: Tensor, key_padding_mask: Tensor | None = None,
                 segment_ids: Tensor | None = None, positions: Tensor | None = None,
                 cache: KVCache | None = None, return_router_logits: bool = False,
-                return_indexer_loss: bool = False, return_mtp: bool = False
-                ) -> Tensor | tuple:
+                return_indexer_loss: bool = False, return_mtp: bool = False,
+                return_hidden: bool = False, mtp_depth: int | None = None,
+                mtp_hidden: Tensor | None = None) -> Tensor | tuple:
+        if mtp_depth is not None or mtp_hidden is not None:
+            if return_router_logits or return_indexer_loss or return_mtp or return_hidden \
+                    or segment_ids is not None:
+                raise ValueError("TransformerEncoder: mtp_depth runs one multi-token "
+                                 "prediction depth alone; it takes no segment_ids and no "
+                                 "return_* options")
+            return self._mtp_step(x, mtp_depth, mtp_hidden, key_padding_mask, positions, cache)
         if return_mtp and (not self.mtp or cache is not None):
             raise ValueError(f"TransformerEncoder: return_mtp needs mtp >= 1 and no cache; got "
                              f"mtp={len(self.mtp)}, cache="
@@ -892,13 +907,12 @@ class TransformerEncoder(nn.Module):
         if return_mtp:
             mtp = self._mtp(h, x, key_padding_mask, segment_ids, positions)
             aux += (tuple(t.squeeze(0) for t in mtp) if one else mtp,)
-        if aux:
-            return (out, *aux)
-        if cache is None:
-            return out
-        if static:
-            return out, StaticKVCache(tuple(new_keys), tuple(new_values), layer.length)
-        return out, KVCache(tuple(new_keys), tuple(new_values))
+        if return_hidden:  # the final states (B, N, dim), after the final norm
+            aux += (h.squeeze(0) if one else h,)
+        if cache is not None:
+            aux += (StaticKVCache(tuple(new_keys), tuple(new_values), layer.length) if static
+                    else KVCache(tuple(new_keys), tuple(new_values)),)
+        return (out, *aux) if aux else out
 
     def _logits(self, h: Tensor) -> Tensor:
         """The head on normalised states ``(B, N, dim) -> (B, N, out_dim)``."""
@@ -908,6 +922,49 @@ class TransformerEncoder(nn.Module):
         if self.logit_softcap is not None:  # Gemma 2: cap * tanh(logits / cap)
             out = torch.tanh(out / self.logit_softcap) * self.logit_softcap
         return out
+
+    def _mtp_step(self, x: Tensor, depth: object, hidden: object,
+                  key_padding_mask: Tensor | None, positions: Tensor | None,
+                  cache: object) -> tuple:
+        """Multi-token prediction depth ``depth`` alone: the tokens ``t + depth`` ``x`` (B, n)
+        and depth ``depth - 1``'s states ``hidden`` (B, n, dim) at ``t`` -> its logits (B, n,
+        V) and states (B, n, dim), and its block's cache when given one."""
+        if isinstance(depth, bool) or not isinstance(depth, int) \
+                or not 1 <= depth <= len(self.mtp):
+            raise ValueError(f"TransformerEncoder: mtp_depth must be an int in [1, "
+                             f"{len(self.mtp)}] (the model's mtp), got {depth!r}")
+        if not isinstance(x, Tensor) or x.dim() != 2 or not isinstance(hidden, Tensor) \
+                or tuple(hidden.shape) != (*x.shape, self.embed.weight.shape[1]):
+            raise ValueError(f"TransformerEncoder: mtp_depth needs tokens (B, n) and "
+                             f"mtp_hidden (B, n, {self.embed.weight.shape[1]}), got "
+                             f"{tuple(getattr(x, 'shape', ()))} and "
+                             f"{tuple(getattr(hidden, 'shape', ()))}")
+        module, n, start = self.mtp[depth - 1], x.shape[1], 0
+        if cache is not None:
+            if not isinstance(cache, KVCache):
+                raise TypeError(f"TransformerEncoder: mtp_depth takes a KVCache (KVCache() to "
+                                f"start), got {type(cache).__name__}")
+            cache = check_cache(cache, module.block.cache_entries, "TransformerEncoder")
+            start = cache.length
+        if positions is None:
+            positions = token_positions(n, x.device, start, None)  # (n,)
+        elif not isinstance(positions, Tensor) or positions.shape[-1] != n \
+                or positions.dim() not in (1, 2):
+            raise ValueError(f"positions must be a tensor (N,) or (B, N) with N = {n}, got "
+                             f"{getattr(positions, 'shape', positions)}")
+        embedded = self.embed(x)  # (B, n, dim)
+        if self.embed_scale is not None:
+            embedded = embedded * torch.tensor(self.embed_scale, dtype=embedded.dtype,
+                                               device=embedded.device)
+        attn = module.block.attn
+        if self.position_embedding == "rotary" and getattr(attn, "rotary", False) \
+                and not getattr(attn, "needs_positions", False):
+            positions = attn.rotary_table(positions, hidden.dtype)
+        h = module(hidden, embedded, key_padding_mask, None, positions, cache)
+        if cache is not None:
+            h, cache = h
+        logits = self._logits(module.norm(h))  # (B, n, V)
+        return (logits, h) if cache is None else (logits, h, cache)
 
     def _mtp(self, h: Tensor, x: Tensor, key_padding_mask: Tensor | None,
              segment_ids: Tensor | None, positions: Tensor) -> tuple[Tensor, ...]:
