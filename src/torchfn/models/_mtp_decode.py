@@ -11,9 +11,7 @@ import torch
 from torch import Tensor
 
 from torchfn.core import random
-from torchfn.core._eager import plain
-from torchfn.models._generate import _check_options, check_prompt
-from torchfn.models._speculative import _probs, _Stream, verify
+from torchfn.models._speculative import _probs, _Stream, check_run, verify
 
 __all__ = ["mtp_speculative_generate"]
 
@@ -163,26 +161,16 @@ def mtp_speculative_generate(
         >>> torch.equal(out, generate(model, params, prompt, 6))
         True
     """
-    _check_options(temperature, top_k, top_p, min_p)
-    filters = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
-    if key is not None and temperature == 0:
-        raise ValueError("temperature must be > 0 when sampling (key given); use key=None "
-                         "for greedy decoding")
+    seq, one, filters = check_run("mtp_speculative_generate", prompt, steps, key,
+                                  temperature, top_k, top_p, min_p)  # (B, P)
     depth = _depths(params)
     if depth == 0:
         raise ValueError("mtp_speculative_generate: params hold no multi-token prediction "
                          "depths (mtp.0.*); build the model with TransformerEncoder(mtp=D)")
     k = depth if lookahead is None else lookahead
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-        raise ValueError(f"steps must be an int >= 1, got {steps!r}")
     if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= depth:
         raise ValueError(f"lookahead must be an int in [1, {depth}] (the model's MTP depths), "
                          f"got {lookahead!r}")
-    seq, one = check_prompt(prompt)  # (B, P)
-    if not plain(prompt) or (key is not None and not plain(key)):
-        raise ValueError("mtp_speculative_generate runs eagerly (each round keeps a number "
-                         "of tokens read from the values): not under vmap or torch.compile; "
-                         "repeat the prompt along the batch for many samples")
     b, p_len = seq.shape
     dev = seq.device
     rows = torch.arange(b, device=dev)

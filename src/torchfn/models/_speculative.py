@@ -49,6 +49,25 @@ def _probs(logits: Tensor, filters: dict[str, Any]) -> Tensor:
     return torch.softmax(filter_logits(logits.double(), **filters), dim=-1)  # (..., V)
 
 
+def check_run(who: str, prompt: Tensor, steps: int, key: Tensor | None, temperature: float,
+              top_k: int | None, top_p: float | None, min_p: float | None
+              ) -> tuple[Tensor, bool, dict[str, Any]]:
+    """A speculative decoder's arguments checked: the prompt as ``(B, P)``, whether it
+    came as ``(P,)``, and the sampling filters as a dict."""
+    _check_options(temperature, top_k, top_p, min_p)
+    if key is not None and temperature == 0:
+        raise ValueError("temperature must be > 0 when sampling (key given); use key=None "
+                         "for greedy decoding")
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"steps must be an int >= 1, got {steps!r}")
+    seq, one = check_prompt(prompt)  # (B, P)
+    if not plain(prompt) or (key is not None and not plain(key)):
+        raise ValueError(f"{who} runs eagerly (each round keeps a number of tokens read from "
+                         f"the values): not under vmap or torch.compile; repeat the prompt "
+                         f"along the batch for many samples")
+    return seq, one, dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+
+
 def verify(logits: Tensor, drafted: Tensor, q: list[Tensor], key_accept: Tensor | None,
            key_residual: Tensor | None, filters: dict[str, Any]) -> tuple[Tensor, Tensor]:
     """The target's verdict on ``drafted`` (B, k): how many leading drafts each row keeps
@@ -147,19 +166,10 @@ def speculative_generate(
         >>> torch.equal(out, generate(big, pb, prompt, 6))
         True
     """
-    _check_options(temperature, top_k, top_p, min_p)
-    filters = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
-    if key is not None and temperature == 0:
-        raise ValueError("temperature must be > 0 when sampling (key given); use key=None "
-                         "for greedy decoding")
-    for name, n in (("steps", steps), ("lookahead", lookahead)):
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise ValueError(f"{name} must be an int >= 1, got {n!r}")
-    seq, one = check_prompt(prompt)  # (B, P)
-    if not plain(prompt) or (key is not None and not plain(key)):
-        raise ValueError("speculative_generate runs eagerly (each round keeps a number of "
-                         "tokens read from the values): not under vmap or torch.compile; "
-                         "repeat the prompt along the batch for many samples")
+    if isinstance(lookahead, bool) or not isinstance(lookahead, int) or lookahead < 1:
+        raise ValueError(f"lookahead must be an int >= 1, got {lookahead!r}")
+    seq, one, filters = check_run("speculative_generate", prompt, steps, key, temperature,
+                                  top_k, top_p, min_p)  # (B, P)
     b, p_len = seq.shape
     k, dev = lookahead, seq.device
     # Rows keep different numbers of tokens each round. The caches stay rectangular:
