@@ -39,6 +39,7 @@ from torchfn.models import (
     generate,
     llama4_from_hf,
     llama_from_hf,
+    mtp_speculative_generate,
     rotary_embedding,
 )
 
@@ -212,6 +213,70 @@ def test_generate_deepseek_vs_transformers(benchmark, how, prompt_len, tmp_path)
     with torch.no_grad():
         out = benchmark.pedantic(run, rounds=3, iterations=1, warmup_rounds=1)
     assert out.shape == (4, prompt_len + 64)
+
+
+def with_mtp_layer(hf, folder, agree=False):
+    """Appends an MTP layer to the checkpoint in ``folder`` (``model.layers.{n}.*``: the
+    last block's tensors, norms of ones, an ``eh_proj`` of the model's init scale, copies of
+    the embedding and the head) and says so in its config; returns transformers' model
+    read back, set to find that layer (transformers 5.24 looks for ``model.layers.61``).
+    ``agree``: the model's final norm and the MTP's head norm are zeros, so every logit is
+    0 and both pick token 0: every draft is kept, with every block's work unchanged."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    transformers = pytest.importorskip("transformers", reason="the peer of this bench")
+    sd = load_file(folder / "model.safetensors")
+    n, dim = hf.config.num_hidden_layers, hf.config.hidden_size
+    gen = torch.Generator().manual_seed(0)
+    layer = {f"model.layers.{n}." + k.removeprefix(f"model.layers.{n - 1}."): t.clone()
+             for k, t in sd.items() if k.startswith(f"model.layers.{n - 1}.")}
+    mtp = {f"model.layers.{n}.{k}": t for k, t in {
+        "enorm.weight": torch.ones(dim), "hnorm.weight": torch.ones(dim),
+        "shared_head.norm.weight": torch.ones(dim),
+        "eh_proj.weight": 0.02 * torch.randn(dim, 2 * dim, generator=gen),
+        "shared_head.head.weight": sd["lm_head.weight"].clone(),
+        "embed_tokens.weight": sd["model.embed_tokens.weight"].clone()}.items()}
+    if agree:
+        sd["model.norm.weight"] = torch.zeros(dim)
+        mtp[f"model.layers.{n}.shared_head.norm.weight"] = torch.zeros(dim)
+    save_file({**sd, **layer, **mtp}, folder / "model.safetensors")
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(dict(config, num_nextn_predict_layers=1)))
+    out = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+    out._keys_to_ignore_on_load_unexpected = {rf"model\.layers\.{n}\..*"}
+    out.generation_config.eos_token_id = None
+    return out
+
+
+@pytest.mark.parametrize("drafts", ["kept", "rejected"])
+@pytest.mark.parametrize("how", ["torchfn", "torchfn-mtp", "transformers", "transformers-mtp"])
+def test_mtp_decoding_deepseek_vs_transformers(benchmark, how, drafts, tmp_path):
+    """Greedy decoding of one DeepSeek-V3 with an MTP layer (the bench's model), one prompt
+    of 64 tokens (transformers' MTP decoding takes one row), 64 new tokens. ``-mtp``: the
+    MTP layer drafts one token a round and the model checks it (``mtp_speculative_generate``;
+    transformers' ``generate(use_mtp=True)``); without: plain ``generate``. Both decoders
+    draft the same tokens from the same weights, so they keep the same drafts: all of them
+    (``kept``: zeroed final norms, so every logit is 0 and every pick token 0), or almost
+    none (``rejected``: untrained). The times compare the implementations' rounds."""
+    hf, _, _, _ = hf_deepseek(tmp_path)
+    hf = with_mtp_layer(hf, tmp_path, agree=drafts == "kept")
+    module, params, state, _ = deepseek_from_pretrained(tmp_path, mtp=1)
+    model = torchfn.Model(module)
+    step = lambda p, *a, **k: model.apply(p, *a, state=state, **k)  # noqa: E731
+    prompt = random.randint(random.key(1), (1, 64), 0, V)
+    runs = {
+        "torchfn": lambda: generate(step, params, prompt, 64),
+        "torchfn-mtp": lambda: mtp_speculative_generate(step, params, prompt, 64),
+        "transformers": lambda: hf.generate(prompt, max_new_tokens=64, min_new_tokens=64,
+                                            do_sample=False, pad_token_id=0),
+        "transformers-mtp": lambda: hf.generate(prompt, max_new_tokens=64, min_new_tokens=64,
+                                                do_sample=False, pad_token_id=0, use_mtp=True),
+    }
+    with torch.no_grad():
+        out = benchmark.pedantic(runs[how], rounds=3, iterations=1, warmup_rounds=1)
+        assert torch.equal(out, runs["torchfn"]())
 
 
 @pytest.mark.parametrize("how", ["torchfn", "transformers"])

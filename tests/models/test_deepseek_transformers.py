@@ -26,6 +26,7 @@ from torchfn.models import (
     deepseek_to_hf,
     from_pretrained,
     generate,
+    mtp_speculative_generate,
 )
 
 transformers = pytest.importorskip(
@@ -175,6 +176,26 @@ def test_deepseek_to_hf_gives_back_the_checkpoint(case, tmp_path):
     torch.testing.assert_close(run(moved, tokens), want, rtol=0, atol=2e-6)
 
 
+def with_mtp_layer(config, sd):
+    """``sd`` with an MTP layer appended as a checkpoint holds it (``model.layers.{n}.*``):
+    the last layer's tensors moved, its own norms and ``eh_proj``, and copies of the
+    embedding and the head. Returns it, the block's and the MTP's own tensors, and the
+    noise function."""
+    n, dim = config["num_hidden_layers"], config["hidden_size"]
+    gen = torch.Generator().manual_seed(7)
+    noise = lambda t: t + 0.1 * torch.randn(t.shape, dtype=t.dtype, generator=gen)  # noqa: E731
+    layer = {name.replace(f"model.layers.{n - 1}.", ""): noise(t) for name, t in sd.items()
+             if name.startswith(f"model.layers.{n - 1}.")}
+    mine = {"enorm.weight": noise(torch.ones(dim, dtype=torch.float64)),
+            "hnorm.weight": noise(torch.ones(dim, dtype=torch.float64)),
+            "eh_proj.weight": noise(torch.zeros(dim, 2 * dim, dtype=torch.float64)),
+            "shared_head.norm.weight": noise(torch.ones(dim, dtype=torch.float64)),
+            "shared_head.head.weight": sd["lm_head.weight"].clone(),
+            "embed_tokens.weight": sd["model.embed_tokens.weight"].clone()}
+    full = {**sd, **{f"model.layers.{n}.{k}": t for k, t in {**layer, **mine}.items()}}
+    return full, layer, mine, noise
+
+
 @pytest.mark.parametrize("case", ["v3", "glm4-moe"])
 def test_a_multi_token_prediction_layer_reads_as_transformers_runs_its_layer(case, tmp_path):
     """A checkpoint's MTP layer (``num_nextn_predict_layers``: transformers builds none,
@@ -186,18 +207,8 @@ def test_a_multi_token_prediction_layer_reads_as_transformers_runs_its_layer(cas
     refused."""
     kind, extra = CASES[case]
     hf, config, sd = hf_checkpoint(kind, dict(extra, num_nextn_predict_layers=1), tmp_path)
-    n, dim = config["num_hidden_layers"], config["hidden_size"]
-    gen = torch.Generator().manual_seed(7)
-    noise = lambda t: t + 0.1 * torch.randn(t.shape, dtype=t.dtype, generator=gen)  # noqa: E731
-    layer = {name.replace(f"model.layers.{n - 1}.", ""): noise(t) for name, t in sd.items()
-             if name.startswith(f"model.layers.{n - 1}.")}
-    mine = {"enorm.weight": noise(torch.ones(dim, dtype=torch.float64)),
-            "hnorm.weight": noise(torch.ones(dim, dtype=torch.float64)),
-            "eh_proj.weight": noise(torch.zeros(dim, 2 * dim, dtype=torch.float64)),
-            "shared_head.norm.weight": noise(torch.ones(dim, dtype=torch.float64)),
-            "shared_head.head.weight": sd["lm_head.weight"],
-            "embed_tokens.weight": sd["model.embed_tokens.weight"]}
-    full = {**sd, **{f"model.layers.{n}.{k}": t for k, t in {**layer, **mine}.items()}}
+    n = config["num_hidden_layers"]
+    full, layer, mine, noise = with_mtp_layer(config, sd)
     module, params, state = deepseek_from_hf(config, full, mtp=1)
     tokens = torch.randint(0, 50, (2, 12), generator=torch.Generator().manual_seed(1))
     logits, (ahead,) = torchfn.Model(module).apply(params, tokens, state=state,
@@ -237,3 +248,42 @@ def test_a_multi_token_prediction_layer_reads_as_transformers_runs_its_layer(cas
     with pytest.raises(ValueError, match=f"state_dict's model.layers.{n}.shared_head.head.weight "
                                          "is not the model's head.weight"):
         deepseek_from_hf(config, bad, mtp=1)
+
+
+@pytest.mark.parametrize("case", ["v3", "glm4-moe"])
+def test_self_speculative_decoding_matches_transformers_mtp(case, tmp_path):
+    """transformers' own MTP (``MtpModel``, ``generate(use_mtp=True)``) on a checkpoint with
+    an MTP layer: its depth-1 logits equal ours (``return_mtp``), and its MTP-drafted
+    greedy decoding equals ``mtp_speculative_generate``'s, which decodes the rows as one
+    batch where transformers takes one row at a time."""
+    from transformers.modeling_layers import MtpModel
+
+    kind, extra = CASES[case]
+    _, config, sd = hf_checkpoint(kind, dict(extra, num_nextn_predict_layers=1), tmp_path)
+    n = config["num_hidden_layers"]
+    full, *_ = with_mtp_layer(config, sd)
+    save_file(full, tmp_path / "model.safetensors")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path, dtype=torch.float64, experts_implementation="eager").eval()
+    # transformers 5.24's DeepSeek-V3 finds its MTP layer as `model.layers.61` (the real
+    # model's depth); this one's is layer n
+    hf._keys_to_ignore_on_load_unexpected = {rf"model\.layers\.{n}\..*"}
+    mtp = MtpModel.from_pretrained(hf, device_map={"": "cpu"}).eval()
+    hf.generation_config.eos_token_id = None  # decode all 10 tokens, as ours do
+    module, params, state = deepseek_from_hf(config, full, mtp=1)
+    run = functools.partial(torchfn.Model(module).apply, state=state)
+    tokens = torch.randint(0, 50, (2, 12), generator=torch.Generator().manual_seed(1))
+    _, (ahead,) = run(params, tokens, return_mtp=True)
+    with torch.no_grad():
+        h = hf.model(tokens).last_hidden_state  # (B, N, dim)
+        positions = torch.arange(11)[None].expand(2, -1)
+        want = mtp._project_to_logits(mtp.forward_layer(0, h[:, :-1], positions, None,
+                                                        input_ids=tokens[:, 1:]))
+    torch.testing.assert_close(ahead, want, rtol=0, atol=2e-6)
+    prompt = tokens[:, :6]
+    ours = mtp_speculative_generate(run, params, prompt, 10)
+    for row in range(2):
+        theirs = hf.generate(prompt[row:row + 1], max_new_tokens=10, do_sample=False,
+                             use_mtp=True)
+        assert torch.equal(ours[row], theirs[0])
+    assert torch.equal(ours, generate(run, params, prompt, 10))
