@@ -15,6 +15,8 @@ from torchfn.losses._linear_cross_entropy import linear_cross_entropy
 from torchfn.losses._mean_flow import mean_flow_loss
 from torchfn.losses._moe import moe_load_balance, moe_sequence_balance, router_z_loss
 from torchfn.losses._mtp import multi_token_prediction
+from torchfn.losses._policy import group_advantages, grpo
+from torchfn.losses._preference import dpo, sequence_log_probs, simpo, token_log_probs
 from torchfn.losses._regression import huber, l1, mse
 from torchfn.losses._scm import scm_loss
 from torchfn.losses._score_matching import score_matching
@@ -49,6 +51,12 @@ __all__ = [
     "moe_load_balance",
     "moe_sequence_balance",
     "router_z_loss",
-    # language models (_mtp)
+    # language models (_mtp), preference optimisation (_preference), policy gradients (_policy)
     "multi_token_prediction",
+    "token_log_probs",
+    "sequence_log_probs",
+    "dpo",
+    "simpo",
+    "group_advantages",
+    "grpo",
 ]

@@ -1,0 +1,135 @@
+"""Policy-gradient losses for language models sampled in groups: GRPO (DeepSeekMath), with
+DAPO's and Dr. GRPO's normalisations, and the group-relative advantages it reads."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from torchfn.losses._classification import _check_float
+
+__all__ = ["group_advantages", "grpo"]
+
+_NORMALIZE = ("grpo", "dapo", "dr_grpo")
+
+
+def group_advantages(rewards: Tensor, *, scale: bool = True, eps: float = 1e-4) -> Tensor:
+    """GRPO's advantages: each completion's reward against its group's (the completions of
+    one prompt), ``(r - mean) / (std + eps)`` over the last dim; ``scale=False``: ``r -
+    mean`` (Dr. GRPO, which drops the std's bias toward too easy or too hard prompts).
+    The std is the sample std (``n - 1``), as TRL's.
+
+    Args:
+        rewards: ``(..., G)``: ``G >= 2`` completions per prompt, e.g. ``(P, G)``.
+        scale: divide by the group's std.
+        eps: added to the std.
+
+    Returns:
+        ``(..., G)``; a group whose rewards are all equal gets 0.
+
+    Example::
+
+        >>> import torch
+        >>> from torchfn import losses
+        >>> losses.group_advantages(torch.tensor([[1.0, 0.0, 0.0, 1.0]]))
+        tensor([[ 0.8659, -0.8659, -0.8659,  0.8659]])
+    """
+    _check_float("rewards", rewards)
+    if rewards.dim() < 1 or rewards.shape[-1] < 2:
+        raise ValueError(f"rewards must be (..., G) with G >= 2 completions per group, got "
+                         f"{tuple(rewards.shape)}")
+    centred = rewards - rewards.mean(-1, keepdim=True)
+    return centred / (rewards.std(-1, keepdim=True) + eps) if scale else centred
+
+
+def grpo(logps: Tensor, advantages: Tensor, mask: Tensor, *, old_logps: Tensor | None = None,
+         ref_logps: Tensor | None = None, beta: float = 0.0, epsilon: float = 0.2,
+         epsilon_high: float | None = None, normalize: str = "grpo",
+         max_length: int | None = None) -> Tensor:
+    """Group Relative Policy Optimization's clipped surrogate loss (Shao et al. 2024), per
+    token, as TRL's ``GRPOTrainer`` computes it.
+
+    Per completion token ``t`` with ratio ``rho = exp(logps - old_logps)`` and the
+    completion's advantage ``A``: ``-min(rho A, clip(rho, 1 - epsilon, 1 + epsilon_high)
+    A)``, plus ``beta`` times the KL estimate to the reference ``exp(ref - logp) - (ref -
+    logp) - 1`` (Schulman's k3, unbiased and >= 0). Then over the masked tokens:
+
+    * ``"grpo"``: each completion's mean, then the mean over completions;
+    * ``"dapo"``: the mean over all the batch's tokens (DAPO's token-level loss; TRL's
+      ``"bnpo"`` on one process);
+    * ``"dr_grpo"``: the sum over all tokens divided by ``B * max_length`` (Dr. GRPO: no
+      length bias).
+
+    ``old_logps=None`` is the first update on fresh samples: the ratio is 1 with the
+    gradient of ``logps`` (``old_logps = logps.detach()``), so the loss's gradient is the
+    policy gradient ``-A grad log pi`` (plus the KL's).
+
+    Args:
+        logps: ``(B, N)`` the current policy's log-probabilities of the sampled tokens
+            (:func:`token_log_probs`).
+        advantages: ``(B,)`` each completion's advantage (:func:`group_advantages`,
+            flattened), constant.
+        mask: ``(B, N)`` bool, True on the completion's tokens.
+        old_logps: ``(B, N)`` the sampling policy's, constant; None: ``logps.detach()``.
+        ref_logps: ``(B, N)`` the reference policy's, needed when ``beta > 0``.
+        beta: the KL penalty's weight (>= 0; DeepSeekMath: 0.04; recent work: 0).
+        epsilon, epsilon_high: the clip range ``[1 - epsilon, 1 + epsilon_high]``
+            (``epsilon_high=None``: ``epsilon``; DAPO's "clip-higher": 0.28).
+        normalize: ``"grpo"``, ``"dapo"`` or ``"dr_grpo"``.
+        max_length: ``"dr_grpo"``'s length (default ``N``).
+
+    Returns:
+        A scalar.
+
+    Example::
+
+        >>> import torch
+        >>> from torchfn import losses
+        >>> logps = torch.log(torch.tensor([[0.5, 0.5], [0.25, 0.25]])).requires_grad_()
+        >>> mask = torch.ones(2, 2, dtype=torch.bool)
+        >>> loss = losses.grpo(logps, torch.tensor([1.0, -1.0]), mask)
+        >>> torch.autograd.grad(loss, logps)[0]        # -A / (2 tokens * 2 completions)
+        tensor([[-0.2500, -0.2500],
+                [ 0.2500,  0.2500]])
+    """
+    _check_float("logps", logps)
+    if logps.dim() != 2:
+        raise ValueError(f"logps must be (B, N), got {tuple(logps.shape)}")
+    b, n = logps.shape
+    for name, t in (("old_logps", old_logps), ("ref_logps", ref_logps)):
+        if t is not None and (not isinstance(t, Tensor) or tuple(t.shape) != (b, n)):
+            raise ValueError(f"{name} must be (B, N) = {(b, n)} like logps, got "
+                             f"{getattr(t, 'shape', t)}")
+    if not isinstance(mask, Tensor) or tuple(mask.shape) != (b, n):
+        raise ValueError(f"mask must be (B, N) = {(b, n)}, got {getattr(mask, 'shape', mask)}")
+    if not isinstance(advantages, Tensor) or tuple(advantages.shape) != (b,):
+        raise ValueError(f"advantages must be (B,) = ({b},), one per completion, got "
+                         f"{getattr(advantages, 'shape', advantages)}")
+    if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not beta >= 0:
+        raise ValueError(f"beta must be a number >= 0, got {beta!r}")
+    if beta > 0 and ref_logps is None:
+        raise ValueError("grpo: beta > 0 needs ref_logps (the reference policy's)")
+    high = epsilon if epsilon_high is None else epsilon_high
+    for name, value in (("epsilon", epsilon), ("epsilon_high", high)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+            raise ValueError(f"{name} must be a number >= 0, got {value!r}")
+    if normalize not in _NORMALIZE:
+        raise ValueError(f"normalize must be one of {_NORMALIZE}, got {normalize!r}")
+    if max_length is not None and (normalize != "dr_grpo" or isinstance(max_length, bool)
+                                   or not isinstance(max_length, int) or max_length < 1):
+        raise ValueError(f"max_length is an int >= 1 for normalize='dr_grpo', got "
+                         f"max_length={max_length!r}, normalize={normalize!r}")
+    old = logps.detach() if old_logps is None else old_logps
+    ratio = torch.exp(logps - old)  # (B, N)
+    adv = advantages[:, None].to(logps.dtype)
+    loss = -torch.minimum(ratio * adv, ratio.clamp(1 - epsilon, 1 + high) * adv)
+    if beta > 0:
+        diff = ref_logps - logps
+        loss = loss + beta * (torch.exp(diff) - diff - 1)
+    mask = mask.to(torch.bool)
+    loss = torch.where(mask, loss, 0.0)  # (B, N)
+    if normalize == "grpo":
+        return (loss.sum(-1) / mask.sum(-1).clamp_min(1)).mean()
+    if normalize == "dapo":
+        return loss.sum() / mask.sum().clamp_min(1)
+    return loss.sum() / (b * (n if max_length is None else max_length))

@@ -1,0 +1,132 @@
+"""GRPO: the per-token clipped surrogate and its three normalisations against a float64
+loop; on fresh samples its gradient is the policy gradient; the clip stops the gradient
+where the ratio left its range in the advantage's direction; the KL term's expectation
+under the policy is the exact KL; group advantages are centred (and scaled)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from torchfn import losses, random
+
+
+def _loop(logps, old, ref, adv, mask, beta, lo, hi, normalize, max_length):
+    """The same loss token by token, in Python floats."""
+    import math
+
+    b, n = logps.shape
+    per, count = [], 0
+    for i in range(b):
+        row = []
+        for t in range(n):
+            if not mask[i, t]:
+                continue
+            rho = math.exp(logps[i, t] - old[i, t])
+            a = float(adv[i])
+            value = -min(rho * a, min(max(rho, 1 - lo), 1 + hi) * a)
+            if beta:
+                d = float(ref[i, t] - logps[i, t])
+                value += beta * (math.exp(d) - d - 1)
+            row.append(value)
+        per.append(row)
+        count += len(row)
+    if normalize == "grpo":
+        return sum(sum(r) / max(len(r), 1) for r in per) / b
+    if normalize == "dapo":
+        return sum(sum(r) for r in per) / max(count, 1)
+    return sum(sum(r) for r in per) / (b * (max_length or n))
+
+
+@pytest.mark.parametrize("normalize, max_length", [("grpo", None), ("dapo", None),
+                                                   ("dr_grpo", None), ("dr_grpo", 12)])
+@pytest.mark.parametrize("beta, high", [(0.0, None), (0.04, 0.28)])
+def test_grpo_equals_a_loop(normalize, max_length, beta, high):
+    keys = random.split(random.key(0), 5)
+    logps = -random.uniform(keys[0], (6, 7), dtype=torch.float64) * 3
+    old = logps + 0.4 * random.normal(keys[1], (6, 7), dtype=torch.float64)  # ratios 0.4..2.5
+    ref = logps + 0.3 * random.normal(keys[2], (6, 7), dtype=torch.float64)
+    adv = random.normal(keys[3], (6,), dtype=torch.float64)
+    mask = random.bernoulli(keys[4], 0.7, (6, 7))
+    mask[0] = False  # an empty completion counts as 0
+    got = losses.grpo(logps, adv, mask, old_logps=old, ref_logps=ref, beta=beta,
+                      epsilon=0.2, epsilon_high=high, normalize=normalize,
+                      max_length=max_length)
+    want = _loop(logps, old, ref, adv, mask, beta, 0.2, 0.2 if high is None else high,
+                 normalize, max_length)
+    assert got.item() == pytest.approx(want, rel=1e-12)
+
+
+def test_on_fresh_samples_the_gradient_is_the_policy_gradient():
+    """``old_logps=None``: ``d loss / d logp = (-A + beta (1 - exp(ref - logp))) / (len *
+    B)`` on each completion's tokens, 0 elsewhere."""
+    logps = -random.uniform(random.key(1), (4, 5), dtype=torch.float64) * 2
+    ref = logps + 0.2 * random.normal(random.key(2), (4, 5), dtype=torch.float64)
+    adv = torch.tensor([1.0, -0.5, 2.0, 0.0], dtype=torch.float64)
+    mask = torch.arange(5)[None] < torch.tensor([5, 3, 1, 4])[:, None]  # lengths
+    logps.requires_grad_(True)
+    g, = torch.autograd.grad(losses.grpo(logps, adv, mask, ref_logps=ref, beta=0.1), logps)
+    lengths = mask.sum(1, keepdim=True)
+    want = (-adv[:, None] + 0.1 * (1 - torch.exp(ref - logps.detach()))) / (lengths * 4)
+    torch.testing.assert_close(g, torch.where(mask, want, 0.0))
+
+
+def test_the_clip_stops_the_gradient_past_its_range():
+    """A > 0: no gradient once the ratio is above 1 + epsilon_high; A < 0: none below
+    1 - epsilon; inside the range (or past it against the advantage) the ratio's
+    gradient ``-A rho``."""
+    old = torch.zeros(2, 4, dtype=torch.float64)
+    rho = torch.tensor([0.7, 0.9, 1.25, 1.4], dtype=torch.float64)  # 1.25: in [1.2, 1.3]
+    logps = torch.log(rho).expand(2, -1).clone().requires_grad_(True)
+    adv = torch.tensor([1.0, -1.0], dtype=torch.float64)
+    mask = torch.ones(2, 4, dtype=torch.bool)
+    g, = torch.autograd.grad(losses.grpo(logps, adv, mask, old_logps=old, epsilon=0.2,
+                                         epsilon_high=0.3, normalize="dapo"), logps)
+    free = -adv[:, None] * rho / 8  # d(-A rho)/d logp over 8 tokens
+    want = torch.stack((free[0] * torch.tensor([1, 1, 1, 0]),   # 1.4 > 1.3: clipped
+                        free[1] * torch.tensor([0, 1, 1, 1])))  # 0.7 < 0.8: clipped
+    torch.testing.assert_close(g, want.to(torch.float64))
+
+
+def test_the_kl_term_is_unbiased():
+    """Over one token drawn from ``pi``: E_pi[k3] = KL(pi || pi_ref), by enumeration."""
+    pi = torch.softmax(random.normal(random.key(3), (6,), dtype=torch.float64), 0)
+    ref = torch.softmax(random.normal(random.key(4), (6,), dtype=torch.float64), 0)
+    mask = torch.ones(1, 1, dtype=torch.bool)
+    zero = torch.zeros(1, dtype=torch.float64)
+    k3 = torch.stack([losses.grpo(pi[v].log().reshape(1, 1), zero, mask,
+                                  ref_logps=ref[v].log().reshape(1, 1), beta=1.0)
+                      for v in range(6)])
+    torch.testing.assert_close((pi * k3).sum(), (pi * (pi / ref).log()).sum())
+    assert (k3 >= 0).all()
+
+
+def test_group_advantages():
+    rewards = random.normal(random.key(5), (3, 8), dtype=torch.float64)
+    a = losses.group_advantages(rewards, eps=0.0)
+    torch.testing.assert_close(a.mean(-1), torch.zeros(3, dtype=torch.float64))
+    torch.testing.assert_close(a.std(-1), torch.ones(3, dtype=torch.float64))
+    torch.testing.assert_close(losses.group_advantages(rewards, scale=False),
+                               rewards - rewards.mean(-1, keepdim=True))
+    same = losses.group_advantages(torch.ones(2, 4))
+    assert torch.equal(same, torch.zeros(2, 4))
+
+
+def test_errors_are_named():
+    logps, mask, adv = torch.zeros(2, 3), torch.ones(2, 3, dtype=torch.bool), torch.zeros(2)
+    with pytest.raises(ValueError, match="beta > 0 needs ref_logps"):
+        losses.grpo(logps, adv, mask, beta=0.1)
+    with pytest.raises(ValueError, match="advantages must be \\(B,\\) = \\(2,\\)"):
+        losses.grpo(logps, torch.zeros(2, 3), mask)
+    with pytest.raises(ValueError, match="mask must be \\(B, N\\) = \\(2, 3\\)"):
+        losses.grpo(logps, adv, mask[:, :2])
+    with pytest.raises(ValueError, match="old_logps must be \\(B, N\\) = \\(2, 3\\)"):
+        losses.grpo(logps, adv, mask, old_logps=torch.zeros(3))
+    with pytest.raises(ValueError, match="normalize must be one of"):
+        losses.grpo(logps, adv, mask, normalize="ppo")
+    with pytest.raises(ValueError, match="max_length is an int >= 1 for normalize='dr_grpo'"):
+        losses.grpo(logps, adv, mask, max_length=4)
+    with pytest.raises(ValueError, match="epsilon_high must be a number >= 0"):
+        losses.grpo(logps, adv, mask, epsilon_high=-0.1)
+    with pytest.raises(ValueError, match="G >= 2 completions per group"):
+        losses.group_advantages(torch.zeros(3, 1))
