@@ -22,7 +22,6 @@ from torchfn.models import (
 
 KW = dict(dim=16, heads=2, depth=2, causal=True, norm="rms", position_embedding="rotary",
           mlp_hidden=24)
-SEED = 4
 LATENT = dict(kv_rank=12, rope_dim=6, nope_dim=4, v_dim=10, q_rank=16)
 
 
@@ -34,7 +33,7 @@ def lm(mtp, vocab, seed=0, scale=3.0, **kw):
 
 
 @pytest.mark.parametrize("mtp, lookahead, prompt_len, kw", [
-    (1, None, 4, {}), (2, 2, 1, {}), (3, 2, 3, {}),
+    (1, None, 4, {}), (2, 2, 1, {}), (3, 2, 3, {}), (1, 3, 4, {}),
     (2, None, 3, dict(latent_attention=LATENT, experts=4, top_k=2))])
 def test_greedy_equals_the_models_greedy_decoding(mtp, lookahead, prompt_len, kw):
     model, params = lm(mtp, 7, **kw)
@@ -50,12 +49,27 @@ def test_greedy_equals_the_models_greedy_decoding(mtp, lookahead, prompt_len, kw
                                                 lookahead=lookahead), out[1])
 
 
-def test_each_rounds_drafts_are_the_depths_predictions_on_the_whole_sequence(monkeypatch):
+def chained_draft_logits(model, params, tokens, at, k, depth):
+    """Draft ``k``'s logits at position ``at``, without a cache: the model's final states
+    on ``tokens`` (1, N), then depths ``1 .. k`` chained through ``mtp_depth`` (past the
+    model's ``depth``, its last one again)."""
+    _, h = model.apply(params, tokens, return_hidden=True)
+    n = tokens.shape[1]
+    for j in range(1, k + 1):
+        logits, h = model.apply(params, tokens[:, j:], mtp_depth=min(j, depth),
+                                mtp_hidden=h[:, :n - j])
+    return logits[0, at]
+
+
+@pytest.mark.parametrize("mtp, lookahead, seed", [(3, 3, 4), (2, 3, 5)])
+def test_each_rounds_drafts_are_the_depths_predictions_on_the_whole_sequence(
+        monkeypatch, mtp, lookahead, seed):
     """Records every round's draft distributions, drafts and kept counts (sampling), then
-    recomputes each row's draft distributions with ``return_mtp`` on its true tokens and
-    the drafts before, no cache: the caches' bookkeeping (kept entries, masked draft
-    entries, positions) is exact, for rows that keep different numbers of drafts."""
-    model, params = lm(3, 3, seed=SEED, scale=2.0)  # 3 tokens: drafts often right
+    recomputes each row's draft distributions on its true tokens and the drafts before,
+    no cache (``return_mtp``; past the model's depths, its last depth chained again): the
+    caches' bookkeeping (kept entries, masked draft entries, positions) is exact, for rows
+    that keep different numbers of drafts."""
+    model, params = lm(mtp, 3, seed=seed, scale=2.0)  # 3 tokens: drafts often right
     rounds = []
 
     def recording(logits, drafted, q, *rest):
@@ -67,7 +81,8 @@ def test_each_rounds_drafts_are_the_depths_predictions_on_the_whole_sequence(mon
     monkeypatch.setattr(_mtp_decode, "verify", recording)
     prompt = random.randint(random.key(1), (5, 4), 0, 3)
     steps = 16
-    out = mtp_speculative_generate(model, params, prompt, steps, key=random.key(SEED))
+    out = mtp_speculative_generate(model, params, prompt, steps, key=random.key(seed),
+                                   lookahead=lookahead)
     kept = torch.stack([n for *_, n in rounds])  # (R, B)
     assert all((kept == i).any() for i in range(4))  # rows keep 0, 1, 2 and 3 drafts
     length = torch.full((5,), 4)
@@ -79,9 +94,17 @@ def test_each_rounds_drafts_are_the_depths_predictions_on_the_whole_sequence(mon
             seq = out[row, :length[row]].tolist()
             for j in range(1, 4):
                 tokens = torch.tensor(seq + drafted[row, :j - 1].tolist())[None]
-                _, mtp = model.apply(params, tokens, return_mtp=True)
-                want = torch.softmax(mtp[j - 1][0, length[row] - 2], -1)
-                torch.testing.assert_close(q[j - 1][row], want, rtol=1e-9, atol=1e-12)
+                if j <= mtp:
+                    logits = model.apply(params, tokens, return_mtp=True)[1][j - 1][
+                        0, length[row] - 2]
+                    torch.testing.assert_close(logits, chained_draft_logits(
+                        model, params, tokens, length[row] - 2, j, mtp), rtol=1e-10,
+                        atol=1e-10)
+                else:
+                    logits = chained_draft_logits(model, params, tokens, length[row] - 2, j,
+                                                  mtp)
+                torch.testing.assert_close(q[j - 1][row], torch.softmax(logits, -1),
+                                           rtol=1e-9, atol=1e-12)
                 checked += 1
         length = length + n + 1
     assert checked >= 30
@@ -140,8 +163,8 @@ def test_errors_are_named():
     model, params = lm(2, 5)
     plain, plain_params = lm(0, 5)
     prompt = torch.tensor([[1, 2]])
-    with pytest.raises(ValueError, match="lookahead must be an int in \\[1, 2\\]"):
-        mtp_speculative_generate(model, params, prompt, 3, lookahead=3)
+    with pytest.raises(ValueError, match="lookahead must be an int >= 1, got 0"):
+        mtp_speculative_generate(model, params, prompt, 3, lookahead=0)
     with pytest.raises(ValueError, match="steps must be an int >= 1"):
         mtp_speculative_generate(model, params, prompt, 0)
     with pytest.raises(ValueError, match="params hold no multi-token prediction depths"):

@@ -42,11 +42,13 @@ class _Drafter:
     j`` read true tokens only and are kept; the later ones read drafts, so they are masked
     out of the cache and run again the next round, against the tokens then known.
     ``hidden[j]`` (B, C, dim) holds depth ``j``'s states by position (``j = 0``: the
-    model's)."""
+    model's). Past the model's ``depth`` MTP modules, the last one runs again (its own
+    cache each time), chained on its own states, as vLLM drafts past DeepSeek-V3's one."""
 
-    def __init__(self, model: Callable[..., Any], params: Any, k: int, capacity: int,
-                 like: Tensor) -> None:
+    def __init__(self, model: Callable[..., Any], params: Any, k: int, depth: int,
+                 capacity: int, like: Tensor) -> None:
         self.streams = [_Stream(model, params) for _ in range(k)]
+        self.depth = depth
         b, dim = like.shape[0], like.shape[-1]
         self.hidden = [like.new_zeros(b, capacity, dim) for _ in range(k)]
 
@@ -79,8 +81,8 @@ class _Drafter:
             at_ = torch.minimum(at, last[:, None])  # in range where not ok
             states = self.hidden[j - 1].gather(
                 1, at_[..., None].expand(-1, -1, self.hidden[j - 1].shape[-1]))  # (B, w, dim)
-            logits, h = stream.feed(ext.gather(1, at_ + j), ok, mtp_depth=j,
-                                    mtp_hidden=states)  # (B, w, V), (B, w, dim)
+            logits, h = stream.feed(ext.gather(1, at_ + j), ok,
+                                    mtp_depth=min(j, self.depth), mtp_hidden=states)  # (B, w, V), (B, w, dim)
             stream.valid[:, -width:] = ok & (at <= (length - 1 - j)[:, None])
             if j < len(self.streams):
                 self.store(j, at, h, ok)
@@ -114,7 +116,9 @@ def mtp_speculative_generate(
     (MTP) depths drafting: self-speculative decoding, as DeepSeek-V3 serves (section 5.4.3).
 
     Each round, MTP depths ``1 .. lookahead`` propose one token each (depth ``j`` the
-    ``j``-th next), reading the model's final states and their own key/value caches; the
+    ``j``-th next), reading the model's final states and their own key/value caches
+    (``lookahead > D`` runs the last depth again for each further draft, chained on its
+    own states, as vLLM drafts several tokens with DeepSeek-V3's one MTP layer); the
     model then scores the newest token and every draft in one call, and keeps the drafts
     as :func:`speculative_generate` does (greedy: while they equal its argmax; sampling:
     ``min(1, p / q)``, then the residual). So the output is the model's own: greedy,
@@ -139,7 +143,7 @@ def mtp_speculative_generate(
         prompt: ``(B, P)`` or ``(P,)`` int64 tokens.
         steps: new tokens (>= 1).
         key: a ``torchfn.random`` key; ``None`` decodes greedily.
-        lookahead: drafts per round, ``1 .. D`` (default ``D``).
+        lookahead: drafts per round, >= 1 (default ``D``).
         temperature, top_k, top_p, min_p: as :func:`sample_logits`, for the model's and
             the drafts' distributions; ``temperature`` > 0 when sampling.
         return_stats: also return ``{"rounds", "target_calls", "draft_calls", "accepted",
@@ -168,9 +172,8 @@ def mtp_speculative_generate(
         raise ValueError("mtp_speculative_generate: params hold no multi-token prediction "
                          "depths (mtp.0.*); build the model with TransformerEncoder(mtp=D)")
     k = depth if lookahead is None else lookahead
-    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= depth:
-        raise ValueError(f"lookahead must be an int in [1, {depth}] (the model's MTP depths), "
-                         f"got {lookahead!r}")
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ValueError(f"lookahead must be an int >= 1, got {lookahead!r}")
     b, p_len = seq.shape
     dev = seq.device
     rows = torch.arange(b, device=dev)
@@ -183,7 +186,7 @@ def mtp_speculative_generate(
         _, hidden = target.feed(seq[:, :-1], torch.ones_like(seq[:, :-1], dtype=torch.bool),
                                 return_hidden=True)  # (B, P - 1, dim)
         stats["target_calls"] += 1
-        drafter = _Drafter(model, params, k, tokens.shape[1], hidden)
+        drafter = _Drafter(model, params, k, depth, tokens.shape[1], hidden)
         drafter.store(0, torch.arange(p_len - 1, device=dev).expand(b, -1), hidden,
                       torch.ones_like(seq[:, :-1], dtype=torch.bool))
     while int(length.min()) < p_len + steps:
@@ -211,7 +214,7 @@ def mtp_speculative_generate(
         slots = torch.arange(kr_ + 1, device=dev)
         kept = slots[None] <= n[:, None]  # (B, k + 1): `last` and the kept drafts
         if drafter is None:
-            drafter = _Drafter(model, params, k, tokens.shape[1], hidden)
+            drafter = _Drafter(model, params, k, depth, tokens.shape[1], hidden)
         drafter.store(0, length[:, None] - 1 + slots, hidden, kept)
         if kr_:
             target.valid[:, -kr_:] = kept[:, 1:]
