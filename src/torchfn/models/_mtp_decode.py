@@ -81,8 +81,8 @@ class _Drafter:
             at_ = torch.minimum(at, last[:, None])  # in range where not ok
             states = self.hidden[j - 1].gather(
                 1, at_[..., None].expand(-1, -1, self.hidden[j - 1].shape[-1]))  # (B, w, dim)
-            logits, h = stream.feed(ext.gather(1, at_ + j), ok,
-                                    mtp_depth=min(j, self.depth), mtp_hidden=states)  # (B, w, V), (B, w, dim)
+            logits, h = stream.feed(ext.gather(1, at_ + j), ok, mtp_depth=min(j, self.depth),
+                                    mtp_hidden=states)  # (B, w, V), (B, w, dim)
             stream.valid[:, -width:] = ok & (at <= (length - 1 - j)[:, None])
             if j < len(self.streams):
                 self.store(j, at, h, ok)
