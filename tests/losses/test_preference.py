@@ -1,7 +1,7 @@
 """Preference losses: token and sequence log-probabilities against a float64 loop; DPO's
 variants against their formulas; DPO's minimiser is the closed form ``pi_ref exp(r /
 beta)`` under Bradley-Terry preferences; robust DPO is unbiased under label flips;
-SimPO is DPO without a reference."""
+SimPO is DPO without a reference; KTO and ORPO against their formulas."""
 
 from __future__ import annotations
 
@@ -167,6 +167,37 @@ def test_a_language_models_dpo_step_under_vmap_equals_the_batch():
     assert batch["head.weight"].abs().max() > 0
 
 
+def test_kto_equals_its_formula_and_takes_the_reference_point_as_a_constant():
+    logps, ref = random.normal(random.key(6), (2, 8), dtype=torch.float64)
+    good = random.bernoulli(random.key(7), 0.5, (8,))
+    assert good.any() and not good.all()
+    kl = torch.tensor(0.3, dtype=torch.float64, requires_grad=True)
+    got = losses.kto(logps, ref, good, beta=0.5, kl=kl, desirable_weight=1.2,
+                     undesirable_weight=0.8, reduction="none")
+    for i in range(8):
+        r = float(logps[i] - ref[i])
+        want = 1.2 * (1 - 1 / (1 + math.exp(-0.5 * (r - 0.3)))) if good[i] else \
+            0.8 * (1 - 1 / (1 + math.exp(-0.5 * (0.3 - r))))
+        assert got[i].item() == pytest.approx(want, rel=1e-12)
+    assert not got.requires_grad  # kl is detached; the log-probs here are constants
+    logps.requires_grad_(True)
+    g, = torch.autograd.grad(losses.kto(logps, ref, good, kl=kl, reduction="sum"), logps)
+    assert (g[good] < 0).all() and (g[~good] > 0).all()  # desirable up, undesirable down
+
+
+def test_orpo_is_sft_plus_the_log_odds_ratio():
+    chosen, rejected = -random.uniform(random.key(8), (2, 6), dtype=torch.float64) * 3 - 0.01
+    got = losses.orpo(chosen, rejected, beta=0.25, reduction="none")
+    for i in range(6):
+        pc, pr = math.exp(chosen[i]), math.exp(rejected[i])
+        log_odds = math.log(pc / (1 - pc)) - math.log(pr / (1 - pr))
+        want = -float(chosen[i]) + 0.25 * math.log1p(math.exp(-log_odds))
+        assert got[i].item() == pytest.approx(want, rel=1e-10)
+    c, r = chosen.clone().requires_grad_(True), rejected.clone().requires_grad_(True)
+    gc, gr = torch.autograd.grad(losses.orpo(c, r, reduction="sum"), (c, r))
+    assert (gc < 0).all() and (gr > 0).all()
+
+
 def test_errors_are_named():
     x = torch.zeros(3)
     with pytest.raises(ValueError, match="kind must be one of"):
@@ -181,6 +212,14 @@ def test_errors_are_named():
         losses.dpo(x, x, x, torch.zeros(4))
     with pytest.raises(TypeError, match="ref_rejected must be a floating-point Tensor"):
         losses.dpo(x, x, x, torch.zeros(3, dtype=torch.long))
+    with pytest.raises(ValueError, match="kto: desirable must be a bool tensor"):
+        losses.kto(x, x, torch.ones(3))
+    with pytest.raises(ValueError, match="kl must be a number or a scalar tensor"):
+        losses.kto(x, x, torch.ones(3, dtype=torch.bool), kl=torch.zeros(2))
+    with pytest.raises(ValueError, match="undesirable_weight must be a number > 0"):
+        losses.kto(x, x, torch.ones(3, dtype=torch.bool), undesirable_weight=0)
+    with pytest.raises(ValueError, match="orpo: the log-probabilities must share one shape"):
+        losses.orpo(x, torch.zeros(2))
     with pytest.raises(ValueError, match="gamma must be a number >= 0"):
         losses.simpo(x, x, gamma=-1.0)
     with pytest.raises(ValueError, match="targets must be int \\(..., N\\) = \\(2, 3\\)"):

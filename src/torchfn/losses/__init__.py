@@ -16,7 +16,14 @@ from torchfn.losses._mean_flow import mean_flow_loss
 from torchfn.losses._moe import moe_load_balance, moe_sequence_balance, router_z_loss
 from torchfn.losses._mtp import multi_token_prediction
 from torchfn.losses._policy import group_advantages, grpo
-from torchfn.losses._preference import dpo, sequence_log_probs, simpo, token_log_probs
+from torchfn.losses._preference import (
+    dpo,
+    kto,
+    orpo,
+    sequence_log_probs,
+    simpo,
+    token_log_probs,
+)
 from torchfn.losses._regression import huber, l1, mse
 from torchfn.losses._scm import scm_loss
 from torchfn.losses._score_matching import score_matching
@@ -57,6 +64,8 @@ __all__ = [
     "sequence_log_probs",
     "dpo",
     "simpo",
+    "kto",
+    "orpo",
     "group_advantages",
     "grpo",
 ]

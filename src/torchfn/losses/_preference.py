@@ -1,5 +1,6 @@
 """Preference optimisation of language models: the log-probabilities of given sequences,
-and the DPO family of losses on them (DPO, cDPO, robust DPO, IPO, SLiC's hinge, SimPO)."""
+and the DPO family of losses on them (DPO, cDPO, robust DPO, IPO, SLiC's hinge, SimPO),
+KTO's on unpaired examples and ORPO's odds ratio."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from torch import Tensor
 
 from torchfn.losses._classification import _check_float, _check_reduction, _reduce
 
-__all__ = ["token_log_probs", "sequence_log_probs", "dpo", "simpo"]
+__all__ = ["token_log_probs", "sequence_log_probs", "dpo", "simpo", "kto", "orpo"]
 
 _DPO_KINDS = ("sigmoid", "robust", "hinge", "ipo")
 
@@ -191,3 +192,86 @@ def simpo(chosen: Tensor, rejected: Tensor, *, beta: float = 2.0, gamma: float =
     e = label_smoothing
     loss = -(1 - e) * F.logsigmoid(margin) - e * F.logsigmoid(-margin)
     return _reduce(loss, reduction)
+
+
+def kto(logps: Tensor, ref_logps: Tensor, desirable: Tensor, *, beta: float = 0.1,
+        kl: Tensor | float = 0.0, desirable_weight: float = 1.0,
+        undesirable_weight: float = 1.0, reduction: str = "mean") -> Tensor:
+    """KTO (Ethayarajh et al. 2024): preference tuning from unpaired examples, each marked
+    desirable or not, with prospect theory's value function around a reference point.
+
+    With ``r = logps - ref_logps`` and the reference point ``z0 = kl``: a desirable
+    example's loss is ``w_d (1 - sigmoid(beta (r - z0)))``, an undesirable one's ``w_u (1 -
+    sigmoid(beta (z0 - r)))``. ``z0`` is the policy's KL to the reference, estimated as
+    TRL does on mismatched pairs (each completion scored after another example's prompt):
+    ``(policy - reference).mean().clamp(min=0)`` of those log-probabilities; it is taken
+    as a constant (no gradient flows into it).
+
+    Args:
+        logps, ref_logps: ``(B,)`` each completion's log-probability under the policy and
+            under the frozen reference (:func:`sequence_log_probs`).
+        desirable: ``(B,)`` bool.
+        beta: > 0.
+        kl: the reference point ``z0`` (a number or a scalar tensor, >= 0).
+        desirable_weight, undesirable_weight: ``w_d``, ``w_u`` (> 0; the paper keeps
+            ``w_d n_d / (w_u n_u)`` in [1, 4/3]).
+        reduction: ``"mean"``, ``"sum"`` or ``"none"`` ``(B,)``.
+
+    Example::
+
+        >>> import torch
+        >>> from torchfn import losses
+        >>> zero = torch.zeros(2)
+        >>> losses.kto(zero, zero, torch.tensor([True, False]))   # 1 - sigmoid(0) each
+        tensor(0.5000)
+    """
+    _check_pairs("kto", logps=logps, ref_logps=ref_logps)
+    if not isinstance(desirable, Tensor) or desirable.dtype != torch.bool \
+            or desirable.shape != logps.shape:
+        raise ValueError(f"kto: desirable must be a bool tensor of logps' shape "
+                         f"{tuple(logps.shape)}, got {getattr(desirable, 'dtype', desirable)} "
+                         f"{tuple(getattr(desirable, 'shape', ()))}")
+    _positive("beta", beta)
+    _positive("desirable_weight", desirable_weight)
+    _positive("undesirable_weight", undesirable_weight)
+    _check_reduction(reduction)
+    z0 = kl.detach() if isinstance(kl, Tensor) else torch.tensor(float(kl))
+    if z0.dim() != 0:
+        raise ValueError(f"kl must be a number or a scalar tensor, got shape {tuple(z0.shape)}")
+    r = logps - ref_logps
+    z0 = z0.to(r)
+    loss = torch.where(desirable, desirable_weight * (1 - torch.sigmoid(beta * (r - z0))),
+                       undesirable_weight * (1 - torch.sigmoid(beta * (z0 - r))))
+    return _reduce(loss, reduction)
+
+
+def orpo(chosen: Tensor, rejected: Tensor, *, beta: float = 0.1,
+         reduction: str = "mean") -> Tensor:
+    """ORPO (Hong et al. 2024): supervised fine-tuning on the chosen completions plus an
+    odds-ratio penalty on the rejected, with no reference model:
+    ``-chosen - beta log sigmoid(log odds(chosen) - log odds(rejected))``, where
+    ``odds(y) = p / (1 - p)`` and ``p = exp(mean token log-probability)``.
+
+    Args:
+        chosen, rejected: ``(B,)`` mean per-token log-probabilities of the completions
+            (:func:`sequence_log_probs` with ``average=True``), < 0.
+        beta: the odds-ratio term's weight ``lambda`` (> 0; TRL's default 0.1).
+        reduction: ``"mean"``, ``"sum"`` or ``"none"`` ``(B,)``.
+
+    Example::
+
+        >>> import torch
+        >>> from torchfn import losses
+        >>> half = torch.log(torch.tensor([0.5]))     # p = 1/2: odds 1 on both sides
+        >>> losses.orpo(half, half, beta=1.0)          # log 2 (NLL) + log 2 (log sigmoid(0))
+        tensor(1.3863)
+    """
+    _check_pairs("orpo", chosen=chosen, rejected=rejected)
+    _positive("beta", beta)
+    _check_reduction(reduction)
+
+    def log_odds(x: Tensor) -> Tensor:  # log p - log(1 - p), p = exp(x)
+        return x - torch.log(-torch.expm1(x))
+
+    ratio = F.logsigmoid(log_odds(chosen) - log_odds(rejected))
+    return _reduce(-chosen - beta * ratio, reduction)
