@@ -98,7 +98,9 @@ class MultiHeadAttention(nn.Module):
     documents) and both caches: a :class:`StaticKVCache` of capacity ``C - 1`` plus a
     call's tokens suffices (a ring buffer, as for a window).
     ``output_gate=True``: the heads' outputs are multiplied by ``sigmoid(x W_gate)`` before
-    the output projection (gated attention, Qiu et al. 2025; Qwen3-Next, Qwen3.5).
+    the output projection (gated attention, Qiu et al. 2025; Qwen3-Next, Qwen3.5), a gate
+    per head and feature; ``output_gate="head"``: one gate per head, ``W_gate`` ``(H,
+    dim)`` (the paper's headwise variant; Step 3.5).
     ``qkv_clip=c`` clamps the projected queries, keys and values to ``[-c, c]`` (after
     q/k norms over all heads; OLMo, OLMoE and DBRX's ``clip_qkv``).
     ``temperature=(floor_scale, attn_scale)``: the queries at position ``p`` are scaled by
@@ -143,7 +145,8 @@ class MultiHeadAttention(nn.Module):
                  norm_eps: float | None = None, scale: float | None = None,
                  sinks: bool = False, out_bias: bool | None = None,
                  rotary_interleaved: bool = False, chunk: int | None = None,
-                 temperature: tuple[float, float] | None = None, output_gate: bool = False,
+                 temperature: tuple[float, float] | None = None,
+                 output_gate: bool | str = False,
                  qkv_clip: float | None = None, v_dim: int | None = None,
                  value_scale: float | None = None, attend: AttendFn | None = None) -> None:
         super().__init__()
@@ -199,6 +202,10 @@ class MultiHeadAttention(nn.Module):
             rotary_frequencies(rot, self.rotary_base, rotary_scaling)
         self.attn_dropout = attn_dropout
         self.attend = attend or _fused_attention
+        if output_gate not in (False, True, "head"):
+            raise ValueError(f"output_gate must be False, True (per head and feature) or "
+                             f"'head' (per head), got {output_gate!r}")
+        self.head_gate = output_gate == "head"
         self.head_dim, self.v_dim = hd, vd
         qkv_bias = bias if qkv_bias is None else qkv_bias
         self._projections(dim, qkv_bias, bias if out_bias is None else out_bias, output_gate)
@@ -229,7 +236,9 @@ class MultiHeadAttention(nn.Module):
                              bias=qkv_bias)  # [q | k | v]
         self.out = nn.Linear(heads * vd, dim, bias=out_bias)
         # Qwen3-Next / Qwen3.5's gated attention: o * sigmoid(x W_gate), per head and feature
-        self.gate = nn.Linear(dim, heads * vd, bias=qkv_bias) if output_gate else None
+        # (or per head alone)
+        width = heads if output_gate == "head" else heads * vd
+        self.gate = nn.Linear(dim, width, bias=qkv_bias) if output_gate else None
 
     def _project(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor, object]:
         """``x`` ``(B, N, dim)`` -> queries ``(B, N, H D)``, keys ``(B, N, Hkv D)``, values
@@ -241,7 +250,10 @@ class MultiHeadAttention(nn.Module):
 
     def _output(self, o: Tensor, x: Tensor, context: object) -> Tensor:
         """The heads' outputs ``o`` ``(B, N, H Dv)`` back to ``(B, N, dim)``."""
-        if self.gate is not None:
+        if self.gate is not None and self.head_gate:  # (B, N, H, Dv) times (B, N, H, 1)
+            o = (o.unflatten(-1, (self.heads, self.v_dim))
+                 * torch.sigmoid(self.gate(x))[..., None]).flatten(-2)
+        elif self.gate is not None:
             o = o * torch.sigmoid(self.gate(x))
         return self.out(o)
 

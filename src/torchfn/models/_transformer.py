@@ -167,7 +167,7 @@ class TransformerBlock(nn.Module):
                  out_bias: bool | None = None, parallel: bool | str = False,
                  rotary_interleaved: bool = False, residual_scale: float | None = None,
                  attn_options: dict | None = None, linear_attention: dict | None = None,
-                 attn_gate: bool = False, mixer: bool = True,
+                 attn_gate: bool | str = False, mixer: bool = True,
                  attn_experts: dict | None = None,
                  parallel_linear: bool | dict = False,
                  mlp_scales: tuple[float, float] | None = None,
@@ -457,7 +457,7 @@ class TransformerEncoder(nn.Module):
             those blocks' convolution windows and states.
         attn_gate: gate the attention's output by ``sigmoid(x W_gate)`` before its
             projection (Qwen3-Next, Qwen3.5; :class:`MultiHeadAttention`'s
-            ``output_gate``).
+            ``output_gate``): ``True`` a gate per head and feature, ``"head"`` one per head.
         attn_experts: ``dict(experts=, top_k=, out_bias=)``: every attention block a
             :class:`MixtureOfAttention` (JetMoE), ``heads`` heads per expert sharing as
             many key/value heads. ``return_router_logits=True`` gives its router's
@@ -626,7 +626,7 @@ class TransformerEncoder(nn.Module):
         linear_attention: dict | None = None,
         layer_linear: Sequence[bool] | None = None,
         layer_parts: Sequence[str] | None = None,
-        attn_gate: bool = False,
+        attn_gate: bool | str = False,
         attn_experts: dict | None = None,
         parallel_linear: bool | dict = False,
         mlp_scales: tuple[float, float] | None = None,
