@@ -198,6 +198,43 @@ def test_orpo_is_sft_plus_the_log_odds_ratio():
     assert (gc < 0).all() and (gr > 0).all()
 
 
+def test_bradley_terry_fits_the_rewards_that_made_the_preferences():
+    """A linear reward model fit by the expected Bradley-Terry loss over every pair of 6
+    answers, each pair labelled by BT itself from true rewards: it recovers the true
+    rewards up to a constant, and the centring term picks the constant (mean 0)."""
+    true = torch.tensor([1.0, -0.5, 0.3, 2.0, -1.2, 0.0], dtype=torch.float64)
+    i, j = torch.triu_indices(6, 6, 1)
+    p_ij = torch.sigmoid(true[i] - true[j])
+
+    def expected_loss(params, center):
+        r = params["r"]
+        forward = losses.bradley_terry(r[i], r[j], center=center, reduction="none")
+        backward = losses.bradley_terry(r[j], r[i], center=center, reduction="none")
+        return (p_ij * forward + (1 - p_ij) * backward).mean()
+
+    for center in (0.0, 1e-4):
+        params = {"r": torch.full((6,), 3.0, dtype=torch.float64)}  # off-centre
+        opt = optim.lbfgs()
+        state = opt.init(params)
+        f = lambda p, c=center: expected_loss(p, c)  # noqa: E731
+        for _ in range(60):
+            grad, value = torch.func.grad_and_value(f)(params)
+            updates, state = opt.update(grad, state, params, value=value, grad=grad,
+                                        value_fn=f)
+            params = optim.apply_updates(params, updates)
+        r = params["r"]
+        tol = 1e-6 if center == 0 else 5e-3  # the centring term moves the optimum a little
+        torch.testing.assert_close(r - r.mean(), true - true.mean(), rtol=0, atol=tol)
+        # the pairwise loss leaves the mean where it started; the centring term moves it
+        assert abs(r.mean().item() - (0.0 if center else 3.0)) < 1e-3
+    got = losses.bradley_terry(true[:3], true[3:], margin=torch.tensor([0.5, 0.0, 1.0],
+                                                                       dtype=torch.float64),
+                               reduction="none")
+    torch.testing.assert_close(got, -F.logsigmoid(true[:3] - true[3:] -
+                                                  torch.tensor([0.5, 0.0, 1.0],
+                                                               dtype=torch.float64)))
+
+
 def test_errors_are_named():
     x = torch.zeros(3)
     with pytest.raises(ValueError, match="kind must be one of"):
@@ -220,6 +257,10 @@ def test_errors_are_named():
         losses.kto(x, x, torch.ones(3, dtype=torch.bool), undesirable_weight=0)
     with pytest.raises(ValueError, match="orpo: the log-probabilities must share one shape"):
         losses.orpo(x, torch.zeros(2))
+    with pytest.raises(ValueError, match="margin must be a number or \\(B,\\) = \\(3,\\)"):
+        losses.bradley_terry(x, x, margin=torch.zeros(2))
+    with pytest.raises(ValueError, match="center must be a number >= 0"):
+        losses.bradley_terry(x, x, center=-1.0)
     with pytest.raises(ValueError, match="gamma must be a number >= 0"):
         losses.simpo(x, x, gamma=-1.0)
     with pytest.raises(ValueError, match="targets must be int \\(..., N\\) = \\(2, 3\\)"):

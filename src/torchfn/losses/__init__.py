@@ -17,6 +17,7 @@ from torchfn.losses._moe import moe_load_balance, moe_sequence_balance, router_z
 from torchfn.losses._mtp import multi_token_prediction
 from torchfn.losses._policy import group_advantages, grpo
 from torchfn.losses._preference import (
+    bradley_terry,
     dpo,
     kto,
     orpo,
@@ -66,6 +67,7 @@ __all__ = [
     "simpo",
     "kto",
     "orpo",
+    "bradley_terry",
     "group_advantages",
     "grpo",
 ]

@@ -1,6 +1,6 @@
 """Preference optimisation of language models: the log-probabilities of given sequences,
 and the DPO family of losses on them (DPO, cDPO, robust DPO, IPO, SLiC's hinge, SimPO),
-KTO's on unpaired examples and ORPO's odds ratio."""
+KTO's on unpaired examples, ORPO's odds ratio, and a reward model's Bradley-Terry loss."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ from torch import Tensor
 
 from torchfn.losses._classification import _check_float, _check_reduction, _reduce
 
-__all__ = ["token_log_probs", "sequence_log_probs", "dpo", "simpo", "kto", "orpo"]
+__all__ = ["token_log_probs", "sequence_log_probs", "dpo", "simpo", "kto", "orpo",
+           "bradley_terry"]
 
 _DPO_KINDS = ("sigmoid", "robust", "hinge", "ipo")
 
@@ -275,3 +276,39 @@ def orpo(chosen: Tensor, rejected: Tensor, *, beta: float = 0.1,
 
     ratio = F.logsigmoid(log_odds(chosen) - log_odds(rejected))
     return _reduce(-chosen - beta * ratio, reduction)
+
+
+def bradley_terry(chosen: Tensor, rejected: Tensor, *, margin: Tensor | float = 0.0,
+                  center: float = 0.0, reduction: str = "mean") -> Tensor:
+    """A reward model's loss on preference pairs (Bradley-Terry; InstructGPT):
+    ``-log sigmoid(r_chosen - r_rejected - margin)``, plus ``center`` times ``(r_chosen +
+    r_rejected)^2`` (TRL's ``center_rewards_coefficient``: keeps the rewards near 0, which
+    the pairwise loss alone leaves free).
+
+    Args:
+        chosen, rejected: ``(B,)`` the rewards of each pair's preferred and dispreferred
+            completion (e.g. a ``TransformerEncoder(out_dim=1)``'s output at the last
+            token).
+        margin: ``(B,)`` or a number: how much better the chosen must score (Llama 2's
+            margin from the annotators' preference strength); 0: none.
+        center: the centring term's weight (>= 0; TRL suggests 0.01).
+        reduction: ``"mean"``, ``"sum"`` or ``"none"`` ``(B,)``.
+
+    Example::
+
+        >>> import torch
+        >>> from torchfn import losses
+        >>> losses.bradley_terry(torch.tensor([1.0]), torch.tensor([1.0]))   # a tie: log 2
+        tensor(0.6931)
+    """
+    _check_pairs("bradley_terry", chosen=chosen, rejected=rejected)
+    if isinstance(margin, Tensor) and margin.shape not in ((), chosen.shape):
+        raise ValueError(f"margin must be a number or (B,) = {tuple(chosen.shape)}, got "
+                         f"{tuple(margin.shape)}")
+    if isinstance(center, bool) or not isinstance(center, (int, float)) or not center >= 0:
+        raise ValueError(f"center must be a number >= 0, got {center!r}")
+    _check_reduction(reduction)
+    loss = -F.logsigmoid(chosen - rejected - margin)
+    if center:
+        loss = loss + center * (chosen + rejected) ** 2
+    return _reduce(loss, reduction)
