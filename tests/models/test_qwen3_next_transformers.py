@@ -91,6 +91,74 @@ def test_a_multimodal_qwen3_5_folder_loads_its_text_model(tmp_path):
         qwen3_next_to_hf(read, params)
 
 
+@pytest.mark.parametrize("case", ["qwen3-next", "qwen3.5"])
+def test_a_multi_token_prediction_layer_is_skipped_or_read(case, tmp_path):
+    """A checkpoint's MTP layer (``mtp.*``, which transformers does not read; made here:
+    the last layer's tensors moved, its norms and ``fc``): skipped by default (the logits
+    unchanged); with ``mtp=1`` depth 1's logits are ``fc[norm(E x[t + 1]) | norm(h(t))]``
+    through transformers' own decoder layer (the same tensors), a norm and the head, all
+    written out; ``qwen3_next_to_hf`` gives the checkpoint back."""
+    import copy
+
+    from safetensors.torch import save_file
+
+    hf, config, sd = hf_checkpoint(*CASES[case], tmp_path)
+    n, dim = config["num_hidden_layers"], config["hidden_size"]
+    gen = torch.Generator().manual_seed(7)
+    noise = lambda t: t + 0.1 * torch.randn(t.shape, dtype=t.dtype, generator=gen)  # noqa: E731
+    layer = {name.removeprefix(f"model.layers.{n - 1}."): noise(t) for name, t in sd.items()
+             if name.startswith(f"model.layers.{n - 1}.")}
+    own = {"fc.weight": noise(torch.zeros(dim, 2 * dim, dtype=torch.float64)),
+           **{f"{k}.weight": noise(torch.zeros(dim, dtype=torch.float64))  # (1 + w) norms
+              for k in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm")}}
+    full = {**sd, **{f"mtp.layers.0.{k}": t for k, t in layer.items()},
+            **{f"mtp.{k}": t for k, t in own.items()}}
+    tokens = torch.randint(0, 50, (2, 10), generator=torch.Generator().manual_seed(1))
+    module, params = qwen3_next_from_hf(config, full)  # mtp=0: skipped
+    with torch.no_grad():
+        want_logits = hf(tokens).logits
+        h = hf.model(tokens).last_hidden_state  # (B, N, dim), after the final norm
+    torch.testing.assert_close(torchfn.Model(module).apply(params, tokens), want_logits,
+                               rtol=0, atol=ATOL)
+    module, params = qwen3_next_from_hf(config, full, mtp=1)
+    logits, (ahead,) = torchfn.Model(module).apply(params, tokens, return_mtp=True)
+    # transformers: the same layer as the (n + 1)-th, full attention, of a deeper model
+    cfg = copy.deepcopy(hf.config)
+    cfg.num_hidden_layers = n + 1
+    cfg.layer_types = list(cfg.layer_types) + ["full_attention"]
+    deeper = tmp_path / "deeper"
+    cfg.save_pretrained(deeper)
+    save_file({**sd, **{f"model.layers.{n}.{k}": t for k, t in layer.items()}},
+              deeper / "model.safetensors")
+    big = transformers.AutoModelForCausalLM.from_pretrained(
+        deeper, dtype=torch.float64, experts_implementation="eager",
+        attn_implementation="eager").eval()
+
+    def rms(x, w):  # Qwen3-Next's norms scale by 1 + w
+        return x * (x.square().mean(-1, keepdim=True) + config["rms_norm_eps"]).rsqrt() * (1 + w)
+
+    with torch.no_grad():
+        e = rms(hf.model.embed_tokens(tokens[:, 1:]), own["pre_fc_norm_embedding.weight"])
+        x = torch.cat((e, rms(h[:, :-1], own["pre_fc_norm_hidden.weight"])), -1) \
+            @ own["fc.weight"].T
+        m = x.shape[1]
+        positions = torch.arange(m)[None].expand(2, -1)
+        mask = torch.full((m, m), torch.finfo(torch.float64).min, dtype=torch.float64).triu(1)
+        out = big.model.layers[n](x, attention_mask=mask[None, None], position_ids=positions,
+                                  position_embeddings=big.model.rotary_emb(x, positions))
+        out = out[0] if isinstance(out, tuple) else out
+        want = rms(out, own["norm.weight"]) @ sd["lm_head.weight"].T
+    torch.testing.assert_close(logits, want_logits, rtol=0, atol=ATOL)
+    torch.testing.assert_close(ahead, want, rtol=0, atol=ATOL)
+    back = qwen3_next_to_hf(config, params)
+    assert set(back) == set(full)
+    assert all(torch.equal(back[k], full[k]) for k in full)
+    with pytest.raises(ValueError, match="mtp must be 0 or 1"):
+        qwen3_next_from_hf(config, full, mtp=2)
+    with pytest.raises(ValueError, match="state_dict has tensors a .* does not: \\['mtp.extra'\\]"):
+        qwen3_next_from_hf(config, {**full, "mtp.extra": own["norm.weight"]}, mtp=1)
+
+
 def test_qwen3_next_errors_are_named():
     config = dict(BASE, model_type="qwen3_5_text")
     with pytest.raises(ValueError, match=r"model_type'\] must be one of \('qwen3_next', "

@@ -12,6 +12,7 @@ from torch import Tensor
 
 from torchfn.models._fit import (
     check_fit,
+    check_known,
     check_params_for,
     check_state_dict,
     join_qkv,
@@ -57,6 +58,11 @@ _LINEAR_ATTN = {  # a Gated DeltaNet layer's (Qwen3-Next's fused projections: be
     "linear_attn.in_proj_a.weight": "attn.dt.weight",
 }
 _NAMES = _COMMON | _SELF_ATTN | _LINEAR_ATTN  # the HF names are distinct
+_MTP = {"mtp.fc.weight": "mtp.0.proj.weight",  # the multi-token-prediction layer's own
+        "mtp.pre_fc_norm_embedding.weight": "mtp.0.enorm.weight",
+        "mtp.pre_fc_norm_hidden.weight": "mtp.0.hnorm.weight",
+        "mtp.norm.weight": "mtp.0.norm.weight"}
+_MTP_LAYER = "mtp.layers.0."  # its block: a gated-attention layer
 _HF_NAMES = {linear: {ours: hf for hf, ours in (_COMMON | (_LINEAR_ATTN if linear else
                                                            _SELF_ATTN)).items()}
              for linear in (False, True)}  # ours -> HF, for each kind of layer
@@ -193,6 +199,11 @@ def qwen3_next_from_hf(config: Mapping[str, Any], state_dict: Mapping[str, Tenso
     become ``qkv`` and ``gate``. Tested against ``transformers`` 5 on logits, both
     caches, greedy generation and the round trip.
 
+    The checkpoints' multi-token-prediction layer (``mtp.*``: ``fc`` over ``[norm(embedding)
+    | norm(state)]``, a gated-attention layer, a norm; transformers does not read it) is
+    skipped, or with ``mtp=1`` read as the model's :class:`MultiTokenPrediction` depth
+    (``mtp.0.*``), for ``return_mtp`` and :func:`losses.multi_token_prediction`.
+
     Args:
         config: the checkpoint's ``config.json`` as a dict.
         state_dict: its tensors under Hugging Face's names, or None for the module alone.
@@ -229,8 +240,27 @@ def qwen3_next_from_hf(config: Mapping[str, Any], state_dict: Mapping[str, Tenso
     grouped: dict[str, dict[str, Tensor]] = {}
     heads, hd = kwargs["heads"], kwargs["head_dim"]
 
+    mtp = kwargs.get("mtp", 0)
+    if mtp not in (0, 1):
+        raise ValueError(f"mtp must be 0 or 1 (the checkpoints' one multi-token-prediction "
+                         f"layer), got {mtp!r}")
+
     def read_layer(i: str, rest: str, tensor: Tensor) -> bool:
-        at, expert = f"blocks.{i}.", _EXPERT.fullmatch(rest)
+        return read_block(f"blocks.{i}.", rest, tensor)
+
+    def read_mtp(name: str, tensor: Tensor) -> bool:
+        """An MTP layer's tensor read (``mtp=1``) or skipped (``mtp=0``): False for a name
+        it does not know."""
+        if not mtp:
+            return True
+        if name in _MTP:
+            params[_MTP[name]] = tensor
+            return True
+        return name.startswith(_MTP_LAYER) and read_block(
+            "mtp.0.block.", name.removeprefix(_MTP_LAYER), tensor)
+
+    def read_block(at: str, rest: str, tensor: Tensor) -> bool:
+        expert = _EXPERT.fullmatch(rest)
         if rest in _NAMES:
             params[at + _NAMES[rest]] = tensor
         elif rest in ("self_attn.q_proj.weight", "self_attn.q_proj.bias"):
@@ -250,8 +280,11 @@ def qwen3_next_from_hf(config: Mapping[str, Any], state_dict: Mapping[str, Tenso
     if config.get("model_type") in _MULTIMODAL:  # the vision tower and its merger: not read
         tensors = (("model." + name.removeprefix(_LANGUAGE) if name.startswith(_LANGUAGE)
                     else name, t) for name, t in tensors if not name.startswith(_VISION))
-    read_state(tensors, _text(config)["model_type"], params, globals_=GLOBAL_NAMES,
-               tied=kwargs["tie_embeddings"], read_layer=read_layer)
+    family = _text(config)["model_type"]
+    tensors = list(tensors)
+    check_known([n for n, t in tensors if n.startswith("mtp.") and not read_mtp(n, t)], family)
+    read_state(((n, t) for n, t in tensors if not n.startswith("mtp.")), family, params,
+               globals_=GLOBAL_NAMES, tied=kwargs["tie_embeddings"], read_layer=read_layer)
     for at, pair in grouped.items():
         params.update({at + n: t for n, t in _ungroup(
             _text(config), pair.get("linear_attn.in_proj_qkvz.weight"),
@@ -267,8 +300,9 @@ def qwen3_next_to_hf(config: Mapping[str, Any], params: Mapping[str, Tensor]
     """``params`` of the model ``qwen3_next_from_hf(config)`` builds, under a Hugging Face
     checkpoint's names and layout: Qwen3-Next's linear-attention projections grouped per
     key head again, ``q_proj``'s query and gate rows interleaved per head, experts one
-    matrix each (copies where they are rearranged). The inverse of
-    :func:`qwen3_next_from_hf`, bit for bit.
+    matrix each (copies where they are rearranged); a multi-token-prediction depth
+    (``mtp.0.*``) as the checkpoint's ``mtp.*``. The inverse of :func:`qwen3_next_from_hf`,
+    bit for bit.
 
     Example::
 
@@ -289,17 +323,24 @@ def qwen3_next_to_hf(config: Mapping[str, Any], params: Mapping[str, Tensor]
                          f"pass config['text_config'] with model_type "
                          f"'{config['model_type']}_text'")
     kwargs = _config(config)
+    if isinstance(params, Mapping) and any(n.startswith("mtp.") for n in params):
+        kwargs["mtp"] = 1  # the multi-token-prediction layer, written back as mtp.*
     check_params_for(TransformerEncoder, kwargs, params)
     heads, hd, kv = kwargs["heads"], kwargs["head_dim"], kwargs["kv_heads"] * kwargs["head_dim"]
     next_ = config["model_type"] == "qwen3_next"
+    mtp_names = {ours: hf for hf, ours in _MTP.items()}
     out: dict[str, Tensor] = {}
     for name, t in params.items():
-        if name in _HF_GLOBAL:
-            out[_HF_GLOBAL[name]] = t
+        if name in _HF_GLOBAL or name in mtp_names:
+            out[_HF_GLOBAL.get(name) or mtp_names[name]] = t
             continue
-        i, rest = name.split(".", 2)[1:]
-        at, block = f"model.layers.{i}.", f"blocks.{i}."
-        linear = kwargs["layer_linear"][int(i)]
+        if name.startswith("mtp.0.block."):  # the MTP layer's block: a gated-attention layer
+            i, rest, linear = None, name.removeprefix("mtp.0.block."), False
+            at, block = _MTP_LAYER, "mtp.0.block."
+        else:
+            i, rest = name.split(".", 2)[1:]
+            at, block = f"model.layers.{i}.", f"blocks.{i}."
+            linear = kwargs["layer_linear"][int(i)]
         if linear and next_ and rest in ("attn.qkv.weight", "attn.gate.weight",
                                          "attn.beta.weight", "attn.dt.weight"):
             if rest == "attn.qkv.weight":
