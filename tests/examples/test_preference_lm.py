@@ -4,7 +4,7 @@ rejected steps but not onto the chosen one."""
 
 import pytest
 
-SHORT = ["--sft-steps", "100", "--steps", "30"]
+SHORT = ["--sft-steps", "80", "--steps", "25"]
 
 
 @pytest.mark.parametrize("method", ["dpo", "grpo"])
