@@ -112,12 +112,50 @@ def test_group_advantages():
     assert torch.equal(same, torch.zeros(2, 4))
 
 
+def test_per_token_advantages_and_the_clipped_value_loss():
+    """Per-token advantages (PPO with a critic) equal the loop; the value loss is half the
+    masked mean square, and clipped it stops pulling a value that moved past ``clip``."""
+    keys = random.split(random.key(6), 4)
+    logps = -random.uniform(keys[0], (3, 5), dtype=torch.float64) * 3
+    old = logps + 0.3 * random.normal(keys[1], (3, 5), dtype=torch.float64)
+    adv = random.normal(keys[2], (3, 5), dtype=torch.float64)
+    mask = random.bernoulli(keys[3], 0.8, (3, 5))
+    got = losses.grpo(logps, adv, mask, old_logps=old, normalize="dapo")
+    want = sum(-min(float((logps[i, t] - old[i, t]).exp()) * float(adv[i, t]),
+                    min(max(float((logps[i, t] - old[i, t]).exp()), 0.8), 1.2)
+                    * float(adv[i, t]))
+               for i in range(3) for t in range(5) if mask[i, t]) / int(mask.sum())
+    assert got.item() == pytest.approx(want, rel=1e-12)
+    values = torch.tensor([[1.0, 2.0, 0.5]], dtype=torch.float64, requires_grad=True)
+    returns = torch.tensor([[0.0, 0.0, 0.0]], dtype=torch.float64)
+    plain = losses.value_loss(values, returns, torch.tensor([[True, True, False]]))
+    assert plain.item() == pytest.approx(0.5 * (1 + 4) / 2)
+    old_values = torch.tensor([[1.5, 1.0, 0.0]], dtype=torch.float64)
+    g, = torch.autograd.grad(losses.value_loss(values, returns, old_values=old_values,
+                                               clip=0.2), values)
+    # value 1 moved 0.5 toward its target, past the clip: the clipped error (1.3^2) is the
+    # larger and flat in V, so no pull; values 2 and 3 moved away: the unclipped errors are
+    # the larger and pull, (V - R) / 3 each
+    torch.testing.assert_close(g, torch.tensor([[0.0, 2.0 / 3, 0.5 / 3]], dtype=torch.float64))
+    pulled_back = torch.tensor([[0.0]], dtype=torch.float64, requires_grad=True)
+    g, = torch.autograd.grad(losses.value_loss(pulled_back, torch.tensor([[1.0]],
+                                               dtype=torch.float64),
+                                               old_values=torch.tensor([[-1.0]],
+                                                                       dtype=torch.float64),
+                                               clip=0.5), pulled_back)
+    assert g.item() == 0.0  # the clipped error (1.5^2) is larger, and flat in V
+
+
 def test_errors_are_named():
     logps, mask, adv = torch.zeros(2, 3), torch.ones(2, 3, dtype=torch.bool), torch.zeros(2)
     with pytest.raises(ValueError, match="beta > 0 needs ref_logps"):
         losses.grpo(logps, adv, mask, beta=0.1)
     with pytest.raises(ValueError, match="advantages must be \\(B,\\) = \\(2,\\)"):
-        losses.grpo(logps, torch.zeros(2, 3), mask)
+        losses.grpo(logps, torch.zeros(3), mask)
+    with pytest.raises(ValueError, match="clip and old_values go together"):
+        losses.value_loss(logps, logps, clip=0.2)
+    with pytest.raises(ValueError, match="returns must be \\(B, N\\) = \\(2, 3\\)"):
+        losses.value_loss(logps, torch.zeros(3))
     with pytest.raises(ValueError, match="mask must be \\(B, N\\) = \\(2, 3\\)"):
         losses.grpo(logps, adv, mask[:, :2])
     with pytest.raises(ValueError, match="old_logps must be \\(B, N\\) = \\(2, 3\\)"):

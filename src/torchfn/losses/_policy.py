@@ -1,5 +1,6 @@
-"""Policy-gradient losses for language models sampled in groups: GRPO (DeepSeekMath), with
-DAPO's and Dr. GRPO's normalisations, and the group-relative advantages it reads."""
+"""Policy-gradient losses for language models: GRPO (DeepSeekMath), with DAPO's and Dr.
+GRPO's normalisations, the group-relative advantages it reads, and PPO's clipped value
+loss for per-token advantages from a critic (:func:`torchfn.transforms.gae`)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from torch import Tensor
 
 from torchfn.losses._classification import _check_float
 
-__all__ = ["group_advantages", "grpo"]
+__all__ = ["group_advantages", "grpo", "value_loss"]
 
 _NORMALIZE = ("grpo", "dapo", "dr_grpo")
 
@@ -68,7 +69,8 @@ def grpo(logps: Tensor, advantages: Tensor, mask: Tensor, *, old_logps: Tensor |
         logps: ``(B, N)`` the current policy's log-probabilities of the sampled tokens
             (:func:`token_log_probs`).
         advantages: ``(B,)`` each completion's advantage (:func:`group_advantages`,
-            flattened), constant.
+            flattened), or ``(B, N)`` each token's (PPO with a critic:
+            :func:`torchfn.transforms.gae`); constant.
         mask: ``(B, N)`` bool, True on the completion's tokens.
         old_logps: ``(B, N)`` the sampling policy's, constant; None: ``logps.detach()``.
         ref_logps: ``(B, N)`` the reference policy's, needed when ``beta > 0``.
@@ -102,8 +104,9 @@ def grpo(logps: Tensor, advantages: Tensor, mask: Tensor, *, old_logps: Tensor |
                              f"{getattr(t, 'shape', t)}")
     if not isinstance(mask, Tensor) or tuple(mask.shape) != (b, n):
         raise ValueError(f"mask must be (B, N) = {(b, n)}, got {getattr(mask, 'shape', mask)}")
-    if not isinstance(advantages, Tensor) or tuple(advantages.shape) != (b,):
-        raise ValueError(f"advantages must be (B,) = ({b},), one per completion, got "
+    if not isinstance(advantages, Tensor) or tuple(advantages.shape) not in ((b,), (b, n)):
+        raise ValueError(f"advantages must be (B,) = ({b},), one per completion, or (B, N) = "
+                         f"{(b, n)}, one per token, got "
                          f"{getattr(advantages, 'shape', advantages)}")
     if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not beta >= 0:
         raise ValueError(f"beta must be a number >= 0, got {beta!r}")
@@ -121,7 +124,7 @@ def grpo(logps: Tensor, advantages: Tensor, mask: Tensor, *, old_logps: Tensor |
                          f"max_length={max_length!r}, normalize={normalize!r}")
     old = logps.detach() if old_logps is None else old_logps
     ratio = torch.exp(logps - old)  # (B, N)
-    adv = advantages[:, None].to(logps.dtype)
+    adv = (advantages[:, None] if advantages.dim() == 1 else advantages).to(logps.dtype)
     loss = -torch.minimum(ratio * adv, ratio.clamp(1 - epsilon, 1 + high) * adv)
     if beta > 0:
         diff = ref_logps - logps
@@ -133,3 +136,50 @@ def grpo(logps: Tensor, advantages: Tensor, mask: Tensor, *, old_logps: Tensor |
     if normalize == "dapo":
         return loss.sum() / mask.sum().clamp_min(1)
     return loss.sum() / (b * (n if max_length is None else max_length))
+
+
+def value_loss(values: Tensor, returns: Tensor, mask: Tensor | None = None, *,
+               old_values: Tensor | None = None, clip: float | None = None) -> Tensor:
+    """A critic's loss, ``0.5 (V - R)^2`` averaged over the masked tokens; with
+    ``old_values`` and ``clip``, PPO's clipped form ``0.5 max((V - R)^2, (V_clip - R)^2)``,
+    ``V_clip = old + clip(V - old, -clip, clip)`` (as TRL's PPO and OpenAI's baselines).
+
+    Args:
+        values: ``(B, N)`` the critic's values now.
+        returns: ``(B, N)`` the targets (``gae(...) + old values``), constant.
+        mask: ``(B, N)`` bool, the tokens that count; None: all.
+        old_values: ``(B, N)`` the values when the samples were drawn, constant.
+        clip: how far the values may move from ``old_values`` before the loss stops
+            pulling them (> 0); needs ``old_values``.
+
+    Returns:
+        A scalar.
+
+    Example::
+
+        >>> import torch
+        >>> from torchfn import losses
+        >>> losses.value_loss(torch.tensor([[1.0, 3.0]]), torch.tensor([[0.0, 1.0]]))
+        tensor(1.2500)
+    """
+    _check_float("values", values)
+    if values.dim() != 2:
+        raise ValueError(f"values must be (B, N), got {tuple(values.shape)}")
+    for name, t in (("returns", returns), ("mask", mask), ("old_values", old_values)):
+        if t is not None and (not isinstance(t, Tensor) or t.shape != values.shape):
+            raise ValueError(f"{name} must be (B, N) = {tuple(values.shape)} like values, got "
+                             f"{getattr(t, 'shape', t)}")
+    if (clip is None) != (old_values is None):
+        raise ValueError("value_loss: clip and old_values go together (PPO's clipped loss), "
+                         f"got clip={clip!r} and old_values "
+                         f"{'given' if old_values is not None else 'None'}")
+    loss = (values - returns) ** 2
+    if clip is not None:
+        if isinstance(clip, bool) or not isinstance(clip, (int, float)) or not clip > 0:
+            raise ValueError(f"clip must be a number > 0, got {clip!r}")
+        clipped = old_values + (values - old_values).clamp(-clip, clip)
+        loss = torch.maximum(loss, (clipped - returns) ** 2)
+    if mask is None:
+        return 0.5 * loss.mean()
+    mask = mask.to(torch.bool)
+    return 0.5 * torch.where(mask, loss, 0.0).sum() / mask.sum().clamp_min(1)

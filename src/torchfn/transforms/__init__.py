@@ -1,4 +1,5 @@
-"""Transforms: per-sample gradients, DP-SGD and its accountant, samplers, diffusion."""
+"""Transforms: per-sample gradients, DP-SGD and its accountant, samplers, diffusion,
+returns and advantages."""
 
 from torchfn.transforms import diffusion
 from torchfn.transforms._accountant import (
@@ -40,6 +41,7 @@ from torchfn.transforms._per_sample import (
 )
 from torchfn.transforms._rendering import Rendered, stratified_depths, volume_render
 from torchfn.transforms._replay import ReplayBuffer, replay_init, replay_push, replay_sample
+from torchfn.transforms._returns import discounted_returns, gae
 from torchfn.transforms._sam import sam
 from torchfn.transforms._sdeint import sdeint
 
@@ -101,6 +103,9 @@ __all__ = [
     "fedavg",
     "local_train",
     "federated_round",
+    # reinforcement learning's returns and advantages (torchfn.transforms._returns)
+    "discounted_returns",
+    "gae",
     # NeRF volume rendering (torchfn.transforms._rendering)
     "volume_render",
     "Rendered",
