@@ -121,3 +121,33 @@ def assert_router_logits_and_aux_loss_match(hf, module, params, top_k, atol=1e-6
                                    rtol=0, atol=atol)
     torch.testing.assert_close(losses.moe_load_balance(logits, top_k, mask=mask),
                                out.aux_loss.to(torch.float64), rtol=1e-6, atol=0)
+
+
+def run_as_an_extra_layer(hf, sd, layer, x, folder, **config_changes):
+    """transformers' own decoder layer holding ``layer``'s tensors (a layer's names after
+    ``model.layers.{i}.``), run on ``x`` ``(B, m, dim)`` with causal attention at
+    positions ``0 .. m - 1``: the layer is made the last of a copy of ``hf``'s model one
+    layer deeper (``config_changes`` set on that copy's config), saved to ``folder``."""
+    import copy
+
+    import transformers
+    from safetensors.torch import save_file
+
+    n = hf.config.num_hidden_layers
+    cfg = copy.deepcopy(hf.config)
+    cfg.num_hidden_layers = n + 1
+    for name, value in config_changes.items():
+        setattr(cfg, name, value)
+    cfg.save_pretrained(folder)
+    save_file({**sd, **{f"model.layers.{n}.{k}": t for k, t in layer.items()}},
+              folder / "model.safetensors")
+    big = transformers.AutoModelForCausalLM.from_pretrained(
+        folder, dtype=torch.float64, experts_implementation="eager",
+        attn_implementation="eager").eval()
+    b, m = x.shape[:2]
+    positions = torch.arange(m)[None].expand(b, -1)
+    mask = torch.full((m, m), torch.finfo(torch.float64).min, dtype=torch.float64).triu(1)
+    with torch.no_grad():
+        out = big.model.layers[n](x, attention_mask=mask[None, None], position_ids=positions,
+                                  position_embeddings=big.model.rotary_emb(x, positions))
+    return out[0] if isinstance(out, tuple) else out

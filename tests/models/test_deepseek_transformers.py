@@ -9,12 +9,12 @@ scale or routing is off by ~1e-2."""
 
 from __future__ import annotations
 
-import copy
 import functools
 
 import pytest
 import torch
 from _cached import logits_through_cache
+from _hf_checks import run_as_an_extra_layer
 from safetensors.torch import load_file, save_file
 
 import torchfn
@@ -213,17 +213,6 @@ def test_a_multi_token_prediction_layer_reads_as_transformers_runs_its_layer(cas
     tokens = torch.randint(0, 50, (2, 12), generator=torch.Generator().manual_seed(1))
     logits, (ahead,) = torchfn.Model(module).apply(params, tokens, state=state,
                                                    return_mtp=True)
-    # transformers: the same layer as the (n + 1)-th of a deeper model, run by hand
-    cfg = copy.deepcopy(hf.config)
-    cfg.num_hidden_layers = n + 1
-    deeper = tmp_path / "deeper"
-    cfg.save_pretrained(deeper)
-    save_file({**sd, **{f"model.layers.{n}.{k}": t for k, t in layer.items()}},
-              deeper / "model.safetensors")
-    big = transformers.AutoModelForCausalLM.from_pretrained(
-        deeper, dtype=torch.float64, experts_implementation="eager",
-        attn_implementation="eager").eval()
-
     def rms(x, w):
         return x * (x.square().mean(-1, keepdim=True) + config["rms_norm_eps"]).rsqrt() * w
 
@@ -231,14 +220,9 @@ def test_a_multi_token_prediction_layer_reads_as_transformers_runs_its_layer(cas
         h = hf.model(tokens).last_hidden_state  # (B, N, dim), after the final norm
         x = torch.cat((rms(hf.model.embed_tokens(tokens[:, 1:]), mine["enorm.weight"]),
                        rms(h[:, :-1], mine["hnorm.weight"])), -1) @ mine["eh_proj.weight"].T
-        m = x.shape[1]
-        positions = torch.arange(m)[None].expand(2, -1)
-        mask = torch.full((m, m), torch.finfo(torch.float64).min, dtype=torch.float64).triu(1)
-        out = big.model.layers[n](x, attention_mask=mask[None, None],
-                                  position_ids=positions,
-                                  position_embeddings=big.model.rotary_emb(x, positions))
-        out = out[0] if isinstance(out, tuple) else out
-        want = rms(out, mine["shared_head.norm.weight"]) @ sd["lm_head.weight"].T
+    # transformers: the same layer as the (n + 1)-th of a deeper model, run by hand
+    out = run_as_an_extra_layer(hf, sd, layer, x, tmp_path / "deeper")
+    want = rms(out, mine["shared_head.norm.weight"]) @ sd["lm_head.weight"].T
     torch.testing.assert_close(logits, hf(tokens).logits, rtol=0, atol=2e-6)
     torch.testing.assert_close(ahead, want, rtol=0, atol=2e-6)
     back = deepseek_to_hf(config, params, state)

@@ -11,6 +11,7 @@ from _hf_checks import (
     assert_left_padded_generation_matches,
     assert_round_trip_and_reload,
     assert_same_logits_caches_and_tokens,
+    run_as_an_extra_layer,
 )
 from _hf_checks import hf_checkpoint as _hf_checkpoint
 
@@ -98,10 +99,6 @@ def test_a_multi_token_prediction_layer_is_skipped_or_read(case, tmp_path):
     unchanged); with ``mtp=1`` depth 1's logits are ``fc[norm(E x[t + 1]) | norm(h(t))]``
     through transformers' own decoder layer (the same tensors), a norm and the head, all
     written out; ``qwen3_next_to_hf`` gives the checkpoint back."""
-    import copy
-
-    from safetensors.torch import save_file
-
     hf, config, sd = hf_checkpoint(*CASES[case], tmp_path)
     n, dim = config["num_hidden_layers"], config["hidden_size"]
     gen = torch.Generator().manual_seed(7)
@@ -122,18 +119,6 @@ def test_a_multi_token_prediction_layer_is_skipped_or_read(case, tmp_path):
                                rtol=0, atol=ATOL)
     module, params = qwen3_next_from_hf(config, full, mtp=1)
     logits, (ahead,) = torchfn.Model(module).apply(params, tokens, return_mtp=True)
-    # transformers: the same layer as the (n + 1)-th, full attention, of a deeper model
-    cfg = copy.deepcopy(hf.config)
-    cfg.num_hidden_layers = n + 1
-    cfg.layer_types = list(cfg.layer_types) + ["full_attention"]
-    deeper = tmp_path / "deeper"
-    cfg.save_pretrained(deeper)
-    save_file({**sd, **{f"model.layers.{n}.{k}": t for k, t in layer.items()}},
-              deeper / "model.safetensors")
-    big = transformers.AutoModelForCausalLM.from_pretrained(
-        deeper, dtype=torch.float64, experts_implementation="eager",
-        attn_implementation="eager").eval()
-
     def rms(x, w):  # Qwen3-Next's norms scale by 1 + w
         return x * (x.square().mean(-1, keepdim=True) + config["rms_norm_eps"]).rsqrt() * (1 + w)
 
@@ -141,13 +126,10 @@ def test_a_multi_token_prediction_layer_is_skipped_or_read(case, tmp_path):
         e = rms(hf.model.embed_tokens(tokens[:, 1:]), own["pre_fc_norm_embedding.weight"])
         x = torch.cat((e, rms(h[:, :-1], own["pre_fc_norm_hidden.weight"])), -1) \
             @ own["fc.weight"].T
-        m = x.shape[1]
-        positions = torch.arange(m)[None].expand(2, -1)
-        mask = torch.full((m, m), torch.finfo(torch.float64).min, dtype=torch.float64).triu(1)
-        out = big.model.layers[n](x, attention_mask=mask[None, None], position_ids=positions,
-                                  position_embeddings=big.model.rotary_emb(x, positions))
-        out = out[0] if isinstance(out, tuple) else out
-        want = rms(out, own["norm.weight"]) @ sd["lm_head.weight"].T
+    # transformers: the same layer as the (n + 1)-th, full attention, of a deeper model
+    out = run_as_an_extra_layer(hf, sd, layer, x, tmp_path / "deeper",
+                                layer_types=list(hf.config.layer_types) + ["full_attention"])
+    want = rms(out, own["norm.weight"]) @ sd["lm_head.weight"].T
     torch.testing.assert_close(logits, want_logits, rtol=0, atol=ATOL)
     torch.testing.assert_close(ahead, want, rtol=0, atol=ATOL)
     back = qwen3_next_to_hf(config, params)
