@@ -41,7 +41,7 @@ from torchfn.transforms._per_sample import (
 )
 from torchfn.transforms._rendering import Rendered, stratified_depths, volume_render
 from torchfn.transforms._replay import ReplayBuffer, replay_init, replay_push, replay_sample
-from torchfn.transforms._returns import discounted_returns, gae
+from torchfn.transforms._returns import discounted_returns, gae, vtrace
 from torchfn.transforms._sam import sam
 from torchfn.transforms._sdeint import sdeint
 
@@ -106,6 +106,7 @@ __all__ = [
     # reinforcement learning's returns and advantages (torchfn.transforms._returns)
     "discounted_returns",
     "gae",
+    "vtrace",
     # NeRF volume rendering (torchfn.transforms._rendering)
     "volume_render",
     "Rendered",

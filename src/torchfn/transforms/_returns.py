@@ -1,5 +1,6 @@
-"""Returns and advantages of reinforcement learning (rlax's ``discounted_returns`` and
-``truncated_generalized_advantage_estimation``), as parallel scans over time."""
+"""Returns and advantages of reinforcement learning (rlax's ``discounted_returns``,
+``truncated_generalized_advantage_estimation`` and ``vtrace``), as parallel scans over
+time."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from torch import Tensor
 
 from torchfn.core.associative_scan import associative_scan
 
-__all__ = ["discounted_returns", "gae"]
+__all__ = ["discounted_returns", "gae", "vtrace"]
 
 
 def _compose(later: tuple[Tensor, Tensor], earlier: tuple[Tensor, Tensor]
@@ -111,3 +112,52 @@ def gae(rewards: Tensor, values: Tensor, discounts: Tensor, bootstrap: Tensor | 
     following = torch.cat((values[..., 1:], boot[..., None]), -1)  # V[t + 1]  (..., T)
     delta = rewards + discounts * following - values
     return _backward(discounts * lam, delta)
+
+
+def vtrace(log_rhos: Tensor, rewards: Tensor, values: Tensor, discounts: Tensor,
+           bootstrap: Tensor | float = 0.0, *, clip_rho: float = 1.0, clip_c: float = 1.0,
+           clip_pg_rho: float = 1.0, lam: float = 1.0) -> tuple[Tensor, Tensor]:
+    """V-trace (Espeholt et al. 2018, IMPALA): off-policy value targets and policy-gradient
+    advantages from trajectories a behaviour policy drew, along the last dim (time).
+
+    With ``rho = exp(log_rhos)`` (target over behaviour probability of each action),
+    ``delta[t] = min(clip_rho, rho[t]) (r[t] + discounts[t] V[t + 1] - V[t])`` and ``c[t] =
+    lam min(clip_c, rho[t])``: ``vs[t] - V[t] = delta[t] + discounts[t] c[t] (vs[t + 1] -
+    V[t + 1])``, and the advantages ``min(clip_pg_rho, rho[t]) (r[t] + discounts[t] vs[t +
+    1] - V[t])`` (``V[T] = vs[T] = bootstrap``). On-policy (``log_rhos = 0``) ``vs - V`` is
+    :func:`gae` with the same ``lam``.
+
+    Args:
+        log_rhos, rewards, values, discounts: ``(..., T)``.
+        bootstrap: ``V[T]`` ``(...)`` (or a number).
+        clip_rho, clip_c, clip_pg_rho: the truncation levels (> 0; IMPALA: 1).
+        lam: in [0, 1] (rlax's ``lambda_``).
+
+    Returns:
+        ``(vs, advantages)``, each ``(..., T)``; constants for the learner (detach the
+        inputs).
+
+    Example::
+
+        >>> import torch
+        >>> from torchfn.transforms import discounted_returns, vtrace
+        >>> r, v, d = torch.ones(3), torch.zeros(3), torch.full((3,), 0.5)
+        >>> vs, adv = vtrace(torch.zeros(3), r, v, d)      # on-policy: the returns
+        >>> vs, discounted_returns(r, d)
+        (tensor([1.7500, 1.5000, 1.0000]), tensor([1.7500, 1.5000, 1.0000]))
+    """
+    shape = _check("vtrace", log_rhos=log_rhos, rewards=rewards, values=values,
+                   discounts=discounts)
+    for name, value in (("clip_rho", clip_rho), ("clip_c", clip_c),
+                        ("clip_pg_rho", clip_pg_rho)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise ValueError(f"{name} must be a number > 0, got {value!r}")
+    if isinstance(lam, bool) or not isinstance(lam, (int, float)) or not 0 <= lam <= 1:
+        raise ValueError(f"lam must be a number in [0, 1], got {lam!r}")
+    boot = _bootstrap("vtrace", bootstrap, shape, values)
+    rhos = torch.exp(log_rhos)
+    following = torch.cat((values[..., 1:], boot[..., None]), -1)  # V[t + 1]
+    delta = rhos.clamp(max=clip_rho) * (rewards + discounts * following - values)
+    vs = values + _backward(discounts * lam * rhos.clamp(max=clip_c), delta)
+    vs_next = torch.cat((vs[..., 1:], boot[..., None]), -1)
+    return vs, rhos.clamp(max=clip_pg_rho) * (rewards + discounts * vs_next - values)
