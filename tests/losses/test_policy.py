@@ -146,6 +146,43 @@ def test_per_token_advantages_and_the_clipped_value_loss():
     assert g.item() == 0.0  # the clipped error (1.5^2) is larger, and flat in V
 
 
+def test_gspo_clips_each_completions_mean_ratio():
+    """``ratio="sequence"``: each completion's loss is ``-min(s A, clip(s) A)`` with ``s``
+    the exp of its tokens' mean log-ratio, the same for each of its tokens; on fresh
+    samples its gradient is GRPO's."""
+    import math
+
+    keys = random.split(random.key(7), 4)
+    logps = -random.uniform(keys[0], (5, 6), dtype=torch.float64) * 3
+    old = logps + 0.5 * random.normal(keys[1], (5, 6), dtype=torch.float64)
+    adv = random.normal(keys[2], (5,), dtype=torch.float64)
+    mask = random.bernoulli(keys[3], 0.7, (5, 6))
+    mask[:, 0] = True
+    got = losses.grpo(logps, adv, mask, old_logps=old, ratio="sequence")
+    want = 0.0
+    for i in range(5):
+        lr = [float(logps[i, t] - old[i, t]) for t in range(6) if mask[i, t]]
+        s_i = math.exp(sum(lr) / len(lr))
+        want += -min(s_i * float(adv[i]), min(max(s_i, 0.8), 1.2) * float(adv[i])) / 5
+    assert got.item() == pytest.approx(want, rel=1e-12)
+    fresh = logps.clone().requires_grad_(True)
+    g_seq, = torch.autograd.grad(losses.grpo(fresh, adv, mask, ratio="sequence"), fresh)
+    g_tok, = torch.autograd.grad(losses.grpo(fresh, adv, mask), fresh)
+    torch.testing.assert_close(g_seq, g_tok)
+
+
+def test_leave_one_out_advantages():
+    rewards = random.normal(random.key(8), (3, 5), dtype=torch.float64)
+    got = losses.group_advantages(rewards, scale=False, leave_one_out=True)
+    for p in range(3):
+        for i in range(5):
+            others = torch.cat((rewards[p, :i], rewards[p, i + 1:]))
+            assert got[p, i].item() == pytest.approx((rewards[p, i] - others.mean()).item(),
+                                                     rel=1e-12)
+    # RLOO's baseline is the group mean's, scaled by G / (G - 1)
+    torch.testing.assert_close(got, 5 / 4 * losses.group_advantages(rewards, scale=False))
+
+
 def test_errors_are_named():
     logps, mask, adv = torch.zeros(2, 3), torch.ones(2, 3, dtype=torch.bool), torch.zeros(2)
     with pytest.raises(ValueError, match="beta > 0 needs ref_logps"):
@@ -160,6 +197,8 @@ def test_errors_are_named():
         losses.grpo(logps, adv, mask[:, :2])
     with pytest.raises(ValueError, match="old_logps must be \\(B, N\\) = \\(2, 3\\)"):
         losses.grpo(logps, adv, mask, old_logps=torch.zeros(3))
+    with pytest.raises(ValueError, match="ratio must be 'token' or 'sequence'"):
+        losses.grpo(logps, adv, mask, ratio="step")
     with pytest.raises(ValueError, match="normalize must be one of"):
         losses.grpo(logps, adv, mask, normalize="ppo")
     with pytest.raises(ValueError, match="max_length is an int >= 1 for normalize='dr_grpo'"):

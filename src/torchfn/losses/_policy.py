@@ -14,16 +14,20 @@ __all__ = ["group_advantages", "grpo", "value_loss"]
 _NORMALIZE = ("grpo", "dapo", "dr_grpo")
 
 
-def group_advantages(rewards: Tensor, *, scale: bool = True, eps: float = 1e-4) -> Tensor:
+def group_advantages(rewards: Tensor, *, scale: bool = True, eps: float = 1e-4,
+                     leave_one_out: bool = False) -> Tensor:
     """GRPO's advantages: each completion's reward against its group's (the completions of
     one prompt), ``(r - mean) / (std + eps)`` over the last dim; ``scale=False``: ``r -
     mean`` (Dr. GRPO, which drops the std's bias toward too easy or too hard prompts).
-    The std is the sample std (``n - 1``), as TRL's.
+    The std is the sample std (``n - 1``), as TRL's. ``leave_one_out=True``: the baseline
+    is the mean of the group's other rewards, ``r - (sum - r) / (G - 1)`` (RLOO, Ahmadian
+    et al. 2024; with ``scale=False``), an unbiased baseline.
 
     Args:
         rewards: ``(..., G)``: ``G >= 2`` completions per prompt, e.g. ``(P, G)``.
         scale: divide by the group's std.
         eps: added to the std.
+        leave_one_out: RLOO's baseline instead of the group mean.
 
     Returns:
         ``(..., G)``; a group whose rewards are all equal gets 0.
@@ -39,14 +43,18 @@ def group_advantages(rewards: Tensor, *, scale: bool = True, eps: float = 1e-4) 
     if rewards.dim() < 1 or rewards.shape[-1] < 2:
         raise ValueError(f"rewards must be (..., G) with G >= 2 completions per group, got "
                          f"{tuple(rewards.shape)}")
-    centred = rewards - rewards.mean(-1, keepdim=True)
+    g = rewards.shape[-1]
+    if leave_one_out:
+        centred = rewards - (rewards.sum(-1, keepdim=True) - rewards) / (g - 1)
+    else:
+        centred = rewards - rewards.mean(-1, keepdim=True)
     return centred / (rewards.std(-1, keepdim=True) + eps) if scale else centred
 
 
 def grpo(logps: Tensor, advantages: Tensor, mask: Tensor, *, old_logps: Tensor | None = None,
          ref_logps: Tensor | None = None, beta: float = 0.0, epsilon: float = 0.2,
          epsilon_high: float | None = None, normalize: str = "grpo",
-         max_length: int | None = None) -> Tensor:
+         max_length: int | None = None, ratio: str = "token") -> Tensor:
     """Group Relative Policy Optimization's clipped surrogate loss (Shao et al. 2024), per
     token, as TRL's ``GRPOTrainer`` computes it.
 
@@ -60,6 +68,11 @@ def grpo(logps: Tensor, advantages: Tensor, mask: Tensor, *, old_logps: Tensor |
       ``"bnpo"`` on one process);
     * ``"dr_grpo"``: the sum over all tokens divided by ``B * max_length`` (Dr. GRPO: no
       length bias).
+
+    ``ratio="sequence"`` is GSPO (Zheng et al. 2025, Qwen3's RL): one ratio per completion,
+    ``exp(mean over its tokens of (logps - old_logps))``, clipped as a whole (TRL's
+    ``importance_sampling_level="sequence"``); it suits mixtures of experts, whose token
+    ratios swing with the routing.
 
     ``old_logps=None`` is the first update on fresh samples: the ratio is 1 with the
     gradient of ``logps`` (``old_logps = logps.detach()``), so the loss's gradient is the
@@ -79,6 +92,7 @@ def grpo(logps: Tensor, advantages: Tensor, mask: Tensor, *, old_logps: Tensor |
             (``epsilon_high=None``: ``epsilon``; DAPO's "clip-higher": 0.28).
         normalize: ``"grpo"``, ``"dapo"`` or ``"dr_grpo"``.
         max_length: ``"dr_grpo"``'s length (default ``N``).
+        ratio: ``"token"`` (GRPO, PPO) or ``"sequence"`` (GSPO).
 
     Returns:
         A scalar.
@@ -122,10 +136,17 @@ def grpo(logps: Tensor, advantages: Tensor, mask: Tensor, *, old_logps: Tensor |
                                    or not isinstance(max_length, int) or max_length < 1):
         raise ValueError(f"max_length is an int >= 1 for normalize='dr_grpo', got "
                          f"max_length={max_length!r}, normalize={normalize!r}")
+    if ratio not in ("token", "sequence"):
+        raise ValueError(f"ratio must be 'token' or 'sequence', got {ratio!r}")
     old = logps.detach() if old_logps is None else old_logps
-    ratio = torch.exp(logps - old)  # (B, N)
+    log_ratio = logps - old  # (B, N)
+    if ratio == "sequence":  # GSPO: the completion's mean log-ratio, for each of its tokens
+        keep = mask.to(torch.bool)
+        log_ratio = (torch.where(keep, log_ratio, 0.0).sum(-1, keepdim=True)
+                     / keep.sum(-1, keepdim=True).clamp_min(1)).expand(b, n)
+    rho = torch.exp(log_ratio)  # (B, N)
     adv = (advantages[:, None] if advantages.dim() == 1 else advantages).to(logps.dtype)
-    loss = -torch.minimum(ratio * adv, ratio.clamp(1 - epsilon, 1 + high) * adv)
+    loss = -torch.minimum(rho * adv, rho.clamp(1 - epsilon, 1 + high) * adv)
     if beta > 0:
         diff = ref_logps - logps
         loss = loss + beta * (torch.exp(diff) - diff - 1)
