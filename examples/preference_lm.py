@@ -15,7 +15,9 @@ Preference tuning then changes which step it picks, and nothing else:
 * ``--method grpo``: no pairs, a reward: 1 for a well-formed progression of step 2, else 0.
   Each step samples ``--group`` completions of each prompt from the policy
   (``models.generate`` with a key), scores them, and takes one step of ``losses.grpo``
-  with ``losses.group_advantages`` (KL to the SFT model, weight ``--beta``).
+  with ``losses.group_advantages`` (KL to the SFT model, weight ``--beta``);
+  ``--baseline leave-one-out`` is RLOO's advantage, ``--ratio sequence`` GSPO's clipped
+  sequence-level ratio.
 
 The report gives, before and after: the share of sampled completions with the wanted
 step, and the share that are well-formed progressions; for DPO also the implicit
@@ -46,6 +48,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=60, help="preference-tuning steps")
     p.add_argument("--batch", type=int, default=64, help="sequences (DPO: pairs) a step")
     p.add_argument("--group", type=int, default=8, help="GRPO: completions per prompt")
+    p.add_argument("--baseline", choices=["group", "leave-one-out"], default="group",
+                   help="GRPO: the group's mean and std, or RLOO's leave-one-out mean")
+    p.add_argument("--ratio", choices=["token", "sequence"], default="token",
+                   help="GRPO: per-token ratios, or GSPO's one per completion")
     p.add_argument("--beta", type=float, default=None,
                    help="DPO's beta (default 0.1) or GRPO's KL weight (default 0.04)")
     p.add_argument("--nll-weight", type=float, default=1.0,
@@ -148,7 +154,7 @@ def grpo(model, params, ref, key, args) -> tuple[dict, dict]:
     def loss_fn(p, seqs, advantages, ref_logps):
         mask = torch.ones(seqs.shape[0], LENGTH, dtype=torch.bool)  # every token generated
         return losses.grpo(completion_log_probs(model, p, seqs), advantages, mask,
-                           ref_logps=ref_logps, beta=beta)
+                           ref_logps=ref_logps, beta=beta, ratio=args.ratio)
 
     rewarded = []
     for i in tqdm(range(args.steps), desc="grpo", mininterval=0.5):
@@ -159,7 +165,9 @@ def grpo(model, params, ref, key, args) -> tuple[dict, dict]:
                             key=k_sample)  # (P G, 1 + LENGTH)
             step, ok = read_step(seqs)
             reward = ((step == 2) & ok).to(torch.float32)
-            advantages = losses.group_advantages(reward.view(-1, args.group)).flatten()
+            rloo = args.baseline == "leave-one-out"
+            advantages = losses.group_advantages(reward.view(-1, args.group), scale=not rloo,
+                                                 leave_one_out=rloo).flatten()
             ref_logps = completion_log_probs(model, ref, seqs)
         rewarded.append(float(reward.mean()))
         grads = torch.func.grad(loss_fn)(params, seqs, advantages, ref_logps)

@@ -7,9 +7,11 @@ import pytest
 SHORT = ["--sft-steps", "80", "--steps", "25"]
 
 
-@pytest.mark.parametrize("method", ["dpo", "grpo"])
-def test_preference_tuning_moves_the_model_to_the_wanted_step(example, method):
-    result = example("preference_lm").main(["--method", method, *SHORT])
+@pytest.mark.parametrize("method, extra", [
+    ("dpo", []), ("grpo", []), ("grpo", ["--baseline", "leave-one-out", "--ratio", "sequence"])])
+def test_preference_tuning_moves_the_model_to_the_wanted_step(example, method, extra):
+    """DPO; GRPO; and RLOO's baseline with GSPO's sequence-level ratio."""
+    result = example("preference_lm").main(["--method", method, *extra, *SHORT])
     assert result["before"]["well_formed"] > 0.9
     assert result["wanted_before"] < 0.4  # about 1/4: SFT used every step alike
     assert result["wanted_after"] > 0.9
