@@ -171,6 +171,19 @@ def test_gspo_clips_each_completions_mean_ratio():
     torch.testing.assert_close(g_seq, g_tok)
 
 
+def test_ppo_is_grpo_per_step_with_the_token_mean():
+    keys = random.split(random.key(9), 3)
+    logps = -random.uniform(keys[0], (4, 6), dtype=torch.float64)
+    old = logps + 0.3 * random.normal(keys[1], (4, 6), dtype=torch.float64)
+    adv = random.normal(keys[2], (4, 6), dtype=torch.float64)
+    mask = torch.ones(4, 6, dtype=torch.bool)
+    torch.testing.assert_close(losses.ppo(logps, old, adv, epsilon=0.1),
+                               losses.grpo(logps, adv, mask, old_logps=old, epsilon=0.1,
+                                           normalize="dapo"))
+    with pytest.raises(ValueError, match="advantages must be \\(B, T\\) = \\(4, 6\\)"):
+        losses.ppo(logps, old, adv[:, 0])
+
+
 def test_leave_one_out_advantages():
     rewards = random.normal(random.key(8), (3, 5), dtype=torch.float64)
     got = losses.group_advantages(rewards, scale=False, leave_one_out=True)

@@ -15,7 +15,7 @@ from torchfn.losses._linear_cross_entropy import linear_cross_entropy
 from torchfn.losses._mean_flow import mean_flow_loss
 from torchfn.losses._moe import moe_load_balance, moe_sequence_balance, router_z_loss
 from torchfn.losses._mtp import multi_token_prediction
-from torchfn.losses._policy import group_advantages, grpo, value_loss
+from torchfn.losses._policy import group_advantages, grpo, ppo, value_loss
 from torchfn.losses._preference import (
     bradley_terry,
     dpo,
@@ -70,5 +70,6 @@ __all__ = [
     "bradley_terry",
     "group_advantages",
     "grpo",
+    "ppo",
     "value_loss",
 ]

@@ -9,7 +9,7 @@ from torch import Tensor
 
 from torchfn.losses._classification import _check_float
 
-__all__ = ["group_advantages", "grpo", "value_loss"]
+__all__ = ["group_advantages", "grpo", "ppo", "value_loss"]
 
 _NORMALIZE = ("grpo", "dapo", "dr_grpo")
 
@@ -157,6 +157,41 @@ def grpo(logps: Tensor, advantages: Tensor, mask: Tensor, *, old_logps: Tensor |
     if normalize == "dapo":
         return loss.sum() / mask.sum().clamp_min(1)
     return loss.sum() / (b * (n if max_length is None else max_length))
+
+
+def ppo(logps: Tensor, old_logps: Tensor, advantages: Tensor, mask: Tensor | None = None, *,
+        epsilon: float = 0.2, epsilon_high: float | None = None) -> Tensor:
+    """PPO's clipped surrogate (Schulman et al. 2017), ``-min(rho A, clip(rho, 1 -
+    epsilon, 1 + epsilon_high) A)`` with ``rho = exp(logps - old_logps)``, averaged over
+    the masked steps: :func:`grpo` with per-step advantages and ``normalize="dapo"``.
+
+    Args:
+        logps: ``(B, T)`` the policy's log-probabilities of the actions taken (or tokens).
+        old_logps: ``(B, T)`` the behaviour policy's, constant.
+        advantages: ``(B, T)`` (e.g. :func:`torchfn.transforms.gae`, normalised), constant.
+        mask: ``(B, T)`` bool, the steps that count; None: all.
+        epsilon, epsilon_high: the clip range (``epsilon_high=None``: ``epsilon``).
+
+    Returns:
+        A scalar.
+
+    Example::
+
+        >>> import torch
+        >>> from torchfn import losses
+        >>> logps = torch.log(torch.tensor([[0.5, 0.9]]))
+        >>> old = torch.log(torch.tensor([[0.5, 0.5]]))     # ratios 1 and 1.8 (clipped to 1.2)
+        >>> losses.ppo(logps, old, torch.ones(1, 2))
+        tensor(-1.1000)
+    """
+    _check_float("logps", logps)
+    if mask is None:
+        mask = torch.ones(logps.shape, dtype=torch.bool, device=logps.device)
+    if not isinstance(advantages, Tensor) or advantages.shape != logps.shape:
+        raise ValueError(f"advantages must be (B, T) = {tuple(logps.shape)} like logps, got "
+                         f"{getattr(advantages, 'shape', advantages)}")
+    return grpo(logps, advantages, mask, old_logps=old_logps, epsilon=epsilon,
+                epsilon_high=epsilon_high, normalize="dapo")
 
 
 def value_loss(values: Tensor, returns: Tensor, mask: Tensor | None = None, *,
