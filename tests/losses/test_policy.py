@@ -196,6 +196,32 @@ def test_leave_one_out_advantages():
     torch.testing.assert_close(got, 5 / 4 * losses.group_advantages(rewards, scale=False))
 
 
+def test_kl_estimates_k1_and_k3_are_unbiased_and_k3_nonnegative():
+    """Over tokens drawn from ``pi``, by enumeration: E[k1] = E[k3] = KL(pi || ref);
+    k2 is the second-order approximation (within 10% for nearby distributions)."""
+    pi = torch.softmax(random.normal(random.key(10), (7,), dtype=torch.float64), 0)
+    ref = torch.softmax(pi.log() + 0.2 * random.normal(random.key(11), (7,),
+                                                       dtype=torch.float64), 0)
+    kl = (pi * (pi / ref).log()).sum()
+    for kind in ("k1", "k3"):
+        torch.testing.assert_close((pi * losses.kl_estimate(pi.log(), ref.log(), kind)).sum(),
+                                   kl)
+    assert (losses.kl_estimate(pi.log(), ref.log()) >= 0).all()
+    k2 = (pi * losses.kl_estimate(pi.log(), ref.log(), "k2")).sum()
+    assert abs(k2 / kl - 1) < 0.1
+
+
+def test_completion_mask_stops_after_the_first_eos():
+    seqs = torch.tensor([[2, 5, 6, 2, 7, 2],   # an eos in the prompt does not count
+                         [1, 5, 6, 7, 8, 9],   # no eos: the whole completion
+                         [1, 5, 2, 2, 2, 2]])
+    got = losses.completion_mask(seqs, 2, eos=2)
+    want = torch.tensor([[0, 0, 1, 1, 0, 0], [0, 0, 1, 1, 1, 1], [0, 0, 1, 0, 0, 0]],
+                        dtype=torch.bool)
+    assert torch.equal(got, want)
+    assert torch.equal(losses.completion_mask(seqs, 2), torch.arange(6).expand(3, -1) >= 2)
+
+
 def test_errors_are_named():
     logps, mask, adv = torch.zeros(2, 3), torch.ones(2, 3, dtype=torch.bool), torch.zeros(2)
     with pytest.raises(ValueError, match="beta > 0 needs ref_logps"):
@@ -212,6 +238,10 @@ def test_errors_are_named():
         losses.grpo(logps, adv, mask, old_logps=torch.zeros(3))
     with pytest.raises(ValueError, match="ratio must be 'token' or 'sequence'"):
         losses.grpo(logps, adv, mask, ratio="step")
+    with pytest.raises(ValueError, match="kind must be 'k1', 'k2' or 'k3'"):
+        losses.kl_estimate(logps, logps, "k4")
+    with pytest.raises(ValueError, match="prompt_length must be an int in \\[0, 3\\]"):
+        losses.completion_mask(torch.zeros(2, 3, dtype=torch.long), 4)
     with pytest.raises(ValueError, match="normalize must be one of"):
         losses.grpo(logps, adv, mask, normalize="ppo")
     with pytest.raises(ValueError, match="max_length is an int >= 1 for normalize='dr_grpo'"):

@@ -15,7 +15,14 @@ from torchfn.losses._linear_cross_entropy import linear_cross_entropy
 from torchfn.losses._mean_flow import mean_flow_loss
 from torchfn.losses._moe import moe_load_balance, moe_sequence_balance, router_z_loss
 from torchfn.losses._mtp import multi_token_prediction
-from torchfn.losses._policy import group_advantages, grpo, ppo, value_loss
+from torchfn.losses._policy import (
+    completion_mask,
+    group_advantages,
+    grpo,
+    kl_estimate,
+    ppo,
+    value_loss,
+)
 from torchfn.losses._preference import (
     bradley_terry,
     dpo,
@@ -72,4 +79,6 @@ __all__ = [
     "grpo",
     "ppo",
     "value_loss",
+    "kl_estimate",
+    "completion_mask",
 ]

@@ -9,7 +9,8 @@ from torch import Tensor
 
 from torchfn.losses._classification import _check_float
 
-__all__ = ["group_advantages", "grpo", "ppo", "value_loss"]
+__all__ = ["group_advantages", "grpo", "ppo", "value_loss", "kl_estimate",
+           "completion_mask"]
 
 _NORMALIZE = ("grpo", "dapo", "dr_grpo")
 
@@ -239,3 +240,72 @@ def value_loss(values: Tensor, returns: Tensor, mask: Tensor | None = None, *,
         return 0.5 * loss.mean()
     mask = mask.to(torch.bool)
     return 0.5 * torch.where(mask, loss, 0.0).sum() / mask.sum().clamp_min(1)
+
+
+def kl_estimate(logps: Tensor, ref_logps: Tensor, kind: str = "k3") -> Tensor:
+    """Per-sample estimates of ``KL(pi || pi_ref)`` from the log-probabilities of tokens
+    drawn from ``pi`` (Schulman, "Approximating KL divergence", 2020), with ``log r =
+    ref_logps - logps``: ``"k1"``: ``-log r`` (unbiased, can be negative); ``"k2"``:
+    ``(log r)^2 / 2`` (biased, low variance); ``"k3"``: ``r - 1 - log r`` (unbiased and >=
+    0; GRPO's). Use them as a loss term, or as a per-token reward penalty (TRL's PPO).
+
+    Args:
+        logps, ref_logps: ``(...)`` the sampled tokens' log-probabilities under the policy
+            and the reference.
+        kind: ``"k1"``, ``"k2"`` or ``"k3"``.
+
+    Returns:
+        ``(...)``.
+
+    Example::
+
+        >>> import torch
+        >>> from torchfn import losses
+        >>> losses.kl_estimate(torch.log(torch.tensor([0.5])), torch.log(torch.tensor([0.25])))
+        tensor([0.1931])
+    """
+    _check_float("logps", logps)
+    _check_float("ref_logps", ref_logps)
+    if logps.shape != ref_logps.shape:
+        raise ValueError(f"ref_logps must have logps' shape {tuple(logps.shape)}, got "
+                         f"{tuple(ref_logps.shape)}")
+    log_r = ref_logps - logps
+    if kind == "k1":
+        return -log_r
+    if kind == "k2":
+        return 0.5 * log_r ** 2
+    if kind == "k3":
+        return torch.expm1(log_r) - log_r
+    raise ValueError(f"kind must be 'k1', 'k2' or 'k3', got {kind!r}")
+
+
+def completion_mask(tokens: Tensor, prompt_length: int, eos: int | None = None) -> Tensor:
+    """Which tokens of ``tokens`` ``(B, N)`` (prompts of ``prompt_length``, then sampled
+    completions, as :func:`torchfn.models.generate` returns them) are completion tokens
+    that count: those after the prompt, up to and including the first ``eos``
+    (:func:`generate` repeats ``eos`` after it). ``(B, N)`` bool; for targets ``tokens[:,
+    1:]`` take ``mask[:, 1:]``.
+
+    Example::
+
+        >>> import torch
+        >>> from torchfn import losses
+        >>> seqs = torch.tensor([[5, 6, 7, 2, 2], [5, 6, 2, 2, 2]])    # eos = 2
+        >>> losses.completion_mask(seqs, 2, eos=2).int()
+        tensor([[0, 0, 1, 1, 0],
+                [0, 0, 1, 0, 0]], dtype=torch.int32)
+    """
+    if not isinstance(tokens, Tensor) or tokens.dim() != 2 or tokens.is_floating_point():
+        raise ValueError(f"completion_mask: tokens must be an int tensor (B, N), got "
+                         f"{getattr(tokens, 'shape', type(tokens).__name__)}")
+    n = tokens.shape[1]
+    if isinstance(prompt_length, bool) or not isinstance(prompt_length, int) \
+            or not 0 <= prompt_length <= n:
+        raise ValueError(f"prompt_length must be an int in [0, {n}], got {prompt_length!r}")
+    after = torch.arange(n, device=tokens.device) >= prompt_length  # (N,)
+    mask = after.expand_as(tokens)
+    if eos is None:
+        return mask.clone()
+    ended = (tokens == eos) & mask
+    before = ended.long().cumsum(1) - ended.long()  # eos strictly before each position
+    return mask & (before == 0)
