@@ -851,9 +851,7 @@ class TransformerEncoder(nn.Module):
                 or positions.dim() not in (1, 2):
             raise ValueError(f"positions must be a tensor (N,) or (B, N) with N = {n}, got "
                              f"{getattr(positions, 'shape', positions)}")
-        h = self.embed(x)  # (B, N, dim)
-        if self.embed_scale is not None:  # in h's dtype, as Gemma rounds it
-            h = h * torch.tensor(self.embed_scale, dtype=h.dtype, device=h.device)
+        h = self._embed(x)  # (B, N, dim)
         if self.position_embedding == "learned":
             if static and (cache.capacity or 0) > self.max_len:
                 raise ValueError(f"StaticKVCache capacity {cache.capacity} exceeds "
@@ -939,12 +937,13 @@ class TransformerEncoder(nn.Module):
                              f"mtp_hidden (B, n, {self.embed.weight.shape[1]}), got "
                              f"{tuple(getattr(x, 'shape', ()))} and "
                              f"{tuple(getattr(hidden, 'shape', ()))}")
-        module, n, start = self.mtp[depth - 1], x.shape[1], 0
+        n, start = x.shape[1], 0
         if cache is not None:
             if not isinstance(cache, KVCache):
                 raise TypeError(f"TransformerEncoder: mtp_depth takes a KVCache (KVCache() to "
                                 f"start), got {type(cache).__name__}")
-            cache = check_cache(cache, module.block.cache_entries, "TransformerEncoder")
+            cache = check_cache(cache, self.mtp[depth - 1].block.cache_entries,
+                                "TransformerEncoder")
             start = cache.length
         if positions is None:
             positions = token_positions(n, x.device, start, None)  # (n,)
@@ -952,29 +951,38 @@ class TransformerEncoder(nn.Module):
                 or positions.dim() not in (1, 2):
             raise ValueError(f"positions must be a tensor (N,) or (B, N) with N = {n}, got "
                              f"{getattr(positions, 'shape', positions)}")
-        embedded = self.embed(x)  # (B, n, dim)
+        h = self._depth(depth, hidden, self._embed(x), key_padding_mask, None, positions, cache)
+        if cache is not None:
+            h, cache = h
+        logits = self._logits(self.mtp[depth - 1].norm(h))  # (B, n, V)
+        return (logits, h) if cache is None else (logits, h, cache)
+
+    def _embed(self, x: Tensor) -> Tensor:
+        """The token embeddings ``(B, N) -> (B, N, dim)``, scaled by ``embed_scale`` (in
+        their dtype, as Gemma rounds it)."""
+        h = self.embed(x)
         if self.embed_scale is not None:
-            embedded = embedded * torch.tensor(self.embed_scale, dtype=embedded.dtype,
-                                               device=embedded.device)
+            h = h * torch.tensor(self.embed_scale, dtype=h.dtype, device=h.device)
+        return h
+
+    def _depth(self, k: int, hidden: Tensor, embedded: Tensor, key_padding_mask: Tensor | None,
+               segment_ids: Tensor | None, positions: Tensor, cache: object = None) -> object:
+        """Multi-token prediction depth ``k`` on the states ``hidden`` and the embeddings
+        ``embedded`` ``(B, m, dim)`` at ``positions`` (made a rotary table where the block
+        rotates): ``h_k`` ``(B, m, dim)``, and the block's cache when given one."""
+        module = self.mtp[k - 1]
         attn = module.block.attn
         if self.position_embedding == "rotary" and getattr(attn, "rotary", False) \
                 and not getattr(attn, "needs_positions", False):
             positions = attn.rotary_table(positions, hidden.dtype)
-        h = module(hidden, embedded, key_padding_mask, None, positions, cache)
-        if cache is not None:
-            h, cache = h
-        logits = self._logits(module.norm(h))  # (B, n, V)
-        return (logits, h) if cache is None else (logits, h, cache)
+        return module(hidden, embedded, key_padding_mask, segment_ids, positions, cache)
 
     def _mtp(self, h: Tensor, x: Tensor, key_padding_mask: Tensor | None,
              segment_ids: Tensor | None, positions: Tensor) -> tuple[Tensor, ...]:
         """The multi-token prediction depths' logits ``(B, N - k, V)``, ``k = 1 .. D``,
         from the final states ``h`` ``(B, N, dim)`` and the tokens ``x`` ``(B, N)``: depth
         ``k`` reads ``h_{k-1}`` at ``t`` and the embedding of ``x[t + k]``."""
-        embedded = self.embed(x)  # (B, N, dim)
-        if self.embed_scale is not None:
-            embedded = embedded * torch.tensor(self.embed_scale, dtype=embedded.dtype,
-                                               device=embedded.device)
+        embedded = self._embed(x)  # (B, N, dim)
         n, out = x.shape[1], []
         for k, module in enumerate(self.mtp, start=1):
             m = n - k  # the positions t whose token t + k exists
@@ -983,12 +991,8 @@ class TransformerEncoder(nn.Module):
                                  f"{len(self.mtp)} tokens, got {n}")
             mask = None if key_padding_mask is None else \
                 key_padding_mask[:, :m] & key_padding_mask[:, k:]
-            at = positions[..., :m]
-            attn = module.block.attn
-            if self.position_embedding == "rotary" and getattr(attn, "rotary", False) \
-                    and not getattr(attn, "needs_positions", False):
-                at = attn.rotary_table(at, h.dtype)
-            h = module(h[:, :m], embedded[:, k:], mask,
-                       None if segment_ids is None else segment_ids[:, :m], at)
+            h = self._depth(k, h[:, :m], embedded[:, k:], mask,
+                            None if segment_ids is None else segment_ids[:, :m],
+                            positions[..., :m])
             out.append(self._logits(module.norm(h)))  # (B, m, V)
         return tuple(out)
