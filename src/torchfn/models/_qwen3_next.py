@@ -335,7 +335,7 @@ def qwen3_next_to_hf(config: Mapping[str, Any], params: Mapping[str, Tensor]
             out[_HF_GLOBAL.get(name) or mtp_names[name]] = t
             continue
         if name.startswith("mtp.0.block."):  # the MTP layer's block: a gated-attention layer
-            i, rest, linear = None, name.removeprefix("mtp.0.block."), False
+            rest, linear = name.removeprefix("mtp.0.block."), False
             at, block = _MTP_LAYER, "mtp.0.block."
         else:
             i, rest = name.split(".", 2)[1:]
