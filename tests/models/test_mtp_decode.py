@@ -159,6 +159,18 @@ def test_hidden_and_one_depth_with_a_cache_equal_the_whole_forward():
         torch.testing.assert_close(torch.cat((ha, hb), 1), states, rtol=1e-10, atol=1e-10)
 
 
+def test_eos_ends_rows_as_generate_does():
+    model, params = lm(2, 7)
+    prompt = random.randint(random.key(2), (3, 3), 0, 7)
+    plain = generate(model, params, prompt, 12)
+    eos = int(plain[1, 3 + 2])  # a token row 1 draws at its 3rd step
+    out = mtp_speculative_generate(model, params, prompt, 12, eos=eos)
+    assert torch.equal(out, generate(model, params, prompt, 12, eos=eos))
+    _, info = mtp_speculative_generate(model, params, prompt[1:2], 12, eos=int(plain[1, 3]),
+                                       return_stats=True)
+    assert info["rounds"] == 1  # its first round drew eos: nothing more to decode
+
+
 def test_errors_are_named():
     model, params = lm(2, 5)
     plain, plain_params = lm(0, 5)

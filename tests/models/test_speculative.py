@@ -67,6 +67,30 @@ def test_samples_follow_the_targets_distribution(temperature, lookahead, filters
                            / expected.sum().item()).pvalue > 1e-4
 
 
+def test_eos_ends_rows_as_generate_does():
+    """With ``eos`` a row is ``eos`` after it draws one, as ``generate`` gives it, greedy
+    and sampled alike (for a shared key the streams differ, so only the rule is checked
+    there); decoding stops once every row has drawn it."""
+    (big, pb), (small, ps) = lm(2, 0, vocab=11), lm(1, 1, vocab=11)
+    prompt = random.randint(random.key(2), (3, 4), 0, 11)
+    plain = generate(big, pb, prompt, 12)
+    eos = int(plain[0, 4 + 3])  # a token row 0 draws at its 4th step
+    out = speculative_generate(big, pb, small, ps, prompt, 12, lookahead=3, eos=eos)
+    assert torch.equal(out, generate(big, pb, prompt, 12, eos=eos))
+    every = int(plain[0, 4])  # row 0's first token: only row 0 surely ends at once
+    _, info = speculative_generate(big, pb, small, ps, prompt[:1], 12,
+                                   eos=every, return_stats=True)
+    assert info["rounds"] == 1  # its first round drew eos: nothing more to decode
+    sampled = speculative_generate(big, pb, small, ps, prompt, 12, key=random.key(5),
+                                   eos=eos)
+    for row in sampled[:, 4:]:
+        hit = (row == eos).nonzero()
+        if len(hit):
+            assert (row[hit[0, 0]:] == eos).all()
+    with pytest.raises(TypeError, match="eos must be an int token id or None"):
+        speculative_generate(big, pb, small, ps, prompt, 3, eos=2.0)
+
+
 def test_errors_are_named():
     (big, pb), (small, ps) = lm(1, 0), lm(1, 1)
     prompt = torch.tensor([[1, 2]])

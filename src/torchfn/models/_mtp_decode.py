@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from torchfn.core import random
-from torchfn.models._speculative import _probs, _Stream, check_run, verify
+from torchfn.models._speculative import _probs, _Stream, check_run, finish, verify
 
 __all__ = ["mtp_speculative_generate"]
 
@@ -110,6 +110,7 @@ def mtp_speculative_generate(
     top_k: int | None = None,
     top_p: float | None = None,
     min_p: float | None = None,
+    eos: int | None = None,
     return_stats: bool = False,
 ) -> Tensor | tuple[Tensor, dict[str, int]]:
     """Continue ``prompt`` by ``steps`` tokens of ``model``, its own multi-token prediction
@@ -146,6 +147,8 @@ def mtp_speculative_generate(
         lookahead: drafts per round, >= 1 (default ``D``).
         temperature, top_k, top_p, min_p: as :func:`sample_logits`, for the model's and
             the drafts' distributions; ``temperature`` > 0 when sampling.
+        eos: an end-of-sequence token, as :func:`generate`'s: after a row draws it the
+            rest of the row is ``eos``, and decoding stops once every row has.
         return_stats: also return ``{"rounds", "target_calls", "draft_calls", "accepted",
             "proposed"}`` (a draft call: one MTP depth on a batch).
 
@@ -166,7 +169,7 @@ def mtp_speculative_generate(
         True
     """
     seq, one, filters = check_run("mtp_speculative_generate", prompt, steps, key,
-                                  temperature, top_k, top_p, min_p)  # (B, P)
+                                  temperature, top_k, top_p, min_p, eos)  # (B, P)
     depth = _depths(params)
     if depth == 0:
         raise ValueError("mtp_speculative_generate: params hold no multi-token prediction "
@@ -189,7 +192,8 @@ def mtp_speculative_generate(
         drafter = _Drafter(model, params, k, depth, tokens.shape[1], hidden)
         drafter.store(0, torch.arange(p_len - 1, device=dev).expand(b, -1), hidden,
                       torch.ones_like(seq[:, :-1], dtype=torch.bool))
-    while int(length.min()) < p_len + steps:
+    ended = torch.zeros(b, dtype=torch.bool, device=dev)  # the row has drawn eos
+    while not bool(((length >= p_len + steps) | ended).all()):
         need = int(length.max()) + 2 * k + 2  # this round's drafts and kept tokens
         tokens = _grow(tokens, need)
         if drafter is not None:
@@ -222,10 +226,13 @@ def mtp_speculative_generate(
         block[rows, n] = nxt
         at = length[:, None] + slots  # (B, k + 1) their positions
         tokens[rows[:, None].expand_as(at)[kept], at[kept]] = block[kept]
+        if eos is not None:
+            ended |= ((block == eos) & kept).any(1)
         length = length + n + 1
         stats["rounds"] += 1
         stats["accepted"] += int(n.sum())
         stats["proposed"] += kr_ * b
-    out = tokens[:, :p_len + steps]
+    out = torch.cat((seq, finish([row[p_len:end] for row, end in zip(tokens, length.tolist())],
+                                 steps, eos)), 1)  # (B, P + steps)
     out = out[0] if one else out
     return (out, stats) if return_stats else out

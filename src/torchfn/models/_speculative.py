@@ -50,11 +50,13 @@ def _probs(logits: Tensor, filters: dict[str, Any]) -> Tensor:
 
 
 def check_run(who: str, prompt: Tensor, steps: int, key: Tensor | None, temperature: float,
-              top_k: int | None, top_p: float | None, min_p: float | None
-              ) -> tuple[Tensor, bool, dict[str, Any]]:
+              top_k: int | None, top_p: float | None, min_p: float | None,
+              eos: int | None = None) -> tuple[Tensor, bool, dict[str, Any]]:
     """A speculative decoder's arguments checked: the prompt as ``(B, P)``, whether it
     came as ``(P,)``, and the sampling filters as a dict."""
     _check_options(temperature, top_k, top_p, min_p)
+    if eos is not None and (isinstance(eos, bool) or not isinstance(eos, int)):
+        raise TypeError(f"eos must be an int token id or None, got {eos!r}")
     if key is not None and temperature == 0:
         raise ValueError("temperature must be > 0 when sampling (key given); use key=None "
                          "for greedy decoding")
@@ -66,6 +68,19 @@ def check_run(who: str, prompt: Tensor, steps: int, key: Tensor | None, temperat
                          f"the values): not under vmap or torch.compile; repeat the prompt "
                          f"along the batch for many samples")
     return seq, one, dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+
+
+def finish(new: list[Tensor], steps: int, eos: int | None) -> Tensor:
+    """Each row's new tokens ``new`` (a list of 1-D tensors, at least ``steps`` long unless
+    the row drew ``eos``) as ``(B, steps)``: cut to ``steps``, and after a row's first
+    ``eos`` every token ``eos``, as :func:`generate` gives them."""
+    if eos is None:
+        return torch.stack([row[:steps] for row in new])
+    rows = [torch.cat((row[:steps], row.new_full((max(steps - len(row), 0),), eos)))
+            for row in new]
+    out = torch.stack(rows)  # (B, steps)
+    hit = (out == eos).long()
+    return torch.where(hit.cumsum(1) - hit > 0, eos, out)
 
 
 def verify(logits: Tensor, drafted: Tensor, q: list[Tensor], key_accept: Tensor | None,
@@ -112,6 +127,7 @@ def speculative_generate(
     top_k: int | None = None,
     top_p: float | None = None,
     min_p: float | None = None,
+    eos: int | None = None,
     return_stats: bool = False,
 ) -> Tensor | tuple[Tensor, dict[str, int]]:
     """Continue ``prompt`` by ``steps`` tokens of ``target``, with ``draft`` proposing.
@@ -145,6 +161,8 @@ def speculative_generate(
         temperature, top_k, top_p, min_p: as :func:`sample_logits`, applied to both
             models' distributions: the samples follow the target's filtered one exactly.
             ``temperature`` > 0 when sampling.
+        eos: an end-of-sequence token, as :func:`generate`'s: after a row draws it the
+            rest of the row is ``eos``, and decoding stops once every row has.
         return_stats: also return ``{"rounds", "target_calls", "draft_calls",
             "accepted", "proposed"}``.
 
@@ -169,7 +187,7 @@ def speculative_generate(
     if isinstance(lookahead, bool) or not isinstance(lookahead, int) or lookahead < 1:
         raise ValueError(f"lookahead must be an int >= 1, got {lookahead!r}")
     seq, one, filters = check_run("speculative_generate", prompt, steps, key, temperature,
-                                  top_k, top_p, min_p)  # (B, P)
+                                  top_k, top_p, min_p, eos)  # (B, P)
     b, p_len = seq.shape
     k, dev = lookahead, seq.device
     # Rows keep different numbers of tokens each round. The caches stay rectangular:
@@ -181,11 +199,12 @@ def speculative_generate(
         target_state.feed(seq[:, :-1], torch.ones_like(seq[:, :-1], dtype=torch.bool))
     blocks, block_valid = [], []  # per round: (B, k + 1) new tokens and which are real
     made = torch.zeros(b, dtype=torch.long, device=dev)  # new tokens per row so far
+    ended = torch.zeros(b, dtype=torch.bool, device=dev)  # the row has drawn eos
     last = seq[:, -1:]  # (B, 1) the newest token, not yet in the target's cache
     carry, carry_ok = seq[:, :-1], torch.ones_like(seq[:, :-1], dtype=torch.bool)
     stats = {"rounds": 0, "target_calls": int(p_len > 1), "draft_calls": 0, "accepted": 0,
              "proposed": 0}
-    while int(made.min()) < steps:
+    while not bool(((made >= steps) | ended).all()):
         k_round = None if key is None else random.fold_in(key, stats["rounds"])
         kd, ka, kr = (None, None, None) if k_round is None else random.split(k_round, 3)
         # 1. the draft proposes k tokens (first catching up: the carried tokens, `last`)
@@ -216,6 +235,8 @@ def speculative_generate(
         block[rows, n] = nxt
         blocks.append(block)
         block_valid.append(slots[None] <= n[:, None])  # (B, k + 1)
+        if eos is not None:
+            ended |= ((block == eos) & block_valid[-1]).any(1)
         made = made + n + 1
         # 5. mark the rejected entries: the target's (last, d_0..d_k-1), the draft's
         # (.., d_0..d_k-2); a row that kept all k carries d_k-1 into the draft next round
@@ -229,7 +250,7 @@ def speculative_generate(
         stats["proposed"] += k * b
     new = torch.cat(blocks, 1)  # (B, rounds * (k + 1))
     new_ok = torch.cat(block_valid, 1)
-    kept = torch.stack([row[ok][:steps] for row, ok in zip(new, new_ok)])  # (B, steps)
+    kept = finish([row[ok] for row, ok in zip(new, new_ok)], steps, eos)  # (B, steps)
     seq = torch.cat((seq, kept), 1)
     out = seq[0] if one else seq
     return (out, stats) if return_stats else out
