@@ -6,10 +6,13 @@ from torchfn.losses._classification import (
     cross_entropy,
 )
 from torchfn.losses._consistency import consistency_loss
+from torchfn.losses._contrastive import info_nce, ntxent, siglip
+from torchfn.losses._ctc import ctc_loss
 from torchfn.losses._diffusion import diffusion_loss, min_snr_weight
 from torchfn.losses._ebm import ebm_loss
 from torchfn.losses._edm import edm_loss
 from torchfn.losses._flow_matching import flow_matching_loss, ot_pairing
+from torchfn.losses._focal import focal_loss, sigmoid_focal_loss
 from torchfn.losses._gan import gan_losses, gradient_penalty, wgan_losses
 from torchfn.losses._linear_cross_entropy import linear_cross_entropy
 from torchfn.losses._mean_flow import mean_flow_loss
@@ -54,6 +57,13 @@ __all__ = [
     "linear_cross_entropy",
     "binary_cross_entropy_with_logits",
     "accuracy",
+    "focal_loss",
+    "sigmoid_focal_loss",
+    "ctc_loss",
+    # representation learning (_contrastive)
+    "info_nce",
+    "ntxent",
+    "siglip",
     "mse",
     "huber",
     "l1",

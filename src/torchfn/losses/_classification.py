@@ -40,6 +40,27 @@ def _inspectable(t: Tensor) -> bool:
     )
 
 
+def _check_class_labels(logits: Tensor, labels: Tensor,
+                        want: str = "integer class indices") -> None:
+    """``labels`` are integer class indices ``(...)`` in ``[0, C)`` for ``logits (..., C)``
+    (``want`` says what the caller accepts, for the error)."""
+    if not isinstance(labels, Tensor):
+        raise TypeError(f"labels must be a Tensor, got {type(labels).__name__}")
+    if labels.dtype in (torch.bool, torch.complex64, torch.complex128) or \
+            labels.dtype.is_floating_point:
+        raise TypeError(f"labels must be {want}, got {labels.dtype}")
+    if labels.shape != logits.shape[:-1]:
+        raise ValueError(
+            f"labels: integer labels must have shape logits.shape[:-1] = "
+            f"{tuple(logits.shape[:-1])}, got {tuple(labels.shape)}"
+        )
+    num_classes = logits.shape[-1]
+    if _inspectable(labels) and labels.numel():
+        lo, hi = int(labels.min()), int(labels.max())
+        if lo < 0 or hi >= num_classes:
+            raise ValueError(f"labels must be in [0, {num_classes}), got values in [{lo}, {hi}]")
+
+
 def cross_entropy(
     logits: Tensor,
     labels: Tensor,
@@ -88,18 +109,7 @@ def cross_entropy(
         if label_smoothing:
             target = (1 - label_smoothing) * target + label_smoothing / num_classes
         return _reduce(-(target * logp).sum(-1), reduction)
-    if labels.dtype in (torch.bool, torch.complex64, torch.complex128):
-        raise TypeError(f"labels must be integer class indices or float probabilities, "
-                        f"got {labels.dtype}")
-    if labels.shape != logits.shape[:-1]:
-        raise ValueError(
-            f"labels: integer labels must have shape logits.shape[:-1] = "
-            f"{tuple(logits.shape[:-1])}, got {tuple(labels.shape)}"
-        )
-    if _inspectable(labels) and labels.numel():
-        lo, hi = int(labels.min()), int(labels.max())
-        if lo < 0 or hi >= num_classes:
-            raise ValueError(f"labels must be in [0, {num_classes}), got values in [{lo}, {hi}]")
+    _check_class_labels(logits, labels, "integer class indices or float probabilities")
     nll = -logp.gather(-1, labels.long().unsqueeze(-1)).squeeze(-1)  # (...)
     if label_smoothing:
         nll = (1 - label_smoothing) * nll - label_smoothing * logp.mean(-1)
