@@ -2,7 +2,7 @@
 and blanks, impossible targets included; equal to the brute-force sum over every
 alignment; and, where ``F.ctc_loss`` has no rule, right under ``vmap(grad)`` (== a loop),
 ``jvp`` (== the gradient's directional derivative), ``hessian`` (== finite differences of
-the gradient) and grad-of-grad."""
+the gradient) and grad-of-grad; ``torch.compile(grad)`` equals eager."""
 
 from __future__ import annotations
 
@@ -141,6 +141,18 @@ def test_hessian_equals_finite_differences_of_the_gradient():
     hvp = grad(lambda x: (g(x) * v).sum())(x0)
     torch.testing.assert_close(hvp, torch.einsum("ijkl,kl->ij", h, v), rtol=1e-9, atol=1e-11)
     assert h.abs().max() > 1e-3
+
+
+def test_compiled_gradient_equals_eager():
+    """``torch.compile(grad(...), fullgraph=True)``: the loop unrolls into one graph (the
+    value checks stand aside while compiling). aot_eager: the graph, not inductor's code."""
+    logits, targets, in_len, tgt_len, blank = _finite_case()
+
+    def f(x):
+        return losses.ctc_loss(x, targets, in_len, tgt_len, blank=blank)
+
+    compiled = torch.compile(grad(f), fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(compiled(logits), grad(f)(logits))
 
 
 def test_impossible_targets_are_inf_or_zero_and_add_no_gradient():
