@@ -6,11 +6,12 @@ import torch
 import torch.autograd.functional as AF
 from hypothesis import given
 from hypothesis import strategies as st
+from torch.func import vmap
 
 import torchfn
 from torchfn import random
 from torchfn.models import MLP
-from torchfn.transforms import gauss_newton_vp, hessian, hvp, jacobian, ntk
+from torchfn.transforms import gauss_newton_vp, hessian, hessian_operator, hvp, jacobian, ntk
 
 
 def problem(seed, d):
@@ -74,6 +75,35 @@ def test_hvp_on_params_pytree_equals_flat_hessian_times_v():
     assert all(torch.equal(swapped[k], ours[k]) for k in p)
     Hd = hessian(loss)(p)  # nested dict of blocks
     torch.testing.assert_close(Hd["w"]["b"].reshape(6, 3), H[:6, 6:], rtol=1e-12, atol=1e-12)
+
+
+def test_hessian_operator_equals_hvp_for_many_directions_and_under_vmap():
+    """One recorded gradient graph, many products: each equals ``hvp``; ``vmap`` over the
+    directions, and over a batch of points, equals a loop."""
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(5, 2, generator=g, dtype=torch.float64)
+    loss = lambda p: torch.tanh(x @ p["w"].T + p["b"]).square().sum()  # noqa: E731
+    p = {"w": torch.randn(3, 2, generator=g, dtype=torch.float64),
+         "b": torch.randn(3, generator=g, dtype=torch.float64)}
+    V = {k: torch.randn(4, *t.shape, generator=g, dtype=torch.float64) for k, t in p.items()}
+    H = hessian_operator(loss, p)
+    batched = vmap(H)(V)
+    for i in range(4):
+        v = {k: V[k][i] for k in V}
+        want = hvp(loss, p, v)
+        for k in p:
+            torch.testing.assert_close(H(v)[k], want[k], rtol=1e-12, atol=1e-12)
+            torch.testing.assert_close(batched[k][i], want[k], rtol=1e-12, atol=1e-12)
+    points = {k: torch.randn(3, *t.shape, generator=g, dtype=torch.float64)
+              for k, t in p.items()}
+    v = {k: V[k][0] for k in V}
+    per_point = vmap(lambda q: hessian_operator(loss, q)(v))(points)
+    for i in range(3):
+        want = hvp(loss, {k: points[k][i] for k in p}, v)
+        for k in p:
+            torch.testing.assert_close(per_point[k][i], want[k], rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match="v must have the structure of x"):
+        H({"w": v["w"]})
 
 
 def test_gauss_newton_vp_equals_explicit_jt_h_j():

@@ -10,7 +10,14 @@ from torchfn.transforms._accountant import (
     rdp_to_epsilon,
 )
 from torchfn.transforms._adversarial import adversarial_loss, fgsm, pgd
-from torchfn.transforms._curvature import gauss_newton_vp, hessian, hvp, jacobian, ntk
+from torchfn.transforms._curvature import (
+    gauss_newton_vp,
+    hessian,
+    hessian_operator,
+    hvp,
+    jacobian,
+    ntk,
+)
 from torchfn.transforms._divergence import divergence
 from torchfn.transforms._dp_sgd import (
     DPSGDState,
@@ -44,6 +51,12 @@ from torchfn.transforms._replay import ReplayBuffer, replay_init, replay_push, r
 from torchfn.transforms._returns import discounted_returns, gae, vtrace
 from torchfn.transforms._sam import sam
 from torchfn.transforms._sdeint import sdeint
+from torchfn.transforms._spectrum import (
+    eigsh,
+    hutchinson_trace,
+    spectral_density,
+    spectral_quadrature,
+)
 
 __all__ = [
     # per-sample gradients (torchfn.transforms._per_sample)
@@ -93,8 +106,14 @@ __all__ = [
     "jacobian",
     "hessian",
     "hvp",
+    "hessian_operator",
     "gauss_newton_vp",
     "ntk",
+    # spectra of symmetric operators (_spectrum)
+    "eigsh",
+    "hutchinson_trace",
+    "spectral_quadrature",
+    "spectral_density",
     "sam",
     "ensemble_init",
     "ensemble_apply",
