@@ -10,6 +10,7 @@ from torchfn.transforms._accountant import (
     rdp_to_epsilon,
 )
 from torchfn.transforms._adversarial import adversarial_loss, fgsm, pgd
+from torchfn.transforms._cg import cg
 from torchfn.transforms._curvature import (
     gauss_newton_vp,
     hessian,
@@ -107,6 +108,7 @@ __all__ = [
     "hessian",
     "hvp",
     "hessian_operator",
+    "cg",
     "gauss_newton_vp",
     "ntk",
     # spectra of symmetric operators (_spectrum)
