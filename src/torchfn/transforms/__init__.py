@@ -39,6 +39,7 @@ from torchfn.transforms._ensemble import (
 from torchfn.transforms._federated import fedavg, federated_round, local_train
 from torchfn.transforms._fixed_point import fixed_point
 from torchfn.transforms._ghost import GhostClipResult, ghost_clip_grads, ghost_norms
+from torchfn.transforms._hmc import HMCInfo, hmc, hmc_step
 from torchfn.transforms._langevin import langevin
 from torchfn.transforms._least_squares import LeastSquaresInfo, least_squares
 from torchfn.transforms._odeint import odeint
@@ -85,6 +86,9 @@ __all__ = [
     "DEFAULT_ORDERS",
     # EBM sampling (torchfn.transforms._langevin, _replay); diffusion subpackage
     "langevin",
+    "hmc",
+    "hmc_step",
+    "HMCInfo",
     "ReplayBuffer",
     "replay_init",
     "replay_sample",

@@ -19,52 +19,26 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import optree
 import torch
 from torch import Tensor
 from torch.func import vmap
 
 from torchfn import random
+from torchfn.transforms._flat import Flat
 
 __all__ = ["eigsh", "hutchinson_trace", "spectral_quadrature", "spectral_density"]
 
 _WHICH = ("largest", "smallest", "magnitude")
 
 
-class _Flat:
-    """``like``'s leaves as one vector ``(n,)`` and back."""
+class _Flat(Flat):
+    """``like``'s leaves as one vector ``(n,)`` and back, and the operator on vectors."""
 
-    def __init__(self, like: Any, matvec: Any):
+    def __init__(self, like: Any, matvec: Any, who: str):
         if not callable(matvec):
-            raise TypeError(f"matvec must be callable, got {type(matvec).__name__}")
-        leaves, self.spec = optree.tree_flatten(like)
-        if not leaves or not all(isinstance(x, Tensor) and x.dtype.is_floating_point
-                                 for x in leaves):
-            raise TypeError("like must be a floating-point tensor or a pytree of them (the "
-                            "operator's domain, e.g. the params), got "
-                            f"{[type(x).__name__ for x in leaves] or 'no leaves'}")
-        self.shapes = [x.shape for x in leaves]
-        self.sizes = [x.numel() for x in leaves]
-        self.n = sum(self.sizes)
-        self.dtype = leaves[0].dtype
-        for x in leaves[1:]:
-            self.dtype = torch.promote_types(self.dtype, x.dtype)
-        self.device = leaves[0].device
+            raise TypeError(f"{who}: matvec must be callable, got {type(matvec).__name__}")
+        super().__init__(like, who, "like")
         self.matvec = matvec
-
-    def vector(self, tree: Any, what: str) -> Tensor:
-        leaves, spec = optree.tree_flatten(tree)
-        if spec != self.spec or [x.shape for x in leaves] != self.shapes:
-            got = [tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
-                   for x in leaves]
-            raise ValueError(f"{what} must have like's structure and shapes "
-                             f"{[tuple(s) for s in self.shapes]}, got {got}")
-        return torch.cat([x.reshape(-1).to(self.dtype) for x in leaves])
-
-    def tree(self, vec: Tensor) -> Any:  # (..., n) -> like's structure with leading (...)
-        pieces = vec.split(self.sizes, dim=-1)
-        return optree.tree_unflatten(self.spec, [p.reshape((*vec.shape[:-1], *s))
-                                                 for p, s in zip(pieces, self.shapes)])
 
     def op(self, vec: Tensor) -> Tensor:
         return self.vector(self.matvec(self.tree(vec)), "matvec's output")
@@ -163,6 +137,7 @@ def eigsh(
 
         >>> import torch
         >>> from torchfn import random
+from torchfn.transforms._flat import Flat
         >>> from torchfn.transforms import eigsh, hessian_operator
         >>> def loss(p):                                          # Hessian diag(2, 6, 12)
         ...     return (p["w"] ** 2).sum() + 3 * (p["b"] ** 2).sum() + 6 * p["c"] ** 2
@@ -172,7 +147,7 @@ def eigsh(
         >>> [round(x, 4) for x in values.tolist()], vectors["c"].abs().round().tolist()
         ([12.0, 6.0], [1.0, 0.0])
     """
-    flat = _Flat(like, matvec)
+    flat = _Flat(like, matvec, "eigsh")
     k = _count("k", k, 1, flat.n)
     if steps is None:
         steps = min(flat.n, max(2 * k + 20, 30))
@@ -220,12 +195,13 @@ def hutchinson_trace(
 
         >>> import torch
         >>> from torchfn import random
+from torchfn.transforms._flat import Flat
         >>> A = torch.tensor([[2.0, 1.0], [1.0, 3.0]])
         >>> trace, err = hutchinson_trace(lambda v: A @ v, torch.zeros(2), random.key(0))
         >>> abs(trace.item() - 5.0) < 4 * err.item() + 1e-6
         True
     """
-    flat = _Flat(like, matvec)
+    flat = _Flat(like, matvec, "hutchinson_trace")
     samples = _count("samples", samples, 2)
     probes = random.rademacher(key, (samples, flat.n), dtype=flat.dtype).to(flat.device)
     if vectorized:
@@ -267,13 +243,14 @@ def spectral_quadrature(
 
         >>> import torch
         >>> from torchfn import random
+from torchfn.transforms._flat import Flat
         >>> A = torch.diag(torch.tensor([1.0, 2.0, 3.0, 4.0]))
         >>> nodes, weights = spectral_quadrature(lambda v: A @ v, torch.zeros(4),
         ...                                      random.key(0), steps=4, runs=2)
         >>> nodes.round(decimals=4).tolist(), weights.sum(-1).round(decimals=4).tolist()
         ([[1.0, 2.0, 3.0, 4.0], [1.0, 2.0, 3.0, 4.0]], [1.0, 1.0])
     """
-    flat = _Flat(like, matvec)
+    flat = _Flat(like, matvec, "spectral_quadrature")
     steps = _count("steps", min(flat.n, 32) if steps is None else steps, 1, flat.n)
     runs = _count("runs", runs, 1)
     nodes, weights = [], []
