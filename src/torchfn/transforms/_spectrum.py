@@ -137,7 +137,6 @@ def eigsh(
 
         >>> import torch
         >>> from torchfn import random
-from torchfn.transforms._flat import Flat
         >>> from torchfn.transforms import eigsh, hessian_operator
         >>> def loss(p):                                          # Hessian diag(2, 6, 12)
         ...     return (p["w"] ** 2).sum() + 3 * (p["b"] ** 2).sum() + 6 * p["c"] ** 2
@@ -195,7 +194,6 @@ def hutchinson_trace(
 
         >>> import torch
         >>> from torchfn import random
-from torchfn.transforms._flat import Flat
         >>> A = torch.tensor([[2.0, 1.0], [1.0, 3.0]])
         >>> trace, err = hutchinson_trace(lambda v: A @ v, torch.zeros(2), random.key(0))
         >>> abs(trace.item() - 5.0) < 4 * err.item() + 1e-6
@@ -243,7 +241,6 @@ def spectral_quadrature(
 
         >>> import torch
         >>> from torchfn import random
-from torchfn.transforms._flat import Flat
         >>> A = torch.diag(torch.tensor([1.0, 2.0, 3.0, 4.0]))
         >>> nodes, weights = spectral_quadrature(lambda v: A @ v, torch.zeros(4),
         ...                                      random.key(0), steps=4, runs=2)
