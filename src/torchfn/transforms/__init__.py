@@ -19,6 +19,7 @@ from torchfn.transforms._curvature import (
     jacobian,
     ntk,
 )
+from torchfn.transforms._diagnostics import effective_sample_size, rhat
 from torchfn.transforms._divergence import divergence
 from torchfn.transforms._dp_sgd import (
     DPSGDState,
@@ -89,6 +90,8 @@ __all__ = [
     "hmc",
     "hmc_step",
     "HMCInfo",
+    "rhat",
+    "effective_sample_size",
     "ReplayBuffer",
     "replay_init",
     "replay_sample",
