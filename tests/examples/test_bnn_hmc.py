@@ -1,0 +1,11 @@
+"""examples/bnn_hmc.py: HMC chains (one vmap) on a Bayesian MLP's params classify the
+moons, agree with each other in function space, and are less sure far from the data."""
+
+
+def test_posterior_predicts_mixes_and_knows_where_it_has_no_data(example):
+    bnn = example("bnn_hmc")
+    m = bnn.main(["--chains", "4", "--samples", "80", "--warmup", "100", "--leapfrog",
+                  "10"])
+    assert m["accuracy"] > 0.9
+    assert m["rhat_max"] < 1.1
+    assert m["entropy_far"] > 1.5 * m["entropy_near"]
