@@ -99,6 +99,7 @@ from torchfn.optim._schedules import (
     warmup_cosine,
 )
 from torchfn.optim._sgd import SGDState, sgd
+from torchfn.optim._sgmcmc import SGHMCState, SGLDState, sghmc, sgld
 from torchfn.optim._soap import SOAPState, soap
 from torchfn.optim._stable_adamw import StableAdamWState, stable_adamw
 
@@ -113,6 +114,10 @@ __all__ = [
     "adam",
     "adamw",
     "sgd",
+    "sgld",
+    "sghmc",
+    "SGLDState",
+    "SGHMCState",
     "rmsprop",
     "adagrad",
     "lion",
