@@ -42,6 +42,7 @@ from torchfn.transforms._fixed_point import fixed_point
 from torchfn.transforms._ghost import GhostClipResult, ghost_clip_grads, ghost_norms
 from torchfn.transforms._hmc import HMCInfo, hmc, hmc_step
 from torchfn.transforms._langevin import langevin
+from torchfn.transforms._laplace import LaplacePosterior, laplace, laplace_predict
 from torchfn.transforms._least_squares import LeastSquaresInfo, least_squares
 from torchfn.transforms._odeint import odeint
 from torchfn.transforms._per_sample import (
@@ -92,6 +93,9 @@ __all__ = [
     "HMCInfo",
     "rhat",
     "effective_sample_size",
+    "laplace",
+    "laplace_predict",
+    "LaplacePosterior",
     "ReplayBuffer",
     "replay_init",
     "replay_sample",

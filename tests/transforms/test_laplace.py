@@ -1,0 +1,146 @@
+"""The Laplace approximation: exact for Bayesian linear regression (precision and
+predictive equal the closed-form posterior); for a small classifier the full GGN equals
+a loop of ``Jᵀ (diag p - p pᵀ) J`` over the examples, the diagonal structure its
+diagonal, and the low-rank structure at rank P the full one; the linearised predictive
+covariance equals ``J H⁻¹ Jᵀ`` formed densely; far from the data a ReLU net's Laplace
+confidence stays bounded where its MAP's goes to 1."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.autograd.functional as AF
+import torch.nn.functional as F
+from torch import nn
+from torch.func import functional_call, grad
+
+import torchfn
+from torchfn import optim, random
+from torchfn.transforms import laplace, laplace_predict
+
+
+def test_bayesian_linear_regression_is_exact():
+    X = random.normal(random.key(0), (40, 4), dtype=torch.float64)
+    w = random.normal(random.key(1), (4,), dtype=torch.float64)
+    sigma, delta = 0.3, 2.0
+
+    def f(params, x):
+        return (x @ params["w"] + params["b"])[None]
+
+    params = {"w": w, "b": torch.tensor(0.5, dtype=torch.float64)}
+    post = laplace(f, params, X, likelihood="regression", prior_precision=delta,
+                   sigma=sigma)
+    Xb = torch.cat([torch.ones(40, 1, dtype=torch.float64), X], 1)  # optree order: b, w
+    H = Xb.T @ Xb / sigma ** 2 + delta * torch.eye(5, dtype=torch.float64)
+    torch.testing.assert_close(post.precision, H)
+    x_new = random.normal(random.key(2), (3, 4), dtype=torch.float64)
+    mean, cov = laplace_predict(post, f, x_new)
+    xb = torch.cat([torch.ones(3, 1, dtype=torch.float64), x_new], 1)
+    torch.testing.assert_close(mean[:, 0], x_new @ w + 0.5)
+    want = (xb @ torch.linalg.solve(H, xb.T)).diagonal() + sigma ** 2
+    torch.testing.assert_close(cov[:, 0, 0], want)
+
+
+def _classifier(trained=False):
+    """A 2-5-3 ReLU MLP (keyed init) and 12 inputs; ``trained``: fit by Adam to three
+    Gaussian blobs first (the MAP the approximation sits at)."""
+    net = nn.Sequential(nn.Linear(2, 5), nn.ReLU(), nn.Linear(5, 3))
+    params = torchfn.tree.map(lambda t: t.double(), torchfn.Model(net).init(random.key(9)))
+    net = net.double()
+    centres = torch.tensor([[2.0, 0.0], [-1.0, 1.7], [-1.0, -1.7]], dtype=torch.float64)
+    labels = torch.arange(12) % 3
+    x = centres[labels] + 0.5 * random.normal(random.key(3), (12, 2), dtype=torch.float64)
+
+    def f(p, x_one):
+        return functional_call(net, p, (x_one,))
+
+    if trained:
+        tx = optim.adam(0.05)
+        state = tx.init(params)
+
+        def loss(p):
+            return F.cross_entropy(functional_call(net, p, (x,)), labels) + 1e-3 * sum(
+                (v ** 2).sum() for v in p.values())
+
+        for _ in range(300):
+            g = grad(loss)(params)
+            updates, state = tx.update(g, state)
+            params = optim.apply_updates(params, updates)
+    return f, params, x
+
+
+def _flat(params):
+    return torch.cat([params[k].reshape(-1) for k in sorted(params)])
+
+
+def _unflat(vec, like):
+    out, i = {}, 0
+    for k in sorted(like):
+        out[k] = vec[i:i + like[k].numel()].reshape(like[k].shape)
+        i += like[k].numel()
+    return out
+
+
+def test_full_ggn_equals_a_loop_over_examples():
+    f, params, x = _classifier()
+    post = laplace(f, params, x, structure="full", prior_precision=0.5)
+    theta = _flat(params)
+    P = theta.numel()
+    H = 0.5 * torch.eye(P, dtype=torch.float64)
+    for n in range(len(x)):
+        J = AF.jacobian(lambda t, xn=x[n]: f(_unflat(t, params), xn), theta)  # (3, P)
+        p = f(params, x[n]).softmax(-1)
+        H += J.T @ (torch.diag(p) - torch.outer(p, p)) @ J
+    torch.testing.assert_close(post.precision, H)
+    diag = laplace(f, params, x, structure="diag", prior_precision=0.5)
+    torch.testing.assert_close(diag.precision, H.diagonal())
+
+
+def test_lowrank_at_full_rank_and_the_predictive_equal_dense_algebra():
+    f, params, x = _classifier()
+    full = laplace(f, params, x, structure="full")
+    P = full.precision.shape[0]
+    low = laplace(f, params, x, structure="lowrank", rank=P, key=random.key(4))
+    x_new = random.normal(random.key(5), (4, 2), dtype=torch.float64) * 3
+    probs_full, cov_full = laplace_predict(full, f, x_new)
+    probs_low, cov_low = laplace_predict(low, f, x_new)
+    torch.testing.assert_close(cov_low, cov_full, rtol=1e-6, atol=1e-9)
+    theta = _flat(params)
+    for m in range(4):
+        J = AF.jacobian(lambda t, xm=x_new[m]: f(_unflat(t, params), xm), theta)
+        torch.testing.assert_close(cov_full[m], J @ torch.linalg.solve(full.precision, J.T))
+    torch.testing.assert_close(probs_full.sum(-1), torch.ones(4, dtype=torch.float64))
+    # a low rank keeps the largest curvature: the predictive is never narrower than full
+    small = laplace(f, params, x, structure="lowrank", rank=5, key=random.key(4))
+    _, cov_small = laplace_predict(small, f, x_new)
+    assert (cov_small.diagonal(dim1=-2, dim2=-1) >=
+            cov_full.diagonal(dim1=-2, dim2=-1) - 1e-9).all()
+
+
+def test_far_from_the_data_a_relu_nets_confidence_stays_bounded():
+    """Kristiadi et al. (2020): scaling an input up, a ReLU net's MAP confidence goes to
+    1, while the linearised Laplace predictive's stays bounded below 1."""
+    f, params, x = _classifier(trained=True)
+    post = laplace(f, params, x, prior_precision=1.0)
+    for scale in (20.0, 100.0):
+        probs, _ = laplace_predict(post, f, scale * x[:4])
+        map_probs = torch.stack([f(params, scale * xi).softmax(-1) for xi in x[:4]])
+        assert map_probs.max(-1).values.min() > 1 - 1e-6
+        assert probs.max(-1).values.max() < 0.95
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda f, p, x: laplace(3, p, x), "apply_fn must be callable"),
+    (lambda f, p, x: laplace(f, p, x, likelihood="poisson"), "likelihood must be one of"),
+    (lambda f, p, x: laplace(f, p, x, structure="kron"), "structure must be one of"),
+    (lambda f, p, x: laplace(f, p, x, prior_precision=0.0), "prior_precision must be a "
+     "positive float"),
+    (lambda f, p, x: laplace(f, p, x, structure="lowrank"), "needs a key"),
+    (lambda f, p, x: laplace(lambda q, x: f(q, x)[None], p, x), r"apply_fn must return "
+     r"one example's output of shape \(O,\), got \(1, 3\)"),
+    (lambda f, p, x: laplace_predict(p, f, x), "posterior must be a LaplacePosterior"),
+])
+def test_bad_input_is_named(call, match):
+    f, params, x = _classifier()
+    with pytest.raises((TypeError, ValueError), match=match):
+        call(f, params, x)
