@@ -204,9 +204,11 @@ def hmc(
         >>> scales = torch.tensor([1.0, 10.0])
         >>> logp = lambda x: -0.5 * ((x / scales) ** 2).sum()        # N(0, diag(1, 100))
         >>> samples, info, adapted = hmc(logp, torch.zeros(2), random.key(0),
-        ...                              num_samples=2000, num_warmup=300)
-        >>> samples.std(0).round().tolist(), adapted["inverse_mass"].sqrt().round().tolist()
-        ([1.0, 10.0], [1.0, 10.0])
+        ...                              num_samples=500, num_warmup=200, num_steps=5)
+        >>> bool(((samples.std(0) / scales - 1).abs() < 0.15).all())    # the scales
+        True
+        >>> bool(((adapted["inverse_mass"].sqrt() / scales - 1).abs() < 0.25).all())
+        True
     """
     flat = Flat(init, "hmc", "init")
     target = _Target(logdensity_fn, flat, "hmc")
