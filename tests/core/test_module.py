@@ -596,6 +596,8 @@ def test_bad_input_errors():
         model.init(0)
     with pytest.raises(ValueError, match=r"key must have shape \(2,\), got \(3, 2\).*tree.stack"):
         model.init(random.split(random.key(0), 3))
+    with pytest.raises(ValueError, match=r"cannot run under vmap.*ensemble_init"):
+        torch.func.vmap(model.init)(random.split(random.key(0), 3))
 
 
 @pytest.mark.gpu

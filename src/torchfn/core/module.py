@@ -214,7 +214,15 @@ class Model:
 
         Deterministic in ``key``; different keys give different parameters.
         """
-        seed = _keyed_init.seed_from_key(_check_key(key, "init"))
+        key = _check_key(key, "init")
+        if torch._C._functorch.is_functorch_wrapped_tensor(key):
+            raise ValueError(
+                "Model.init reads its key to seed the module's own initialisers, so it cannot "
+                "run under vmap (or another torch.func transform): for a stack of "
+                "initialisations use transforms.ensemble_init(model, key, n), or a loop and "
+                "torchfn.tree.stack"
+            )
+        seed = _keyed_init.seed_from_key(key)
         with _keyed_init.SeededRandom(seed):
             module = self._materialize()
         named = dict(module.named_parameters())
