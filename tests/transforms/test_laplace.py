@@ -16,7 +16,7 @@ from torch.func import functional_call, grad
 
 import torchfn
 from torchfn import optim, random
-from torchfn.transforms import laplace, laplace_predict
+from torchfn.transforms import laplace, laplace_log_marginal, laplace_predict
 
 
 def test_bayesian_linear_regression_is_exact():
@@ -39,6 +39,35 @@ def test_bayesian_linear_regression_is_exact():
     torch.testing.assert_close(mean[:, 0], x_new @ w + 0.5)
     want = (xb @ torch.linalg.solve(H, xb.T)).diagonal() + sigma ** 2
     torch.testing.assert_close(cov[:, 0, 0], want)
+
+
+@pytest.mark.parametrize("delta", [0.1, 1.0, 10.0])
+def test_log_marginal_is_the_exact_evidence_of_bayesian_linear_regression(delta):
+    """At the posterior mean, the Laplace evidence is ``log N(y; 0, σ² I + X Xᵀ / δ)``."""
+    X = random.normal(random.key(10), (30, 3), dtype=torch.float64)
+    y = X @ torch.tensor([1.0, -2.0, 0.5], dtype=torch.float64) + 0.4 * random.normal(
+        random.key(11), (30,), dtype=torch.float64)
+    sigma = 0.4
+    A = X.T @ X / sigma ** 2 + delta * torch.eye(3, dtype=torch.float64)
+    w = torch.linalg.solve(A, X.T @ y / sigma ** 2)  # the MAP for this prior
+
+    def f(w, x):
+        return (x @ w)[None]
+
+    log_lik = torch.distributions.Normal(X @ w, sigma).log_prob(y).sum()
+    exact = torch.distributions.MultivariateNormal(
+        torch.zeros(30, dtype=torch.float64),
+        sigma ** 2 * torch.eye(30, dtype=torch.float64) + X @ X.T / delta).log_prob(y)
+    for structure in ("full", "lowrank"):
+        post = laplace(f, w, X, likelihood="regression", structure=structure, sigma=sigma,
+                       prior_precision=delta, rank=3, key=random.key(12))
+        torch.testing.assert_close(laplace_log_marginal(post, log_lik), exact)
+    # fitted at another prior, evaluated at this one (θ* kept): the same formula
+    other = laplace(f, w, X, likelihood="regression", sigma=sigma, prior_precision=3.0)
+    torch.testing.assert_close(laplace_log_marginal(other, log_lik, delta), exact)
+    d = torch.tensor(delta, dtype=torch.float64, requires_grad=True)
+    g, = torch.autograd.grad(laplace_log_marginal(other, log_lik, d), d)
+    assert torch.isfinite(g)
 
 
 def _classifier(trained=False):
@@ -139,6 +168,10 @@ def test_far_from_the_data_a_relu_nets_confidence_stays_bounded():
     (lambda f, p, x: laplace(lambda q, x: f(q, x)[None], p, x), r"apply_fn must return "
      r"one example's output of shape \(O,\), got \(1, 3\)"),
     (lambda f, p, x: laplace_predict(p, f, x), "posterior must be a LaplacePosterior"),
+    (lambda f, p, x: laplace_log_marginal(laplace(f, p, x), torch.zeros(2)),
+     "log_likelihood must be a 0-d tensor"),
+    (lambda f, p, x: laplace_log_marginal(laplace(f, p, x), torch.tensor(0.0), -1.0),
+     "prior_precision must be a positive float"),
 ])
 def test_bad_input_is_named(call, match):
     f, params, x = _classifier()

@@ -42,7 +42,12 @@ from torchfn.transforms._fixed_point import fixed_point
 from torchfn.transforms._ghost import GhostClipResult, ghost_clip_grads, ghost_norms
 from torchfn.transforms._hmc import HMCInfo, hmc, hmc_step
 from torchfn.transforms._langevin import langevin
-from torchfn.transforms._laplace import LaplacePosterior, laplace, laplace_predict
+from torchfn.transforms._laplace import (
+    LaplacePosterior,
+    laplace,
+    laplace_log_marginal,
+    laplace_predict,
+)
 from torchfn.transforms._least_squares import LeastSquaresInfo, least_squares
 from torchfn.transforms._odeint import odeint
 from torchfn.transforms._per_sample import (
@@ -95,6 +100,7 @@ __all__ = [
     "effective_sample_size",
     "laplace",
     "laplace_predict",
+    "laplace_log_marginal",
     "LaplacePosterior",
     "ReplayBuffer",
     "replay_init",
