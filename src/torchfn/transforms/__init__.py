@@ -1,5 +1,7 @@
-"""Transforms: per-sample gradients, DP-SGD and its accountant, samplers, diffusion,
-returns and advantages."""
+"""Transforms: per-sample gradients, DP-SGD and its accountant, samplers (Langevin, HMC
+and its diagnostics), diffusion, returns and advantages, curvature (Hessian products,
+spectra, the Laplace approximation) and solvers (ODEs, SDEs, fixed points, least
+squares, conjugate gradients)."""
 
 from torchfn.transforms import diffusion
 from torchfn.transforms._accountant import (
