@@ -4,6 +4,7 @@ from torchfn.models._aggregate import GINConv, SAGEConv, aggregate_neighbours
 from torchfn.models._bailing_hybrid import bailing_hybrid_from_hf, bailing_hybrid_to_hf
 from torchfn.models._beam_search import beam_search
 from torchfn.models._cnn import BasicBlock, ConvNet, ResNet
+from torchfn.models._ctc_decode import ctc_decode
 from torchfn.models._dbrx import dbrx_from_hf, dbrx_to_hf
 from torchfn.models._deepseek import deepseek_from_hf, deepseek_to_hf
 from torchfn.models._delta_net import GatedDeltaNet
@@ -116,6 +117,7 @@ __all__ = [
     "speculative_generate",
     "mtp_speculative_generate",
     "beam_search",
+    "ctc_decode",
     "from_pretrained",
     "save_pretrained",
     "llama_from_hf",
