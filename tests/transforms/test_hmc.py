@@ -25,10 +25,10 @@ def gaussian(x):  # log N(x; MEAN, COV) up to a constant
 @pytest.mark.parametrize("num_steps, step_size, inverse_mass", [
     (1, 1.2, None), (5, 1.35, None), (12, 1.35, None), (5, 0.9, (3.0, 0.5))])
 def test_one_transition_leaves_the_target_invariant(num_steps, step_size, inverse_mass):
-    """From 40000 exact draws, one transition each (a third to a half rejected at these
+    """From 20000 exact draws, one transition each (a third to a half rejected at these
     step sizes), with a unit or another mass: the mean and covariance stay the target's,
     within 4 standard errors."""
-    n = 40000
+    n = 20000
     L = torch.linalg.cholesky(COV)
     x0 = MEAN + random.normal(random.key(0), (n, 2), dtype=torch.float64) @ L.T
     keys = random.split(random.key(1), n)
@@ -53,7 +53,7 @@ def test_a_wrong_correction_would_be_caught():
     bug, no longer reversible) fails: the invariance test above has the power to see it."""
     from torchfn.transforms import _hmc
 
-    n = 40000
+    n = 20000
     L = torch.linalg.cholesky(COV)
     x0 = MEAN + random.normal(random.key(0), (n, 2), dtype=torch.float64) @ L.T
     keys = random.split(random.key(1), n)
