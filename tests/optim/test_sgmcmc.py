@@ -53,6 +53,26 @@ def test_sghmc_stationary_variance_is_the_closed_form(lr, friction, sigma):
     assert want == pytest.approx(sigma ** 2, rel=0.1)  # near σ² at these small steps
 
 
+def test_psgld_samples_each_scale_and_at_temperature_zero_is_bias_corrected_rmsprop():
+    scales = torch.tensor([0.5, 2.0], dtype=torch.float64)
+    tx = optim.psgld(0.02, random.key(5), beta=0.9999)
+    theta = random.normal(random.key(6), (5000, 2), dtype=torch.float64) * scales
+    state = tx.init(theta)
+    for _ in range(1500):
+        updates, state = tx.update(theta / scales ** 2, state)
+        theta = optim.apply_updates(theta, updates)
+    torch.testing.assert_close(theta.std(0) / scales, torch.ones(2, dtype=torch.float64),
+                               rtol=0.05, atol=0)
+    g = {"w": torch.tensor([1.0, -2.0], dtype=torch.float64)}
+    cold = optim.psgld(0.1, random.key(7), beta=0.9, eps=1e-8, temperature=0.0)
+    s, v = cold.init(g), torch.zeros(2, dtype=torch.float64)
+    for t in range(1, 4):
+        u, s = cold.update(g, s)
+        v = 0.9 * v + 0.1 * g["w"] ** 2
+        want = -0.1 * g["w"] / (1e-8 + (v / (1 - 0.9 ** t)).sqrt())
+        torch.testing.assert_close(u["w"], want)
+
+
 def test_temperature_zero_is_sgd_and_sgd_with_momentum():
     g = {"w": torch.tensor([1.0, -2.0]), "b": torch.tensor(0.5)}
     for tx, ref in [(optim.sgld(0.1, random.key(2), temperature=0.0), optim.sgd(0.1)),
@@ -93,6 +113,7 @@ def test_a_run_replays_from_its_key_and_vmap_over_keys_is_a_loop_of_chains():
     (lambda: optim.sgld(-0.1, random.key(0)), "lr"),
     (lambda: optim.sgld(0.1, random.key(0), temperature=-1.0), "temperature"),
     (lambda: optim.sghmc(0.1, random.key(0), friction=0.0), r"friction must be in \(0, 1\]"),
+    (lambda: optim.psgld(0.1, random.key(0), beta=1.5), "beta"),
 ])
 def test_bad_input_is_named(call, match):
     with pytest.raises((TypeError, ValueError), match=match):

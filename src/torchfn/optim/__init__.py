@@ -99,7 +99,7 @@ from torchfn.optim._schedules import (
     warmup_cosine,
 )
 from torchfn.optim._sgd import SGDState, sgd
-from torchfn.optim._sgmcmc import SGHMCState, SGLDState, sghmc, sgld
+from torchfn.optim._sgmcmc import PSGLDState, SGHMCState, SGLDState, psgld, sghmc, sgld
 from torchfn.optim._soap import SOAPState, soap
 from torchfn.optim._stable_adamw import StableAdamWState, stable_adamw
 
@@ -116,6 +116,8 @@ __all__ = [
     "sgd",
     "sgld",
     "sghmc",
+    "psgld",
+    "PSGLDState",
     "SGLDState",
     "SGHMCState",
     "rmsprop",
