@@ -1,5 +1,6 @@
-"""examples/bnn_hmc.py: HMC chains (one vmap) on a Bayesian MLP's params classify the
-moons, agree with each other in function space, and are less sure far from the data."""
+"""examples/bnn_hmc.py: HMC chains (one vmap), or NUTS chains, on a Bayesian MLP's params
+classify the moons, agree with each other in function space, and are less sure far from
+the data."""
 
 
 def test_posterior_predicts_mixes_and_knows_where_it_has_no_data(example):
@@ -9,3 +10,13 @@ def test_posterior_predicts_mixes_and_knows_where_it_has_no_data(example):
     assert m["accuracy"] > 0.9
     assert m["rhat_max"] < 1.1
     assert m["entropy_far"] > 1.5 * m["entropy_near"]
+
+
+def test_nuts_chains_do_the_same(example):
+    bnn = example("bnn_hmc")
+    m = bnn.main(["--sampler", "nuts", "--chains", "4", "--samples", "60", "--warmup",
+                  "60", "--max-depth", "5"])
+    assert m["accuracy"] > 0.9
+    assert m["rhat_max"] < 1.1
+    assert m["entropy_far"] > 1.5 * m["entropy_near"]
+    assert 1 <= m["leapfrog_per_draw"] <= 2 ** 5 - 1

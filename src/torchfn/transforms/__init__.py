@@ -1,5 +1,5 @@
-"""Transforms: per-sample gradients, DP-SGD and its accountant, samplers (Langevin, HMC
-and its diagnostics), diffusion, returns and advantages, curvature (Hessian products,
+"""Transforms: per-sample gradients, DP-SGD and its accountant, samplers (Langevin, HMC,
+NUTS and their diagnostics), diffusion, returns and advantages, curvature (Hessian products,
 spectra, the Laplace approximation) and solvers (ODEs, SDEs, fixed points, least
 squares, conjugate gradients)."""
 
@@ -51,6 +51,7 @@ from torchfn.transforms._laplace import (
     laplace_predict,
 )
 from torchfn.transforms._least_squares import LeastSquaresInfo, least_squares
+from torchfn.transforms._nuts import NUTSInfo, nuts, nuts_step
 from torchfn.transforms._odeint import odeint
 from torchfn.transforms._per_sample import (
     clip_coefficients,
@@ -98,6 +99,9 @@ __all__ = [
     "hmc",
     "hmc_step",
     "HMCInfo",
+    "nuts",
+    "nuts_step",
+    "NUTSInfo",
     "rhat",
     "effective_sample_size",
     "laplace",

@@ -22,6 +22,7 @@ from torch import Tensor
 from torch.func import grad_and_value
 
 from torchfn import random
+from torchfn.transforms._adaptation import warmup
 from torchfn.transforms._flat import Flat
 
 __all__ = ["HMCInfo", "hmc_step", "hmc"]
@@ -220,37 +221,16 @@ def hmc(
         raise ValueError(f"target_accept must be a float in (0, 1), got {target_accept!r}")
     x = flat.vector(init, "init")
     g, logp = target.grad_and_value(x)
-    inv_mass = torch.ones_like(x)
     log_eps = torch.tensor(float(step_size), dtype=x.dtype).log().to(x.device)
     k_warm, k_draw = random.split(key)
 
-    # dual averaging state (Hoffman & Gelman, 2014, algorithm 5)
-    def restart(log_eps: Tensor) -> tuple[Tensor, Tensor, Tensor, int]:
-        return log_eps + torch.log(torch.tensor(10.0, dtype=x.dtype)), \
-            torch.zeros((), dtype=x.dtype), torch.zeros((), dtype=x.dtype), 0
+    def transition(state, i, eps, inv_mass):
+        *state, info = _transition(target, *state, random.fold_in(k_warm, i), eps,
+                                   num_steps, inv_mass)
+        return state, info.accept_prob
 
-    mu, h_bar, log_eps_bar, t = restart(log_eps)
-    window = (int(0.15 * num_warmup), int(0.75 * num_warmup))
-    count, mean, m2 = 0, torch.zeros_like(x), torch.zeros_like(x)  # Welford
-    for i in range(num_warmup):
-        x, logp, g, info = _transition(target, x, logp, g, random.fold_in(k_warm, i),
-                                       log_eps.exp(), num_steps, inv_mass)
-        t += 1
-        eta = 1.0 / (t + 10)
-        h_bar = (1 - eta) * h_bar + eta * (target_accept - info.accept_prob)
-        log_eps = mu - t ** 0.5 / 0.05 * h_bar
-        weight = t ** -0.75
-        log_eps_bar = weight * log_eps + (1 - weight) * log_eps_bar
-        if adapt_mass and window[0] <= i < window[1]:
-            count += 1
-            delta = x - mean
-            mean = mean + delta / count
-            m2 = m2 + delta * (x - mean)
-            if i == window[1] - 1 and count >= 2:
-                var = m2 / (count - 1)
-                inv_mass = (count / (count + 5.0)) * var + 1e-3 * (5.0 / (count + 5.0))
-                mu, h_bar, log_eps_bar, t = restart(log_eps)
-    eps = log_eps_bar.exp() if num_warmup else log_eps.exp()
+    (x, logp, g), eps, inv_mass = warmup(transition, (x, logp, g), lambda s: s[0],
+                                         log_eps, num_warmup, target_accept, adapt_mass)
     draws, infos = [], []
     for i in range(num_samples):
         x, logp, g, info = _transition(target, x, logp, g, random.fold_in(k_draw, i), eps,
