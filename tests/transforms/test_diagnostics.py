@@ -1,7 +1,10 @@
 """MCMC diagnostics: split R-hat against a loop over BDA3's formula, near 1 for agreeing
 chains and large for disagreeing ones; the effective sample size against the closed
 form of AR(1) chains, ``C N (1 - phi) / (1 + phi)``, and of independent draws; both
-under vmap equal a loop."""
+under vmap equal a loop. The rank-normalised R-hat and the bulk and tail ESS (Vehtari
+et al., 2021) against a loop over Stan's algorithm with scipy's ranks and normal
+quantiles; R-hat sees a chain of another scale, the bulk ESS ignores monotone
+transforms and stays near ``C N`` for independent Cauchy draws."""
 
 from __future__ import annotations
 
@@ -13,6 +16,9 @@ from torch.func import vmap
 
 from torchfn import random
 from torchfn.transforms import effective_sample_size, rhat
+
+np = pytest.importorskip("numpy")
+stats = pytest.importorskip("scipy.stats")  # scipy is a torchfn dependency
 
 
 def _ar1(key, chains, draws, phi):
@@ -78,7 +84,112 @@ def test_per_parameter_and_under_vmap():
     torch.testing.assert_close(batched, ess)
 
 
+def _stan_ess(x):
+    """Stan's ESS of ``x (C, N)`` (float64 numpy) as its loops run: autocovariances by
+    direct sums, Geyer's initial positive then monotone sequence, the last even
+    autocorrelation added once when positive."""
+    C, N = x.shape
+    if x.max() - x.min() < np.finfo(float).resolution:
+        return float(C * N)
+    acov = np.array([[np.dot(c[:N - t] - c.mean(), c[t:] - c.mean()) / N for t in range(N)]
+                     for c in x])
+    mean_var = acov[:, 0].mean() * N / (N - 1)
+    var_plus = mean_var * (N - 1) / N + (x.mean(1).var(ddof=1) if C > 1 else 0.0)
+    rho = np.zeros(N)
+    rho[0], even, odd = 1.0, 1.0, 1.0 - (mean_var - acov[:, 1].mean()) / var_plus
+    rho[1] = odd
+    t = 1
+    while t < N - 3 and even + odd > 0:
+        even = 1.0 - (mean_var - acov[:, t + 1].mean()) / var_plus
+        odd = 1.0 - (mean_var - acov[:, t + 2].mean()) / var_plus
+        if even + odd >= 0:
+            rho[t + 1], rho[t + 2] = even, odd
+        t += 2
+    max_t = t - 2
+    if even > 0:
+        rho[max_t + 1] = even
+    t = 1
+    while t <= max_t - 2:
+        if rho[t + 1] + rho[t + 2] > rho[t - 1] + rho[t]:
+            rho[t + 1] = rho[t + 2] = (rho[t - 1] + rho[t]) / 2
+        t += 2
+    tau = -1 + 2 * rho[:max_t + 1].sum() + rho[max_t + 1:max_t + 2].sum()
+    return C * N / max(tau, 1 / np.log10(C * N))
+
+
+def _split_halves(x):
+    half = x.shape[1] // 2
+    return np.concatenate([x[:, :half], x[:, -half:]])
+
+
+def _z(x):
+    ranks = stats.rankdata(x, method="average").reshape(x.shape)
+    return stats.norm.ppf((ranks - 0.375) / (x.size + 0.25))
+
+
+def _rhat(x):  # over already split chains
+    n = x.shape[1]
+    W = x.var(1, ddof=1).mean()
+    return np.sqrt(((n - 1) / n * W + x.mean(1).var(ddof=1)) / W)
+
+
+def _test_draws(key, chains, draws):
+    """Four parameters: AR(1) chains, one chain of them 3x wider, rounded to integers
+    (ties), and independent Cauchy draws."""
+    ar = _ar1(key, chains, draws, 0.7)
+    wide = ar * torch.tensor([1.0] * (chains - 1) + [3.0], dtype=torch.float64)[:, None]
+    k1, k2 = random.split(random.fold_in(key, 1))
+    cauchy = random.normal(k1, (chains, draws), dtype=torch.float64) / random.normal(
+        k2, (chains, draws), dtype=torch.float64)
+    return torch.stack([ar, wide, (3 * ar).round(), cauchy], -1)  # (C, N, 4)
+
+
+@pytest.mark.parametrize("chains, draws", [(4, 300), (3, 101), (1, 40), (2, 7)])
+def test_rank_normalised_diagnostics_equal_stans_loops(chains, draws):
+    x = _test_draws(random.key(chains * 1000 + draws), chains, draws)
+    r = rhat(x, method="rank")
+    bulk = effective_sample_size(x, method="bulk")
+    tail = effective_sample_size(x, method="tail")
+    mean = effective_sample_size(x)  # unsplit
+    for p in range(4):
+        a = x[..., p].numpy()
+        halves = _split_halves(a)
+        want_r = max(_rhat(_z(halves)), _rhat(_z(np.abs(halves - np.median(halves)))))
+        assert r[p].item() == pytest.approx(want_r, rel=1e-10)
+        assert bulk[p].item() == pytest.approx(_stan_ess(_z(_split_halves(a))), rel=1e-8)
+        if p != 3:  # the mean of Cauchy draws has no variance to estimate
+            assert mean[p].item() == pytest.approx(_stan_ess(a), rel=1e-8)
+        ends = [_stan_ess(_split_halves((a <= np.quantile(a, q)).astype(float)))
+                for q in (0.05, 0.95)]
+        assert tail[p].item() == pytest.approx(min(ends), rel=1e-8)
+
+
+def test_rank_rhat_sees_scale_and_the_bulk_ignores_monotone_transforms():
+    x = _test_draws(random.key(7), 4, 2000)
+    split, rank = rhat(x), rhat(x, method="rank")
+    assert split[1] < 1.05 < 1.1 < rank[1]  # same means, one chain 3x wider
+    assert (rank[[0, 2, 3]] < 1.02).all()
+    # a monotone transform keeps the ranks: the bulk is unchanged (the folded tails are
+    # not, their distance to the median changes with the scale)
+    torch.testing.assert_close(effective_sample_size(x ** 3, method="bulk"),
+                               effective_sample_size(x, method="bulk"))
+    # independent Cauchy draws: the bulk ESS is about C N; the mean has no variance
+    assert 0.8 * 8000 < effective_sample_size(x[..., 3], method="bulk") < 1.2 * 8000
+
+
+def test_rank_methods_under_vmap_equal_a_loop():
+    x = torch.stack([_test_draws(random.key(s), 3, 60) for s in range(3)])  # (3, 3, 60, 4)
+    for fn in (lambda s: rhat(s, method="rank"),
+               lambda s: effective_sample_size(s, method="bulk"),
+               lambda s: effective_sample_size(s, method="tail")):
+        torch.testing.assert_close(vmap(fn)(x), torch.stack([fn(s) for s in x]))
+
+
 @pytest.mark.parametrize("call, match", [
+    (lambda: rhat(torch.zeros(2, 10), method="bulk"),
+     "rhat: method must be 'split' or 'rank', got 'bulk'"),
+    (lambda: effective_sample_size(torch.zeros(2, 10), method="rank"),
+     "effective_sample_size: method must be 'mean', 'bulk' or 'tail', got 'rank'"),
     (lambda: rhat(torch.zeros(10)), r"samples must have shape \(chains, draws, ...\)"),
     (lambda: rhat(torch.zeros(2, 3)), "at least 4 draws"),
     (lambda: effective_sample_size(torch.zeros(2, 10, dtype=torch.long)),

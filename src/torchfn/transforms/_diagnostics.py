@@ -1,5 +1,8 @@
 """MCMC diagnostics over chains: split R-hat and the effective sample size, Stan's
-estimators (as blackjax, numpyro and ArviZ compute them, without rank normalisation).
+estimators as blackjax, numpyro and ArviZ compute them, and their rank-normalised forms
+(Vehtari et al., 2021: ``method="rank"`` R-hat, ``"bulk"`` and ``"tail"`` ESS, ArviZ's
+and Stan's defaults today), which also see chains that differ in scale or in the tails
+and stay meaningful for heavy-tailed draws.
 
 Both take draws ``(chains, draws, ...)`` (what ``vmap`` over :func:`hmc` returns) and
 give one value per parameter ``(...)``; neither branches on values, so they run under
@@ -33,13 +36,57 @@ def _variances(x: Tensor) -> tuple[Tensor, Tensor]:
     return within, (n - 1) / n * within + between
 
 
-def rhat(samples: Tensor) -> Tensor:
+def _split(x: Tensor) -> Tensor:
+    """Each chain cut in two halves: ``(C, N, ...)`` -> ``(2C, N // 2, ...)`` (an odd
+    ``N`` drops the middle draw)."""
+    half = x.shape[1] // 2
+    return torch.cat([x[:, :half], x[:, -half:]])
+
+
+def _rhat_of(halves: Tensor) -> Tensor:
+    """``sqrt(var+ / W)`` over already split chains."""
+    within, pooled = _variances(halves)
+    return (pooled / within).sqrt()
+
+
+def _quantile(x: Tensor, q: float) -> Tensor:
+    """The ``q`` quantile of all draws of ``x (C, N, ...)`` per parameter, interpolated
+    linearly (R's type 7, numpy's default); by a sort, which has a ``vmap`` rule where
+    ``torch.quantile`` has none."""
+    ordered = x.reshape(-1, *x.shape[2:]).sort(0).values  # (S, ...)
+    h = (ordered.shape[0] - 1) * q
+    lo = int(h)
+    hi = min(lo + 1, ordered.shape[0] - 1)
+    return ordered[lo] + (h - lo) * (ordered[hi] - ordered[lo])
+
+
+def _rank_normal(x: Tensor) -> Tensor:
+    """The normal scores of the pooled ranks: ``Φ⁻¹((r - 3/8) / (S + 1/4))`` with ``r``
+    the average rank (ties share it) among all ``S = C N`` draws, per parameter."""
+    C, N = x.shape[:2]
+    flat = x.reshape(C * N, -1).T.contiguous()  # (P, S)
+    ordered = flat.sort(-1).values.contiguous()
+    lo = torch.searchsorted(ordered, flat, side="left")
+    hi = torch.searchsorted(ordered, flat, side="right")
+    rank = (lo + hi + 1).to(x.dtype) / 2  # 1-based average rank
+    z = torch.special.ndtri((rank - 0.375) / (C * N + 0.25))
+    return z.T.reshape(x.shape)
+
+
+def rhat(samples: Tensor, *, method: str = "split") -> Tensor:
     """Split R-hat (Gelman et al., *Bayesian Data Analysis*, 3rd ed., 11.4): each chain
     cut in two halves, ``sqrt(var+ / W)`` over the ``2 * chains`` halves. Near 1 when the
     chains agree; above 1.01 is Stan's warning sign.
 
+    ``method="rank"`` is the rank-normalised R-hat of Vehtari et al. (2021), ArviZ's
+    default: the larger of the split R-hat of the draws' normal scores (the bulk) and of
+    the normal scores of their distance to the median (the tails), so chains with the
+    same mean but different scales are caught; the bulk part is the same for any
+    monotone transform of the draws.
+
     Args:
         samples: ``(chains, draws, ...)`` draws, ``draws >= 4``.
+        method: ``"split"`` or ``"rank"``.
 
     Returns:
         ``(...)``: one R-hat per parameter.
@@ -52,23 +99,39 @@ def rhat(samples: Tensor) -> Tensor:
         >>> stuck = mixed + torch.arange(4.0)[:, None]                  # 4 disagreeing ones
         >>> bool(rhat(mixed) < 1.01), bool(rhat(stuck) > 1.5)
         (True, True)
+        >>> wide = mixed * torch.tensor([1.0, 1.0, 1.0, 3.0])[:, None]  # one chain wider
+        >>> bool(rhat(wide) < 1.05), bool(rhat(wide, method="rank") > 1.1)
+        (True, True)
     """
     x = _check(samples, "rhat", 4)
-    half = x.shape[1] // 2
-    split = torch.cat([x[:, :half], x[:, -half:]])  # (2C, N/2, ...): drops a middle draw
-    within, pooled = _variances(split)
-    return (pooled / within).sqrt()
+    if method == "split":
+        return _rhat_of(_split(x))
+    if method != "rank":
+        raise ValueError(f"rhat: method must be 'split' or 'rank', got {method!r}")
+    # split first, then fold and rank (an odd chain's middle draw is left out), as
+    # ArviZ; the median is numpy's (the mean of the middle two)
+    halves = _split(x)
+    bulk = _rhat_of(_rank_normal(halves))
+    tail = _rhat_of(_rank_normal((halves - _quantile(halves, 0.5)).abs()))
+    return torch.maximum(bulk, tail)
 
 
-def effective_sample_size(samples: Tensor) -> Tensor:
+def effective_sample_size(samples: Tensor, *, method: str = "mean") -> Tensor:
     """The effective sample size of the chains' mean (Stan's estimator; Geyer's initial
     monotone sequence): ``chains * draws / tau`` with the integrated autocorrelation time
     ``tau = -1 + 2 sum_k (rho_2k + rho_2k+1)``, the pair sums cut at the first negative
     one and made non-increasing, and ``rho_t`` the autocorrelation combined over chains
     through ``var+`` (so disagreeing chains count as correlated).
 
+    ``method="bulk"`` and ``"tail"`` are Vehtari et al.'s (2021), ArviZ's and Stan's
+    ``ess_bulk`` / ``ess_tail``, on split chains as theirs: the ESS of the draws' normal
+    scores (for the centre of the distribution, finite for heavy tails), and the smaller
+    ESS of the indicators of the draws below their 5% and 95% quantiles (for interval
+    ends).
+
     Args:
         samples: ``(chains, draws, ...)`` draws, ``draws >= 4``.
+        method: ``"mean"``, ``"bulk"`` or ``"tail"``.
 
     Returns:
         ``(...)``: one effective sample size per parameter (``chains * draws`` for
@@ -81,8 +144,29 @@ def effective_sample_size(samples: Tensor) -> Tensor:
         >>> iid = random.normal(random.key(0), (4, 1000))
         >>> 3600 < float(effective_sample_size(iid)) < 4400
         True
+        >>> heavy = iid / random.normal(random.key(1), (4, 1000))        # Cauchy draws
+        >>> 3600 < float(effective_sample_size(heavy, method="bulk")) < 4400
+        True
     """
     x = _check(samples, "effective_sample_size", 4)
+    if method == "mean":
+        return _ess(x)
+    if method == "bulk":
+        return _ess(_rank_normal(_split(x)))
+    if method != "tail":
+        raise ValueError(f"effective_sample_size: method must be 'mean', 'bulk' or 'tail', "
+                         f"got {method!r}")
+    low, high = _quantile(x, 0.05), _quantile(x, 0.95)
+    return torch.minimum(_ess(_split((x <= low).to(x.dtype))),
+                         _ess(_split((x <= high).to(x.dtype))))
+
+
+def _ess(x: Tensor) -> Tensor:
+    """``C N / tau`` of ``x (C, N, ...)``, as Stan's and ArviZ's ``_ess``: autocorrelation
+    pairs ``P_k = rho_2k + rho_2k+1`` summed up to the first non-positive one (or the last
+    pair their loop reaches, ``k = (N - 3) // 2``), made non-increasing, and the even
+    autocorrelation of that stopping pair added once (a negative one only when the pair
+    sum is not negative), as their loops do."""
     C, N = x.shape[:2]
     centred = x - x.mean(1, keepdim=True)
     size = 1 << (2 * N - 1).bit_length()  # zero-padded FFT: no circular wrap
@@ -91,9 +175,22 @@ def effective_sample_size(samples: Tensor) -> Tensor:
     within, pooled = _variances(x)
     rho = 1 - (within - acov.mean(0)) / pooled  # (N, ...)
     rho = torch.cat([torch.ones_like(rho[:1]), rho[1:]])
-    even = N - N % 2
-    pairs = rho[0:even:2] + rho[1:even:2]  # (N // 2, ...)
-    # Geyer: stop at the first negative pair sum, and make the sums non-increasing
-    pairs = torch.cat([pairs[:1], pairs[1:].clamp(min=0).cummin(0).values])
-    tau = -1 + 2 * pairs.sum(0)
-    return C * N / tau.clamp(min=1.0 / torch.log10(torch.tensor(float(C * N))))
+    K = (N - 3) // 2
+    floor = 1.0 / torch.log10(torch.tensor(float(C * N), dtype=x.dtype, device=x.device))
+    if K == 0:  # too few draws for one pair: Stan's tau is 0, clamped below
+        return torch.where(pooled > 0, C * N / floor, float(C * N))
+    even, odd = rho[0:2 * K + 1:2], rho[1:2 * K + 2:2]  # (K + 1, ...) each
+    pairs = even + odd
+    bad = pairs[1:] <= 0
+    bad[-1] = True  # the loop stops at the last pair it reaches
+    seen = bad.long().cumsum(0)
+    kept = seen == 0  # pairs 1..K before the first bad one
+    first = bad & (seen == 1)
+    monotone = pairs.cummin(0).values  # Geyer: non-increasing
+    # the stopping pair's even term, once: as it is when Stan kept the pair (sum >= 0),
+    # else only when positive
+    last = torch.where(pairs[1:] >= 0, even[1:], even[1:].clamp(min=0))
+    tau = -1 + 2 * (pairs[0] + (monotone[1:] * kept).sum(0)) + (last * first).sum(0)
+    tau = torch.where(pairs[0] > 0, tau, 0.0)  # rho_1 <= -1 (a few draws): Stan stops at once
+    # constant draws (an indicator never true in a short run): C N, as Stan and ArviZ
+    return torch.where(pooled > 0, C * N / torch.maximum(tau, floor), float(C * N))
