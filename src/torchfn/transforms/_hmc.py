@@ -174,13 +174,15 @@ def hmc(
     adapt_mass: bool = True,
 ) -> tuple[Any, HMCInfo, dict[str, Any]]:
     """A chain of HMC draws after a warm-up that tunes the step size and a diagonal mass
-    matrix (Stan's and blackjax's window adaptation, simplified to one mass window).
+    matrix (Stan's and blackjax's window adaptation).
 
     Warm-up: dual averaging of ``log step_size`` to make the mean acceptance
     ``target_accept`` (Hoffman & Gelman's constants ``gamma=0.05, t0=10, kappa=0.75``);
-    with ``adapt_mass``, the draws of the middle of warm-up (from 15% to 75%) give the
-    inverse mass (their variance, shrunk to 1e-3 as Stan does) and dual averaging
-    restarts. Then ``num_samples`` transitions with the final averaged step size.
+    with ``adapt_mass``, Stan's windows: after a buffer of 75 transitions, slow windows
+    of 25, 50, 100, ... draws (the last stretched to end 50 before the warm-up does;
+    15% / 10% buffers and one window below 150 transitions, none below 20) each give
+    the inverse mass (their variance, shrunk to 1e-3 as Stan does) and restart dual
+    averaging. Then ``num_samples`` transitions with the final averaged step size.
 
     Args:
         logdensity_fn: ``position -> ()``, the log density up to a constant.

@@ -360,8 +360,8 @@ def nuts(
     num_chains: int | None = None,
 ) -> tuple[Any, NUTSInfo, dict[str, Any]]:
     """Chains of NUTS draws after the warm-up of :func:`hmc` (dual averaging of the step
-    size to ``target_accept``, a diagonal mass from the middle 60% of warm-up), each
-    chain adapting on its own.
+    size to ``target_accept``, a diagonal mass from Stan's doubling windows), each chain
+    adapting on its own.
 
     Args:
         logdensity_fn: ``position -> ()``, the log density up to a constant; it is

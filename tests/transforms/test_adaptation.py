@@ -1,0 +1,70 @@
+"""The warm-up's schedule is Stan's windowed adaptation, transition for transition: the
+windows of ``windows(n)`` equal those of a replay of Stan's ``windowed_adaptation``
+counters (its C++ logic, step by step) for every warm-up length up to 1500; chains
+started far out learn the target's scales."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.func import vmap
+
+from torchfn import random
+from torchfn.transforms import hmc
+from torchfn.transforms._adaptation import windows
+
+
+def _stan_windows(num_warmup: int) -> tuple[list[int], list[int]]:
+    """Stan's counters replayed: the transitions whose draws enter the variance
+    estimator, and those that end a window."""
+    if num_warmup < 20:
+        return [], []
+    init, term, base = 75, 50, 25
+    if init + base + term > num_warmup:
+        init, term = int(0.15 * num_warmup), int(0.1 * num_warmup)
+        base = num_warmup - (init + term)
+    size, next_end = base, init + base - 1
+    added, ended = [], []
+    for counter in range(num_warmup):
+        if init <= counter < num_warmup - term and counter != num_warmup:
+            added.append(counter)
+        if counter == next_end and counter != num_warmup:
+            ended.append(counter)
+            if next_end != num_warmup - term - 1:  # compute_next_window
+                size *= 2
+                next_end = counter + size
+                if next_end != num_warmup - term - 1 and \
+                        next_end + 2 * size >= num_warmup - term:
+                    next_end = num_warmup - term - 1
+    return added, ended
+
+
+def test_windows_are_stans_for_every_warmup_length():
+    for n in range(0, 1501):
+        first, ends = windows(n)
+        added, ended = _stan_windows(n)
+        assert ends == ended, n
+        assert (list(range(first, ends[-1] + 1)) if ends else []) == added, n
+    assert windows(500) == (75, [99, 149, 249, 449])  # Stan's default: 25, 50, 100, 200
+
+
+def test_chains_started_far_out_learn_the_scales():
+    """4 chains from 30 standard deviations out on a 20-d Gaussian of scales 0.5..3,
+    Stan's default 500 warm-up transitions (windows of 25, 50, 100 and 200 after a
+    buffer of 75): the mass of the last window is within 25% of each variance."""
+    scales = torch.linspace(0.5, 3.0, 20, dtype=torch.float64)
+
+    def logp(x):
+        return -0.5 * ((x / scales) ** 2).sum()
+
+    inits = 30 * scales.expand(4, 20).clone()
+    _, _, adapted = vmap(lambda x0, k: hmc(logp, x0, k, num_samples=1, num_warmup=500,
+                                           num_steps=3, step_size=0.05))(
+        inits, random.split(random.key(0), 4))
+    learned = adapted["inverse_mass"].sqrt() / scales  # (4, 20): 1 when learned
+    assert ((learned - 1).abs() < 0.25).all()
+
+
+@pytest.mark.parametrize("n", [0, 5, 19])
+def test_short_warmups_adapt_only_the_step_size(n):
+    assert windows(n) == (n, [])
