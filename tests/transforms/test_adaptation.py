@@ -68,3 +68,37 @@ def test_chains_started_far_out_learn_the_scales():
 @pytest.mark.parametrize("n", [0, 5, 19])
 def test_short_warmups_adapt_only_the_step_size(n):
     assert windows(n) == (n, [])
+
+
+def test_the_step_size_search_lands_where_one_step_accepts_about_08():
+    """Stan's ``init_stepsize`` on a 100-d standard Gaussian, from 1e-4 (doubling) and
+    from 100 (halving): both land within a factor of 2 of the step where one leapfrog
+    step's mean ``min(1, exp(H0 - H))`` crosses 0.8 (found here by a scan); under
+    ``vmap`` (every search runs its 50 masked steps) each chain's step is the eager one."""
+    from torchfn.transforms._adaptation import search_step_size
+    from torchfn.transforms._flat import Flat
+    from torchfn.transforms._hmc import _energy_change, _Target
+
+    x = random.normal(random.key(1), (100,), dtype=torch.float64)
+    target = _Target(lambda v: -0.5 * (v ** 2).sum(), Flat(x, "t", "x"), "t")
+    g, logp = target.grad_and_value(x)
+    ones = torch.ones_like(x)
+
+    def change(state, j, eps, inv_mass):
+        return _energy_change(target, *state, random.fold_in(random.key(2), j), eps,
+                              inv_mass)
+
+    def mean_accept(eps):
+        return torch.stack([change((x, logp, g), 1000 + j, torch.tensor(eps), ones)
+                            for j in range(200)]).clamp(max=0).exp().mean().item()
+
+    grid = [2 ** (k / 4) for k in range(-20, 12)]
+    crossing = next(e for e in grid if mean_accept(e) < 0.8)
+    for start in (1e-4, 100.0):
+        eps = search_step_size(change, (x, logp, g), torch.tensor(start, dtype=x.dtype),
+                               ones, 0).item()
+        assert crossing / 2 <= eps <= 2 * crossing, (start, eps, crossing)
+    starts = torch.tensor([1e-4, 100.0, 0.3], dtype=torch.float64)
+    batched = vmap(lambda e: search_step_size(change, (x, logp, g), e, ones, 0))(starts)
+    for e, b in zip(starts, batched):
+        assert b.item() == search_step_size(change, (x, logp, g), e, ones, 0).item()

@@ -11,6 +11,7 @@ or ``(C,)`` for ``C`` chains, each adapting on its own, exactly as if run alone.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -19,6 +20,31 @@ from torch import Tensor
 
 # Transition(state, i, step_size (...), inverse_mass (..., n)) -> (state, accept_prob (...))
 Transition = Callable[[Any, int, Tensor, Tensor], tuple[Any, Tensor]]
+# EnergyChange(state, j, step_size, inverse_mass) -> H0 - H (...) after one leapfrog step
+# from ``state`` with the j-th fresh momentum (-inf for a NaN energy)
+EnergyChange = Callable[[Any, int, Tensor, Tensor], Tensor]
+
+_LOG_08 = math.log(0.8)
+_SEARCH_STEPS = 50  # doublings or halvings at most: a factor of 2**49 either way
+
+
+def search_step_size(energy_change: EnergyChange, state: Any, eps: Tensor,
+                     inv_mass: Tensor, first: int) -> Tensor:
+    """Stan's ``init_stepsize`` heuristic: one leapfrog step with a fresh momentum; while
+    ``exp(H0 - H)`` stays on the side of 0.8 it started on, double (above) or halve
+    (below) the step. Per chain; a chain that has crossed keeps its step (a ``where``,
+    so it runs under ``vmap``; outside transforms the loop ends once all have crossed).
+    ``first`` numbers the momenta of this search."""
+    up = energy_change(state, first, eps, inv_mass) > _LOG_08
+    done = torch.zeros_like(up)
+    eager = not torch._C._are_functorch_transforms_active()
+    for j in range(1, _SEARCH_STEPS):
+        if eager and bool(done.all()):
+            break
+        change = energy_change(state, first + j, eps, inv_mass)
+        done = done | torch.where(up, ~(change > _LOG_08), ~(change < _LOG_08))
+        eps = torch.where(done, eps, torch.where(up, 2 * eps, 0.5 * eps))
+    return eps
 
 
 def windows(num_warmup: int) -> tuple[int, list[int]]:
@@ -42,13 +68,14 @@ def windows(num_warmup: int) -> tuple[int, list[int]]:
             end = last
 
 
-def warmup(transition: Transition, state: Any, position: Callable[[Any], Tensor],
-           log_eps: Tensor, num_warmup: int, target_accept: float, adapt_mass: bool
-           ) -> tuple[Any, Tensor, Tensor]:
+def warmup(transition: Transition, energy_change: EnergyChange, state: Any,
+           position: Callable[[Any], Tensor], log_eps: Tensor, num_warmup: int,
+           target_accept: float, adapt_mass: bool) -> tuple[Any, Tensor, Tensor]:
     """``num_warmup`` transitions that tune ``log_eps`` to make the mean acceptance
     ``target_accept`` (constants ``gamma=0.05, t0=10, kappa=0.75``); with ``adapt_mass``,
     the positions of each of Stan's slow windows give the inverse mass (their variance,
-    shrunk towards 1e-3), and dual averaging restarts at each window's end.
+    shrunk towards 1e-3). At the start and after each new mass, Stan's step-size search
+    (:func:`search_step_size`) and a restart of dual averaging from it.
 
     Returns ``(state, step_size, inverse_mass)``: the step size is the averaged one
     (``log_eps.exp()`` as given when ``num_warmup`` is 0).
@@ -61,6 +88,13 @@ def warmup(transition: Transition, state: Any, position: Callable[[Any], Tensor]
         zeros = torch.zeros_like(log_eps)
         return log_eps + ten, zeros, zeros, 0
 
+    def search(log_eps: Tensor, inv_mass: Tensor, round_: int) -> Tensor:
+        eps = search_step_size(energy_change, state, log_eps.exp(), inv_mass,
+                               round_ * _SEARCH_STEPS)
+        return eps.log()
+
+    if num_warmup:
+        log_eps = search(log_eps, inv_mass, 0)
     mu, h_bar, log_eps_bar, t = restart(log_eps)
     first, ends = windows(num_warmup) if adapt_mass else (num_warmup, [])
     count, mean, m2 = 0, torch.zeros_like(x), torch.zeros_like(x)  # Welford
@@ -82,6 +116,7 @@ def warmup(transition: Transition, state: Any, position: Callable[[Any], Tensor]
                 var = m2 / (count - 1)
                 inv_mass = (count / (count + 5.0)) * var + 1e-3 * (5.0 / (count + 5.0))
                 count, mean, m2 = 0, torch.zeros_like(x), torch.zeros_like(x)
+                log_eps = search(log_eps, inv_mass, 1 + ends.index(i))
                 mu, h_bar, log_eps_bar, t = restart(log_eps)
     step_size = log_eps_bar.exp() if num_warmup else log_eps.exp()
     return state, step_size, inv_mass

@@ -109,6 +109,20 @@ def _transition(target: _Target, x: Tensor, logp: Tensor, g: Tensor, key: Tensor
     return x_new, logp_new, g_new, HMCInfo(accept_prob, accepted, logp_new)
 
 
+def _energy_change(target: _Target, x: Tensor, logp: Tensor, g: Tensor, key: Tensor,
+                   step_size: Tensor, inv_mass: Tensor) -> Tensor:
+    """``H0 - H`` after one leapfrog step from ``x`` with a momentum from ``key`` (-inf
+    for a NaN energy): what Stan's step-size search reads."""
+    p = random.normal(key, x.shape, dtype=x.dtype).to(x.device) * inv_mass.rsqrt()
+    h0 = -logp + 0.5 * (inv_mass * p * p).sum()
+    p1 = p + 0.5 * step_size * g
+    x1 = x + step_size * inv_mass * p1
+    g1, logp1 = target.grad_and_value(x1)
+    p1 = p1 + 0.5 * step_size * g1
+    change = (h0 - (-logp1 + 0.5 * (inv_mass * p1 * p1).sum())).detach()
+    return torch.where(torch.isnan(change), -torch.inf, change)
+
+
 def hmc_step(
     logdensity_fn: Callable[[Any], Tensor],
     position: Any,
@@ -181,8 +195,10 @@ def hmc(
     with ``adapt_mass``, Stan's windows: after a buffer of 75 transitions, slow windows
     of 25, 50, 100, ... draws (the last stretched to end 50 before the warm-up does;
     15% / 10% buffers and one window below 150 transitions, none below 20) each give
-    the inverse mass (their variance, shrunk to 1e-3 as Stan does) and restart dual
-    averaging. Then ``num_samples`` transitions with the final averaged step size.
+    the inverse mass (their variance, shrunk to 1e-3 as Stan does). At the start and
+    after each new mass, Stan's step-size search (double or halve while one leapfrog
+    step's ``exp(H0 - H)`` stays on its side of 0.8) and a restart of dual averaging
+    from there. Then ``num_samples`` transitions with the final averaged step size.
 
     Args:
         logdensity_fn: ``position -> ()``, the log density up to a constant.
@@ -191,7 +207,7 @@ def hmc(
         num_samples: draws to return.
         num_warmup: warm-up transitions (0: no adaptation; ``step_size`` as given).
         num_steps: leapfrog steps per transition.
-        step_size: the initial (or, without warm-up, fixed) step size.
+        step_size: where the step-size search starts (without warm-up: the fixed step).
         target_accept: the acceptance dual averaging aims at.
         adapt_mass: learn the diagonal mass matrix during warm-up.
 
@@ -224,15 +240,19 @@ def hmc(
     x = flat.vector(init, "init")
     g, logp = target.grad_and_value(x)
     log_eps = torch.tensor(float(step_size), dtype=x.dtype).log().to(x.device)
-    k_warm, k_draw = random.split(key)
+    k_warm, k_draw, k_search = random.split(key, 3)
 
     def transition(state, i, eps, inv_mass):
         *state, info = _transition(target, *state, random.fold_in(k_warm, i), eps,
                                    num_steps, inv_mass)
         return state, info.accept_prob
 
-    (x, logp, g), eps, inv_mass = warmup(transition, (x, logp, g), lambda s: s[0],
-                                         log_eps, num_warmup, target_accept, adapt_mass)
+    def energy_change(state, j, eps, inv_mass):
+        return _energy_change(target, *state, random.fold_in(k_search, j), eps, inv_mass)
+
+    (x, logp, g), eps, inv_mass = warmup(transition, energy_change, (x, logp, g),
+                                         lambda s: s[0], log_eps, num_warmup,
+                                         target_accept, adapt_mass)
     draws, infos = [], []
     for i in range(num_samples):
         x, logp, g, info = _transition(target, x, logp, g, random.fold_in(k_draw, i), eps,

@@ -360,8 +360,9 @@ def nuts(
     num_chains: int | None = None,
 ) -> tuple[Any, NUTSInfo, dict[str, Any]]:
     """Chains of NUTS draws after the warm-up of :func:`hmc` (dual averaging of the step
-    size to ``target_accept``, a diagonal mass from Stan's doubling windows), each chain
-    adapting on its own.
+    size to ``target_accept``, a diagonal mass from Stan's doubling windows, Stan's
+    step-size search at the start and after each new mass), each chain adapting on its
+    own.
 
     Args:
         logdensity_fn: ``position -> ()``, the log density up to a constant; it is
@@ -372,7 +373,7 @@ def nuts(
             ``random.split(key, C)[c]`` and equals ``nuts`` run alone from that key.
         num_samples: draws to return.
         num_warmup: warm-up transitions (0: ``step_size`` as given, unit mass).
-        step_size: the initial (or, without warm-up, fixed) step size.
+        step_size: where the step-size search starts (without warm-up: the fixed step).
         max_depth: at most ``2**max_depth`` leapfrog steps per draw.
         target_accept: the mean acceptance dual averaging aims at (Stan: 0.8).
         adapt_mass: learn the diagonal mass matrix during warm-up.
@@ -405,7 +406,7 @@ def nuts(
         raise ValueError(f"nuts: target_accept must be a float in (0, 1), got "
                          f"{target_accept!r}")
     g, logp = target.grad_and_value(x)
-    k_warm, k_draw = vmap(random.split, out_dims=1)(keys)  # (C, 2) each
+    k_warm, k_draw, k_search = vmap(partial(random.split, num=3), out_dims=1)(keys)
     log_eps = torch.full_like(logp, float(step_size)).log()  # (C,)
 
     def transition(state, i, eps, inv_mass):
@@ -413,8 +414,18 @@ def nuts(
         *state, info = _transition(target, *state, step_keys, eps, inv_mass, max_depth)
         return state, info.accept_prob
 
-    (x, logp, g), eps, inv_mass = warmup(transition, (x, logp, g), lambda s: s[0],
-                                         log_eps, num_warmup, target_accept, adapt_mass)
+    def energy_change(state, j, eps, inv_mass):
+        x, logp, g = state
+        k = vmap(random.fold_in, in_dims=(0, None))(k_search, j)
+        p = vmap(lambda k: random.normal(k, (x.shape[1],), dtype=x.dtype))(k).to(x.device)
+        p = p * inv_mass.rsqrt()
+        h0 = -logp + 0.5 * (inv_mass * p * p).sum(-1)
+        traj = _Trajectory(target, eps, inv_mass, h0)
+        return traj.leaf(_Leaf(x, p, g, logp), torch.ones_like(eps)).log_w  # H0 - H
+
+    (x, logp, g), eps, inv_mass = warmup(transition, energy_change, (x, logp, g),
+                                         lambda s: s[0], log_eps, num_warmup,
+                                         target_accept, adapt_mass)
     draws, infos = [], []
     for i in range(num_samples):
         step_keys = vmap(random.fold_in, in_dims=(0, None))(k_draw, i)
