@@ -78,11 +78,12 @@ def test_the_step_size_search_lands_where_one_step_accepts_about_08():
     from torchfn.transforms._adaptation import search_step_size
     from torchfn.transforms._flat import Flat
     from torchfn.transforms._hmc import _energy_change, _Target
+    from torchfn.transforms._metric import Metric
 
     x = random.normal(random.key(1), (100,), dtype=torch.float64)
     target = _Target(lambda v: -0.5 * (v ** 2).sum(), Flat(x, "t", "x"), "t")
     g, logp = target.grad_and_value(x)
-    ones = torch.ones_like(x)
+    ones = Metric(torch.ones_like(x), dense=False)
 
     def change(state, j, eps, inv_mass):
         return _energy_change(target, *state, random.fold_in(random.key(2), j), eps,

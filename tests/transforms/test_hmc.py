@@ -168,3 +168,34 @@ def test_without_warmup_the_step_size_is_kept():
 def test_bad_input_is_named(call, match):
     with pytest.raises((TypeError, ValueError), match=match):
         call()
+
+
+def test_dense_mass_keeps_the_target_and_chains_under_vmap_are_chains_alone():
+    """One transition with a dense ``M⁻¹`` from exact draws keeps the mean and covariance;
+    ``hmc(dense_mass=True)`` under ``vmap`` (the Cholesky, triangular solves and the
+    step-size search batched) equals each chain alone and learns the covariance."""
+    n = 20000
+    L = torch.linalg.cholesky(COV)
+    x0 = MEAN + random.normal(random.key(0), (n, 2), dtype=torch.float64) @ L.T
+    dense = torch.tensor([[2.0, -0.6], [-0.6, 0.7]], dtype=torch.float64)
+    x1, info = vmap(lambda x, k: hmc_step(gaussian, x, k, step_size=1.0, num_steps=3,
+                                          inverse_mass=dense, dense_mass=True))(
+        x0, random.split(random.key(1), n))
+    assert 0.2 < info.accepted.double().mean() < 0.95
+    se_cov = ((COV ** 2 + COV.diagonal()[:, None] * COV.diagonal()[None]) / n).sqrt()
+    assert ((torch.cov(x1.T) - COV).abs() < 4 * se_cov).all()
+
+    keys = random.split(random.key(3), 3)
+    inits = random.normal(random.key(4), (3, 2), dtype=torch.float64)
+
+    def chain(x0, key):
+        return hmc(gaussian, x0, key, num_samples=100, num_warmup=200, num_steps=5,
+                   dense_mass=True)
+
+    samples, _, adapted = vmap(chain)(inits, keys)
+    assert adapted["inverse_mass"].shape == (3, 2, 2)
+    torch.testing.assert_close(adapted["inverse_mass"].mean(0), COV, rtol=0.4, atol=0.3)
+    for c in range(3):
+        one, _, one_adapted = chain(inits[c], keys[c])
+        torch.testing.assert_close(samples[c], one)
+        torch.testing.assert_close(adapted["inverse_mass"][c], one_adapted["inverse_mass"])

@@ -1,5 +1,5 @@
 """The warm-up shared by :func:`hmc` and :func:`nuts`: dual averaging of the step size
-(Hoffman & Gelman, 2014, algorithm 5) and Stan's windowed adaptation of a diagonal mass
+(Hoffman & Gelman, 2014, algorithm 5) and Stan's windowed adaptation of a diagonal or dense mass
 matrix (its regularised variance estimate): a fast initial buffer (75 transitions), slow
 windows that double from 25 and each end in a new mass and a restart of dual averaging,
 and a fast terminal buffer (50) for the final step size; short warm-ups scale the
@@ -18,30 +18,32 @@ from typing import Any
 import torch
 from torch import Tensor
 
-# Transition(state, i, step_size (...), inverse_mass (..., n)) -> (state, accept_prob (...))
-Transition = Callable[[Any, int, Tensor, Tensor], tuple[Any, Tensor]]
-# EnergyChange(state, j, step_size, inverse_mass) -> H0 - H (...) after one leapfrog step
+from torchfn.transforms._metric import Metric
+
+# Transition(state, i, step_size (...), metric) -> (state, accept_prob (...))
+Transition = Callable[[Any, int, Tensor, Metric], tuple[Any, Tensor]]
+# EnergyChange(state, j, step_size, metric) -> H0 - H (...) after one leapfrog step
 # from ``state`` with the j-th fresh momentum (-inf for a NaN energy)
-EnergyChange = Callable[[Any, int, Tensor, Tensor], Tensor]
+EnergyChange = Callable[[Any, int, Tensor, Metric], Tensor]
 
 _LOG_08 = math.log(0.8)
 _SEARCH_STEPS = 50  # doublings or halvings at most: a factor of 2**49 either way
 
 
 def search_step_size(energy_change: EnergyChange, state: Any, eps: Tensor,
-                     inv_mass: Tensor, first: int) -> Tensor:
+                     metric: Metric, first: int) -> Tensor:
     """Stan's ``init_stepsize`` heuristic: one leapfrog step with a fresh momentum; while
     ``exp(H0 - H)`` stays on the side of 0.8 it started on, double (above) or halve
     (below) the step. Per chain; a chain that has crossed keeps its step (a ``where``,
     so it runs under ``vmap``; outside transforms the loop ends once all have crossed).
     ``first`` numbers the momenta of this search."""
-    up = energy_change(state, first, eps, inv_mass) > _LOG_08
+    up = energy_change(state, first, eps, metric) > _LOG_08
     done = torch.zeros_like(up)
     eager = not torch._C._are_functorch_transforms_active()
     for j in range(1, _SEARCH_STEPS):
         if eager and bool(done.all()):
             break
-        change = energy_change(state, first + j, eps, inv_mass)
+        change = energy_change(state, first + j, eps, metric)
         done = done | torch.where(up, ~(change > _LOG_08), ~(change < _LOG_08))
         eps = torch.where(done, eps, torch.where(up, 2 * eps, 0.5 * eps))
     return eps
@@ -70,36 +72,38 @@ def windows(num_warmup: int) -> tuple[int, list[int]]:
 
 def warmup(transition: Transition, energy_change: EnergyChange, state: Any,
            position: Callable[[Any], Tensor], log_eps: Tensor, num_warmup: int,
-           target_accept: float, adapt_mass: bool) -> tuple[Any, Tensor, Tensor]:
+           target_accept: float, adapt_mass: bool, dense: bool = False
+           ) -> tuple[Any, Tensor, Metric]:
     """``num_warmup`` transitions that tune ``log_eps`` to make the mean acceptance
     ``target_accept`` (constants ``gamma=0.05, t0=10, kappa=0.75``); with ``adapt_mass``,
     the positions of each of Stan's slow windows give the inverse mass (their variance,
-    shrunk towards 1e-3). At the start and after each new mass, Stan's step-size search
-    (:func:`search_step_size`) and a restart of dual averaging from it.
+    or with ``dense`` their covariance, shrunk towards 1e-3 as Stan does). At the start
+    and after each new mass, Stan's step-size search (:func:`search_step_size`) and a
+    restart of dual averaging from it.
 
-    Returns ``(state, step_size, inverse_mass)``: the step size is the averaged one
+    Returns ``(state, step_size, metric)``: the step size is the averaged one
     (``log_eps.exp()`` as given when ``num_warmup`` is 0).
     """
     x = position(state)  # (..., n)
-    inv_mass = torch.ones_like(x)
+    metric = Metric.identity(x, dense)
     ten = torch.log(torch.tensor(10.0, dtype=x.dtype, device=x.device))
 
     def restart(log_eps: Tensor) -> tuple[Tensor, Tensor, Tensor, int]:
         zeros = torch.zeros_like(log_eps)
         return log_eps + ten, zeros, zeros, 0
 
-    def search(log_eps: Tensor, inv_mass: Tensor, round_: int) -> Tensor:
-        eps = search_step_size(energy_change, state, log_eps.exp(), inv_mass,
+    def search(log_eps: Tensor, metric: Metric, round_: int) -> Tensor:
+        eps = search_step_size(energy_change, state, log_eps.exp(), metric,
                                round_ * _SEARCH_STEPS)
         return eps.log()
 
     if num_warmup:
-        log_eps = search(log_eps, inv_mass, 0)
+        log_eps = search(log_eps, metric, 0)
     mu, h_bar, log_eps_bar, t = restart(log_eps)
     first, ends = windows(num_warmup) if adapt_mass else (num_warmup, [])
-    count, mean, m2 = 0, torch.zeros_like(x), torch.zeros_like(x)  # Welford
+    count, mean, m2 = 0, torch.zeros_like(x), torch.zeros_like(metric.inv)  # Welford
     for i in range(num_warmup):
-        state, accept_prob = transition(state, i, log_eps.exp(), inv_mass)
+        state, accept_prob = transition(state, i, log_eps.exp(), metric)
         t += 1
         eta = 1.0 / (t + 10)
         h_bar = (1 - eta) * h_bar + eta * (target_accept - accept_prob)
@@ -111,12 +115,16 @@ def warmup(transition: Transition, energy_change: EnergyChange, state: Any,
             count += 1
             delta = x - mean
             mean = mean + delta / count
-            m2 = m2 + delta * (x - mean)
+            after = x - mean
+            m2 = m2 + (delta[..., :, None] * after[..., None, :] if dense else delta * after)
             if i in ends:
-                var = m2 / (count - 1)
-                inv_mass = (count / (count + 5.0)) * var + 1e-3 * (5.0 / (count + 5.0))
-                count, mean, m2 = 0, torch.zeros_like(x), torch.zeros_like(x)
-                log_eps = search(log_eps, inv_mass, 1 + ends.index(i))
+                cov = m2 / (count - 1)
+                shrink = 1e-3 * (5.0 / (count + 5.0))
+                ridge = shrink * torch.eye(x.shape[-1], dtype=x.dtype, device=x.device) \
+                    if dense else shrink
+                metric = Metric((count / (count + 5.0)) * cov + ridge, dense)
+                count, mean, m2 = 0, torch.zeros_like(x), torch.zeros_like(metric.inv)
+                log_eps = search(log_eps, metric, 1 + ends.index(i))
                 mu, h_bar, log_eps_bar, t = restart(log_eps)
     step_size = log_eps_bar.exp() if num_warmup else log_eps.exp()
-    return state, step_size, inv_mass
+    return state, step_size, metric

@@ -24,6 +24,7 @@ from torch.func import grad_and_value
 from torchfn import random
 from torchfn.transforms._adaptation import warmup
 from torchfn.transforms._flat import Flat
+from torchfn.transforms._metric import Metric, dense_inverse_mass
 
 __all__ = ["HMCInfo", "hmc_step", "hmc"]
 
@@ -84,20 +85,20 @@ class _Target:
 
 
 def _transition(target: _Target, x: Tensor, logp: Tensor, g: Tensor, key: Tensor,
-                step_size: Tensor, num_steps: int, inv_mass: Tensor
+                step_size: Tensor, num_steps: int, metric: Metric
                 ) -> tuple[Tensor, Tensor, Tensor, HMCInfo]:
     """One HMC transition on flat vectors ``x (n,)``, with ``logp`` and its gradient ``g``
     at ``x``; returns the new position, its log density and gradient, and the info."""
     k_momentum, k_accept = random.split(key)
-    p = random.normal(k_momentum, x.shape, dtype=x.dtype).to(x.device) * inv_mass.rsqrt()
-    h0 = -logp + 0.5 * (inv_mass * p * p).sum()
+    p = metric.momentum(random.normal(k_momentum, x.shape, dtype=x.dtype).to(x.device))
+    h0 = -logp + metric.kinetic(p)
     x1, g1, logp1 = x, g, logp
     p1 = p + 0.5 * step_size * g1  # half step
     for i in range(num_steps):
-        x1 = x1 + step_size * inv_mass * p1
+        x1 = x1 + step_size * metric.velocity(p1)
         g1, logp1 = target.grad_and_value(x1)
         p1 = p1 + (step_size if i < num_steps - 1 else 0.5 * step_size) * g1
-    h1 = -logp1 + 0.5 * (inv_mass * p1 * p1).sum()
+    h1 = -logp1 + metric.kinetic(p1)
     log_ratio = (h0 - h1).detach()
     log_ratio = torch.where(torch.isnan(log_ratio), -torch.inf, log_ratio)  # divergent
     accept_prob = log_ratio.clamp(max=0.0).exp()
@@ -110,16 +111,16 @@ def _transition(target: _Target, x: Tensor, logp: Tensor, g: Tensor, key: Tensor
 
 
 def _energy_change(target: _Target, x: Tensor, logp: Tensor, g: Tensor, key: Tensor,
-                   step_size: Tensor, inv_mass: Tensor) -> Tensor:
+                   step_size: Tensor, metric: Metric) -> Tensor:
     """``H0 - H`` after one leapfrog step from ``x`` with a momentum from ``key`` (-inf
     for a NaN energy): what Stan's step-size search reads."""
-    p = random.normal(key, x.shape, dtype=x.dtype).to(x.device) * inv_mass.rsqrt()
-    h0 = -logp + 0.5 * (inv_mass * p * p).sum()
+    p = metric.momentum(random.normal(key, x.shape, dtype=x.dtype).to(x.device))
+    h0 = -logp + metric.kinetic(p)
     p1 = p + 0.5 * step_size * g
-    x1 = x + step_size * inv_mass * p1
+    x1 = x + step_size * metric.velocity(p1)
     g1, logp1 = target.grad_and_value(x1)
     p1 = p1 + 0.5 * step_size * g1
-    change = (h0 - (-logp1 + 0.5 * (inv_mass * p1 * p1).sum())).detach()
+    change = (h0 - (-logp1 + metric.kinetic(p1))).detach()
     return torch.where(torch.isnan(change), -torch.inf, change)
 
 
@@ -131,6 +132,7 @@ def hmc_step(
     step_size: float | Tensor,
     num_steps: int = 10,
     inverse_mass: Any = None,
+    dense_mass: bool = False,
 ) -> tuple[Any, HMCInfo]:
     """One HMC transition of one chain (blackjax's ``hmc.build_kernel()`` step).
 
@@ -145,7 +147,10 @@ def hmc_step(
         key: this transition's key.
         step_size: the leapfrog step (a float or 0-d tensor).
         num_steps: leapfrog steps (1: MALA).
-        inverse_mass: the diagonal of ``M⁻¹``, ``position``'s structure; None: ones.
+        inverse_mass: the diagonal of ``M⁻¹``, ``position``'s structure; with
+            ``dense_mass``, the whole ``M⁻¹``, ``(n, n)`` over the flat position (leaves
+            raveled in ``optree`` order); None: the identity.
+        dense_mass: ``inverse_mass`` is a dense matrix.
 
     Returns:
         ``(new_position, info)``, an :class:`HMCInfo`.
@@ -167,11 +172,16 @@ def hmc_step(
     _positive("step_size", step_size)
     num_steps = _count("num_steps", num_steps, 1)
     x = flat.vector(position, "position")
-    inv_mass = torch.ones_like(x) if inverse_mass is None else \
-        flat.vector(inverse_mass, "inverse_mass")
+    if inverse_mass is None:
+        metric = Metric.identity(x, dense_mass)
+    elif dense_mass:
+        metric = Metric(dense_inverse_mass(inverse_mass, flat.n, (), x.dtype, "hmc_step"),
+                        True)
+    else:
+        metric = Metric(flat.vector(inverse_mass, "inverse_mass"), False)
     g, logp = target.grad_and_value(x)
     x, _, _, info = _transition(target, x, logp, g, key, torch.as_tensor(
-        step_size, dtype=x.dtype), num_steps, inv_mass)
+        step_size, dtype=x.dtype), num_steps, metric)
     return flat.tree(x), info
 
 
@@ -186,6 +196,7 @@ def hmc(
     step_size: float = 0.1,
     target_accept: float = 0.8,
     adapt_mass: bool = True,
+    dense_mass: bool = False,
 ) -> tuple[Any, HMCInfo, dict[str, Any]]:
     """A chain of HMC draws after a warm-up that tunes the step size and a diagonal mass
     matrix (Stan's and blackjax's window adaptation).
@@ -209,12 +220,15 @@ def hmc(
         num_steps: leapfrog steps per transition.
         step_size: where the step-size search starts (without warm-up: the fixed step).
         target_accept: the acceptance dual averaging aims at.
-        adapt_mass: learn the diagonal mass matrix during warm-up.
+        adapt_mass: learn the mass matrix during warm-up.
+        dense_mass: learn a dense ``M⁻¹`` (the draws' covariance: for correlated
+            posteriors) instead of its diagonal.
 
     Returns:
         ``(samples, info, adapted)``: the draws with a leading ``num_samples`` dim on
         ``init``'s structure; an :class:`HMCInfo` per draw; ``{"step_size": (),
-        "inverse_mass": init's structure}``.
+        "inverse_mass": init's structure}`` (dense: an ``(n, n)`` tensor over the flat
+        position).
 
     Example::
 
@@ -242,23 +256,24 @@ def hmc(
     log_eps = torch.tensor(float(step_size), dtype=x.dtype).log().to(x.device)
     k_warm, k_draw, k_search = random.split(key, 3)
 
-    def transition(state, i, eps, inv_mass):
+    def transition(state, i, eps, metric):
         *state, info = _transition(target, *state, random.fold_in(k_warm, i), eps,
-                                   num_steps, inv_mass)
+                                   num_steps, metric)
         return state, info.accept_prob
 
-    def energy_change(state, j, eps, inv_mass):
-        return _energy_change(target, *state, random.fold_in(k_search, j), eps, inv_mass)
+    def energy_change(state, j, eps, metric):
+        return _energy_change(target, *state, random.fold_in(k_search, j), eps, metric)
 
-    (x, logp, g), eps, inv_mass = warmup(transition, energy_change, (x, logp, g),
-                                         lambda s: s[0], log_eps, num_warmup,
-                                         target_accept, adapt_mass)
+    (x, logp, g), eps, metric = warmup(transition, energy_change, (x, logp, g),
+                                       lambda s: s[0], log_eps, num_warmup, target_accept,
+                                       adapt_mass, dense_mass)
     draws, infos = [], []
     for i in range(num_samples):
         x, logp, g, info = _transition(target, x, logp, g, random.fold_in(k_draw, i), eps,
-                                       num_steps, inv_mass)
+                                       num_steps, metric)
         draws.append(x)
         infos.append(info)
     samples = flat.tree(torch.stack(draws))  # (num_samples, ...)
     info = HMCInfo(*(torch.stack(v) for v in zip(*infos)))
-    return samples, info, {"step_size": eps, "inverse_mass": flat.tree(inv_mass)}
+    inverse_mass = metric.inv if dense_mass else flat.tree(metric.inv)
+    return samples, info, {"step_size": eps, "inverse_mass": inverse_mass}

@@ -32,6 +32,7 @@ from torchfn import random
 from torchfn.transforms._adaptation import warmup
 from torchfn.transforms._flat import Flat
 from torchfn.transforms._hmc import _count, _positive
+from torchfn.transforms._metric import Metric, dense_inverse_mass
 
 __all__ = ["NUTSInfo", "nuts_step", "nuts"]
 
@@ -117,14 +118,14 @@ class _Trajectory:
     """One NUTS transition's fixed pieces: the target, the step (signed per chain), the
     inverse mass, the starting energy and the merge uniforms."""
 
-    def __init__(self, target: _Batch, eps: Tensor, inv_mass: Tensor, h0: Tensor):
-        self.target, self.eps, self.inv_mass, self.h0 = target, eps, inv_mass, h0
+    def __init__(self, target: _Batch, eps: Tensor, metric: Metric, h0: Tensor):
+        self.target, self.eps, self.metric, self.h0 = target, eps, metric, h0
         self.uniforms: Tensor | None = None  # (C, 2**depth - 1) for the current doubling
 
     def turning_ok(self, p_a: Tensor, p_b: Tensor, rho: Tensor) -> Tensor:
         """The generalised no-U-turn criterion between two end momenta over ``rho``:
         both ``M⁻¹ p · rho > 0``."""
-        rho_sharp = self.inv_mass * rho  # (C, n)
+        rho_sharp = self.metric.velocity(rho)  # (C, n)
         return ((p_a * rho_sharp).sum(-1) > 0) & ((p_b * rho_sharp).sum(-1) > 0)
 
     def merged_ok(self, a_beg: Tensor, a_end: Tensor, a_rho: Tensor, b: _Tree) -> Tensor:
@@ -138,10 +139,10 @@ class _Trajectory:
         """One leapfrog step from ``start``, forward or backward per chain."""
         eps = (self.eps * direction)[:, None]  # (C, 1)
         p = start.p + 0.5 * eps * start.g
-        x = start.x + eps * self.inv_mass * p
+        x = start.x + eps * self.metric.velocity(p)
         g, logp = self.target.grad_and_value(x)
         p = p + 0.5 * eps * g
-        h = -logp + 0.5 * (self.inv_mass * p * p).sum(-1)  # (C,)
+        h = -logp + self.metric.kinetic(p)  # (C,)
         h = torch.where(torch.isnan(h), torch.inf, h)
         log_w = self.h0 - h
         diverging = -log_w > _MAX_DELTA_ENERGY
@@ -181,10 +182,10 @@ def _deep_uniforms(key: Tensor, depth: int, dtype: torch.dtype) -> Tensor:
 
 
 def _transition(target: _Batch, x: Tensor, logp: Tensor, g: Tensor, keys: Tensor,
-                eps: Tensor, inv_mass: Tensor, max_depth: int
+                eps: Tensor, metric: Metric, max_depth: int
                 ) -> tuple[Tensor, Tensor, Tensor, NUTSInfo]:
     """One NUTS transition of ``C`` chains: ``x, g (C, n)``, ``logp, eps (C,)``,
-    ``keys (C, 2)``, ``inv_mass (C, n)``."""
+    ``keys (C, 2)``, a metric over ``(C, n)``."""
     C, n, dtype = x.shape[0], x.shape[1], x.dtype
     pool = 2 ** min(max_depth, _POOLED_DEPTH)
 
@@ -194,12 +195,12 @@ def _transition(target: _Batch, x: Tensor, logp: Tensor, g: Tensor, keys: Tensor
             random.uniform(k_u, (2 * max_depth + pool,), dtype=dtype), k_deep
 
     p, u, k_deep = vmap(draws)(keys)  # (C, n), (C, 2 max_depth + pool), (C, 2)
-    p = p.to(x.device) * inv_mass.rsqrt()  # ~ N(0, M)
+    p = metric.momentum(p.to(x.device))  # ~ N(0, M)
     u = u.to(x.device)
     u_dir, u_top, u_pool = u[:, :max_depth], u[:, max_depth:2 * max_depth], \
         u[:, 2 * max_depth:]
-    h0 = -logp + 0.5 * (inv_mass * p * p).sum(-1)
-    traj = _Trajectory(target, eps, inv_mass, h0)
+    h0 = -logp + metric.kinetic(p)
+    traj = _Trajectory(target, eps, metric, h0)
 
     start = _Leaf(x, p, g, logp)
     left, right, draw = start, start, start
@@ -299,6 +300,7 @@ def nuts_step(
     inverse_mass: Any = None,
     max_depth: int = 10,
     num_chains: int | None = None,
+    dense_mass: bool = False,
 ) -> tuple[Any, NUTSInfo]:
     """One NUTS transition (blackjax's ``nuts.build_kernel()`` step).
 
@@ -314,9 +316,13 @@ def nuts_step(
             has a leading ``(C,)`` dim.
         key: one key ``(2,)``; with ``num_chains`` it is split into one per chain.
         step_size: the leapfrog step (a float or a tensor ``()`` or ``(C,)``).
-        inverse_mass: the diagonal of ``M⁻¹``, ``position``'s structure; None: ones.
+        inverse_mass: the diagonal of ``M⁻¹``, ``position``'s structure; with
+            ``dense_mass``, the whole ``M⁻¹``, ``(n, n)`` (or one per chain,
+            ``(C, n, n)``) over the flat position (leaves in ``optree`` order); None:
+            the identity.
         max_depth: at most ``2**max_depth`` leapfrog steps (Stan and NumPyro: 10).
         num_chains: run ``C`` chains at once (None: one chain, no chain dim).
+        dense_mass: ``inverse_mass`` is a dense matrix.
 
     Returns:
         ``(new_position, info)``, a :class:`NUTSInfo` (``(C,)`` fields, ``()`` without
@@ -336,11 +342,19 @@ def nuts_step(
                                    max_depth)
     _positive("step_size", step_size)
     eps = torch.as_tensor(step_size, dtype=x.dtype, device=x.device).expand(x.shape[0])
-    inv_mass = torch.ones_like(x)
-    if inverse_mass is not None:
-        inv_mass = _stack(flat, inverse_mass, num_chains, "inverse_mass").expand_as(x)
+    if inverse_mass is None:
+        metric = Metric.identity(x, dense_mass)
+    elif dense_mass:
+        per_chain = num_chains is not None and isinstance(inverse_mass, Tensor) and \
+            inverse_mass.dim() == 3  # else one matrix for every chain
+        lead = (num_chains,) if per_chain else ()
+        inv = dense_inverse_mass(inverse_mass, flat.n, lead, x.dtype, "nuts_step")
+        metric = Metric(inv.expand(x.shape[0], flat.n, flat.n), True)
+    else:
+        metric = Metric(_stack(flat, inverse_mass, num_chains, "inverse_mass").expand_as(x),
+                        False)
     g, logp = target.grad_and_value(x)
-    x, _, _, info = _transition(target, x, logp, g, keys, eps, inv_mass, max_depth)
+    x, _, _, info = _transition(target, x, logp, g, keys, eps, metric, max_depth)
     if num_chains is None:
         info = NUTSInfo(*(v[0] for v in info))
     return _unbatch(flat, x, num_chains, 0), info
@@ -358,6 +372,7 @@ def nuts(
     target_accept: float = 0.8,
     adapt_mass: bool = True,
     num_chains: int | None = None,
+    dense_mass: bool = False,
 ) -> tuple[Any, NUTSInfo, dict[str, Any]]:
     """Chains of NUTS draws after the warm-up of :func:`hmc` (dual averaging of the step
     size to ``target_accept``, a diagonal mass from Stan's doubling windows, Stan's
@@ -376,8 +391,10 @@ def nuts(
         step_size: where the step-size search starts (without warm-up: the fixed step).
         max_depth: at most ``2**max_depth`` leapfrog steps per draw.
         target_accept: the mean acceptance dual averaging aims at (Stan: 0.8).
-        adapt_mass: learn the diagonal mass matrix during warm-up.
+        adapt_mass: learn the mass matrix during warm-up.
         num_chains: run ``C`` chains at once (None: one chain, no chain dim).
+        dense_mass: learn a dense ``M⁻¹`` (the draws' covariance) instead of its
+            diagonal; ``adapted["inverse_mass"]`` is then ``(n, n)`` (``(C, n, n)``).
 
     Returns:
         ``(samples, info, adapted)``: the draws with leading ``(num_samples,)`` (then
@@ -409,34 +426,36 @@ def nuts(
     k_warm, k_draw, k_search = vmap(partial(random.split, num=3), out_dims=1)(keys)
     log_eps = torch.full_like(logp, float(step_size)).log()  # (C,)
 
-    def transition(state, i, eps, inv_mass):
+    def transition(state, i, eps, metric):
         step_keys = vmap(random.fold_in, in_dims=(0, None))(k_warm, i)
-        *state, info = _transition(target, *state, step_keys, eps, inv_mass, max_depth)
+        *state, info = _transition(target, *state, step_keys, eps, metric, max_depth)
         return state, info.accept_prob
 
-    def energy_change(state, j, eps, inv_mass):
+    def energy_change(state, j, eps, metric):
         x, logp, g = state
         k = vmap(random.fold_in, in_dims=(0, None))(k_search, j)
         p = vmap(lambda k: random.normal(k, (x.shape[1],), dtype=x.dtype))(k).to(x.device)
-        p = p * inv_mass.rsqrt()
-        h0 = -logp + 0.5 * (inv_mass * p * p).sum(-1)
-        traj = _Trajectory(target, eps, inv_mass, h0)
+        p = metric.momentum(p)
+        h0 = -logp + metric.kinetic(p)
+        traj = _Trajectory(target, eps, metric, h0)
         return traj.leaf(_Leaf(x, p, g, logp), torch.ones_like(eps)).log_w  # H0 - H
 
-    (x, logp, g), eps, inv_mass = warmup(transition, energy_change, (x, logp, g),
-                                         lambda s: s[0], log_eps, num_warmup,
-                                         target_accept, adapt_mass)
+    (x, logp, g), eps, metric = warmup(transition, energy_change, (x, logp, g),
+                                       lambda s: s[0], log_eps, num_warmup, target_accept,
+                                       adapt_mass, dense_mass)
     draws, infos = [], []
     for i in range(num_samples):
         step_keys = vmap(random.fold_in, in_dims=(0, None))(k_draw, i)
-        x, logp, g, info = _transition(target, x, logp, g, step_keys, eps, inv_mass,
+        x, logp, g, info = _transition(target, x, logp, g, step_keys, eps, metric,
                                        max_depth)
         draws.append(x)
         infos.append(info)
     samples = _unbatch(flat, torch.stack(draws), num_chains, 1)  # (S, C, ...) or (S, ...)
     info = NUTSInfo(*(torch.stack(v) for v in zip(*infos)))  # (S, C)
-    adapted = {"step_size": eps, "inverse_mass": flat.tree(inv_mass)}
+    inv = metric.inv if dense_mass else flat.tree(metric.inv)  # (C, n, n) or pytree
+    adapted = {"step_size": eps, "inverse_mass": inv}
     if num_chains is None:
         info = NUTSInfo(*(v[:, 0] for v in info))
-        adapted = {"step_size": eps[0], "inverse_mass": flat.tree(inv_mass[0])}
+        inv = metric.inv[0] if dense_mass else flat.tree(metric.inv[0])
+        adapted = {"step_size": eps[0], "inverse_mass": inv}
     return samples, info, adapted
