@@ -55,7 +55,7 @@ def _torchfn_chains(key, num_chains=None):
     init = torch.zeros(65) if num_chains is None else torch.zeros(num_chains, 65)
     samples, info, _ = nuts(log_density, init, key, num_samples=DRAWS + BURN,
                             num_warmup=0, step_size=STEP, num_chains=num_chains)
-    return samples[BURN:]  # (DRAWS, 65) or (DRAWS, C, 65)
+    return samples[..., BURN:, :]  # (DRAWS, 65) or (C, DRAWS, 65)
 
 
 def _check(samples):  # the chains found the posterior: it classifies the digits
@@ -88,10 +88,10 @@ def test_one_chain(benchmark, how):
 def test_8_chains(benchmark, how):
     if how == "pyro":
         def run():
-            return torch.stack([_pyro_chain(s) for s in range(8)], 1)
+            return torch.stack([_pyro_chain(s) for s in range(8)])
     else:
         def run():
             return _torchfn_chains(random.key(1), num_chains=8)
     samples = _timed(benchmark, run, rounds=1)
-    assert samples.shape == (DRAWS, 8, 65)
+    assert samples.shape == (8, DRAWS, 65)
     _check(samples)

@@ -90,11 +90,10 @@ def main(argv: list[str] | None = None) -> dict:
     if args.sampler == "hmc":
         draws, info, adapted = vmap(chain)(inits, random.split(k_chains, args.chains))
         steps = float(args.leapfrog)
-    else:  # draws (samples, chains, ...) -> (chains, samples, ...)
+    else:  # draws (chains, samples, ...), as vmap over hmc gives them
         draws, info, adapted = nuts(log_density, inits, k_chains, num_samples=args.samples,
                                     num_warmup=args.warmup, step_size=0.02,
                                     max_depth=args.max_depth, num_chains=args.chains)
-        draws = {name: w.transpose(0, 1) for name, w in draws.items()}
         steps = info.num_steps.double().mean().item()
     seconds = time.perf_counter() - t0
 

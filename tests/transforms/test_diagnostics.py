@@ -15,7 +15,7 @@ import torch
 from torch.func import vmap
 
 from torchfn import random
-from torchfn.transforms import effective_sample_size, rhat
+from torchfn.transforms import effective_sample_size, print_summary, rhat, summary
 
 np = pytest.importorskip("numpy")
 stats = pytest.importorskip("scipy.stats")  # scipy is a torchfn dependency
@@ -198,3 +198,35 @@ def test_rank_methods_under_vmap_equal_a_loop():
 def test_bad_input_is_named(call, match):
     with pytest.raises((TypeError, ValueError), match=match):
         call()
+
+
+def test_summary_is_the_diagnostics_and_numpys_statistics_per_leaf(capsys):
+    """Each column is its definition: numpy's mean, sd (ddof 1) and quantiles over all
+    draws, ``sd / sqrt(ESS of the split chains)`` by Stan's loop, and the rank
+    diagnostics; a pytree gives one entry per leaf, the table one row per scalar."""
+    w = _test_draws(random.key(11), 3, 120)[..., :2]  # (3, 120, 2)
+    b = _ar1(random.key(12), 3, 120, 0.3)  # (3, 120)
+    stats = summary({"w": w, "b": b}, prob=0.8)
+    assert set(stats) == {"w", "b"}
+    for name, x in (("w", w), ("b", b[..., None])):
+        cols = stats[name]
+        for p in range(x.shape[-1]):
+            a = x[..., p].numpy()
+            got = {k: v.reshape(-1)[p].item() for k, v in cols.items()}
+            assert got["mean"] == pytest.approx(a.mean(), rel=1e-12)
+            assert got["sd"] == pytest.approx(a.std(ddof=1), rel=1e-12)
+            for key, q in (("median", 0.5), ("low", 0.1), ("high", 0.9)):
+                assert got[key] == pytest.approx(np.quantile(a, q), rel=1e-12, abs=1e-12)
+            assert got["mcse_mean"] == pytest.approx(
+                a.std(ddof=1) / np.sqrt(_stan_ess(_split_halves(a))), rel=1e-8)
+            assert got["ess_bulk"] == pytest.approx(
+                effective_sample_size(x[..., p], method="bulk").item(), rel=1e-12)
+            assert got["r_hat"] == pytest.approx(rhat(x[..., p], method="rank").item(),
+                                                 rel=1e-12)
+    table = print_summary({"w": w, "b": b}, prob=0.8)
+    assert capsys.readouterr().out.strip() == table.strip()
+    lines = table.splitlines()
+    assert "10.0%" in lines[0] and "90.0%" in lines[0] and "r_hat" in lines[0]
+    assert [line.split()[0] for line in lines[1:]] == ["b", "w[0]", "w[1]"]
+    with pytest.raises(ValueError, match=r"summary: prob must be a float in \(0, 1\)"):
+        summary(w, prob=1.5)

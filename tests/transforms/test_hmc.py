@@ -189,7 +189,7 @@ def test_dense_mass_keeps_the_target_and_chains_under_vmap_are_chains_alone():
     inits = random.normal(random.key(4), (3, 2), dtype=torch.float64)
 
     def chain(x0, key):
-        return hmc(gaussian, x0, key, num_samples=100, num_warmup=200, num_steps=5,
+        return hmc(gaussian, x0, key, num_samples=40, num_warmup=150, num_steps=5,
                    dense_mass=True)
 
     samples, _, adapted = vmap(chain)(inits, keys)

@@ -21,7 +21,12 @@ from torchfn.transforms._curvature import (
     jacobian,
     ntk,
 )
-from torchfn.transforms._diagnostics import effective_sample_size, rhat
+from torchfn.transforms._diagnostics import (
+    effective_sample_size,
+    print_summary,
+    rhat,
+    summary,
+)
 from torchfn.transforms._divergence import divergence
 from torchfn.transforms._dp_sgd import (
     DPSGDState,
@@ -104,6 +109,8 @@ __all__ = [
     "NUTSInfo",
     "rhat",
     "effective_sample_size",
+    "summary",
+    "print_summary",
     "laplace",
     "laplace_predict",
     "laplace_log_marginal",

@@ -11,10 +11,13 @@ give one value per parameter ``(...)``; neither branches on values, so they run 
 
 from __future__ import annotations
 
+from typing import Any
+
+import optree
 import torch
 from torch import Tensor
 
-__all__ = ["rhat", "effective_sample_size"]
+__all__ = ["rhat", "effective_sample_size", "summary", "print_summary"]
 
 
 def _check(samples: object, who: str, min_draws: int) -> Tensor:
@@ -194,3 +197,83 @@ def _ess(x: Tensor) -> Tensor:
     tau = torch.where(pairs[0] > 0, tau, 0.0)  # rho_1 <= -1 (a few draws): Stan stops at once
     # constant draws (an indicator never true in a short run): C N, as Stan and ArviZ
     return torch.where(pooled > 0, C * N / torch.maximum(tau, floor), float(C * N))
+
+
+_COLUMNS = ("mean", "sd", "median", "low", "high", "mcse_mean", "ess_bulk", "ess_tail",
+            "r_hat")
+
+
+def summary(samples: Any, *, prob: float = 0.9) -> dict[str, dict[str, Tensor]]:
+    """Per-parameter statistics of chains, NumPyro's ``summary`` with ArviZ's modern
+    diagnostics: ``mean``, ``sd``, ``median``, the central ``prob`` interval's ends
+    ``low`` and ``high`` (quantiles, interpolated as numpy's), ``mcse_mean`` (``sd`` over
+    the square root of the split-chain ESS of the mean, ArviZ's), ``ess_bulk``,
+    ``ess_tail`` and the rank-normalised ``r_hat``.
+
+    Args:
+        samples: a tensor or a pytree of tensors ``(chains, draws, ...)`` (what
+            :func:`nuts` with ``num_chains`` and ``vmap`` over :func:`hmc` return).
+        prob: the interval's mass, in (0, 1).
+
+    Returns:
+        ``{name: {column: (...)}}``, one entry per leaf named by its path (``"x"`` for
+        a lone tensor).
+
+    Example::
+
+        >>> from torchfn import random
+        >>> draws = {"mu": random.normal(random.key(0), (4, 500)) + 3.0}
+        >>> s = summary(draws)
+        >>> round(float(s["mu"]["mean"]), 1), bool(s["mu"]["r_hat"] < 1.01)
+        (3.0, True)
+    """
+    if not isinstance(prob, float) or not 0 < prob < 1:
+        raise ValueError(f"summary: prob must be a float in (0, 1), got {prob!r}")
+    paths, leaves, _ = optree.tree_flatten_with_path(samples)
+    out = {}
+    for path, x in zip(paths, leaves):
+        name = ".".join(str(p) for p in path) or "x"
+        x = _check(x, f"summary ({name})", 4)
+        pooled = x.reshape(-1, *x.shape[2:])
+        sd = pooled.std(0)
+        out[name] = {
+            "mean": pooled.mean(0), "sd": sd, "median": _quantile(x, 0.5),
+            "low": _quantile(x, (1 - prob) / 2), "high": _quantile(x, (1 + prob) / 2),
+            "mcse_mean": sd / _ess(_split(x)).sqrt(),
+            "ess_bulk": effective_sample_size(x, method="bulk"),
+            "ess_tail": effective_sample_size(x, method="tail"),
+            "r_hat": rhat(x, method="rank"),
+        }
+    return out
+
+
+def print_summary(samples: Any, *, prob: float = 0.9) -> str:
+    """:func:`summary` as a table, one row per scalar parameter (``name[i, j]``);
+    printed, and returned.
+
+    Example::
+
+        >>> from torchfn import random
+        >>> table = print_summary({"w": random.normal(random.key(0), (2, 100, 2))})
+        ... # doctest: +ELLIPSIS
+                     mean       sd   median     5.0%    95.0% mcse_mean ...
+        ...
+    """
+    stats = summary(samples, prob=prob)
+    pct = f"{100 * (1 - prob) / 2:.1f}%", f"{100 * (1 + prob) / 2:.1f}%"
+    heads = ["mean", "sd", "median", *pct, "mcse_mean", "ess_bulk", "ess_tail", "r_hat"]
+    rows = []
+    for name, cols in stats.items():
+        shape = cols["mean"].shape
+        for index in (torch.cartesian_prod(*(torch.arange(d) for d in shape)).reshape(
+                -1, len(shape)).tolist() if shape else [[]]):
+            label = name + (f"[{', '.join(map(str, index))}]" if index else "")
+            rows.append((label, [float(cols[c][tuple(index)]) for c in _COLUMNS]))
+    width = max([len(r[0]) for r in rows] + [4])
+    lines = [" " * width + "".join(f"{h:>10}" for h in heads)]
+    for label, values in rows:
+        cells = [f"{v:10.3f}" for v in values[:6]] + [f"{v:10.0f}" for v in values[6:8]]
+        lines.append(f"{label:>{width}}" + "".join(cells) + f"{values[8]:10.3f}")
+    table = "\n".join(lines)
+    print(table)
+    return table
