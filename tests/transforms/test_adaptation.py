@@ -1,7 +1,8 @@
 """The warm-up's schedule is Stan's windowed adaptation, transition for transition: the
 windows of ``windows(n)`` equal those of a replay of Stan's ``windowed_adaptation``
-counters (its C++ logic, step by step) for every warm-up length up to 1500; chains
-started far out learn the target's scales."""
+counters (its C++ logic, step by step) for every warm-up length up to 1500 (that the
+learned mass is right is ``test_hmc``'s and ``test_nuts``'s to show); Stan's step-size
+search lands where one step's acceptance crosses 0.8."""
 
 from __future__ import annotations
 
@@ -10,7 +11,6 @@ import torch
 from torch.func import vmap
 
 from torchfn import random
-from torchfn.transforms import hmc
 from torchfn.transforms._adaptation import windows
 
 
@@ -48,23 +48,6 @@ def test_windows_are_stans_for_every_warmup_length():
     assert windows(500) == (75, [99, 149, 249, 449])  # Stan's default: 25, 50, 100, 200
 
 
-def test_chains_started_far_out_learn_the_scales():
-    """2 chains from 30 standard deviations out on a 20-d Gaussian of scales 0.5..3,
-    Stan's default 500 warm-up transitions (windows of 25, 50, 100 and 200 after a
-    buffer of 75): the mass of the last window is within 25% of each variance."""
-    scales = torch.linspace(0.5, 3.0, 20, dtype=torch.float64)
-
-    def logp(x):
-        return -0.5 * ((x / scales) ** 2).sum()
-
-    inits = 30 * scales.expand(2, 20).clone()
-    _, _, adapted = vmap(lambda x0, k: hmc(logp, x0, k, num_samples=1, num_warmup=500,
-                                           num_steps=3, step_size=0.05))(
-        inits, random.split(random.key(0), 2))
-    learned = adapted["inverse_mass"].sqrt() / scales  # (2, 20): 1 when learned
-    assert ((learned - 1).abs() < 0.25).all()
-
-
 @pytest.mark.parametrize("n", [0, 5, 19])
 def test_short_warmups_adapt_only_the_step_size(n):
     assert windows(n) == (n, [])
@@ -74,7 +57,7 @@ def test_the_step_size_search_lands_where_one_step_accepts_about_08():
     """Stan's ``init_stepsize`` on a 100-d standard Gaussian, from 1e-4 (doubling) and
     from 100 (halving): both land within a factor of 2 of the step where one leapfrog
     step's mean ``min(1, exp(H0 - H))`` crosses 0.8 (found here by a scan); under
-    ``vmap`` (every search runs its 50 masked steps) each chain's step is the eager one."""
+    ``vmap`` (every search runs all its 24 masked steps) each chain's step is the eager one."""
     from torchfn.transforms._adaptation import search_step_size
     from torchfn.transforms._flat import Flat
     from torchfn.transforms._hmc import _energy_change, _Target
@@ -91,9 +74,9 @@ def test_the_step_size_search_lands_where_one_step_accepts_about_08():
 
     def mean_accept(eps):
         return torch.stack([change((x, logp, g), 1000 + j, torch.tensor(eps), ones)
-                            for j in range(200)]).clamp(max=0).exp().mean().item()
+                            for j in range(100)]).clamp(max=0).exp().mean().item()
 
-    grid = [2 ** (k / 4) for k in range(-20, 12)]
+    grid = [2 ** (k / 4) for k in range(-12, 8)]
     crossing = next(e for e in grid if mean_accept(e) < 0.8)
     for start in (1e-4, 100.0):
         eps = search_step_size(change, (x, logp, g), torch.tensor(start, dtype=x.dtype),

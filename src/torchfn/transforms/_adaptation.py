@@ -27,7 +27,7 @@ Transition = Callable[[Any, int, Tensor, Metric], tuple[Any, Tensor]]
 EnergyChange = Callable[[Any, int, Tensor, Metric], Tensor]
 
 _LOG_08 = math.log(0.8)
-_SEARCH_STEPS = 50  # doublings or halvings at most: a factor of 2**49 either way
+_SEARCH_STEPS = 24  # doublings or halvings at most: 2**23 either way (Stan stops at 1e7)
 
 
 def search_step_size(energy_change: EnergyChange, state: Any, eps: Tensor,

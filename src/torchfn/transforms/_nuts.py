@@ -426,10 +426,10 @@ def nuts(
         >>> from torchfn import random
         >>> scales = torch.tensor([1.0, 10.0])
         >>> logp = lambda x: -0.5 * ((x / scales) ** 2).sum()       # N(0, diag(1, 100))
-        >>> samples, info, adapted = nuts(logp, torch.zeros(4, 2), random.key(0),
-        ...                               num_samples=200, num_warmup=100, num_chains=4)
+        >>> samples, info, adapted = nuts(logp, torch.zeros(2, 2), random.key(0),
+        ...                               num_samples=200, num_warmup=100, num_chains=2)
         >>> samples.shape
-        torch.Size([4, 200, 2])
+        torch.Size([2, 200, 2])
         >>> bool(((samples.flatten(0, 1).std(0) / scales - 1).abs() < 0.15).all())
         True
     """
