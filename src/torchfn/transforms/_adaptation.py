@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from torchfn.core._lanes import all_lanes
 from torchfn.transforms._metric import Metric
 
 # Transition(state, i, step_size (...), metric) -> (state, accept_prob (...))
@@ -34,14 +35,14 @@ def search_step_size(energy_change: EnergyChange, state: Any, eps: Tensor,
                      metric: Metric, first: int) -> Tensor:
     """Stan's ``init_stepsize`` heuristic: one leapfrog step with a fresh momentum; while
     ``exp(H0 - H)`` stays on the side of 0.8 it started on, double (above) or halve
-    (below) the step. Per chain; a chain that has crossed keeps its step (a ``where``,
-    so it runs under ``vmap``; outside transforms the loop ends once all have crossed).
-    ``first`` numbers the momenta of this search."""
+    (below) the step. Per chain; a chain that has crossed keeps its step (a ``where``),
+    and the loop ends once all have crossed, in every ``vmap`` lane (``core._lanes``;
+    under ``torch.compile`` it runs all its steps). ``first`` numbers the momenta of
+    this search."""
     up = energy_change(state, first, eps, metric) > _LOG_08
     done = torch.zeros_like(up)
-    eager = not torch._C._are_functorch_transforms_active()
     for j in range(1, _SEARCH_STEPS):
-        if eager and bool(done.all()):
+        if not torch.compiler.is_compiling() and all_lanes(done):
             break
         change = energy_change(state, first + j, eps, metric)
         done = done | torch.where(up, ~(change > _LOG_08), ~(change < _LOG_08))

@@ -6,14 +6,14 @@ from the whole trajectory in proportion to ``exp(-H)``, biased towards the newes
 
 - :func:`nuts_step`: one transition of ``C`` chains at a given step size and mass;
 - :func:`nuts`: whole chains, after the warm-up :func:`hmc` uses (dual averaging to a
-  target acceptance, a diagonal mass from the middle of warm-up).
+  target acceptance, a mass from Stan's windows, Stan's step-size search).
 
-Chains run together on a leading dim. The tree depth depends on the data, so NUTS
-cannot be the ``where``-only function :func:`hmc_step` is under ``vmap`` (a batch would
-need the deepest chain's tree for all); here every chain steps in lockstep, a chain
-whose tree has stopped is frozen by masks, and the loop ends when all have stopped.
-Each chain draws only from its own key, so chain ``c`` of a batch is the chain run
-alone from ``keys[c]``.
+Many chains, two ways, the same draws: ``num_chains=C`` runs them on a leading dim, or
+``vmap`` over keys and starts as for :func:`hmc`. The tree depth depends on the data, so
+every chain steps in lockstep, a chain whose tree has stopped is frozen by masks, and
+the doubling ends when every chain in every ``vmap`` lane has stopped (JAX's batched
+``while_loop``, through ``core._lanes``). Each chain draws only from its own key, so
+chain ``c`` of a batch is the chain run alone from ``keys[c]``.
 """
 
 from __future__ import annotations
@@ -26,9 +26,10 @@ from typing import Any, NamedTuple
 import optree
 import torch
 from torch import Tensor
-from torch.func import vmap
+from torch.func import grad_and_value, vmap
 
 from torchfn import random
+from torchfn.core._lanes import lanes
 from torchfn.transforms._adaptation import warmup
 from torchfn.transforms._flat import Flat
 from torchfn.transforms._hmc import _count, _positive
@@ -71,11 +72,18 @@ class _Batch:
             return out
 
         self.scalar, self.batched = scalar, vmap(scalar)
+        self.functorch = grad_and_value(scalar)
 
     def grad_and_value(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """``(∇ log π (C, n), log π (C,))``: one batched forward, one backward (the
         chains are independent, so the gradient of the sum is each chain's); one chain
-        skips ``vmap``, whose wrapping costs as much as a small model's gradient."""
+        skips ``vmap``, whose wrapping costs as much as a small model's gradient. Under
+        a transform (``vmap`` over chains by the caller), ``torch.func``."""
+        if torch._C._are_functorch_transforms_active():
+            if x.shape[0] == 1:
+                g, out = self.functorch(x[0])
+                return g[None], out[None]
+            return vmap(self.functorch)(x)
         with torch.enable_grad():
             x = x.detach().requires_grad_(True)
             out = self.scalar(x[0])[None] if x.shape[0] == 1 else self.batched(x)  # (C,)
@@ -160,7 +168,7 @@ class _Trajectory:
         half = 2 ** (depth - 1) - 1  # merges inside each half
         a = self.build(depth - 1, start, direction, mask, offset)
         go_on = mask & a.valid
-        if not bool(go_on.any()):
+        if not _any_lane(go_on):
             return a
         b = self.build(depth - 1, a.end, direction, go_on, offset + half)
         log_w = torch.logaddexp(a.log_w, b.log_w)
@@ -170,7 +178,7 @@ class _Trajectory:
             draw=_pick(take_b, b.draw, a.draw),
             valid=b.valid & self.merged_ok(a.p_beg, a.p_end, a.rho, b),
             diverging=b.diverging, metro=a.metro + b.metro, steps=a.steps + b.steps)
-        if not bool((mask & ~a.valid).any()):  # chains off ``mask`` are ignored anyway
+        if not _any_lane(mask & ~a.valid):  # chains off ``mask`` are ignored anyway
             return merged
         # a chain whose first half stopped keeps it, with the counts it reached
         return _pick(go_on, merged, a)
@@ -191,6 +199,13 @@ def _per_chain(fn: Callable[[Tensor], Any], keys: Tensor) -> Any:
 def _search_momentum(key: Tensor, j: int, n: int, dtype: torch.dtype) -> Tensor:
     """The ``j``-th standard normal of the step-size search."""
     return random.normal(random.fold_in(key, j), (n,), dtype=dtype)
+
+
+def _any_lane(t: Tensor) -> bool:
+    """Whether ``t`` holds anywhere: in any chain of any ``vmap`` lane (the loops run
+    until every lane is done, finished ones frozen by masks, as JAX's batched
+    ``while_loop``)."""
+    return bool(lanes(t).any())
 
 
 def _deep_uniforms(key: Tensor, depth: int, dtype: torch.dtype) -> Tensor:
@@ -227,7 +242,7 @@ def _transition(target: _Batch, x: Tensor, logp: Tensor, g: Tensor, keys: Tensor
     diverging = torch.zeros_like(alive)
     metro, steps = torch.zeros_like(logp), torch.zeros_like(logp)
     for d in range(max_depth):
-        if not bool(alive.any()):
+        if not _any_lane(alive):
             break
         forward = u_dir[:, d] < 0.5  # (C,)
         direction = torch.where(forward, 1.0, -1.0).to(dtype)
@@ -262,11 +277,6 @@ def _transition(target: _Batch, x: Tensor, logp: Tensor, g: Tensor, keys: Tensor
 def _setup(who: str, logdensity_fn: Callable[[Any], Tensor], init: Any, key: Tensor,
            num_chains: int | None, max_depth: int) -> tuple[Flat, _Batch, Tensor, Tensor]:
     """Checks; ``init`` as ``(C, n)`` and one key per chain ``(C, 2)``."""
-    if torch._C._are_functorch_transforms_active():
-        raise RuntimeError(
-            f"{who}: the tree depth depends on the data, so {who} cannot run under "
-            "torch.func transforms (vmap, grad); for many chains pass num_chains=C, "
-            "which runs them batched with masks")
     _count("max_depth", max_depth, 1)
     if max_depth > 16:
         raise ValueError(f"{who}: max_depth must be <= 16 (65536 leapfrog steps per "
@@ -402,7 +412,8 @@ def nuts(
         init: the starting position (a tensor or pytree); with ``num_chains``, each leaf
             has a leading ``(C,)`` dim, one start per chain.
         key: one key ``(2,)``; with ``num_chains``, chain ``c`` runs from
-            ``random.split(key, C)[c]`` and equals ``nuts`` run alone from that key.
+            ``random.split(key, C)[c]`` and equals ``nuts`` run alone from that key
+            (as ``vmap`` over keys and ``init`` does).
         num_samples: draws to return.
         num_warmup: warm-up transitions (0: ``step_size`` as given, unit mass).
         step_size: where the step-size search starts (without warm-up: the fixed step).
