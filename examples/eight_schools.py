@@ -8,9 +8,10 @@ NUTS reports divergent trajectories and undersamples small ``tau``. Written with
 ``theta = mu + tau * eta``, ``eta ~ N(0, 1)`` (non-centred), the same posterior is easy.
 
 ``transforms.nuts`` runs ``--chains`` chains in lockstep; ``transforms.print_summary``
-gives the table. ``theta`` integrates out in closed form (``y_j ~ N(mu, sigma_j^2 +
-tau^2)``), so the exact posterior means of ``mu`` and ``tau`` come from a 2-d quadrature
-over ``(mu, log tau)``: the reference both runs are read against.
+gives the table, ``transforms.bfmi`` Stan's energy diagnostic. ``theta`` integrates out
+in closed form (``y_j ~ N(mu, sigma_j^2 + tau^2)``), so the exact posterior means of
+``mu`` and ``tau`` come from a 2-d quadrature over ``(mu, log tau)``: the reference
+both runs are read against.
 
     python examples/eight_schools.py
 """
@@ -24,7 +25,7 @@ import time
 import torch
 
 from torchfn import random
-from torchfn.transforms import nuts, print_summary
+from torchfn.transforms import bfmi, nuts, print_summary
 
 Y = torch.tensor([28.0, 8.0, -3.0, 7.0, -1.0, 1.0, 18.0, 12.0], dtype=torch.float64)
 SIGMA = torch.tensor([15.0, 10.0, 16.0, 11.0, 9.0, 11.0, 10.0, 18.0], dtype=torch.float64)
@@ -107,15 +108,18 @@ def main(argv: list[str] | None = None) -> dict:
         tau = draws["log_tau"].exp()
         theta = draws["theta"] if name == "centred" else \
             draws["mu"][..., None] + tau[..., None] * draws["eta"]
+        e_bfmi = bfmi(info.energy)  # (chains,)
         print(f"\n{name}: {args.chains} chains x {args.samples} draws in "
               f"{out['seconds']:.0f} s; {int(info.diverging.sum())} divergent; "
-              f"{info.num_steps.double().mean():.1f} leapfrog steps per draw")
+              f"{info.num_steps.double().mean():.1f} leapfrog steps per draw; E-BFMI "
+              f"{', '.join(f'{v:.2f}' for v in e_bfmi.tolist())}")
         print_summary({"mu": draws["mu"], "tau": tau, "theta": theta})
         results[name] = {
             "divergent": int(info.diverging.sum()),
             "mu_mean": float(draws["mu"].mean()),
             "tau_mean": float(tau.mean()),
             "log_tau_min": float(draws["log_tau"].min()),
+            "bfmi_min": float(e_bfmi.min()),
             "seconds": out["seconds"],
         }
     runs = "; ".join(f"{name} {r['mu_mean']:.3f}, {r['tau_mean']:.3f}"

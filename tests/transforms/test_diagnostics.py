@@ -15,7 +15,7 @@ import torch
 from torch.func import vmap
 
 from torchfn import random
-from torchfn.transforms import effective_sample_size, print_summary, rhat, summary
+from torchfn.transforms import bfmi, effective_sample_size, print_summary, rhat, summary
 
 np = pytest.importorskip("numpy")
 stats = pytest.importorskip("scipy.stats")  # scipy is a torchfn dependency
@@ -230,3 +230,20 @@ def test_summary_is_the_diagnostics_and_numpys_statistics_per_leaf(capsys):
     assert [line.split()[0] for line in lines[1:]] == ["b", "w[0]", "w[1]"]
     with pytest.raises(ValueError, match=r"summary: prob must be a float in \(0, 1\)"):
         summary(w, prob=1.5)
+
+
+def test_bfmi_is_its_formula_and_separates_mixing_from_stuck_energies():
+    e = random.normal(random.key(13), (3, 50), dtype=torch.float64)
+    got = bfmi(e)
+    for c in range(3):
+        a = e[c].tolist()
+        mean = sum(a) / len(a)
+        want = sum((a[i] - a[i - 1]) ** 2 for i in range(1, len(a))) / \
+            sum((v - mean) ** 2 for v in a)
+        assert got[c].item() == pytest.approx(want, rel=1e-12)
+    iid = random.normal(random.key(14), (2, 20000), dtype=torch.float64)
+    assert ((bfmi(iid) - 2).abs() < 0.05).all()  # E (E_n - E_n-1)^2 = 2 var
+    walk = iid.cumsum(1)  # energies that drift: momentum resampling does not reach them
+    assert (bfmi(walk) < 0.01).all()
+    with pytest.raises(ValueError, match=r"bfmi: energy must have shape \(chains, draws\)"):
+        bfmi(torch.zeros(2, 10, 3))

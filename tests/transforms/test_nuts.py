@@ -57,6 +57,18 @@ def test_one_transition_leaves_the_target_invariant(step_size, max_depth, pooled
     assert moments_match(x1)
 
 
+def test_the_energy_at_the_draw_carries_a_momentum_of_the_right_law():
+    """At the multinomial pick ``(x, p)`` is distributed as ``exp(-H)``, so the kinetic
+    energy ``energy + log_density`` of 6000 one-transition draws from a 2-d target has
+    mean ``d / 2 = 1`` and variance ``d / 2`` (a chi-square with 2 degrees, halved)."""
+    _, x1, info = one_transition_from_exact_draws(step_size=0.9, max_depth=10)
+    kinetic = info.energy + info.log_density  # (6000,)
+    torch.testing.assert_close(info.log_density, vmap(gaussian)(x1))
+    assert (kinetic >= 0).all()
+    assert abs(kinetic.mean().item() - 1.0) < 4 * (1.0 / 6000) ** 0.5
+    assert abs(kinetic.var().item() - 1.0) < 0.1
+
+
 def test_the_end_point_rule_would_be_caught(monkeypatch):
     """The same check on a sampler whose uniforms are all 0, so it always doubles forward
     and every merge takes the newest half (the naive end-point rule, not reversible),

@@ -22,6 +22,7 @@ from torchfn.transforms._curvature import (
     ntk,
 )
 from torchfn.transforms._diagnostics import (
+    bfmi,
     effective_sample_size,
     print_summary,
     rhat,
@@ -111,6 +112,7 @@ __all__ = [
     "effective_sample_size",
     "summary",
     "print_summary",
+    "bfmi",
     "laplace",
     "laplace_predict",
     "laplace_log_marginal",

@@ -17,7 +17,7 @@ import optree
 import torch
 from torch import Tensor
 
-__all__ = ["rhat", "effective_sample_size", "summary", "print_summary"]
+__all__ = ["rhat", "effective_sample_size", "summary", "print_summary", "bfmi"]
 
 
 def _check(samples: object, who: str, min_draws: int) -> Tensor:
@@ -197,6 +197,35 @@ def _ess(x: Tensor) -> Tensor:
     tau = torch.where(pairs[0] > 0, tau, 0.0)  # rho_1 <= -1 (a few draws): Stan stops at once
     # constant draws (an indicator never true in a short run): C N, as Stan and ArviZ
     return torch.where(pooled > 0, C * N / torch.maximum(tau, floor), float(C * N))
+
+
+def bfmi(energy: Tensor) -> Tensor:
+    """The energy Bayesian fraction of missing information (Betancourt, 2016), Stan's
+    E-BFMI: per chain, ``sum_n (E_n - E_{n-1})^2 / sum_n (E_n - mean E)^2`` over the
+    Hamiltonian at successive draws (:class:`NUTSInfo`'s ``energy``). Near 1 or above
+    when momentum resampling moves the chain across energy levels as fast as the target
+    spreads them (2 for independent energies); below 0.3 is Stan's warning: the chain
+    explores the tails slowly (a funnel, heavy tails).
+
+    Args:
+        energy: ``(chains, draws)``, ``draws >= 4``.
+
+    Returns:
+        ``(chains,)``.
+
+    Example::
+
+        >>> from torchfn import random
+        >>> iid = random.normal(random.key(0), (2, 4000))
+        >>> [round(v, 1) for v in bfmi(iid).tolist()]
+        [2.0, 2.0]
+    """
+    e = _check(energy, "bfmi", 4)
+    if e.dim() != 2:
+        raise ValueError(f"bfmi: energy must have shape (chains, draws), got "
+                         f"{tuple(e.shape)}")
+    steps = (e[:, 1:] - e[:, :-1]).pow(2).sum(1)
+    return steps / (e - e.mean(1, keepdim=True)).pow(2).sum(1)
 
 
 _COLUMNS = ("mean", "sd", "median", "low", "high", "mcse_mean", "ess_bulk", "ess_tail",

@@ -45,14 +45,16 @@ class NUTSInfo(NamedTuple):
     """What a NUTS transition did, per chain ``(C,)`` (``(C, num_samples)`` from
     :func:`nuts`): ``accept_prob`` (the mean Metropolis probability over the trajectory,
     what dual averaging tunes), ``num_steps`` (leapfrog steps), ``tree_depth`` (accepted
-    doublings), ``diverging`` (the energy error passed 1000 or was NaN) and
-    ``log_density`` at the draw."""
+    doublings), ``diverging`` (the energy error passed 1000 or was NaN),
+    ``log_density`` at the draw and ``energy``, the Hamiltonian there (Stan's
+    ``energy__``, what :func:`bfmi` reads)."""
 
     accept_prob: Tensor
     num_steps: Tensor
     tree_depth: Tensor
     diverging: Tensor
     log_density: Tensor
+    energy: Tensor
 
 
 class _Batch:
@@ -270,7 +272,8 @@ def _transition(target: _Batch, x: Tensor, logp: Tensor, g: Tensor, keys: Tensor
         left = _pick(ok & ~forward, sub.end, left)
         depth = depth + ok.long()
         alive = ok & no_turn
-    info = NUTSInfo(metro / steps, steps.long(), depth, diverging, draw.logp)
+    energy = -draw.logp + metric.kinetic(draw.p)
+    info = NUTSInfo(metro / steps, steps.long(), depth, diverging, draw.logp, energy)
     return draw.x, draw.logp, draw.g, info
 
 
