@@ -10,15 +10,14 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
+from scipy import stats  # a torchfn dependency
 from torch.func import vmap
 
 from torchfn import random
 from torchfn.transforms import bfmi, effective_sample_size, print_summary, rhat, summary
-
-np = pytest.importorskip("numpy")
-stats = pytest.importorskip("scipy.stats")  # scipy is a torchfn dependency
 
 
 def _ar1(key, chains, draws, phi):
