@@ -161,7 +161,7 @@ def test_far_from_the_data_a_relu_nets_confidence_stays_bounded():
 @pytest.mark.parametrize("call, match", [
     (lambda f, p, x: laplace(3, p, x), "apply_fn must be callable"),
     (lambda f, p, x: laplace(f, p, x, likelihood="poisson"), "likelihood must be one of"),
-    (lambda f, p, x: laplace(f, p, x, structure="kron"), "structure must be one of"),
+    (lambda f, p, x: laplace(f, p, x, structure="block"), "structure must be one of"),
     (lambda f, p, x: laplace(f, p, x, prior_precision=0.0), "prior_precision must be a "
      "positive float"),
     (lambda f, p, x: laplace(f, p, x, structure="lowrank"), "needs a key"),

@@ -49,8 +49,10 @@ from torchfn.transforms._federated import fedavg, federated_round, local_train
 from torchfn.transforms._fixed_point import fixed_point
 from torchfn.transforms._ghost import GhostClipResult, ghost_clip_grads, ghost_norms
 from torchfn.transforms._hmc import HMCInfo, hmc, hmc_step
+from torchfn.transforms._kfac import KronFactor, kfac
 from torchfn.transforms._langevin import langevin
 from torchfn.transforms._laplace import (
+    KronPrecision,
     LaplacePosterior,
     laplace,
     laplace_log_marginal,
@@ -114,6 +116,9 @@ __all__ = [
     "print_summary",
     "bfmi",
     "laplace",
+    "kfac",
+    "KronFactor",
+    "KronPrecision",
     "laplace_predict",
     "laplace_log_marginal",
     "LaplacePosterior",

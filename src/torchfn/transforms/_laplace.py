@@ -10,7 +10,12 @@ softmax, ``1 / σ²`` for a Gaussian) in one of three structures:
 - ``"full"``: ``H`` itself, ``(P, P)``: small networks, or the last layer's params;
 - ``"diag"``: its diagonal;
 - ``"lowrank"``: the top ``rank`` eigenpairs of the GGN by Lanczos (:func:`eigsh` on
-  :func:`gauss_newton_vp`, never formed) plus the prior: ``U diag(λ) Uᵀ + δ I``.
+  :func:`gauss_newton_vp`, never formed) plus the prior: ``U diag(λ) Uᵀ + δ I``;
+- ``"kron"``: block-diagonal over layers, each ``Linear`` / ``Conv2d`` block the K-FAC
+  product ``G ⊗ A + δ I`` (:func:`kfac`; laplace-torch's default), kept as the factors'
+  eigendecompositions; the other params (norms, embeddings) get their exact GGN diagonal.
+  Needs the network as a :class:`torchfn.Model`. It scales to large networks: memory
+  ``Σ (fan_in² + out²)`` per layer instead of ``P²``.
 
 :func:`laplace_predict` gives the linearised (GLM) predictive: the output mean
 ``f(x; θ*)`` and covariance ``J(x) H⁻¹ J(x)ᵀ``, and for classification the probit
@@ -31,21 +36,26 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.func import jacrev, vmap
 
+from torchfn.core.module import Model
 from torchfn.transforms._flat import Flat
+from torchfn.transforms._kfac import KronFactor, kfac
 from torchfn.transforms._spectrum import eigsh
 
-__all__ = ["LaplacePosterior", "laplace", "laplace_predict", "laplace_log_marginal"]
+__all__ = ["KronPrecision", "LaplacePosterior", "laplace", "laplace_predict",
+           "laplace_log_marginal"]
 
 _LIKELIHOODS = ("classification", "regression")
-_STRUCTURES = ("full", "diag", "lowrank")
+_STRUCTURES = ("full", "diag", "lowrank", "kron")
 
 
 class LaplacePosterior(NamedTuple):
     """A Gaussian ``N(params, H⁻¹)`` over the flattened params (``optree`` order).
 
-    ``precision`` is ``(P, P)`` for ``"full"``, ``(P,)`` for ``"diag"``, and for
+    ``precision`` is ``(P, P)`` for ``"full"``, ``(P,)`` for ``"diag"``, for
     ``"lowrank"`` the pair ``(U (P, k), λ (k,))`` of the GGN's top eigenpairs, the prior
-    ``δ I`` added on top. ``sigma`` is the regression noise (1 for classification)."""
+    ``δ I`` added on top, and for ``"kron"`` a :class:`KronPrecision` (the GGN's
+    factors, without the prior). ``sigma`` is the regression noise (1 for
+    classification)."""
 
     params: Any
     structure: str
@@ -53,6 +63,35 @@ class LaplacePosterior(NamedTuple):
     precision: Any
     prior_precision: float
     sigma: float
+
+
+class KronPrecision(NamedTuple):
+    """The GGN of a ``"kron"`` posterior: ``factors`` ``{layer: KronFactor}`` from
+    :func:`kfac`, their eigendecompositions ``eigh`` ``{layer: (α, Q_A, γ, Q_G)}``
+    (``A = Q_A diag(α) Q_Aᵀ``, ``G = Q_G diag(γ) Q_Gᵀ``; the block's precision has
+    eigenvalues ``γ_i α_j + δ``), and ``diag`` ``{param: GGN diagonal}`` for the params
+    outside those layers."""
+
+    factors: dict[str, KronFactor]
+    eigh: dict[str, tuple[Tensor, Tensor, Tensor, Tensor]]
+    diag: dict[str, Tensor]
+
+
+def _one_example(apply_fn: Callable[..., Tensor]) -> Callable[[Any, Tensor], Tensor]:
+    """``(params, x_one) -> (O,)``; a :class:`Model` runs on a batch of one."""
+    if isinstance(apply_fn, Model):
+        return lambda p, x_one: apply_fn.apply(p, x_one[None])[0]
+    return apply_fn
+
+
+def _offsets(params: Any) -> dict[str, tuple[int, int]]:
+    """Each leaf's ``(start, numel)`` in the flat vector (``optree`` order), by name."""
+    paths, leaves, _ = optree.tree_flatten_with_path(params)
+    out, start = {}, 0
+    for path, leaf in zip(paths, leaves):
+        out[".".join(map(str, path))] = (start, leaf.numel())
+        start += leaf.numel()
+    return out
 
 
 def _output_hessian(likelihood: str, out: Tensor, sigma: float) -> Tensor:
@@ -74,22 +113,33 @@ def laplace(
     sigma: float = 1.0,
     rank: int = 20,
     key: Tensor | None = None,
+    fisher: str = "exact",
+    batch_size: int | None = None,
+    separate_bias: bool = False,
 ) -> LaplacePosterior:
     """The Laplace approximation at trained ``params``, with the GGN of ``x``'s
     likelihood and an isotropic Gaussian prior.
 
     Args:
         apply_fn: ``(params, x_one) -> (O,)``: ONE example's output (logits for
-            classification, the mean for regression).
+            classification, the mean for regression); or a :class:`torchfn.Model`,
+            which runs on batches (``(n, ...) -> (n, O)``; one example as a batch of
+            one). ``"kron"`` needs a Model.
         params: the MAP params (a pytree).
         x: ``(N, ...)`` the training inputs (the GGN does not need the targets).
         likelihood: ``"classification"`` (softmax cross entropy) or ``"regression"``
             (Gaussian with noise ``sigma``).
-        structure: ``"full"``, ``"diag"`` or ``"lowrank"``.
+        structure: ``"full"``, ``"diag"``, ``"lowrank"`` or ``"kron"``.
         prior_precision: ``δ > 0`` of the prior ``N(0, δ⁻¹ I)``.
         sigma: the regression noise's standard deviation.
         rank: ``"lowrank"``: eigenpairs kept.
-        key: ``"lowrank"``: the Lanczos start vector's key.
+        key: ``"lowrank"``: the Lanczos start vector's key; ``"kron"`` with
+            ``fisher="mc"``: the sampled targets' key.
+        fisher: ``"kron"``: ``"exact"`` (``O`` backward passes per batch) or ``"mc"``
+            (one, at a sampled target; for many classes), as in :func:`kfac`.
+        batch_size: ``"kron"``: examples per forward pass (None: all at once).
+        separate_bias: ``"kron"``: biases in blocks of their own, as laplace-torch
+            (see :func:`kfac`).
 
     Returns:
         A :class:`LaplacePosterior`.
@@ -104,9 +154,24 @@ def laplace(
         >>> exact = X.T @ X / 0.25 + 2.0 * torch.eye(3, dtype=torch.float64)
         >>> torch.allclose(post.precision, exact)
         True
+
+    Kronecker-factored, for a network given as a :class:`torchfn.Model`::
+
+        >>> from torch import nn
+        >>> import torchfn
+        >>> net = nn.Sequential(nn.Linear(3, 16), nn.Tanh(), nn.Linear(16, 4))
+        >>> model = torchfn.Model(net)
+        >>> params = model.init(random.key(1))
+        >>> post = laplace(model, params, X.float(), structure="kron")
+        >>> [(f.A.shape, f.G.shape) for f in post.precision.factors.values()]
+        [(torch.Size([4, 4]), torch.Size([16, 16])), (torch.Size([17, 17]), torch.Size([4, 4]))]
+        >>> probs, cov = laplace_predict(post, model, X[:2].float())     # (M, O), (M, O, O)
+        >>> probs.shape, cov.shape
+        (torch.Size([2, 4]), torch.Size([2, 4, 4]))
     """
     if not callable(apply_fn):
         raise TypeError(f"laplace: apply_fn must be callable, got {type(apply_fn).__name__}")
+    model, apply_fn = apply_fn, _one_example(apply_fn)
     if likelihood not in _LIKELIHOODS:
         raise ValueError(f"laplace: likelihood must be one of {_LIKELIHOODS}, got "
                          f"{likelihood!r}")
@@ -130,6 +195,10 @@ def laplace(
                              f"shape (O,), got {got}")
         return out
 
+    if structure == "kron":
+        return _kron(model, params, x, out_of, flat, likelihood=likelihood, sigma=sigma,
+                     prior_precision=prior_precision, fisher=fisher, key=key,
+                     batch_size=batch_size, separate_bias=separate_bias)
     if structure == "lowrank":
         if key is None:
             raise ValueError("laplace: structure='lowrank' needs a key (Lanczos' start)")
@@ -164,8 +233,83 @@ def laplace(
                             float(sigma))
 
 
+def _kron(model: Any, params: Any, x: Tensor, out_of: Callable[[Tensor, Tensor], Tensor],
+          flat: Flat, *, likelihood: str, sigma: float, prior_precision: float, fisher: str,
+          key: Tensor | None, batch_size: int | None,
+          separate_bias: bool) -> LaplacePosterior:
+    """The ``"kron"`` structure: K-FAC blocks, and the exact GGN diagonal elsewhere."""
+    if not isinstance(model, Model):
+        raise TypeError(f"laplace: structure='kron' needs apply_fn to be a torchfn.Model "
+                        f"(K-FAC reads its layers' inputs), got {type(model).__name__}")
+    factors = kfac(model, params, x, likelihood=likelihood, sigma=sigma, fisher=fisher,
+                   key=key, batch_size=batch_size, separate_bias=separate_bias)
+    offsets = _offsets(params)
+    for layer, f in factors.items():
+        missing = [n for n in (f.weight, f.bias) if n is not None and n not in offsets]
+        if missing:
+            raise ValueError(f"laplace: layer {layer!r}'s params {missing} are not in params "
+                             "(tied to another layer's?); structure='kron' needs each "
+                             "Linear/Conv2d layer to own its weight and bias")
+    eigh = {}
+    for layer, f in factors.items():
+        alpha, QA = torch.linalg.eigh(f.A)
+        gamma, QG = torch.linalg.eigh(f.G)
+        eigh[layer] = (alpha.clamp(min=0), QA, gamma.clamp(min=0), QG)
+    covered = {n for f in factors.values() for n in (f.weight, f.bias) if n is not None}
+    rest = [n for n in offsets if n not in covered]
+    diag: dict[str, Tensor] = {}
+    if rest:  # the exact GGN diagonal of the params outside Linear/Conv2d layers
+        theta = flat.vector(params, "params")
+        index = torch.cat([torch.arange(offsets[n][0], sum(offsets[n]),
+                                        device=theta.device) for n in rest])
+
+        def sub_out(sub: Tensor, x_one: Tensor) -> Tensor:
+            return out_of(theta.index_put((index,), sub), x_one)
+
+        size = len(x) if batch_size is None else batch_size
+        d = theta.new_zeros(len(index))
+        for start in range(0, len(x), size):
+            xb = x[start:start + size]
+            J = vmap(jacrev(sub_out), in_dims=(None, 0))(theta[index], xb)  # (n, O, p)
+            out = vmap(out_of, in_dims=(None, 0))(theta, xb)  # (n, O)
+            lam = vmap(lambda o: _output_hessian(likelihood, o, sigma))(out)  # (n, O, O)
+            d = d + torch.einsum("nop,noq,nqp->p", J, lam, J)
+        diag = dict(zip(rest, d.split([offsets[n][1] for n in rest])))
+    return LaplacePosterior(params, "kron", likelihood, KronPrecision(factors, eigh, diag),
+                            float(prior_precision), float(sigma))
+
+
+def _kron_times(posterior: LaplacePosterior, M: Tensor) -> Tensor:
+    """``(G ⊗ A + δ I)⁻¹ M`` block by block, and ``M / (d + δ)`` on the diagonal part."""
+    prec, delta = posterior.precision, posterior.prior_precision
+    offsets = _offsets(posterior.params)
+    out = torch.empty_like(M)
+    m = M.shape[1]
+    for layer, (alpha, QA, gamma, QG) in prec.eigh.items():
+        f = prec.factors[layer]
+        w0, wn = offsets[f.weight]
+        rows = len(gamma)
+        X = M[w0:w0 + wn].reshape(rows, -1, m)  # (out, fan_in, m)
+        if f.bias is not None:
+            b0, bn = offsets[f.bias]
+            X = torch.cat([X, M[b0:b0 + bn].reshape(rows, 1, m)], 1)  # (out, fan_in + 1, m)
+        Z = torch.einsum("po,pqm,qr->orm", QG, X, QA)  # Q_Gᵀ X Q_A
+        Z = Z / (gamma[:, None] * alpha[None, :] + delta)[:, :, None]
+        Y = torch.einsum("po,orm,qr->pqm", QG, Z, QA)  # Q_G Z Q_Aᵀ
+        if f.bias is not None:
+            out[b0:b0 + bn] = Y[:, -1]
+            Y = Y[:, :-1]
+        out[w0:w0 + wn] = Y.reshape(wn, m)
+    for name, d in prec.diag.items():
+        start, n = offsets[name]
+        out[start:start + n] = M[start:start + n] / (d + delta)[:, None]
+    return out
+
+
 def _covariance_times(posterior: LaplacePosterior, M: Tensor) -> Tensor:
     """``H⁻¹ M`` for ``M (P, m)``."""
+    if posterior.structure == "kron":
+        return _kron_times(posterior, M)
     if posterior.structure == "full":
         return torch.cholesky_solve(M, torch.linalg.cholesky(posterior.precision))
     if posterior.structure == "diag":
@@ -182,7 +326,8 @@ def laplace_predict(
     apply_fn: Callable[[Any, Tensor], Tensor],
     x: Tensor,
 ) -> tuple[Tensor, Tensor]:
-    """The linearised predictive at inputs ``x (M, ...)``.
+    """The linearised predictive at inputs ``x (M, ...)``; ``apply_fn`` as given to
+    :func:`laplace` (one example's output, or a :class:`torchfn.Model`).
 
     Returns:
         ``(mean, covariance)``: the outputs ``(M, O)`` at the MAP params and their
@@ -206,6 +351,7 @@ def laplace_predict(
                         f"laplace), got {type(posterior).__name__}")
     flat = Flat(posterior.params, "laplace_predict", "posterior.params")
     theta = flat.vector(posterior.params, "params")
+    apply_fn = _one_example(apply_fn)
 
     def out_of(vec: Tensor, x_one: Tensor) -> Tensor:
         return apply_fn(flat.tree(vec), x_one)
@@ -279,6 +425,11 @@ def laplace_log_marginal(
         logdet = torch.linalg.slogdet(ggn + delta * torch.eye(P, dtype=theta.dtype))[1]
     elif posterior.structure == "diag":
         logdet = (posterior.precision - fitted + delta).log().sum()
+    elif posterior.structure == "kron":
+        prec = posterior.precision
+        logdet = sum((g[:, None] * a[None, :] + delta).log().sum()
+                     for a, _, g, _ in prec.eigh.values())
+        logdet = logdet + sum((d + delta).log().sum() for d in prec.diag.values())
     else:
         _, lam = posterior.precision
         logdet = (lam + delta).log().sum() + (P - lam.shape[0]) * delta.log()
