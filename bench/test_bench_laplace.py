@@ -8,6 +8,9 @@ builds the same matrix: each case checks that the two log evidences agree.
 
 - ``fit``: the K-FAC factors over the data (batches of 256) and their eigendecompositions.
 - ``predict``: the linearised (GLM) predictive with the probit link at 256 inputs.
+- ``last_layer``: laplace-torch's defaults, ``Laplace(net, "classification")`` (the
+  last layer, K-FAC), against ``laplace(..., structure="kron", subset=[the last
+  layer's weight and bias])``, fit and the probit predictive at 256 inputs.
 - ``factors``: the K-FAC factors alone, curvlinops 3.0.1's ``KFACLinearOperator``
   (``fisher_type="type-2"``, ``kfac_approx="expand"``, weight and bias in one block)
   against ``transforms.kfac``; the case checks the factors agree.
@@ -122,3 +125,27 @@ def test_factors(benchmark, how):
     for n in ("0", "2"):
         for a, b in zip(got[n], other[n]):
             torch.testing.assert_close(a.detach(), b.detach(), rtol=1e-4, atol=1e-6)
+
+
+def _peer_last_layer():
+    la = laplace_torch.Laplace(NET, "classification", prior_precision=DELTA)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(X, Y),
+                                         batch_size=BATCH)
+    la.fit(loader, progress_bar=False)
+    return la, la(X[:256], pred_type="glm", link_approx="probit")
+
+
+def _ours_last_layer():
+    post = laplace(MODEL, PARAMS, X, structure="kron", prior_precision=DELTA,
+                   separate_bias=True, batch_size=BATCH, subset=["2.weight", "2.bias"])
+    return post, laplace_predict(post, MODEL, X[:256])[0]
+
+
+@pytest.mark.parametrize("how", ["laplace_torch", "torchfn"])
+def test_last_layer(benchmark, how):
+    got = benchmark.pedantic(_peer_last_layer if how == "laplace_torch" else
+                             _ours_last_layer, rounds=3)
+    (la, probs_peer), (post, probs) = ((got, _ours_last_layer()) if how == "laplace_torch"
+                                       else (_peer_last_layer(), got))
+    _check(la, post)
+    torch.testing.assert_close(probs.detach(), probs_peer.detach(), rtol=1e-3, atol=1e-4)

@@ -7,7 +7,9 @@ hand and output gradients from ``jacrev`` of the rest of the network; for a
 regression network's last layer it is exact for any N. The MC Fisher's ``G`` averages
 to the exact one; batching changes nothing. The ``"kron"`` posterior's solves,
 log-determinant and predictive equal dense algebra on the same block matrix, and for
-Bayesian linear regression it is the exact posterior and evidence."""
+Bayesian linear regression it is the exact posterior and evidence. A ``subset``
+posterior (laplace-torch's last layer) is the corresponding block of the whole one;
+posterior draws of every structure have the posterior's mean and covariance."""
 
 from __future__ import annotations
 
@@ -19,7 +21,13 @@ from torch.func import functional_call, jacrev
 
 import torchfn
 from torchfn import random
-from torchfn.transforms import kfac, laplace, laplace_log_marginal, laplace_predict
+from torchfn.transforms import (
+    kfac,
+    laplace,
+    laplace_log_marginal,
+    laplace_predict,
+    laplace_sample,
+)
 
 D = torch.float64
 
@@ -222,8 +230,90 @@ def test_kron_is_exact_for_bayesian_linear_regression():
     torch.testing.assert_close(laplace_log_marginal(post, log_lik), exact)
 
 
+def _index(params, names):
+    """Positions of ``names``' entries in the flat vector (sorted-name order)."""
+    out, start = [], 0
+    for n in sorted(params):
+        if n in names:
+            out.append(torch.arange(start, start + params[n].numel()))
+        start += params[n].numel()
+    return torch.cat(out)
+
+
+def test_a_subset_is_the_block_of_the_whole_posterior():
+    net, model, params = _model(nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 4)))
+    x = random.normal(random.key(20), (15, 3), dtype=D)
+    last = ["2.bias", "2.weight"]
+    whole = laplace(model, params, x, prior_precision=0.5)
+    sub = laplace(model, params, x, prior_precision=0.5, subset=last)
+    i = _index(params, last)
+    torch.testing.assert_close(sub.precision, whole.precision[i[:, None], i[None, :]])
+    assert sorted(sub.params) == last and sorted(sub.fixed) == ["0.bias", "0.weight"]
+    x_new = random.normal(random.key(21), (3, 3), dtype=D)
+    _, cov = laplace_predict(sub, model, x_new)
+    theta = torch.cat([params[n].reshape(-1) for n in last])
+    for m in range(3):
+        J = jacrev(lambda t, xm=x_new[m]: functional_call(
+            net, {**params, "2.bias": t[:4], "2.weight": t[4:].reshape(4, 5)},
+            (xm[None],))[0])(theta)  # (O, 24)
+        torch.testing.assert_close(cov[m], J @ torch.linalg.solve(sub.precision, J.T))
+    ll = torch.tensor(-2.0, dtype=D)
+    want = (ll - 0.25 * theta.square().sum() + 12 * torch.log(torch.tensor(0.5, dtype=D))
+            - 0.5 * torch.linalg.slogdet(sub.precision)[1])
+    torch.testing.assert_close(laplace_log_marginal(sub, ll), want)
+    kron = laplace(model, params, x, structure="kron", subset=last)
+    (name, f), = kron.precision.factors.items()
+    g = kfac(model, params, x)["2"]
+    assert name == "2" and not kron.precision.diag
+    assert list(kfac(model, params, x, layers=["2"])) == ["2"]
+    torch.testing.assert_close((f.A, f.G), (g.A, g.G))
+
+
+@pytest.mark.parametrize("structure", ["full", "diag", "lowrank", "kron"])
+def test_draws_have_the_posterior_mean_and_covariance(structure):
+    net, model, params = _model(nn.Sequential(nn.Linear(2, 3), nn.Tanh(), nn.LayerNorm(3),
+                                              nn.Linear(3, 3)))
+    x = random.normal(random.key(22), (10, 2), dtype=D)
+    post = laplace(model, params, x, structure=structure, prior_precision=0.8, rank=6,
+                   key=random.key(23))
+    names = sorted(params)
+    P = sum(params[n].numel() for n in names)
+    if structure == "full":
+        H = post.precision
+    elif structure == "diag":
+        H = torch.diag(post.precision)
+    elif structure == "lowrank":
+        U, lam = post.precision
+        H = U @ torch.diag(lam) @ U.T + 0.8 * torch.eye(P, dtype=D)
+    else:
+        H = _dense_kron(post, params)
+    draws = laplace_sample(post, random.key(24), 40000)
+    assert {n: tuple(v.shape) for n, v in draws.items()} == {
+        n: (40000, *params[n].shape) for n in names}
+    flat = torch.cat([draws[n].reshape(40000, -1) for n in names], 1)  # (S, P)
+    theta = torch.cat([params[n].reshape(-1) for n in names])
+    C = torch.linalg.inv(H)
+    scale = C.diagonal().max()
+    assert ((flat.mean(0) - theta).abs() < 0.03 * scale.sqrt()).all()
+    assert (torch.cov(flat.T) - C).abs().max() < 0.03 * scale
+
+
 @pytest.mark.parametrize("call, match", [
+    (lambda m, p, x: laplace(m, p, x, subset="2.weight"), "subset must be a list of param"),
+    (lambda m, p, x: laplace(m, p, x, subset=["fc.weight"]), r"subset must name params "
+     r"among \['0.bias', '0.weight'\], got \['fc.weight'\]"),
+    (lambda m, p, x: laplace(m, p, x, subset=[]), "subset must name params"),
+    (lambda m, p, x: laplace(m, list(p.values()), x, subset=["0.bias"]),
+     "subset needs params to be a dict"),
+    (lambda m, p, x: laplace(m, p, x, structure="kron", subset=["0.weight"]),
+     r"subset holds \['0.weight'\] but not \['0.bias'\] of layer '0'"),
+    (lambda m, p, x: laplace_sample(laplace(m, p, x), random.key(0), 0),
+     "num_samples must be a positive int"),
+    (lambda m, p, x: laplace_sample(p, random.key(0), 2), "posterior must be a LaplacePosterior"),
     (lambda m, p, x: kfac(lambda q, x: x, p, x), "model must be a torchfn.Model"),
+    (lambda m, p, x: kfac(m, p, x, layers=["1"]), r"layers must name some of the model's "
+     r"Linear/Conv2d layers \['0'\], got \['1'\]"),
+    (lambda m, p, x: kfac(m, p, x, layers="0"), "layers must name"),
     (lambda m, p, x: kfac(m, p, x, likelihood="poisson"), "likelihood must be one of"),
     (lambda m, p, x: kfac(m, p, x, fisher="empirical"), "fisher must be one of"),
     (lambda m, p, x: kfac(m, p, x, fisher="mc"), "fisher='mc' needs a key"),

@@ -57,6 +57,7 @@ from torchfn.transforms._laplace import (
     laplace,
     laplace_log_marginal,
     laplace_predict,
+    laplace_sample,
 )
 from torchfn.transforms._least_squares import LeastSquaresInfo, least_squares
 from torchfn.transforms._nuts import NUTSInfo, nuts, nuts_step
@@ -121,6 +122,7 @@ __all__ = [
     "KronPrecision",
     "laplace_predict",
     "laplace_log_marginal",
+    "laplace_sample",
     "LaplacePosterior",
     "ReplayBuffer",
     "replay_init",

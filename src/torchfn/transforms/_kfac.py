@@ -21,7 +21,7 @@ unbiased estimate of ``G`` for any number of classes in one backward pass.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import torch
@@ -50,6 +50,21 @@ class KronFactor(NamedTuple):
     bias: str | None
     A: Tensor
     G: Tensor
+
+
+def factorable(model: Model) -> dict[str, nn.Module]:
+    """The ``nn.Linear`` and ``nn.Conv2d`` layers of the module ``model.apply`` runs."""
+    skeleton = model._eval_skeleton  # eval mode, as model.apply(params, x)
+    return {n: m for n, m in skeleton.named_modules() if isinstance(m, (nn.Linear, nn.Conv2d))}
+
+
+def output_hessian(likelihood: str, out: Tensor, sigma: float) -> Tensor:
+    """``Λ`` of one example's output ``(O,)``: ``(O, O)``; ``I / σ²`` (regression) or
+    ``diag(p) - p pᵀ`` (softmax)."""
+    if likelihood == "regression":
+        return torch.eye(out.shape[-1], dtype=out.dtype, device=out.device) / sigma ** 2
+    p = out.softmax(-1)
+    return torch.diag(p) - torch.outer(p, p)
 
 
 def _output_sqrt(likelihood: str, out: Tensor, sigma: float) -> Tensor:
@@ -107,6 +122,7 @@ def kfac(
     mc_samples: int = 1,
     batch_size: int | None = None,
     separate_bias: bool = False,
+    layers: Sequence[str] | None = None,
 ) -> dict[str, KronFactor]:
     """K-FAC factors of the GGN ``Σ_n J_nᵀ Λ_n J_n`` of ``x``'s likelihood, for every
     ``nn.Linear`` and ``nn.Conv2d`` layer of ``model`` that the forward pass uses.
@@ -126,6 +142,8 @@ def kfac(
             and the weight ``G ⊗ A`` without the bias row, dropping the weight-bias
             cross terms, as laplace-torch and curvlinops' default do. The default keeps
             ``[W | b]`` as one block (Martens & Grosse's homogeneous coordinates).
+        layers: the names of the layers to factor (e.g. only the last); None: every
+            ``nn.Linear`` and ``nn.Conv2d``.
 
     Returns:
         ``{layer name: KronFactor}`` (``named_modules`` names; ``""`` for a bare
@@ -171,12 +189,15 @@ def kfac(
         raise TypeError(f"kfac: params must be the model's params dict, got "
                         f"{type(params).__name__}")
     params = {k: v.detach() for k, v in params.items()}
-    skeleton = model._eval_skeleton  # the module model.apply runs (eval mode)
-    layers = {n: m for n, m in skeleton.named_modules()
-              if isinstance(m, (nn.Linear, nn.Conv2d))}
+    chosen, layers = layers, factorable(model)
     if not layers:
         raise ValueError(f"kfac: model ({model._module_type}) has no nn.Linear or nn.Conv2d "
                          "layer to factor")
+    if chosen is not None:
+        if isinstance(chosen, str) or [n for n in chosen if n not in layers] or not chosen:
+            raise ValueError(f"kfac: layers must name some of the model's Linear/Conv2d "
+                             f"layers {list(layers)}, got {chosen!r}")
+        layers = {n: m for n, m in layers.items() if n in chosen}
     for name, mod in layers.items():
         _check_layer(name, mod)
 

@@ -27,7 +27,7 @@ as a function of the prior precision, to choose it (MacKay's evidence framework)
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import optree
@@ -36,13 +36,20 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.func import jacrev, vmap
 
+from torchfn.core import random
 from torchfn.core.module import Model
 from torchfn.transforms._flat import Flat
-from torchfn.transforms._kfac import KronFactor, kfac
+from torchfn.transforms._kfac import output_hessian
+from torchfn.transforms._laplace_kron import (
+    KronPrecision,
+    kron_logdet,
+    kron_power_times,
+    kron_precision,
+)
 from torchfn.transforms._spectrum import eigsh
 
 __all__ = ["KronPrecision", "LaplacePosterior", "laplace", "laplace_predict",
-           "laplace_log_marginal"]
+           "laplace_log_marginal", "laplace_sample"]
 
 _LIKELIHOODS = ("classification", "regression")
 _STRUCTURES = ("full", "diag", "lowrank", "kron")
@@ -55,7 +62,8 @@ class LaplacePosterior(NamedTuple):
     ``"lowrank"`` the pair ``(U (P, k), λ (k,))`` of the GGN's top eigenpairs, the prior
     ``δ I`` added on top, and for ``"kron"`` a :class:`KronPrecision` (the GGN's
     factors, without the prior). ``sigma`` is the regression noise (1 for
-    classification)."""
+    classification). ``fixed``: with a ``subset``, the other params, held at their
+    values (``params`` then holds the subset); None otherwise."""
 
     params: Any
     structure: str
@@ -63,18 +71,7 @@ class LaplacePosterior(NamedTuple):
     precision: Any
     prior_precision: float
     sigma: float
-
-
-class KronPrecision(NamedTuple):
-    """The GGN of a ``"kron"`` posterior: ``factors`` ``{layer: KronFactor}`` from
-    :func:`kfac`, their eigendecompositions ``eigh`` ``{layer: (α, Q_A, γ, Q_G)}``
-    (``A = Q_A diag(α) Q_Aᵀ``, ``G = Q_G diag(γ) Q_Gᵀ``; the block's precision has
-    eigenvalues ``γ_i α_j + δ``), and ``diag`` ``{param: GGN diagonal}`` for the params
-    outside those layers."""
-
-    factors: dict[str, KronFactor]
-    eigh: dict[str, tuple[Tensor, Tensor, Tensor, Tensor]]
-    diag: dict[str, Tensor]
+    fixed: Any = None
 
 
 def _one_example(apply_fn: Callable[..., Tensor]) -> Callable[[Any, Tensor], Tensor]:
@@ -84,22 +81,29 @@ def _one_example(apply_fn: Callable[..., Tensor]) -> Callable[[Any, Tensor], Ten
     return apply_fn
 
 
-def _offsets(params: Any) -> dict[str, tuple[int, int]]:
-    """Each leaf's ``(start, numel)`` in the flat vector (``optree`` order), by name."""
-    paths, leaves, _ = optree.tree_flatten_with_path(params)
-    out, start = {}, 0
-    for path, leaf in zip(paths, leaves):
-        out[".".join(map(str, path))] = (start, leaf.numel())
-        start += leaf.numel()
-    return out
+def _take_subset(params: Any, subset: Sequence[str] | None) -> tuple[Any, Any]:
+    """``(the posterior's params, the fixed rest or None)``."""
+    if subset is None:
+        return params, None
+    if not isinstance(params, dict):
+        raise TypeError(f"laplace: subset needs params to be a dict of named tensors, got "
+                        f"{type(params).__name__}")
+    if isinstance(subset, str) or not all(isinstance(n, str) for n in subset):
+        raise TypeError(f"laplace: subset must be a list of param names, got {subset!r}")
+    unknown = [n for n in subset if n not in params]
+    if unknown or not subset:
+        raise ValueError(f"laplace: subset must name params among {sorted(params)}, got "
+                         f"{list(subset)!r}")
+    return ({n: params[n] for n in subset},
+            {n: t for n, t in params.items() if n not in subset})
 
 
-def _output_hessian(likelihood: str, out: Tensor, sigma: float) -> Tensor:
-    """``Λ`` of one example's output ``(O,)``: ``(O, O)``."""
-    if likelihood == "regression":
-        return torch.eye(out.shape[-1], dtype=out.dtype, device=out.device) / sigma ** 2
-    p = out.softmax(-1)
-    return torch.diag(p) - torch.outer(p, p)
+def _with_fixed(apply_fn: Callable[[Any, Tensor], Tensor],
+                fixed: Any) -> Callable[[Any, Tensor], Tensor]:
+    """``apply_fn`` of the subset, the other params held at their values."""
+    if fixed is None:
+        return apply_fn
+    return lambda p, x_one: apply_fn({**fixed, **p}, x_one)
 
 
 def laplace(
@@ -116,6 +120,7 @@ def laplace(
     fisher: str = "exact",
     batch_size: int | None = None,
     separate_bias: bool = False,
+    subset: Sequence[str] | None = None,
 ) -> LaplacePosterior:
     """The Laplace approximation at trained ``params``, with the GGN of ``x``'s
     likelihood and an isotropic Gaussian prior.
@@ -140,6 +145,9 @@ def laplace(
         batch_size: ``"kron"``: examples per forward pass (None: all at once).
         separate_bias: ``"kron"``: biases in blocks of their own, as laplace-torch
             (see :func:`kfac`).
+        subset: names of the params the posterior covers (``params`` a dict), the
+            rest held at their values: ``["fc.weight", "fc.bias"]`` is laplace-torch's
+            default ``subset_of_weights="last_layer"``. None: all of them.
 
     Returns:
         A :class:`LaplacePosterior`.
@@ -184,8 +192,11 @@ def laplace(
     if not isinstance(x, Tensor) or x.dim() < 1:
         raise ValueError(f"laplace: x must be a batch of inputs (N, ...), got "
                          f"{tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__}")
+    all_params = params
+    params, fixed = _take_subset(params, subset)
     flat = Flat(params, "laplace", "params")
     theta = flat.vector(params, "params")
+    apply_fn = _with_fixed(apply_fn, fixed)
 
     def out_of(vec: Tensor, x_one: Tensor) -> Tensor:  # (P,), one input -> (O,)
         out = apply_fn(flat.tree(vec), x_one)
@@ -195,10 +206,14 @@ def laplace(
                              f"shape (O,), got {got}")
         return out
 
+    def posterior(structure: str, precision: Any) -> LaplacePosterior:
+        return LaplacePosterior(params, structure, likelihood, precision,
+                                float(prior_precision), float(sigma), fixed)
+
     if structure == "kron":
-        return _kron(model, params, x, out_of, flat, likelihood=likelihood, sigma=sigma,
-                     prior_precision=prior_precision, fisher=fisher, key=key,
-                     batch_size=batch_size, separate_bias=separate_bias)
+        return posterior("kron", kron_precision(
+            model, params, all_params, x, out_of, theta, likelihood=likelihood, sigma=sigma,
+            fisher=fisher, key=key, batch_size=batch_size, separate_bias=separate_bias))
     if structure == "lowrank":
         if key is None:
             raise ValueError("laplace: structure='lowrank' needs a key (Lanczos' start)")
@@ -208,7 +223,7 @@ def laplace(
 
             def one(x_one: Tensor) -> Tensor:
                 out, jv = torch.func.jvp(lambda t: out_of(t, x_one), (theta,), (v,))
-                lam = _output_hessian(likelihood, out, sigma) @ jv
+                lam = output_hessian(likelihood, out, sigma) @ jv
                 _, pull = torch.func.vjp(lambda t: out_of(t, x_one), theta)
                 return pull(lam)[0]
 
@@ -218,98 +233,24 @@ def laplace(
         values, vectors = eigsh(ggn, params, key, k=k, steps=min(flat.n, max(2 * k + 20, 30)))
         U = torch.stack([flat.vector(optree.tree_map(lambda t: t[i], vectors),  # noqa: B023
                                      "eigenvectors") for i in range(k)], 1)  # (P, k)
-        return LaplacePosterior(params, structure, likelihood, (U, values.clamp(min=0)),
-                                float(prior_precision), float(sigma))
+        return posterior(structure, (U, values.clamp(min=0)))
 
     J = vmap(jacrev(out_of), in_dims=(None, 0))(theta, x)  # (N, O, P)
     out = vmap(out_of, in_dims=(None, 0))(theta, x)  # (N, O)
-    lam = vmap(lambda o: _output_hessian(likelihood, o, sigma))(out)  # (N, O, O)
+    lam = vmap(lambda o: output_hessian(likelihood, o, sigma))(out)  # (N, O, O)
     if structure == "full":
         H = torch.einsum("nop,noq,nqr->pr", J, lam, J)
         H = H + prior_precision * torch.eye(flat.n, dtype=H.dtype, device=H.device)
     else:
         H = torch.einsum("nop,noq,nqp->p", J, lam, J) + prior_precision
-    return LaplacePosterior(params, structure, likelihood, H, float(prior_precision),
-                            float(sigma))
-
-
-def _kron(model: Any, params: Any, x: Tensor, out_of: Callable[[Tensor, Tensor], Tensor],
-          flat: Flat, *, likelihood: str, sigma: float, prior_precision: float, fisher: str,
-          key: Tensor | None, batch_size: int | None,
-          separate_bias: bool) -> LaplacePosterior:
-    """The ``"kron"`` structure: K-FAC blocks, and the exact GGN diagonal elsewhere."""
-    if not isinstance(model, Model):
-        raise TypeError(f"laplace: structure='kron' needs apply_fn to be a torchfn.Model "
-                        f"(K-FAC reads its layers' inputs), got {type(model).__name__}")
-    factors = kfac(model, params, x, likelihood=likelihood, sigma=sigma, fisher=fisher,
-                   key=key, batch_size=batch_size, separate_bias=separate_bias)
-    offsets = _offsets(params)
-    for layer, f in factors.items():
-        missing = [n for n in (f.weight, f.bias) if n is not None and n not in offsets]
-        if missing:
-            raise ValueError(f"laplace: layer {layer!r}'s params {missing} are not in params "
-                             "(tied to another layer's?); structure='kron' needs each "
-                             "Linear/Conv2d layer to own its weight and bias")
-    eigh = {}
-    for layer, f in factors.items():
-        alpha, QA = torch.linalg.eigh(f.A)
-        gamma, QG = torch.linalg.eigh(f.G)
-        eigh[layer] = (alpha.clamp(min=0), QA, gamma.clamp(min=0), QG)
-    covered = {n for f in factors.values() for n in (f.weight, f.bias) if n is not None}
-    rest = [n for n in offsets if n not in covered]
-    diag: dict[str, Tensor] = {}
-    if rest:  # the exact GGN diagonal of the params outside Linear/Conv2d layers
-        theta = flat.vector(params, "params")
-        index = torch.cat([torch.arange(offsets[n][0], sum(offsets[n]),
-                                        device=theta.device) for n in rest])
-
-        def sub_out(sub: Tensor, x_one: Tensor) -> Tensor:
-            return out_of(theta.index_put((index,), sub), x_one)
-
-        size = len(x) if batch_size is None else batch_size
-        d = theta.new_zeros(len(index))
-        for start in range(0, len(x), size):
-            xb = x[start:start + size]
-            J = vmap(jacrev(sub_out), in_dims=(None, 0))(theta[index], xb)  # (n, O, p)
-            out = vmap(out_of, in_dims=(None, 0))(theta, xb)  # (n, O)
-            lam = vmap(lambda o: _output_hessian(likelihood, o, sigma))(out)  # (n, O, O)
-            d = d + torch.einsum("nop,noq,nqp->p", J, lam, J)
-        diag = dict(zip(rest, d.split([offsets[n][1] for n in rest])))
-    return LaplacePosterior(params, "kron", likelihood, KronPrecision(factors, eigh, diag),
-                            float(prior_precision), float(sigma))
-
-
-def _kron_times(posterior: LaplacePosterior, M: Tensor) -> Tensor:
-    """``(G ⊗ A + δ I)⁻¹ M`` block by block, and ``M / (d + δ)`` on the diagonal part."""
-    prec, delta = posterior.precision, posterior.prior_precision
-    offsets = _offsets(posterior.params)
-    out = torch.empty_like(M)
-    m = M.shape[1]
-    for layer, (alpha, QA, gamma, QG) in prec.eigh.items():
-        f = prec.factors[layer]
-        w0, wn = offsets[f.weight]
-        rows = len(gamma)
-        X = M[w0:w0 + wn].reshape(rows, -1, m)  # (out, fan_in, m)
-        if f.bias is not None:
-            b0, bn = offsets[f.bias]
-            X = torch.cat([X, M[b0:b0 + bn].reshape(rows, 1, m)], 1)  # (out, fan_in + 1, m)
-        Z = torch.einsum("po,pqm,qr->orm", QG, X, QA)  # Q_Gᵀ X Q_A
-        Z = Z / (gamma[:, None] * alpha[None, :] + delta)[:, :, None]
-        Y = torch.einsum("po,orm,qr->pqm", QG, Z, QA)  # Q_G Z Q_Aᵀ
-        if f.bias is not None:
-            out[b0:b0 + bn] = Y[:, -1]
-            Y = Y[:, :-1]
-        out[w0:w0 + wn] = Y.reshape(wn, m)
-    for name, d in prec.diag.items():
-        start, n = offsets[name]
-        out[start:start + n] = M[start:start + n] / (d + delta)[:, None]
-    return out
+    return posterior(structure, H)
 
 
 def _covariance_times(posterior: LaplacePosterior, M: Tensor) -> Tensor:
     """``H⁻¹ M`` for ``M (P, m)``."""
     if posterior.structure == "kron":
-        return _kron_times(posterior, M)
+        return kron_power_times(posterior.precision, posterior.prior_precision,
+                                posterior.params, M, -1.0)
     if posterior.structure == "full":
         return torch.cholesky_solve(M, torch.linalg.cholesky(posterior.precision))
     if posterior.structure == "diag":
@@ -351,7 +292,7 @@ def laplace_predict(
                         f"laplace), got {type(posterior).__name__}")
     flat = Flat(posterior.params, "laplace_predict", "posterior.params")
     theta = flat.vector(posterior.params, "params")
-    apply_fn = _one_example(apply_fn)
+    apply_fn = _with_fixed(_one_example(apply_fn), posterior.fixed)
 
     def out_of(vec: Tensor, x_one: Tensor) -> Tensor:
         return apply_fn(flat.tree(vec), x_one)
@@ -426,12 +367,65 @@ def laplace_log_marginal(
     elif posterior.structure == "diag":
         logdet = (posterior.precision - fitted + delta).log().sum()
     elif posterior.structure == "kron":
-        prec = posterior.precision
-        logdet = sum((g[:, None] * a[None, :] + delta).log().sum()
-                     for a, _, g, _ in prec.eigh.values())
-        logdet = logdet + sum((d + delta).log().sum() for d in prec.diag.values())
+        logdet = kron_logdet(posterior.precision, delta)
     else:
         _, lam = posterior.precision
         logdet = (lam + delta).log().sum() + (P - lam.shape[0]) * delta.log()
     return (log_likelihood - 0.5 * delta * (theta ** 2).sum() + 0.5 * P * delta.log()
             - 0.5 * logdet)
+
+
+def laplace_sample(posterior: LaplacePosterior, key: Tensor, num_samples: int) -> Any:
+    """Draws from the posterior ``N(θ*, H⁻¹)``, for the Monte Carlo predictive
+    (laplace-torch's ``la.sample(n)``, ``pred_type="nn"``).
+
+    ``θ* + H^{-1/2} z`` with ``z`` standard normal: ``H^{-1/2}`` from the Cholesky factor
+    (``"full"``), the eigenvalues (``"diag"``, ``"lowrank"``, and each ``"kron"`` block:
+    ``(Q_G ⊗ Q_A) diag(γ_i α_j + δ)^{-1/2} (Q_G ⊗ Q_A)ᵀ``, never formed).
+
+    Args:
+        posterior: from :func:`laplace`.
+        key: a ``torchfn.random`` key.
+        num_samples: ``S``.
+
+    Returns:
+        A pytree like ``posterior.params``, each leaf with a leading ``(S,)``; with a
+        ``subset``, combine each draw with ``posterior.fixed``.
+
+    Example (the Monte Carlo predictive of a classifier)::
+
+        >>> import torch
+        >>> from torch import nn
+        >>> import torchfn
+        >>> from torchfn import random
+        >>> model = torchfn.Model(nn.Sequential(nn.Linear(2, 8), nn.Tanh(), nn.Linear(8, 3)))
+        >>> params = model.init(random.key(0))
+        >>> x = random.normal(random.key(1), (30, 2))
+        >>> post = laplace(model, params, x, structure="kron")
+        >>> draws = laplace_sample(post, random.key(2), 100)       # {name: (100, ...)}
+        >>> probs = torch.func.vmap(lambda p: model(p, x[:4]).softmax(-1))(draws).mean(0)
+        >>> probs.shape                                             # (M, O)
+        torch.Size([4, 3])
+    """
+    if not isinstance(posterior, LaplacePosterior):
+        raise TypeError(f"laplace_sample: posterior must be a LaplacePosterior (from "
+                        f"laplace), got {type(posterior).__name__}")
+    if not isinstance(num_samples, int) or isinstance(num_samples, bool) or num_samples < 1:
+        raise ValueError(f"laplace_sample: num_samples must be a positive int, got "
+                         f"{num_samples!r}")
+    flat = Flat(posterior.params, "laplace_sample", "posterior.params")
+    theta = flat.vector(posterior.params, "params")  # (P,)
+    z = random.normal(key, (flat.n, num_samples), dtype=theta.dtype).to(theta.device)
+    prec, delta = posterior.precision, posterior.prior_precision
+    if posterior.structure == "full":  # L⁻ᵀ z has covariance (L Lᵀ)⁻¹
+        L = torch.linalg.cholesky(prec)
+        eps = torch.linalg.solve_triangular(L.transpose(0, 1), z, upper=True)
+    elif posterior.structure == "diag":
+        eps = z * prec.rsqrt()[:, None]
+    elif posterior.structure == "lowrank":
+        U, lam = prec
+        coef = U.transpose(0, 1) @ z  # (k, S)
+        eps = (z - U @ coef) / delta ** 0.5 + U @ (coef * (lam + delta).rsqrt()[:, None])
+    else:
+        eps = kron_power_times(prec, delta, posterior.params, z, -0.5)
+    return flat.tree((theta[:, None] + eps).transpose(0, 1))  # leaves (S, ...)
