@@ -134,6 +134,26 @@ def test_mc_fisher_averages_to_the_exact_factor_and_batching_changes_nothing():
     assert (one["2"].G - exact["2"].G).abs().max() > 1e-3 * scale  # a real sample
 
 
+@pytest.mark.parametrize("likelihood", ["classification", "regression"])
+def test_empirical_fisher_of_one_example_is_its_gradients_outer_product(likelihood):
+    net, model, params = _model(nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 3)))
+    x = random.normal(random.key(30), (1, 3), dtype=D)
+    y = (torch.tensor([2]) if likelihood == "classification" else
+         random.normal(random.key(31), (1, 3), dtype=D))
+
+    def loss(p):
+        out = functional_call(net, p, (x,))
+        if likelihood == "classification":
+            return F.cross_entropy(out, y, reduction="sum")
+        return 0.5 * ((out - y) ** 2).sum() / 0.3 ** 2
+
+    g = torch.func.grad(loss)(params)
+    for f in kfac(model, params, x, likelihood=likelihood, sigma=0.3, fisher="empirical",
+                  y=y).values():
+        v = torch.cat([g[f.weight], g[f.bias][:, None]], 1).reshape(-1)
+        torch.testing.assert_close(torch.kron(f.G, f.A), torch.outer(v, v))
+
+
 def test_separate_bias_splits_the_joint_block():
     net, model, params = _model(nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)))
     x = random.normal(random.key(8), (6, 3), dtype=D)
@@ -315,7 +335,9 @@ def test_draws_have_the_posterior_mean_and_covariance(structure):
      r"Linear/Conv2d layers \['0'\], got \['1'\]"),
     (lambda m, p, x: kfac(m, p, x, layers="0"), "layers must name"),
     (lambda m, p, x: kfac(m, p, x, likelihood="poisson"), "likelihood must be one of"),
-    (lambda m, p, x: kfac(m, p, x, fisher="empirical"), "fisher must be one of"),
+    (lambda m, p, x: kfac(m, p, x, fisher="observed"), "fisher must be one of"),
+    (lambda m, p, x: kfac(m, p, x, fisher="empirical"), r"fisher='empirical' needs the "
+     r"targets y, one per example \(4\), got NoneType"),
     (lambda m, p, x: kfac(m, p, x, fisher="mc"), "fisher='mc' needs a key"),
     (lambda m, p, x: kfac(m, p, x, mc_samples=0), "mc_samples must be a positive int"),
     (lambda m, p, x: kfac(m, p, x, batch_size=1.5), "batch_size must be a positive int"),

@@ -39,13 +39,13 @@ from torch.func import jacrev, vmap
 from torchfn.core import random
 from torchfn.core.module import Model
 from torchfn.transforms._flat import Flat
-from torchfn.transforms._kfac import output_hessian
 from torchfn.transforms._laplace_kron import (
     KronPrecision,
     kron_logdet,
     kron_power_times,
     kron_precision,
 )
+from torchfn.transforms._layer_probes import output_hessian
 from torchfn.transforms._spectrum import eigsh
 
 __all__ = ["KronPrecision", "LaplacePosterior", "laplace", "laplace_predict",

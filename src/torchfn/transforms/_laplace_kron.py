@@ -18,7 +18,8 @@ from torch import Tensor
 from torch.func import jacrev, vmap
 
 from torchfn.core.module import Model
-from torchfn.transforms._kfac import KronFactor, factorable, kfac, output_hessian
+from torchfn.transforms._kfac import KronFactor, kfac
+from torchfn.transforms._layer_probes import factorable, output_hessian
 
 
 class KronPrecision(NamedTuple):
