@@ -39,6 +39,7 @@ from torchfn.transforms._dp_sgd import (
     pad_batch,
     poisson_sample,
 )
+from torchfn.transforms._ekfac import EKFACFactor, ekfac
 from torchfn.transforms._ensemble import (
     ensemble_apply,
     ensemble_init,
@@ -49,6 +50,7 @@ from torchfn.transforms._federated import fedavg, federated_round, local_train
 from torchfn.transforms._fixed_point import fixed_point
 from torchfn.transforms._ghost import GhostClipResult, ghost_clip_grads, ghost_norms
 from torchfn.transforms._hmc import HMCInfo, hmc, hmc_step
+from torchfn.transforms._influence import influence
 from torchfn.transforms._kfac import KronFactor, kfac
 from torchfn.transforms._langevin import langevin
 from torchfn.transforms._laplace import (
@@ -119,6 +121,9 @@ __all__ = [
     "laplace",
     "kfac",
     "KronFactor",
+    "ekfac",
+    "EKFACFactor",
+    "influence",
     "KronPrecision",
     "laplace_predict",
     "laplace_log_marginal",

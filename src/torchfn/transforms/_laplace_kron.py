@@ -71,9 +71,9 @@ def kron_precision(model: Any, params: dict[str, Tensor], all_params: dict[str, 
         if inside:
             kept[layer] = f
     eigh = {}
-    for layer, f in kept.items():
-        alpha, QA = torch.linalg.eigh(f.A)
-        gamma, QG = torch.linalg.eigh(f.G)
+    for layer, f in kept.items():  # in float64: A's spectrum spans decades
+        alpha, QA = (t.to(f.A.dtype) for t in torch.linalg.eigh(f.A.double()))
+        gamma, QG = (t.to(f.G.dtype) for t in torch.linalg.eigh(f.G.double()))
         eigh[layer] = (alpha.clamp(min=0), QA, gamma.clamp(min=0), QG)
     covered = {n for f in kept.values() for n in (f.weight, f.bias) if n is not None}
     rest = [n for n in where if n not in covered]
