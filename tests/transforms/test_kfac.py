@@ -364,3 +364,35 @@ def test_output_that_is_not_one_row_per_example_is_named():
     with pytest.raises(ValueError, match=r"must return outputs of shape \(n, O\) for a "
                                          r"batch of n = 4, got \(12,\)"):
         kfac(model, params, x)
+
+
+def test_batchnorm_state_is_threaded_through_in_eval_mode():
+    """A CNN with BatchNorm (running statistics not the defaults): K-FAC of one example is
+    the GGN block of the network evaluated with that state; the ``"kron"`` posterior's
+    BatchNorm params get the full GGN's diagonal, the predictive runs with the state."""
+    net = nn.Sequential(nn.Conv2d(2, 3, 4), nn.BatchNorm2d(3), nn.Tanh(), nn.Flatten(),
+                        nn.Linear(3, 4)).to(D)  # the kernel covers the input: exact
+    model = torchfn.Model(net)
+    params = model.init(random.key(40))
+    state = model.init_state()
+    state["1.running_mean"] = random.normal(random.key(41), (3,), dtype=D)
+    state["1.running_var"] = 0.5 + random.uniform(random.key(42), (3,), dtype=D)
+    x = random.normal(random.key(43), (1, 2, 4, 4), dtype=D)
+    net.eval()
+    J = jacrev(lambda p: functional_call(net, {**p, **state}, (x,))[0])(params)
+    lam = _lam("c", functional_call(net, {**params, **state}, (x,))[0].detach())
+    for f in kfac(model, params, x, state=state).values():
+        Jb = _block(J, f)
+        torch.testing.assert_close(torch.kron(f.G, f.A), Jb.T @ lam @ Jb)
+    xs = random.normal(random.key(44), (6, 2, 4, 4), dtype=D)
+    post = laplace(model, params, xs, structure="kron", state=state)
+    full = laplace(model, params, xs, structure="diag", state=state)
+    i = _index(params, ["1.bias", "1.weight"])
+    torch.testing.assert_close(torch.cat([post.precision.diag[n] for n in ("1.bias", "1.weight")]),
+                               full.precision[i] - 1.0)
+    probs, _ = laplace_predict(post, model, xs[:2], state=state)
+    torch.testing.assert_close(probs.sum(-1), torch.ones(2, dtype=D))
+    with pytest.raises(ValueError, match="state"):
+        kfac(model, params, x)
+    with pytest.raises(ValueError, match="state is for a torchfn.Model's buffers"):
+        laplace(lambda p, x1: x1, params, xs, state=state)

@@ -56,13 +56,15 @@ def ekfac(
     batch_size: int | None = None,
     layers: Sequence[str] | None = None,
     y: Tensor | None = None,
+    state: dict[str, Tensor] | None = None,
 ) -> dict[str, EKFACFactor]:
     """EK-FAC for every ``nn.Linear`` and ``nn.Conv2d`` layer of ``model``: two passes
     over ``x``, the K-FAC factors (:func:`kfac`) and their eigenvectors, then the
     corrected eigenvalues from per-example gradients projected on them.
 
     Args:
-        model, params, x, likelihood, sigma, fisher, mc_samples, batch_size, layers, y:
+        model, params, x, likelihood, sigma, fisher, mc_samples, batch_size, layers, y,
+        state:
             as :func:`kfac` (``fisher="mc"`` draws the two passes' targets from two keys
             split from ``key``). The layers' inputs must have the batch first.
 
@@ -89,7 +91,7 @@ def ekfac(
     k_factors, k_lambda = random.split(key) if key is not None else (None, None)
     factors = kfac(model, params, x, likelihood=likelihood, sigma=sigma, fisher=fisher,
                    key=k_factors, mc_samples=mc_samples, batch_size=batch_size,
-                   layers=list(chosen), y=y)
+                   layers=list(chosen), y=y, state=state)
     basis = {}  # eigenvectors in float64 (as kronfluence): A's spectrum spans decades
     for name, f in factors.items():
         basis[name] = tuple(torch.linalg.eigh(m.double()).eigenvectors.to(m.dtype)
@@ -99,7 +101,7 @@ def ekfac(
     with lp.probed({n: chosen[n] for n in factors}) as records:
         for i, start in enumerate(range(0, len(x), size)):
             xb = x[start:start + size]
-            out = lp.forward("ekfac", model, params, xb, records)
+            out = lp.forward("ekfac", model, params, xb, records, state)
             V, weight = lp.output_directions(
                 out.detach(), likelihood, sigma, fisher,
                 None if key is None else random.fold_in(k_lambda, i), mc_samples,

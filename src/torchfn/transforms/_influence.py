@@ -48,6 +48,7 @@ def influence(
     *,
     damping: float | None = None,
     batch_size: int | None = None,
+    state: dict[str, Tensor] | None = None,
 ) -> Tensor:
     """Pairwise influence scores of training examples on queries.
 
@@ -62,6 +63,7 @@ def influence(
         damping: ``λ`` added to each block's mean eigenvalues; None: ``0.1 ×`` the
             block's mean eigenvalue (kronfluence's heuristic).
         batch_size: training examples per forward/backward pass (None: all at once).
+        state: the model's buffers, for a model that has them (eval mode).
 
     Returns:
         ``(Q, N)``: ``score[q, i] = ∇ℓ_qᵀ (H + λ I)⁻¹ ∇ℓ_i``.
@@ -112,7 +114,7 @@ def influence(
     def per_example(xb: Tensor, yb: Tensor) -> dict[str, Tensor]:
         """``{layer: (n, out, fan_in (+1))}``, each example's loss gradient."""
         with lp.probed(layers) as records:
-            out = lp.forward("influence", model, params, xb, records)
+            out = lp.forward("influence", model, params, xb, records, state)
             losses = loss_fn(out, yb)
             if not isinstance(losses, Tensor) or losses.shape != (len(xb),):
                 got = tuple(losses.shape) if isinstance(losses, Tensor) else type(losses)

@@ -63,6 +63,7 @@ def kfac(
     separate_bias: bool = False,
     layers: Sequence[str] | None = None,
     y: Tensor | None = None,
+    state: dict[str, Tensor] | None = None,
 ) -> dict[str, KronFactor]:
     """K-FAC factors of the GGN ``Σ_n J_nᵀ Λ_n J_n`` of ``x``'s likelihood, for every
     ``nn.Linear`` and ``nn.Conv2d`` layer of ``model`` that the forward pass uses.
@@ -81,6 +82,8 @@ def kfac(
             a poor curvature estimate, but kronfluence and others offer it).
         y: ``(N, ...)`` the targets, for ``fisher="empirical"`` (class indices, or the
             regression targets).
+        state: the model's buffers (BatchNorm statistics, from ``model.init_state()``
+            or training), for a model that has them; the model runs in eval mode.
         batch_size: examples per forward pass (None: all of them at once).
         separate_bias: give each bias its own block ``G ⊗ [1]`` (key ``"<layer>.bias"``)
             and the weight ``G ⊗ A`` without the bias row, dropping the weight-bias
@@ -119,7 +122,7 @@ def kfac(
     size = len(x) if batch_size is None else batch_size
     with lp.probed(layers) as records:
         for i, start in enumerate(range(0, len(x), size)):
-            out = lp.forward("kfac", model, params, x[start:start + size], records)
+            out = lp.forward("kfac", model, params, x[start:start + size], records, state)
             for name, calls in records.items():
                 a = torch.cat([lp.rows(layers[name], a) for a, _ in calls])
                 s = sums.setdefault(name, [0.0, 0.0, 0])

@@ -74,10 +74,15 @@ class LaplacePosterior(NamedTuple):
     fixed: Any = None
 
 
-def _one_example(apply_fn: Callable[..., Tensor]) -> Callable[[Any, Tensor], Tensor]:
-    """``(params, x_one) -> (O,)``; a :class:`Model` runs on a batch of one."""
+def _one_example(apply_fn: Callable[..., Tensor], state: dict[str, Tensor] | None,
+                 who: str) -> Callable[[Any, Tensor], Tensor]:
+    """``(params, x_one) -> (O,)``; a :class:`Model` runs on a batch of one (with its
+    ``state``, in eval mode)."""
     if isinstance(apply_fn, Model):
-        return lambda p, x_one: apply_fn.apply(p, x_one[None])[0]
+        return lambda p, x_one: apply_fn.apply(p, x_one[None], state=state)[0]
+    if state is not None:
+        raise ValueError(f"{who}: state is for a torchfn.Model's buffers; apply_fn is a "
+                         f"{type(apply_fn).__name__}, which takes none")
     return apply_fn
 
 
@@ -121,6 +126,7 @@ def laplace(
     batch_size: int | None = None,
     separate_bias: bool = False,
     subset: Sequence[str] | None = None,
+    state: dict[str, Tensor] | None = None,
 ) -> LaplacePosterior:
     """The Laplace approximation at trained ``params``, with the GGN of ``x``'s
     likelihood and an isotropic Gaussian prior.
@@ -148,6 +154,8 @@ def laplace(
         subset: names of the params the posterior covers (``params`` a dict), the
             rest held at their values: ``["fc.weight", "fc.bias"]`` is laplace-torch's
             default ``subset_of_weights="last_layer"``. None: all of them.
+        state: a Model's buffers (BatchNorm statistics), for a model that has them; it
+            runs in eval mode. Pass the same to :func:`laplace_predict`.
 
     Returns:
         A :class:`LaplacePosterior`.
@@ -179,7 +187,7 @@ def laplace(
     """
     if not callable(apply_fn):
         raise TypeError(f"laplace: apply_fn must be callable, got {type(apply_fn).__name__}")
-    model, apply_fn = apply_fn, _one_example(apply_fn)
+    model, apply_fn = apply_fn, _one_example(apply_fn, state, "laplace")
     if likelihood not in _LIKELIHOODS:
         raise ValueError(f"laplace: likelihood must be one of {_LIKELIHOODS}, got "
                          f"{likelihood!r}")
@@ -213,7 +221,8 @@ def laplace(
     if structure == "kron":
         return posterior("kron", kron_precision(
             model, params, all_params, x, out_of, theta, likelihood=likelihood, sigma=sigma,
-            fisher=fisher, key=key, batch_size=batch_size, separate_bias=separate_bias))
+            fisher=fisher, key=key, batch_size=batch_size, separate_bias=separate_bias,
+            state=state))
     if structure == "lowrank":
         if key is None:
             raise ValueError("laplace: structure='lowrank' needs a key (Lanczos' start)")
@@ -266,9 +275,11 @@ def laplace_predict(
     posterior: LaplacePosterior,
     apply_fn: Callable[[Any, Tensor], Tensor],
     x: Tensor,
+    *,
+    state: dict[str, Tensor] | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """The linearised predictive at inputs ``x (M, ...)``; ``apply_fn`` as given to
-    :func:`laplace` (one example's output, or a :class:`torchfn.Model`).
+    """The linearised predictive at inputs ``x (M, ...)``; ``apply_fn`` (and ``state``) as
+    given to :func:`laplace` (one example's output, or a :class:`torchfn.Model`).
 
     Returns:
         ``(mean, covariance)``: the outputs ``(M, O)`` at the MAP params and their
@@ -292,7 +303,7 @@ def laplace_predict(
                         f"laplace), got {type(posterior).__name__}")
     flat = Flat(posterior.params, "laplace_predict", "posterior.params")
     theta = flat.vector(posterior.params, "params")
-    apply_fn = _with_fixed(_one_example(apply_fn), posterior.fixed)
+    apply_fn = _with_fixed(_one_example(apply_fn, state, "laplace_predict"), posterior.fixed)
 
     def out_of(vec: Tensor, x_one: Tensor) -> Tensor:
         return apply_fn(flat.tree(vec), x_one)

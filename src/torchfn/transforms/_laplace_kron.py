@@ -47,7 +47,8 @@ def offsets(params: Any) -> dict[str, tuple[int, int]]:
 def kron_precision(model: Any, params: dict[str, Tensor], all_params: dict[str, Tensor],
                    x: Tensor, out_of: Callable[[Tensor, Tensor], Tensor], theta: Tensor, *,
                    likelihood: str, sigma: float, fisher: str, key: Tensor | None,
-                   batch_size: int | None, separate_bias: bool) -> KronPrecision:
+                   batch_size: int | None, separate_bias: bool,
+                   state: dict[str, Tensor] | None) -> KronPrecision:
     """K-FAC blocks for the layers whose params are all in ``params`` (the posterior's,
     a subset of the network's ``all_params``), the exact GGN diagonal for the rest.
     ``out_of(θ (P,), x_one) -> (O,)`` is one example's output at the flat ``params``."""
@@ -59,7 +60,7 @@ def kron_precision(model: Any, params: dict[str, Tensor], all_params: dict[str, 
     layers = [n for n in factorable(model) if n in owners]
     factors = kfac(model, all_params, x, likelihood=likelihood, sigma=sigma, fisher=fisher,
                    key=key, batch_size=batch_size, separate_bias=separate_bias,
-                   layers=layers) if layers else {}
+                   layers=layers, state=state) if layers else {}
     kept = {}
     for layer, f in factors.items():
         names = [n for n in (f.weight, f.bias) if n is not None]

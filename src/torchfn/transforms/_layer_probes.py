@@ -111,11 +111,12 @@ def probed(layers: dict[str, nn.Module]) -> Iterator[Records]:
 
 
 def forward(who: str, model: Model, params: dict[str, Tensor], xb: Tensor,
-            records: Records) -> Tensor:
-    """``model.apply(params, xb)`` with fresh records; checks the output is ``(n, O)``."""
+            records: Records, state: dict[str, Tensor] | None) -> Tensor:
+    """``model.apply(params, xb, state=state)`` (eval mode) with fresh records; checks
+    the output is ``(n, O)``."""
     records.clear()
     with torch.enable_grad():
-        out = model.apply(params, xb)
+        out = model.apply(params, xb, state=state)
     if not isinstance(out, Tensor) or out.dim() != 2 or len(out) != len(xb):
         got = tuple(out.shape) if isinstance(out, Tensor) else type(out).__name__
         raise ValueError(f"{who}: model.apply(params, x) must return outputs of shape "
