@@ -57,10 +57,10 @@ from torchfn.transforms._laplace import (
     KronPrecision,
     LaplacePosterior,
     laplace,
-    laplace_log_marginal,
     laplace_predict,
     laplace_sample,
 )
+from torchfn.transforms._laplace_evidence import laplace_log_marginal, laplace_optimize_prior
 from torchfn.transforms._least_squares import LeastSquaresInfo, least_squares
 from torchfn.transforms._nuts import NUTSInfo, nuts, nuts_step
 from torchfn.transforms._odeint import odeint
@@ -128,6 +128,7 @@ __all__ = [
     "laplace_predict",
     "laplace_log_marginal",
     "laplace_sample",
+    "laplace_optimize_prior",
     "LaplacePosterior",
     "ReplayBuffer",
     "replay_init",

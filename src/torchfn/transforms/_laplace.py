@@ -41,7 +41,6 @@ from torchfn.core.module import Model
 from torchfn.transforms._flat import Flat
 from torchfn.transforms._laplace_kron import (
     KronPrecision,
-    kron_logdet,
     kron_power_times,
     kron_precision,
 )
@@ -49,7 +48,7 @@ from torchfn.transforms._layer_probes import output_hessian
 from torchfn.transforms._spectrum import eigsh
 
 __all__ = ["KronPrecision", "LaplacePosterior", "laplace", "laplace_predict",
-           "laplace_log_marginal", "laplace_sample"]
+           "laplace_sample"]
 
 _LIKELIHOODS = ("classification", "regression")
 _STRUCTURES = ("full", "diag", "lowrank", "kron")
@@ -318,72 +317,6 @@ def laplace_predict(
         return out, cov + posterior.sigma ** 2 * eye
     var = cov.diagonal(dim1=-2, dim2=-1)  # (M, O)
     return F.softmax(out / (1 + math.pi / 8 * var).sqrt(), -1), cov
-
-
-def laplace_log_marginal(
-    posterior: LaplacePosterior,
-    log_likelihood: Tensor,
-    prior_precision: float | Tensor | None = None,
-) -> Tensor:
-    """The Laplace estimate of the log evidence, ``log p(data | δ)``:
-    ``log p(data | θ*) - δ |θ*|² / 2 + (P / 2) log δ - log det(GGN + δ I) / 2``.
-
-    Maximise it over ``δ`` to set the prior (laplace-torch's
-    ``optimize_prior_precision(method="marglik")``): a grid, or gradient steps on a
-    0-d tensor ``δ`` (it is differentiable in ``δ``). The GGN is the posterior's; ``θ*``
-    stays where it was fitted, as in laplace-torch. For Bayesian linear regression with
-    ``θ*`` the posterior mean this is the exact evidence.
-
-    Args:
-        posterior: from :func:`laplace`.
-        log_likelihood: ``log p(data | θ*)``, a 0-d tensor (minus the summed training
-            loss; for regression, with the Gaussian's constants).
-        prior_precision: the ``δ`` to evaluate at; None: the posterior's.
-
-    Returns:
-        The 0-d log evidence.
-
-    Example::
-
-        >>> import torch
-        >>> from torchfn import random
-        >>> X = random.normal(random.key(0), (50, 3), dtype=torch.float64)
-        >>> f = lambda w, x: (x @ w)[None]
-        >>> post = laplace(f, torch.zeros(3, dtype=torch.float64), X, likelihood="regression")
-        >>> ll = torch.tensor(-40.0, dtype=torch.float64)
-        >>> deltas = [0.01, 0.1, 1.0, 10.0]
-        >>> evidence = [float(laplace_log_marginal(post, ll, d)) for d in deltas]
-        >>> deltas[max(range(4), key=evidence.__getitem__)]   # θ* = 0: the strongest prior
-        10.0
-    """
-    if not isinstance(posterior, LaplacePosterior):
-        raise TypeError(f"laplace_log_marginal: posterior must be a LaplacePosterior (from "
-                        f"laplace), got {type(posterior).__name__}")
-    if not isinstance(log_likelihood, Tensor) or log_likelihood.dim() != 0:
-        raise ValueError("laplace_log_marginal: log_likelihood must be a 0-d tensor, got "
-                         f"{getattr(log_likelihood, 'shape', type(log_likelihood).__name__)}")
-    delta = posterior.prior_precision if prior_precision is None else prior_precision
-    if not isinstance(delta, Tensor) and not (
-            isinstance(delta, (int, float)) and not isinstance(delta, bool) and delta > 0):
-        raise ValueError(f"laplace_log_marginal: prior_precision must be a positive float "
-                         f"or a 0-d tensor, got {delta!r}")
-    flat = Flat(posterior.params, "laplace_log_marginal", "posterior.params")
-    theta = flat.vector(posterior.params, "params")
-    P = flat.n
-    delta = torch.as_tensor(delta, dtype=theta.dtype)
-    fitted = posterior.prior_precision
-    if posterior.structure == "full":
-        ggn = posterior.precision - fitted * torch.eye(P, dtype=theta.dtype)
-        logdet = torch.linalg.slogdet(ggn + delta * torch.eye(P, dtype=theta.dtype))[1]
-    elif posterior.structure == "diag":
-        logdet = (posterior.precision - fitted + delta).log().sum()
-    elif posterior.structure == "kron":
-        logdet = kron_logdet(posterior.precision, delta)
-    else:
-        _, lam = posterior.precision
-        logdet = (lam + delta).log().sum() + (P - lam.shape[0]) * delta.log()
-    return (log_likelihood - 0.5 * delta * (theta ** 2).sum() + 0.5 * P * delta.log()
-            - 0.5 * logdet)
 
 
 def laplace_sample(posterior: LaplacePosterior, key: Tensor, num_samples: int) -> Any:
