@@ -62,6 +62,7 @@ from torchfn.transforms._laplace import (
 )
 from torchfn.transforms._laplace_evidence import laplace_log_marginal, laplace_optimize_prior
 from torchfn.transforms._least_squares import LeastSquaresInfo, least_squares
+from torchfn.transforms._natural_gradient import KFACState, kfac_curvature, kfac_precondition
 from torchfn.transforms._nuts import NUTSInfo, nuts, nuts_step
 from torchfn.transforms._odeint import odeint
 from torchfn.transforms._per_sample import (
@@ -123,6 +124,9 @@ __all__ = [
     "KronFactor",
     "ekfac",
     "EKFACFactor",
+    "kfac_curvature",
+    "kfac_precondition",
+    "KFACState",
     "influence",
     "KronPrecision",
     "laplace_predict",
