@@ -1,7 +1,7 @@
 """Transforms: per-sample gradients, DP-SGD and its accountant, samplers (Langevin, HMC,
 NUTS and their diagnostics), diffusion, returns and advantages, curvature (Hessian products,
-spectra, the Laplace approximation) and solvers (ODEs, SDEs, fixed points, least
-squares, conjugate gradients)."""
+spectra, K-FAC and EK-FAC, the Laplace approximation, influence functions, K-FAC as an
+optimizer) and solvers (ODEs, SDEs, fixed points, least squares, conjugate gradients)."""
 
 from torchfn.transforms import diffusion
 from torchfn.transforms._accountant import (
