@@ -38,9 +38,18 @@ CASES = {
 ATOL = 5e-6  # transformers runs the scan in float32, even in a float64 model
 
 
+# Before 5.25 transformers' mixer clamped the step sizes below at time_step_min and
+# ignored time_step_limit (huggingface/transformers#48989); torchfn follows the config's
+# time_step_limit, as NVIDIA's implementation does. On those versions the checkpoints
+# here state the limit that transformers applies, so both sides clamp alike.
+OLD_CLAMP = tuple(int(x) for x in transformers.__version__.split(".")[:2]) < (5, 25)
+
+
 def hf_checkpoint(extra, tmp_path):
-    return _hf_checkpoint("nemotron_h", dict(BASE, **extra), tmp_path,
-                          experts_implementation="eager")
+    config = dict(BASE, **extra)
+    if OLD_CLAMP:
+        config["time_step_limit"] = (config.get("time_step_min", 0.001), float("inf"))
+    return _hf_checkpoint("nemotron_h", config, tmp_path, experts_implementation="eager")
 
 
 def load(hf, config, sd, tmp_path):
@@ -79,6 +88,13 @@ def test_nemotron_h_to_hf_gives_back_the_checkpoint_and_loads_in_transformers(ca
     assert_round_trip_and_reload(module, params, nemotron_h_to_hf(config, params, state), sd,
                                  tmp_path, config, ATOL, state=state,
                                  experts_implementation="eager")
+
+
+def test_the_step_sizes_are_clamped_to_time_step_limit_not_time_step_min():
+    config = dict(BASE, model_type="nemotron_h", hybrid_override_pattern="M-", time_step_min=0.01)
+    assert nemotron_h_from_hf(config)[0].blocks[0].attn.dt_limit == (0.0, float("inf"))
+    limited = dict(config, time_step_limit=[0.001, 0.5])
+    assert nemotron_h_from_hf(limited)[0].blocks[0].attn.dt_limit == (0.001, 0.5)
 
 
 def test_nemotron_h_errors_are_named():

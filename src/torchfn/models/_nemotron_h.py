@@ -77,6 +77,7 @@ def _config(config: Mapping[str, Any]) -> dict[str, Any]:
                              f"(needs {want!r})")
     types = _types(config)
     dim, heads = config["hidden_size"], config["num_attention_heads"]
+    limit = config.get("time_step_limit") or (0.0, float("inf"))
     kwargs: dict[str, Any] = dict(
         dim=dim, heads=heads, depth=len(types), vocab_size=config["vocab_size"],
         out_dim=config["vocab_size"], causal=True, position_embedding="none",  # NoPE
@@ -93,7 +94,7 @@ def _config(config: Mapping[str, Any]) -> dict[str, Any]:
             state_dim=config.get("ssm_state_size", 128), groups=config.get("n_groups", 8),
             conv_kernel=config.get("conv_kernel", 4), bias=bool(config.get("use_bias")),
             conv_bias=bool(config.get("use_conv_bias", True)),
-            dt_limit=(float(config.get("time_step_min", 0.001)), float("inf"))),  # as theirs
+            dt_limit=(float(limit[0]), float(limit[1]))),
     )
     if "moe" in types:
         options: dict[str, Any] = dict(
@@ -124,9 +125,10 @@ def nemotron_h_from_hf(config: Mapping[str, Any], state_dict: Mapping[str, Tenso
     DeepSeek-V3 (sigmoid scores, group-limited choice, renormalised and scaled weights)
     over squared-ReLU experts beside a shared one; its ``e_score_correction_bias`` is
     router *state* (``blocks.i.mlp.router_bias``), returned apart from the params, as
-    :func:`deepseek_from_hf` does. The step sizes are clamped below at ``time_step_min``,
-    as transformers' mixer does. Tested against ``transformers`` 5 on logits, both
-    caches, greedy generation and the round trip.
+    :func:`deepseek_from_hf` does. The step sizes are clamped to ``time_step_limit``
+    (default ``(0, inf)``), as NVIDIA's published implementation and transformers >= 5.25
+    do; earlier transformers clamped below at ``time_step_min`` instead. Tested against
+    ``transformers`` 5 on logits, both caches, greedy generation and the round trip.
 
     Returns:
         ``(module, params, state)``; ``params`` and ``state`` are None without a
