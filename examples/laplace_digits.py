@@ -5,10 +5,11 @@ A 64-128-10 tanh MLP is trained to its MAP on the 8x8 digits (Adam on the mean c
 entropy plus the Gaussian prior's ``δ |θ|² / 2N``), long enough to be overconfident.
 ``transforms.laplace(..., structure="kron")`` then fits K-FAC blocks around it for the
 last layer only (``subset``: laplace-torch's default) and for every layer;
-Each posterior's prior precision is chosen two ways, as laplace-torch offers: by the
-evidence (``transforms.laplace_optimize_prior``, MacKay's fixed point with ``θ*``
-held), and by the predictive's negative log-likelihood on held-out training digits
-over a grid (laplace-torch's ``method="gridsearch"``). ``transforms.laplace_predict``
+Each posterior's prior precision is chosen as laplace-torch offers: by the evidence
+(``transforms.laplace_optimize_prior``, MacKay's fixed point with ``θ*`` held; for the
+whole network also one per layer, ``layerwise=True``), and by the predictive's
+negative log-likelihood on held-out training digits over a grid (laplace-torch's
+``method="gridsearch"``). ``transforms.laplace_predict``
 gives the linearised predictive with the probit link.
 
 The report, for the MAP and each posterior: test accuracy, negative log-likelihood
@@ -114,9 +115,13 @@ def main(argv: list[str] | None = None) -> dict:
             probs = laplace_predict(fitted._replace(prior_precision=delta), model, x_va)[0]
             return report(probs, y_va)["nll"]
 
-        for how, post in (("evidence", laplace_optimize_prior(fitted)),
-                          ("validation", fitted._replace(
-                              prior_precision=min(args.grid, key=val_nll)))):
+        choices = [("evidence", laplace_optimize_prior(fitted))]
+        if subset is None:  # a δ per layer (the last layer alone is one block: one δ)
+            choices.append(("evidence_layerwise",
+                            laplace_optimize_prior(fitted, layerwise=True)))
+        choices.append(("validation", fitted._replace(prior_precision=min(args.grid,
+                                                                          key=val_nll))))
+        for how, post in choices:
             name = f"{layers}/{how}"
             out[name] = report(laplace_predict(post, model, x_te)[0], y_te)
             out[name].update({f"conf_{k}": float(laplace_predict(post, model, v)[0].max(-1)
@@ -131,7 +136,10 @@ def main(argv: list[str] | None = None) -> dict:
     for name, r in out.items():
         if name == "seconds":
             continue
-        prior = f"{r['prior_precision']:9.3g}" if "prior_precision" in r else f"{'':9s}"
+        prior = r.get("prior_precision", "")
+        if isinstance(prior, dict):  # per param: the weights' δ, layer by layer
+            prior = " ".join(f"{v:.3g}" for n, v in prior.items() if n.endswith("weight"))
+        prior = f"{prior:9.3g}" if isinstance(prior, float) else f"{prior:>9s}"
         print(f"{name:22s} {r['accuracy']:9.3f} {r['nll']:7.3f} {r['ece']:7.3f} "
               f"{r['conf_noise']:11.3f} {r['conf_shuffled']:14.3f} {prior}")
     print("Laplace fit, priors and predictives: " + ", ".join(

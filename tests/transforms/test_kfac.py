@@ -166,13 +166,18 @@ def test_separate_bias_splits_the_joint_block():
         torch.testing.assert_close(split[name + ".bias"].A, torch.ones(1, 1, dtype=D))
 
 
+def _prior_diag(prior, params):
+    """``(P,)``: each param's prior precision (one, or ``{name: δ}``), in name order."""
+    return torch.cat([torch.full((params[n].numel(),), prior[n] if isinstance(prior, dict)
+                                 else prior, dtype=D) for n in sorted(params)])
+
+
 def _dense_kron(post, params):
     """The ``"kron"`` posterior's precision as a dense ``(P, P)`` matrix."""
     names = sorted(params)
     start = dict(zip(names, torch.tensor([0] + [params[n].numel() for n in names]).cumsum(0)
                      .tolist()))
-    P = sum(v.numel() for v in params.values())
-    H = post.prior_precision * torch.eye(P, dtype=D)
+    H = torch.diag(_prior_diag(post.prior_precision, params))
     for f in post.precision.factors.values():
         out = f.G.shape[0]
         idx = torch.arange(start[f.weight], start[f.weight] + params[f.weight].numel())
@@ -187,16 +192,24 @@ def _dense_kron(post, params):
     return H
 
 
-@pytest.mark.parametrize("separate_bias", [False, True])
-def test_kron_posterior_equals_dense_algebra(separate_bias):
+# a prior precision per param tensor: the joint [W | b] blocks need one per layer
+LAYERWISE = {"0.weight": 0.3, "0.bias": 0.3, "2.weight": 2.0, "2.bias": 5.0,
+             "3.weight": 1.5, "3.bias": 1.5}
+
+
+@pytest.mark.parametrize("separate_bias, prior", [
+    (False, 0.7), (True, 0.7), (False, LAYERWISE),
+    (True, dict(LAYERWISE, **{"0.bias": 4.0, "3.bias": 0.2}))])
+def test_kron_posterior_equals_dense_algebra(separate_bias, prior):
     """Solves, the predictive and the evidence against the same block matrix formed
-    densely; the LayerNorm's params (no factor) get the full GGN's diagonal."""
+    densely; the LayerNorm's params (no factor) get the full GGN's diagonal. One prior
+    precision, or one per param tensor."""
     net, model, params = _model(nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.LayerNorm(5),
                                               nn.Linear(5, 4)))
     x = random.normal(random.key(9), (20, 3), dtype=D)
-    post = laplace(model, params, x, structure="kron", prior_precision=0.7,
+    post = laplace(model, params, x, structure="kron", prior_precision=prior,
                    separate_bias=separate_bias)
-    full = laplace(model, params, x, structure="full", prior_precision=0.7)
+    full = laplace(model, params, x, structure="full", prior_precision=prior)
     assert sorted(post.precision.diag) == ["2.bias", "2.weight"]
     H = _dense_kron(post, params)
     names = sorted(params)
@@ -217,11 +230,13 @@ def test_kron_posterior_equals_dense_algebra(separate_bias):
         torch.testing.assert_close(cov[m], J @ torch.linalg.solve(H, J.T))
     torch.testing.assert_close(probs.sum(-1), torch.ones(4, dtype=D))
     ll = torch.tensor(-5.0, dtype=D)
-    P = len(theta)
-    for delta in (0.7, 3.0):
-        want = (ll - 0.5 * delta * theta.square().sum() + 0.5 * P * torch.log(
-            torch.tensor(delta, dtype=D)) - 0.5 * torch.linalg.slogdet(
-                H + (delta - 0.7) * torch.eye(P, dtype=D))[1])
+    ggn = H - torch.diag(_prior_diag(prior, params))
+    for delta in (prior, 3.0, {n: 0.5 + i for i, n in enumerate(LAYERWISE)}):
+        if isinstance(delta, dict) and not separate_bias:  # one δ per [W | b] block
+            delta = {n: delta[n.split(".")[0] + ".weight"] for n in delta}
+        vec = _prior_diag(delta, params)
+        want = (ll - 0.5 * (vec * theta.square()).sum() + 0.5 * vec.log().sum()
+                - 0.5 * torch.linalg.slogdet(ggn + torch.diag(vec))[1])
         torch.testing.assert_close(laplace_log_marginal(post, ll, delta), want)
 
 

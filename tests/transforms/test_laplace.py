@@ -176,7 +176,24 @@ def test_far_from_the_data_a_relu_nets_confidence_stays_bounded():
     (lambda f, p, x: laplace_log_marginal(laplace(f, p, x), torch.zeros(2)),
      "log_likelihood must be a 0-d tensor"),
     (lambda f, p, x: laplace_log_marginal(laplace(f, p, x), torch.tensor(0.0), -1.0),
-     "prior_precision must be a positive float"),
+     "prior_precision must be a positive float, a 0-d tensor or a dict"),
+    # a prior precision per param tensor
+    (lambda f, p, x: laplace(f, p, x, prior_precision={"0.weight": 1.0}),
+     r"must name each of the posterior's params \['0.bias', '0.weight', '2.bias', "
+     r"'2.weight'\]; unknown \[\], missing \['0.bias', '2.bias', '2.weight'\]"),
+    (lambda f, p, x: laplace(f, p, x, prior_precision=dict.fromkeys([*p, "fc.w"], 1.0)),
+     r"unknown \['fc.w'\], missing \[\]"),
+    (lambda f, p, x: laplace(f, p, x, prior_precision=dict(dict.fromkeys(p, 1.0),
+                                                         **{"2.bias": 0})),
+     r"prior_precision\['2.bias'\] must be a positive float, got 0"),
+    (lambda f, p, x: laplace(f, p, x, structure="lowrank", key=random.key(0),
+                             prior_precision=dict.fromkeys(p, 1.0)),
+     "structure='lowrank' takes one prior_precision"),
+    (lambda f, p, x: laplace_optimize_prior(laplace(f, p, x, structure="lowrank", rank=3,
+                                                    key=random.key(0)), layerwise=True),
+     "a 'lowrank' posterior has one prior precision"),
+    (lambda f, p, x: laplace_optimize_prior(laplace(f, p, x), layerwise=1),
+     "layerwise must be a bool, got 1"),
 ])
 def test_bad_input_is_named(call, match):
     f, params, x = _classifier()
@@ -211,3 +228,70 @@ def test_optimized_prior_is_the_evidence_maximum(structure):
     torch.testing.assert_close(laplace_log_marginal(best, ll), laplace_log_marginal(refit, ll))
     with pytest.raises(ValueError, match=r"bounds must be \(low, high\) with 0 < low < high"):
         laplace_optimize_prior(post, bounds=(1.0, 0.5))
+
+
+def test_a_prior_per_param_gives_the_exact_evidence_of_bayesian_linear_regression():
+    """Two groups of weights with their own prior precisions: at the posterior mean the
+    evidence is ``log N(y; 0, σ² I + X D⁻¹ Xᵀ)``, ``D`` the per-weight precisions."""
+    X = random.normal(random.key(40), (30, 3), dtype=torch.float64)
+    y = X @ torch.tensor([1.0, -2.0, 0.05], dtype=torch.float64) + 0.4 * random.normal(
+        random.key(41), (30,), dtype=torch.float64)
+    sigma, prior = 0.4, {"a": 0.2, "b": 30.0}
+    d = torch.tensor([0.2, 0.2, 30.0], dtype=torch.float64)
+    A = X.T @ X / sigma ** 2 + torch.diag(d)
+    w = torch.linalg.solve(A, X.T @ y / sigma ** 2)  # the MAP for this prior
+
+    def f(p, x):
+        return (x[:2] @ p["a"] + x[2:] @ p["b"])[None]
+
+    params = {"a": w[:2], "b": w[2:]}
+    post = laplace(f, params, X, likelihood="regression", sigma=sigma, prior_precision=prior)
+    torch.testing.assert_close(post.precision, A)
+    log_lik = torch.distributions.Normal(X @ w, sigma).log_prob(y).sum()
+    exact = torch.distributions.MultivariateNormal(
+        torch.zeros(30, dtype=torch.float64),
+        sigma ** 2 * torch.eye(30, dtype=torch.float64) + X @ torch.diag(1 / d) @ X.T)
+    torch.testing.assert_close(laplace_log_marginal(post, log_lik), exact.log_prob(y))
+    # fitted at one prior, evaluated at this one (θ* kept); and its diagonal structure
+    other = laplace(f, params, X, likelihood="regression", sigma=sigma, prior_precision=1.0)
+    torch.testing.assert_close(laplace_log_marginal(other, log_lik, prior), exact.log_prob(y))
+    diag = laplace(f, params, X, likelihood="regression", sigma=sigma, prior_precision=prior,
+                   structure="diag")
+    torch.testing.assert_close(diag.precision, A.diagonal())
+
+
+@pytest.mark.parametrize("structure", ["full", "diag", "kron"])
+def test_layerwise_prior_is_a_stationary_point_of_the_evidence(structure):
+    """``layerwise=True``: the evidence's gradient in each ``log δ_l`` vanishes there (the
+    joint blocks of ``"kron"`` move their weight's and bias's ``δ`` together), the
+    evidence is at least the best single ``δ``'s, and the posterior is the one fitted at
+    those precisions."""
+    net = nn.Sequential(nn.Linear(2, 6), nn.Tanh(), nn.Linear(6, 3)).double()
+    model = torchfn.Model(net)
+    params = model.init(random.key(33))
+    params = {n: v * (3.0 if n.startswith("2.") else 0.3) for n, v in params.items()}
+    x = random.normal(random.key(34), (25, 2), dtype=torch.float64)
+    post = laplace(model, params, x, prior_precision=3.0, structure=structure)
+    best = laplace_optimize_prior(post, layerwise=True)
+    one = laplace_optimize_prior(post)
+    ll = torch.tensor(0.0, dtype=torch.float64)
+    assert sorted(best.prior_precision) == sorted(params)
+    assert best.prior_precision["0.weight"] > 5 * best.prior_precision["2.weight"]
+    log_delta = {n: torch.tensor(best.prior_precision[n], dtype=torch.float64).log()
+                 .requires_grad_() for n in ("0.weight", "0.bias", "2.weight", "2.bias")}
+    if structure == "kron":  # a δ per [W | b] block
+        log_delta["0.bias"], log_delta["2.bias"] = log_delta["0.weight"], log_delta["2.weight"]
+        assert best.prior_precision["0.bias"] == best.prior_precision["0.weight"]
+    delta = {n: v.exp() for n, v in log_delta.items()}
+    if structure == "kron":
+        delta["0.bias"], delta["2.bias"] = delta["0.weight"], delta["2.weight"]
+    evidence = laplace_log_marginal(post, ll, delta)
+    grads = torch.autograd.grad(evidence, list(dict.fromkeys(log_delta.values())))
+    evidence = evidence.detach()
+    assert max(float(g.abs()) for g in grads) < 1e-6
+    assert float(evidence) >= float(laplace_log_marginal(one, ll)) - 1e-9
+    refit = laplace(model, params, x, prior_precision=best.prior_precision,
+                    structure=structure)
+    if structure != "kron":
+        torch.testing.assert_close(best.precision, refit.precision)
+    torch.testing.assert_close(laplace_log_marginal(best, ll), laplace_log_marginal(refit, ll))

@@ -44,6 +44,7 @@ from torchfn.transforms._laplace_kron import (
     kron_power_times,
     kron_precision,
 )
+from torchfn.transforms._laplace_prior import Prior, block_delta, check_prior, prior_vector
 from torchfn.transforms._layer_probes import output_hessian
 from torchfn.transforms._spectrum import eigsh
 
@@ -60,15 +61,16 @@ class LaplacePosterior(NamedTuple):
     ``precision`` is ``(P, P)`` for ``"full"``, ``(P,)`` for ``"diag"``, for
     ``"lowrank"`` the pair ``(U (P, k), λ (k,))`` of the GGN's top eigenpairs, the prior
     ``δ I`` added on top, and for ``"kron"`` a :class:`KronPrecision` (the GGN's
-    factors, without the prior). ``sigma`` is the regression noise (1 for
-    classification). ``fixed``: with a ``subset``, the other params, held at their
-    values (``params`` then holds the subset); None otherwise."""
+    factors, without the prior). ``prior_precision``: one ``δ``, or ``{param name: δ}``.
+    ``sigma`` is the regression noise (1 for classification). ``fixed``: with a
+    ``subset``, the other params, held at their values (``params`` then holds the
+    subset); None otherwise."""
 
     params: Any
     structure: str
     likelihood: str
     precision: Any
-    prior_precision: float
+    prior_precision: Prior
     sigma: float
     fixed: Any = None
 
@@ -117,7 +119,7 @@ def laplace(
     *,
     likelihood: str = "classification",
     structure: str = "full",
-    prior_precision: float = 1.0,
+    prior_precision: float | dict[str, float] = 1.0,
     sigma: float = 1.0,
     rank: int = 20,
     key: Tensor | None = None,
@@ -140,7 +142,11 @@ def laplace(
         likelihood: ``"classification"`` (softmax cross entropy) or ``"regression"``
             (Gaussian with noise ``sigma``).
         structure: ``"full"``, ``"diag"``, ``"lowrank"`` or ``"kron"``.
-        prior_precision: ``δ > 0`` of the prior ``N(0, δ⁻¹ I)``.
+        prior_precision: ``δ > 0`` of the prior ``N(0, δ⁻¹ I)``; or a dict
+            ``{param name: δ}`` naming every param of the posterior, a prior
+            ``N(0, δ_l⁻¹ I)`` on each (laplace-torch's layerwise prior; not for
+            ``"lowrank"``; for ``"kron"`` a weight and the bias in its block need one
+            ``δ``, or ``separate_bias=True``).
         sigma: the regression noise's standard deviation.
         rank: ``"lowrank"``: eigenpairs kept.
         key: ``"lowrank"``: the Lanczos start vector's key; ``"kron"`` with
@@ -193,14 +199,17 @@ def laplace(
     if structure not in _STRUCTURES:
         raise ValueError(f"laplace: structure must be one of {_STRUCTURES}, got "
                          f"{structure!r}")
-    for name, v in (("prior_precision", prior_precision), ("sigma", sigma)):
-        if not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0:
-            raise ValueError(f"laplace: {name} must be a positive float, got {v!r}")
+    if not isinstance(sigma, (int, float)) or isinstance(sigma, bool) or not sigma > 0:
+        raise ValueError(f"laplace: sigma must be a positive float, got {sigma!r}")
     if not isinstance(x, Tensor) or x.dim() < 1:
         raise ValueError(f"laplace: x must be a batch of inputs (N, ...), got "
                          f"{tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__}")
     all_params = params
     params, fixed = _take_subset(params, subset)
+    prior_precision = check_prior(prior_precision, params, "laplace")
+    if structure == "lowrank" and isinstance(prior_precision, dict):
+        raise ValueError("laplace: structure='lowrank' takes one prior_precision (a float); "
+                         "per-param precisions need 'full', 'diag' or 'kron'")
     flat = Flat(params, "laplace", "params")
     theta = flat.vector(params, "params")
     apply_fn = _with_fixed(apply_fn, fixed)
@@ -215,13 +224,16 @@ def laplace(
 
     def posterior(structure: str, precision: Any) -> LaplacePosterior:
         return LaplacePosterior(params, structure, likelihood, precision,
-                                float(prior_precision), float(sigma), fixed)
+                                prior_precision, float(sigma), fixed)
 
     if structure == "kron":
-        return posterior("kron", kron_precision(
+        prec = kron_precision(
             model, params, all_params, x, out_of, theta, likelihood=likelihood, sigma=sigma,
             fisher=fisher, key=key, batch_size=batch_size, separate_bias=separate_bias,
-            state=state))
+            state=state)
+        for f in prec.factors.values():  # one δ per block
+            block_delta(prior_precision, f.weight, f.bias, "laplace")
+        return posterior("kron", prec)
     if structure == "lowrank":
         if key is None:
             raise ValueError("laplace: structure='lowrank' needs a key (Lanczos' start)")
@@ -246,12 +258,20 @@ def laplace(
     J = vmap(jacrev(out_of), in_dims=(None, 0))(theta, x)  # (N, O, P)
     out = vmap(out_of, in_dims=(None, 0))(theta, x)  # (N, O)
     lam = vmap(lambda o: output_hessian(likelihood, o, sigma))(out)  # (N, O, O)
+    delta = prior_vector(prior_precision, params, theta)  # (P,)
     if structure == "full":
-        H = torch.einsum("nop,noq,nqr->pr", J, lam, J)
-        H = H + prior_precision * torch.eye(flat.n, dtype=H.dtype, device=H.device)
+        H = torch.einsum("nop,noq,nqr->pr", J, lam, J) + torch.diag(delta)
     else:
-        H = torch.einsum("nop,noq,nqp->p", J, lam, J) + prior_precision
+        H = torch.einsum("nop,noq,nqp->p", J, lam, J) + delta
     return posterior(structure, H)
+
+
+def _one_prior(posterior: LaplacePosterior, who: str) -> float:
+    """A ``"lowrank"`` posterior's one ``δ``."""
+    if isinstance(posterior.prior_precision, dict):
+        raise ValueError(f"{who}: a 'lowrank' posterior takes one prior_precision (a "
+                         "float), got a dict")
+    return posterior.prior_precision
 
 
 def _covariance_times(posterior: LaplacePosterior, M: Tensor) -> Tensor:
@@ -264,7 +284,7 @@ def _covariance_times(posterior: LaplacePosterior, M: Tensor) -> Tensor:
     if posterior.structure == "diag":
         return M / posterior.precision[:, None]
     U, lam = posterior.precision
-    delta = posterior.prior_precision
+    delta = _one_prior(posterior, "laplace_predict")
     # (U Λ Uᵀ + δ I)⁻¹ = (I - U Uᵀ) / δ + U diag(1 / (λ + δ)) Uᵀ   (U orthonormal)
     coef = U.transpose(0, 1) @ M  # (k, m)
     return (M - U @ coef) / delta + U @ (coef / (lam + delta)[:, None])
@@ -368,6 +388,7 @@ def laplace_sample(posterior: LaplacePosterior, key: Tensor, num_samples: int) -
         eps = z * prec.rsqrt()[:, None]
     elif posterior.structure == "lowrank":
         U, lam = prec
+        delta = _one_prior(posterior, "laplace_sample")
         coef = U.transpose(0, 1) @ z  # (k, S)
         eps = (z - U @ coef) / delta ** 0.5 + U @ (coef * (lam + delta).rsqrt()[:, None])
     else:

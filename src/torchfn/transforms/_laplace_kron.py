@@ -12,13 +12,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-import optree
 import torch
 from torch import Tensor
 from torch.func import jacrev, vmap
 
 from torchfn.core.module import Model
 from torchfn.transforms._kfac import KronFactor, kfac
+from torchfn.transforms._laplace_prior import block_delta, offsets, prior_of
 from torchfn.transforms._layer_probes import factorable, output_hessian
 
 
@@ -32,16 +32,6 @@ class KronPrecision(NamedTuple):
     factors: dict[str, KronFactor]
     eigh: dict[str, tuple[Tensor, Tensor, Tensor, Tensor]]
     diag: dict[str, Tensor]
-
-
-def offsets(params: Any) -> dict[str, tuple[int, int]]:
-    """Each leaf's ``(start, numel)`` in the flat vector (``optree`` order), by name."""
-    paths, leaves, _ = optree.tree_flatten_with_path(params)
-    out, start = {}, 0
-    for path, leaf in zip(paths, leaves):
-        out[".".join(map(str, path))] = (start, leaf.numel())
-        start += leaf.numel()
-    return out
 
 
 def kron_precision(model: Any, params: dict[str, Tensor], all_params: dict[str, Tensor],
@@ -98,15 +88,17 @@ def kron_precision(model: Any, params: dict[str, Tensor], all_params: dict[str, 
     return KronPrecision(kept, eigh, diag)
 
 
-def kron_power_times(prec: KronPrecision, delta: float, params: Any, M: Tensor,
+def kron_power_times(prec: KronPrecision, prior: Any, params: Any, M: Tensor,
                      power: float) -> Tensor:
-    """``H^power M`` for ``M (P, m)``, ``H`` the block-diagonal precision (GGN + ``δ I``):
-    ``power = -1`` solves, ``-1/2`` maps standard normals to posterior draws."""
+    """``H^power M`` for ``M (P, m)``, ``H`` the block-diagonal precision (GGN plus the
+    prior's ``δ``, one per block or param): ``power = -1`` solves, ``-1/2`` maps standard
+    normals to posterior draws."""
     where = offsets(params)
     out = torch.empty_like(M)
     m = M.shape[1]
     for layer, (alpha, QA, gamma, QG) in prec.eigh.items():
         f = prec.factors[layer]
+        delta = block_delta(prior, f.weight, f.bias, "laplace")
         w0, wn = where[f.weight]
         rows = len(gamma)
         X = M[w0:w0 + wn].reshape(rows, -1, m)  # (out, fan_in, m)
@@ -122,12 +114,25 @@ def kron_power_times(prec: KronPrecision, delta: float, params: Any, M: Tensor,
         out[w0:w0 + wn] = Y.reshape(wn, m)
     for name, d in prec.diag.items():
         start, n = where[name]
+        delta = prior_of(prior, name)
         out[start:start + n] = M[start:start + n] * (d + delta).pow(power)[:, None]
     return out
 
 
-def kron_logdet(prec: KronPrecision, delta: Tensor) -> Tensor:
-    """``log det(GGN + δ I)`` from the eigenvalues: ``Σ log(γ_i α_j + δ)`` per block."""
-    logdet = sum((g[:, None] * a[None, :] + delta).log().sum() for a, _, g, _ in
-                 prec.eigh.values())
-    return logdet + sum((d + delta).log().sum() for d in prec.diag.values())
+def kron_eigenvalues(prec: KronPrecision) -> dict[tuple[str, ...], Tensor]:
+    """The GGN's eigenvalues by group of params that share one ``δ``: a block's
+    ``γ_i α_j`` under its params' names, each other param's diagonal under its own."""
+    out = {}
+    for layer, (alpha, _, gamma, _) in prec.eigh.items():
+        f = prec.factors[layer]
+        names = (f.weight,) if f.bias is None else (f.weight, f.bias)
+        out[names] = (gamma[:, None] * alpha[None, :]).reshape(-1)
+    out.update({(name,): d.reshape(-1) for name, d in prec.diag.items()})
+    return out
+
+
+def kron_logdet(prec: KronPrecision, prior: Any) -> Tensor:
+    """``log det(GGN + δ)`` from the eigenvalues: ``Σ log(γ_i α_j + δ)`` per block."""
+    return sum((lam + block_delta(prior, names[0], names[-1] if len(names) > 1 else None,
+                                  "laplace_log_marginal")).log().sum()
+               for names, lam in kron_eigenvalues(prec).items())
